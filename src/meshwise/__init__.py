@@ -1,0 +1,12 @@
+"""meshwise: take a PyTorch workload from one device to many.
+
+Launch ranks (``meshwise run``), communicate through one :class:`~meshwise.comm.api.Communicator` over
+any transport, parallelize training, and measure and diagnose it. Start with :func:`init`.
+"""
+
+from meshwise.comm.api import Communicator, ReduceOp, Work
+from meshwise.runtime.world import World, current_world, init, shutdown
+
+__version__ = "0.1.0"
+
+__all__ = ["Communicator", "ReduceOp", "Work", "World", "__version__", "current_world", "init", "shutdown"]

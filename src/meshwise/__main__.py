@@ -1,0 +1,3 @@
+from meshwise.cli import main
+
+raise SystemExit(main())

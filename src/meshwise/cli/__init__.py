@@ -1,0 +1,41 @@
+"""The ``meshwise`` command line.
+
+Each subcommand lives in its own module under ``meshwise.cli`` and exposes ``add_parser(subparsers)``,
+which registers its arguments and sets ``func`` (the handler, returning an exit code). Modules are
+imported lazily, so ``meshwise info`` does not pay for matplotlib or the training stack.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+#: subcommand -> (module, one-line help); order is the order of ``meshwise --help``.
+COMMANDS: dict[str, tuple[str, str]] = {}
+
+
+def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="meshwise", description=__doc__.splitlines()[0])
+    from meshwise import __version__
+
+    parser.add_argument("--version", action="version", version=f"meshwise {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_text) in COMMANDS.items():
+        if selected is None or selected == name:
+            importlib.import_module(f"meshwise.cli.{module}").add_parser(subparsers, name, help_text)
+        else:
+            subparsers.add_parser(name, help=help_text)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    selected = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(selected if selected in COMMANDS else None)
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    return int(args.func(args) or 0)

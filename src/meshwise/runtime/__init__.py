@@ -1,0 +1,1 @@
+"""Runtime: launch-environment detection, process-group set-up, and spawning ranks."""

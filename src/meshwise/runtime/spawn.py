@@ -1,0 +1,164 @@
+"""Run a Python function on N local ranks, with the torchrun environment contract, and fail fast.
+
+Used by tests and by every ``-np N`` command that does not go through ``meshwise run``. Children are
+forked from a forkserver that has already imported torch, so a rank starts in milliseconds rather than
+re-importing torch. When any rank fails or the deadline passes, the others are terminated (then killed)
+and the error names the rank, its exit code and its traceback: a broken rank never leaves a hang behind.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import socket
+import time
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+_GRACE_SECONDS = 3.0
+
+
+class SpawnError(RuntimeError):
+    """A spawned rank raised, exited abnormally, or the group ran past its deadline."""
+
+    def __init__(self, message: str, *, rank: int | None = None, exitcode: int | None = None) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.exitcode = exitcode
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def rank_environment(rank: int, world_size: int, master_addr: str, master_port: int) -> dict[str, str]:
+    """The variables torchrun sets for a single-node rank (an unmodified torch script reads these)."""
+    return {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "GROUP_RANK": "0",
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": str(master_port),
+    }
+
+
+def _child(fn: Callable[..., Any], args: Sequence[Any], env: Mapping[str, str], conn: Connection) -> None:
+    os.environ.update(env)
+    try:
+        result = fn(*args)
+    except BaseException as exc:  # report everything, including SystemExit, to the parent
+        conn.send(("error", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+        conn.close()
+        os._exit(1)
+    conn.send(("ok", result, ""))
+    conn.close()
+
+
+def _context() -> mp.context.BaseContext:
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed"])
+    return ctx
+
+
+def _stop(processes: Sequence[mp.process.BaseProcess]) -> None:
+    for proc in processes:
+        if proc.is_alive():
+            proc.terminate()
+    deadline = time.monotonic() + _GRACE_SECONDS
+    for proc in processes:
+        proc.join(max(0.0, deadline - time.monotonic()))
+        if proc.is_alive():
+            proc.kill()
+            proc.join(1.0)
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        return f"killed by signal {signal.Signals(-code).name}"
+    return f"exit code {code}"
+
+
+def spawn(
+    fn: Callable[..., Any],
+    nprocs: int,
+    args: Sequence[Any] = (),
+    *,
+    timeout: float = 120.0,
+    env: Mapping[str, str] | None = None,
+) -> list[Any]:
+    """Call ``fn(*args)`` on ``nprocs`` ranks and return their results in rank order.
+
+    ``fn`` must be importable by name (a module-level function). Each child sees RANK, LOCAL_RANK,
+    WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT, plus ``env``.
+    """
+    if nprocs < 1:
+        raise ValueError(f"nprocs must be at least 1, got {nprocs}")
+    ctx = _context()
+    port = free_port()
+    processes: list[mp.process.BaseProcess] = []
+    pipes: dict[Connection, int] = {}
+    for rank in range(nprocs):
+        receiver, sender = ctx.Pipe(duplex=False)
+        child_env = {**rank_environment(rank, nprocs, "127.0.0.1", port), **(env or {})}
+        proc = ctx.Process(
+            target=_child, args=(fn, tuple(args), child_env, sender), name=f"meshwise-rank{rank}"
+        )
+        proc.start()
+        sender.close()
+        processes.append(proc)
+        pipes[receiver] = rank
+    results: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) < nprocs:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                pending = sorted(set(range(nprocs)) - set(results))
+                raise SpawnError(f"ranks {pending} did not finish within {timeout:g} s (terminated)")
+            ready = wait([*pipes, *(p.sentinel for p in processes)], timeout=min(remaining, 0.5))
+            for item in ready:
+                if isinstance(item, Connection) and item in pipes:
+                    rank = pipes.pop(item)
+                    try:
+                        status, value, trace = item.recv()
+                    except EOFError:
+                        processes[rank].join(_GRACE_SECONDS)
+                        code = processes[rank].exitcode
+                        raise SpawnError(
+                            f"rank {rank} died without a result ({_describe_exit(code)})",
+                            rank=rank,
+                            exitcode=code,
+                        ) from None
+                    if status == "error":
+                        raise SpawnError(f"rank {rank} failed: {value}\n{trace}", rank=rank, exitcode=1)
+                    results[rank] = value
+            for rank, proc in enumerate(processes):
+                if rank not in results and proc.exitcode not in (None, 0) and not _has_pending(pipes, rank):
+                    raise SpawnError(
+                        f"rank {rank} died ({_describe_exit(proc.exitcode)})",
+                        rank=rank,
+                        exitcode=proc.exitcode,
+                    )
+    finally:
+        _stop(processes)
+        for conn in pipes:
+            conn.close()
+    return [results[r] for r in range(nprocs)]
+
+
+def _has_pending(pipes: Mapping[Connection, int], rank: int) -> bool:
+    """True while rank's result pipe still has a message to read (its exit may race its report)."""
+    for conn, owner in pipes.items():
+        if owner == rank:
+            return conn.poll()
+    return False

@@ -1,0 +1,172 @@
+"""``meshwise.init()`` / ``meshwise.shutdown()``: bring this process into the job, correctly.
+
+Order matters (the seeds' most common pitfall): the device is chosen from the *local* rank and bound
+before the process group exists, so NCCL never creates contexts on GPU 0 for every rank. torch.distributed
+is always initialised as the control plane (nccl on CUDA, gloo otherwise); the data-plane Communicator
+returned in :class:`World` may be another transport (shared memory, MPI) that bootstraps through it.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from meshwise.comm.api import Communicator
+from meshwise.comm.factory import BACKENDS, create_communicator
+from meshwise.runtime.env import LaunchEnv, detect_launch_env
+
+DEFAULT_TIMEOUT_SECONDS = 300.0
+
+
+@dataclass(frozen=True)
+class World:
+    """This process's place in the job and the Communicator over all ranks."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    node_rank: int
+    device: torch.device
+    backend: str
+    launcher: str
+    comm: Communicator
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+_current: World | None = None
+_owns_process_group = False
+
+
+def pick_device(layout: LaunchEnv, requested: str | torch.device | None = None) -> torch.device:
+    """cuda:local_rank when CUDA is present (or asked for), else the CPU."""
+    if requested is not None:
+        device = torch.device(requested)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", layout.local_rank % max(1, torch.cuda.device_count()))
+        return device
+    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+        count = torch.cuda.device_count()
+        if layout.local_world_size > count:
+            raise RuntimeError(
+                f"{layout.local_world_size} ranks per node but only {count} visible GPUs: start at most "
+                f"{count} ranks per node, or pass device='cpu'"
+            )
+        return torch.device("cuda", layout.local_rank)
+    return torch.device("cpu")
+
+
+def _control_backend(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def resolve_backend(requested: str, device: torch.device, world_size: int) -> str:
+    """What ``auto`` means here: nccl on GPUs, gloo otherwise."""
+    if requested != "auto":
+        if requested not in BACKENDS:
+            raise ValueError(f"unknown backend {requested!r}; choose auto or one of {sorted(BACKENDS)}")
+        if requested == "nccl" and device.type != "cuda":
+            raise ValueError("backend 'nccl' needs CUDA devices; use 'gloo' or 'shm' on CPU")
+        return requested
+    if device.type == "cuda":
+        return "nccl"
+    return "gloo"
+
+
+def _init_process_group(layout: LaunchEnv, device: torch.device, timeout: float) -> None:
+    backend = _control_backend(device)
+    delta = datetime.timedelta(seconds=timeout)
+    kwargs: dict = {"backend": backend, "timeout": delta}
+    if device.type == "cuda":
+        kwargs["device_id"] = device
+    if layout.world_size == 1 and layout.master_addr is None:
+        store = dist.HashStore()
+        dist.init_process_group(store=store, rank=0, world_size=1, **kwargs)
+        return
+    if layout.master_addr is None or layout.master_port is None:
+        raise RuntimeError(
+            f"{layout.launcher} launched {layout.world_size} ranks but no rendezvous address is known: set "
+            "MASTER_ADDR and MASTER_PORT, or launch with `meshwise run`"
+        )
+    dist.init_process_group(
+        init_method=f"tcp://{layout.master_addr}:{layout.master_port}",
+        rank=layout.rank,
+        world_size=layout.world_size,
+        **kwargs,
+    )
+
+
+def init(
+    backend: str = "auto",
+    *,
+    device: str | torch.device | None = None,
+    timeout: float = DEFAULT_TIMEOUT_SECONDS,
+) -> World:
+    """Join the job described by the environment and return this rank's :class:`World`.
+
+    Idempotent: a second call returns the same World. When torch.distributed was already initialised
+    by the script itself (an unmodified torch program), that group is adopted rather than replaced.
+    """
+    global _current, _owns_process_group
+    if _current is not None:
+        return _current
+    layout = detect_launch_env()
+    if dist.is_initialized():
+        world_size = dist.get_world_size()
+        if world_size != layout.world_size:
+            layout = LaunchEnv(
+                layout.launcher,
+                dist.get_rank(),
+                layout.local_rank,
+                world_size,
+                layout.local_world_size,
+                layout.node_rank,
+                layout.master_addr,
+                layout.master_port,
+            )
+        chosen_device = pick_device(layout, device)
+        _owns_process_group = False
+    else:
+        chosen_device = pick_device(layout, device)
+        if chosen_device.type == "cuda":
+            torch.cuda.set_device(chosen_device)
+        _init_process_group(layout, chosen_device, timeout)
+        _owns_process_group = True
+    name = resolve_backend(backend, chosen_device, layout.world_size)
+    comm = create_communicator(name, timeout=timeout)
+    _current = World(
+        rank=dist.get_rank(),
+        local_rank=layout.local_rank,
+        world_size=dist.get_world_size(),
+        local_world_size=layout.local_world_size,
+        node_rank=layout.node_rank,
+        device=chosen_device,
+        backend=name,
+        launcher=layout.launcher,
+        comm=comm,
+    )
+    return _current
+
+
+def current_world() -> World:
+    """The World of the last :func:`init` (raises if there was none)."""
+    if _current is None:
+        raise RuntimeError("meshwise.init() has not been called in this process")
+    return _current
+
+
+def shutdown() -> None:
+    """Close the data-plane Communicator and, if meshwise created it, the process group."""
+    global _current, _owns_process_group
+    if _current is not None:
+        _current.comm.close()
+        _current = None
+    if _owns_process_group and dist.is_initialized():
+        dist.destroy_process_group()
+    _owns_process_group = False
