@@ -13,7 +13,13 @@ import sys
 from collections.abc import Sequence
 
 #: subcommand -> (module, one-line help); order is the order of ``meshwise --help``.
-COMMANDS: dict[str, tuple[str, str]] = {}
+COMMANDS: dict[str, tuple[str, str]] = {
+    "run": ("run", "start N workers with torchrun's environment; fail fast, restart, or print an sbatch"),
+    "info": ("info", "what this process sees: launcher, rank layout, backends, devices, topology, /dev/shm"),
+    "bench": ("bench", "collective benchmarks as nccl-tests: time, algbw, busbw, checks, JSON, plots"),
+    "pi": ("pi", "compute π by the midpoint rule or Monte Carlo on N ranks (the seeds' exercises)"),
+    "scale": ("scale", "strong/weak scaling study of a workload or command: speedup, efficiency, causes"),
+}
 
 
 def build_parser(selected: str | None = None) -> argparse.ArgumentParser:

@@ -18,6 +18,8 @@ from collections.abc import Callable, Mapping, Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from meshwise.runtime.cores import threads_per_rank
+
 _GRACE_SECONDS = 3.0
 
 
@@ -50,8 +52,13 @@ def rank_environment(rank: int, world_size: int, master_addr: str, master_port: 
     }
 
 
-def _child(fn: Callable[..., Any], args: Sequence[Any], env: Mapping[str, str], conn: Connection) -> None:
+def _child(
+    fn: Callable[..., Any], args: Sequence[Any], env: Mapping[str, str], threads: int, conn: Connection
+) -> None:
     os.environ.update(env)
+    import torch  # preloaded by the forkserver: free here
+
+    torch.set_num_threads(threads)
     try:
         result = fn(*args)
     except BaseException as exc:  # report everything, including SystemExit, to the parent
@@ -95,23 +102,30 @@ def spawn(
     *,
     timeout: float = 120.0,
     env: Mapping[str, str] | None = None,
+    threads: int | None = None,
 ) -> list[Any]:
     """Call ``fn(*args)`` on ``nprocs`` ranks and return their results in rank order.
 
     ``fn`` must be importable by name (a module-level function). Each child sees RANK, LOCAL_RANK,
-    WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT, plus ``env``.
+    WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT, plus ``env``, and runs with ``threads``
+    torch threads (default: this host's cores shared among the ranks, so ranks do not oversubscribe it).
     """
     if nprocs < 1:
         raise ValueError(f"nprocs must be at least 1, got {nprocs}")
     ctx = _context()
     port = free_port()
+    threads = threads or threads_per_rank(nprocs)
     processes: list[mp.process.BaseProcess] = []
     pipes: dict[Connection, int] = {}
     for rank in range(nprocs):
         receiver, sender = ctx.Pipe(duplex=False)
-        child_env = {**rank_environment(rank, nprocs, "127.0.0.1", port), **(env or {})}
+        child_env = {
+            **rank_environment(rank, nprocs, "127.0.0.1", port),
+            "OMP_NUM_THREADS": str(threads),
+            **(env or {}),
+        }
         proc = ctx.Process(
-            target=_child, args=(fn, tuple(args), child_env, sender), name=f"meshwise-rank{rank}"
+            target=_child, args=(fn, tuple(args), child_env, threads, sender), name=f"meshwise-rank{rank}"
         )
         proc.start()
         sender.close()

@@ -9,14 +9,16 @@ returned in :class:`World` may be another transport (shared memory, MPI) that bo
 from __future__ import annotations
 
 import datetime
+import socket
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from meshwise.comm.api import Communicator
+from meshwise.comm.api import CommError, Communicator
 from meshwise.comm.factory import BACKENDS, create_communicator
-from meshwise.runtime.env import LaunchEnv, detect_launch_env
+from meshwise.comm.shm.segment import check_memory_model
+from meshwise.runtime.env import LaunchEnv, detect_launch_env, resolve_ipv4
 
 DEFAULT_TIMEOUT_SECONDS = 300.0
 
@@ -66,8 +68,10 @@ def _control_backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def resolve_backend(requested: str, device: torch.device, world_size: int) -> str:
-    """What ``auto`` means here: nccl on GPUs, gloo otherwise."""
+def resolve_backend(
+    requested: str, device: torch.device, world_size: int, *, single_host: bool = False
+) -> str:
+    """What ``auto`` means: nccl on GPUs, shm for several CPU ranks on one x86-64 host, gloo otherwise."""
     if requested != "auto":
         if requested not in BACKENDS:
             raise ValueError(f"unknown backend {requested!r}; choose auto or one of {sorted(BACKENDS)}")
@@ -76,7 +80,24 @@ def resolve_backend(requested: str, device: torch.device, world_size: int) -> st
         return requested
     if device.type == "cuda":
         return "nccl"
+    if single_host and world_size > 1 and _shm_supported():
+        return "shm"
     return "gloo"
+
+
+def _shm_supported() -> bool:
+    try:
+        check_memory_model()
+    except CommError:
+        return False
+    return True
+
+
+def _on_one_host() -> bool:
+    """Whether every rank of the (initialised) world runs on this host, by comparing host names."""
+    names: list = [None] * dist.get_world_size()
+    dist.all_gather_object(names, socket.gethostname())
+    return len(set(names)) == 1
 
 
 def _init_process_group(layout: LaunchEnv, device: torch.device, timeout: float) -> None:
@@ -95,7 +116,7 @@ def _init_process_group(layout: LaunchEnv, device: torch.device, timeout: float)
             "MASTER_ADDR and MASTER_PORT, or launch with `meshwise run`"
         )
     dist.init_process_group(
-        init_method=f"tcp://{layout.master_addr}:{layout.master_port}",
+        init_method=f"tcp://{resolve_ipv4(layout.master_addr)}:{layout.master_port}",
         rank=layout.rank,
         world_size=layout.world_size,
         **kwargs,
@@ -117,6 +138,11 @@ def init(
     if _current is not None:
         return _current
     layout = detect_launch_env()
+    needs_mpi = layout.master_addr is None or not layout.local_layout_known
+    if layout.launcher in ("openmpi", "pmi") and needs_mpi and not dist.is_initialized():
+        from meshwise.runtime.mpi_bootstrap import bootstrap_rendezvous  # imports mpi4py: only under MPI
+
+        layout = bootstrap_rendezvous(layout, timeout=timeout)
     if dist.is_initialized():
         world_size = dist.get_world_size()
         if world_size != layout.world_size:
@@ -138,7 +164,10 @@ def init(
             torch.cuda.set_device(chosen_device)
         _init_process_group(layout, chosen_device, timeout)
         _owns_process_group = True
-    name = resolve_backend(backend, chosen_device, layout.world_size)
+    single_host = (
+        backend == "auto" and chosen_device.type == "cpu" and dist.get_world_size() > 1 and _on_one_host()
+    )
+    name = resolve_backend(backend, chosen_device, layout.world_size, single_host=single_host)
     comm = create_communicator(name, timeout=timeout)
     _current = World(
         rank=dist.get_rank(),

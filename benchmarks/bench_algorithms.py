@@ -1,0 +1,210 @@
+"""Our collective algorithms against the backend's own (native gloo) collective, size by size.
+
+    python benchmarks/bench_algorithms.py -np 2,4 --collective all_reduce --json results.json
+    python benchmarks/bench_algorithms.py -np 2,4 --calibrate calibration.json   # fit α, β, γ
+
+For each world size, message size (4 KiB … 64 MiB by default) and algorithm it prints the time and the
+nccl-tests bus bandwidth (all_reduce: size/time·2(p−1)/p), the ratio of each algorithm to native, what
+``auto`` chose, and the cost model's prediction and its error. Algorithms are timed in interleaved
+rounds and the best round counts, so a burst of load on a shared machine penalises all of them alike.
+A rank's time is the slowest rank's (max over ranks), as in nccl-tests. ``meshwise bench`` is the full
+tool; this script is the focused comparison behind benchmarks/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+import meshwise
+from meshwise.comm.algorithms import with_algorithm
+from meshwise.comm.cost import Calibration, CostSample, choose_algorithm, fit_link_params, predict_seconds
+from meshwise.runtime.spawn import spawn
+
+BUS_FACTOR = {
+    "all_reduce": lambda p: 2 * (p - 1) / p,
+    "all_gather": lambda p: (p - 1) / p,
+    "reduce_scatter": lambda p: (p - 1) / p,
+    "broadcast": lambda p: 1.0,
+}
+
+
+def _run_once(comm, collective: str, data: torch.Tensor, out: torch.Tensor) -> None:
+    if collective == "all_reduce":
+        comm.all_reduce(data)
+    elif collective == "all_gather":
+        comm.all_gather(out, data[: data.numel() // comm.world_size])
+    elif collective == "reduce_scatter":
+        comm.reduce_scatter(out[: data.numel() // comm.world_size], data)
+    else:
+        comm.broadcast(data, 0)
+
+
+def _worker(
+    collective: str, sizes: list[int], algos: list[str], iters: int, rounds: int, cal_path: str | None
+):
+    world = meshwise.init("gloo", timeout=300)
+    # One intra-op thread per core share, as torchrun's OMP_NUM_THREADS=1 default: p ranks each running
+    # OpenMP pools as wide as the machine thrash the cores and make every local reduction 100x slower.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world.world_size))
+    native = world.comm
+    calibration = Calibration.load(cal_path) if cal_path else Calibration.load()
+    comms = {a: with_algorithm(native, a, calibration=calibration) for a in algos}
+    rows = []
+    for nbytes in sizes:
+        count = max(world.world_size, nbytes // 4)
+        count -= count % world.world_size
+        data = torch.ones(count)
+        out = torch.empty(count)
+        n_iter = max(2, min(iters, int(2e8 // max(nbytes, 1)) // 4))
+        best = {a: float("inf") for a in algos}
+        for a in algos:  # warm-up: connections, allocations, plan caches
+            for _ in range(2):
+                _run_once(comms[a], collective, data, out)
+        for _ in range(rounds):
+            for a in algos:
+                native.barrier()
+                start = time.perf_counter()
+                for _ in range(n_iter):
+                    _run_once(comms[a], collective, data, out)
+                elapsed = torch.tensor([(time.perf_counter() - start) / n_iter], dtype=torch.float64)
+                native.all_reduce(elapsed, "max")
+                best[a] = min(best[a], float(elapsed))
+        rows.append({"nbytes": count * 4, "seconds": best, "iters": n_iter})
+    meshwise.shutdown()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("-np", "--nproc", default="2,4", help="comma-separated world sizes (default 2,4)")
+    parser.add_argument("--collective", default="all_reduce", choices=sorted(BUS_FACTOR))
+    parser.add_argument("-b", "--min-bytes", type=int, default=4 << 10)
+    parser.add_argument("-e", "--max-bytes", type=int, default=64 << 20)
+    parser.add_argument("-f", "--factor", type=int, default=4)
+    parser.add_argument(
+        "--algos", default="ring,rd,rhd,tree,auto", help="compared with native (default %(default)s)"
+    )
+    parser.add_argument("-n", "--iters", type=int, default=50, help="iterations per round at small sizes")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the best one counts")
+    parser.add_argument(
+        "--calibration", help="calibration file for auto and the predictions (default: built-in)"
+    )
+    parser.add_argument(
+        "--calibrate", metavar="PATH", help="fit α, β, γ from this sweep and write them to PATH"
+    )
+    parser.add_argument("--json", help="write all measurements here")
+    args = parser.parse_args(argv)
+    worlds = [int(x) for x in args.nproc.split(",")]
+    algos = ["native", *[a for a in args.algos.split(",") if a and a != "native"]]
+    if args.factor < 2 or args.min_bytes <= 0 or args.max_bytes < args.min_bytes or min(worlds) < 1:
+        parser.error("need -f >= 2, 0 < -b <= -e and world sizes >= 1")
+    sizes, size = [], args.min_bytes
+    while size <= args.max_bytes:
+        sizes.append(size)
+        size *= args.factor
+    calibration = Calibration.load(args.calibration) if args.calibration else Calibration.load()
+    results = []
+    for p in worlds:
+        rows = spawn(
+            _worker,
+            p,
+            args=(args.collective, sizes, algos, args.iters, args.rounds, args.calibration),
+            timeout=3600,
+        )[0]
+        for row in rows:
+            row["world_size"] = p
+            row["auto_choice"] = choose_algorithm(args.collective, row["nbytes"], p, calibration)
+        results += rows
+        _print_table(args.collective, p, rows, algos)
+    if args.calibrate:
+        calibration = _calibrate(args.collective, results, algos, args.calibrate)
+    _report_model(args.collective, results, algos, calibration)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"collective": args.collective, "argv": sys.argv, "results": results}, fh, indent=1)
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _ratio(bw: dict[str, float], algo: str) -> str:
+    return f"{bw[algo] / bw['native']:8.2f}" if algo in bw else f"{'-':>8}"
+
+
+def _print_table(collective: str, p: int, rows: list[dict], algos: list[str]) -> None:
+    factor = BUS_FACTOR[collective](p)
+    print(f"\n{collective} on {p} ranks (gloo): busbw GB/s per algorithm, ratio = algorithm / native")
+    head = (
+        f"{'size':>9} " + " ".join(f"{a:>8}" for a in algos) + f" {'auto/nat':>8} {'ring/nat':>8}  auto picks"
+    )
+    print(head)
+    for row in rows:
+        bw = {a: row["nbytes"] * factor / row["seconds"][a] / 1e9 for a in algos}
+        print(
+            f"{_human(row['nbytes']):>9} "
+            + " ".join(f"{bw[a]:8.3f}" for a in algos)
+            + f" {_ratio(bw, 'auto')} {_ratio(bw, 'ring')}  {row['auto_choice']}"
+        )
+
+
+def _calibrate(collective: str, results: list[dict], algos: list[str], path: str) -> Calibration:
+    ours = [
+        CostSample(collective, a, r["nbytes"], r["world_size"], r["seconds"][a])
+        for r in results
+        for a in algos
+        if a not in ("native", "auto", "hierarchical") and r["world_size"] > 1
+    ]
+    natives = [
+        CostSample(collective, "native", r["nbytes"], r["world_size"], r["seconds"]["native"])
+        for r in results
+        if r["world_size"] > 1
+    ]
+    intra, err_intra = fit_link_params(ours)
+    native, err_native = fit_link_params(natives)
+    calibration = Calibration(intra=intra, inter=intra, native=native)
+    print(
+        f"fitted intra {intra} (max rel. error {err_intra:.2f});\n"
+        f"fitted native {native} (max rel. error {err_native:.2f})"
+    )
+    print(f"wrote {calibration.save(path)}")
+    return calibration
+
+
+def _report_model(collective: str, results: list[dict], algos: list[str], calibration: Calibration) -> None:
+    """Predicted vs measured for every point; 'within 2x' means 1/2 <= predicted/measured <= 2."""
+    factors = []
+    for row in results:
+        row["predicted"] = {}
+        for a in algos:
+            shape = row["auto_choice"] if a == "auto" else a
+            link = calibration.native if shape == "native" else calibration.intra
+            predicted = predict_seconds(collective, shape, row["nbytes"], row["world_size"], link)
+            row["predicted"][a] = predicted
+            if row["world_size"] > 1 and predicted > 0:
+                factors.append(max(predicted / row["seconds"][a], row["seconds"][a] / predicted))
+    if factors:
+        factors.sort()
+        print(
+            f"cost model vs measured: worst factor {factors[-1]:.2f}, "
+            f"median {factors[len(factors) // 2]:.2f}, "
+            f"within 2x: {sum(f <= 2.0 for f in factors)}/{len(factors)}"
+        )
+
+
+def _human(nbytes: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if nbytes < 1024 or unit == "GiB":
+            return f"{nbytes:g} {unit}" if unit == "B" else f"{nbytes:.0f} {unit}"
+        nbytes /= 1024
+    return str(nbytes)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

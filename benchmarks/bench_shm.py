@@ -1,0 +1,190 @@
+"""shm vs gloo, side by side in one run: busbw and latency of the collectives on one host.
+
+For every world size in ``--np`` the ranks build both communicators over the same processes and time
+each (collective, size) on gloo then on shm with identical buffers: ``--warmup`` untimed calls, a gloo
+barrier, then enough timed calls to fill about ``--budget`` seconds (the same count on every rank); the
+reported time of one call is the slowest rank's mean, as in nccl-tests. busbw follows nccl-tests
+(:mod:`meshwise.bench.busbw`). One extra call per row compares the two backends' results (``wrong``).
+
+The memcpy-bound limit of all_reduce: every rank must at least copy its buffer into shared memory and
+copy the result out, i.e. two copies of the S-byte buffer per rank, done by ``min(n, cores)`` cores in
+parallel. With C the measured single-core copy bandwidth (bytes copied per second, buffers larger than
+the caches), one all_reduce takes at least ``2·S·n / (C·min(n, cores))`` of core-time spread over n
+ranks, so ``busbw_limit = 2(n−1)/n · S / t = (n−1)/n · C · min(1, cores/n)``.
+
+    python benchmarks/bench_shm.py --np 2,4 --json shm_vs_gloo.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+
+import meshwise
+from meshwise.bench.busbw import bus_factor, layout_for
+from meshwise.comm.api import Communicator
+from meshwise.comm.shm import ShmCommunicator
+from meshwise.runtime.spawn import spawn
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
+DEFAULT_SIZES = "4K,64K,1M,4M,16M"
+
+
+def parse_size(text: str) -> int:
+    units = {"K": 2**10, "M": 2**20, "G": 2**30}
+    text = text.strip().upper().removesuffix("B")
+    if text and text[-1] in units:
+        return int(float(text[:-1]) * units[text[-1]])
+    return int(text)
+
+
+def _buffers(collective: str, nbytes: int, n: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input, output) float32 buffers of one row; small integers, so every backend's result is exact."""
+    layout = layout_for(collective, nbytes, n, 4)
+    count = layout.count
+    source_len = count if collective != "reduce_scatter" else count * n
+    source = ((torch.arange(source_len) + rank) % 7).float()
+    if collective in ("all_gather", "reduce_scatter"):
+        return source, torch.empty(count * n if collective == "all_gather" else count)
+    return source, torch.empty(count * n if collective == "all_to_all" else count)
+
+
+def _call(comm: Communicator, collective: str, source: torch.Tensor, out: torch.Tensor) -> None:
+    if collective == "all_reduce":
+        comm.all_reduce(source, output=out)
+    elif collective == "all_gather":
+        comm.all_gather(out, source)
+    elif collective == "reduce_scatter":
+        comm.reduce_scatter(out, source)
+    elif collective == "broadcast":
+        comm.broadcast(source, root=0)
+    else:
+        comm.all_to_all(out, source)
+
+
+def _rank_main(sizes: list[int], collectives: list[str], warmup: int, budget: float, threads: int) -> list:
+    torch.set_num_threads(threads)
+    world = meshwise.init("gloo", timeout=120)
+    gloo = world.comm
+    shm = ShmCommunicator.from_process_group(None, timeout=120)
+    n, rank = world.world_size, world.rank
+    rows = []
+    for collective in collectives:
+        for nbytes in sizes:
+            source, out = _buffers(collective, nbytes, n, rank)
+            if collective == "all_to_all":
+                source = torch.cat([source] * n)
+            seconds = {}
+            for name, comm in (("gloo", gloo), ("shm", shm)):
+                for _ in range(warmup):
+                    _call(comm, collective, source, out)
+                gloo.barrier()
+                start = time.perf_counter()
+                _call(comm, collective, source, out)
+                probe = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+                gloo.all_reduce(probe, op="max")  # same iteration count on every rank
+                iters = max(3, min(1000, int(budget / max(probe.item(), 1e-6))))
+                gloo.barrier()
+                start = time.perf_counter()
+                for _ in range(iters):
+                    _call(comm, collective, source, out)
+                elapsed = torch.tensor([(time.perf_counter() - start) / iters], dtype=torch.float64)
+                gloo.all_reduce(elapsed, op="max")
+                seconds[name] = elapsed.item()
+            results = []
+            for comm in (gloo, shm):
+                data = source.clone()
+                _call(comm, collective, data, out)
+                results.append((data if collective == "broadcast" else out).clone())
+            wrong = torch.tensor([int((results[0] != results[1]).sum())], dtype=torch.int64)
+            gloo.all_reduce(wrong)
+            rows.append((collective, layout_for(collective, nbytes, n, 4).nbytes, seconds, int(wrong.item())))
+    shm.close()
+    meshwise.shutdown()
+    return rows
+
+
+def copy_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 5) -> float:
+    """Single-core copy bandwidth (bytes copied per second) between buffers far larger than the caches."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    src, dst = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    torch.set_num_threads(threads)
+    return nbytes / best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--np", default="2,4", help="world sizes, comma-separated (default 2,4)")
+    parser.add_argument("--sizes", default=DEFAULT_SIZES, help=f"bytes per row (default {DEFAULT_SIZES})")
+    parser.add_argument("--collectives", default=",".join(COLLECTIVES))
+    parser.add_argument("-w", "--warmup", type=int, default=3)
+    parser.add_argument("--budget", type=float, default=0.3, help="seconds of timed calls per cell")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
+    parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    args = parser.parse_args()
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    collectives = args.collectives.split(",")
+    unknown = sorted(set(collectives) - set(COLLECTIVES))
+    if unknown:
+        parser.error(f"unknown collectives {unknown}; choose from {', '.join(COLLECTIVES)}")
+    cores = len(os.sched_getaffinity(0))
+    copy_bw = copy_bandwidth()
+    print(f"single-core copy bandwidth C = {copy_bw / 1e9:.2f} GB/s; {cores} cores")
+    print("all_reduce memcpy-bound limit: busbw <= (n-1)/n * C * min(1, cores/n)")
+    header = (
+        f"{'np':>3} {'collective':<15}{'size':>10} {'gloo us':>10} {'gloo GB/s':>10} "
+        f"{'shm us':>10} {'shm GB/s':>9} {'speedup':>8} {'%limit':>7} {'wrong':>6}"
+    )
+    records = []
+    for n in (int(x) for x in args.np.split(",")):
+        limit = (n - 1) / n * copy_bw * min(1.0, cores / n)
+        rows = spawn(
+            _rank_main, n, args=(sizes, collectives, args.warmup, args.budget, args.threads), timeout=3600
+        )[0]
+        print(header)
+        for collective, nbytes, seconds, wrong in rows:
+            bus = {k: nbytes / t * bus_factor(collective, n) for k, t in seconds.items()}
+            share = f"{100 * bus['shm'] / limit:6.0f}%" if collective == "all_reduce" else ""
+            print(
+                f"{n:>3} {collective:<15}{nbytes:>10} "
+                f"{seconds['gloo'] * 1e6:>10.1f} {bus['gloo'] / 1e9:>10.2f} "
+                f"{seconds['shm'] * 1e6:>10.1f} {bus['shm'] / 1e9:>9.2f} "
+                f"{seconds['gloo'] / seconds['shm']:>7.1f}x {share:>7} {wrong:>6}"
+            )
+            records.append(
+                {
+                    "world_size": n,
+                    "collective": collective,
+                    "bytes": nbytes,
+                    "gloo_seconds": seconds["gloo"],
+                    "shm_seconds": seconds["shm"],
+                    "gloo_busbw": bus["gloo"],
+                    "shm_busbw": bus["shm"],
+                    "speedup": seconds["gloo"] / seconds["shm"],
+                    "wrong": wrong,
+                    "memcpy_limit_busbw": limit if collective == "all_reduce" else None,
+                }
+            )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {"copy_bandwidth": copy_bw, "cores": cores, "threads": args.threads, "rows": records},
+                f,
+                indent=2,
+            )
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

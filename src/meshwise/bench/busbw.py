@@ -1,0 +1,105 @@
+"""Buffer layouts and bandwidths exactly as nccl-tests defines them.
+
+nccl-tests reports for every collective a size ``S`` (the larger of the send and receive buffer of one
+rank), the time ``t`` of one operation, the *algorithm bandwidth* ``algbw = S / t`` and the *bus
+bandwidth* ``busbw = algbw · factor(n)``. The factor turns algbw into the traffic each rank's link carries
+under an optimal algorithm, so busbw of every collective can be compared with the hardware's link
+bandwidth, independently of the number of ranks (nccl-tests, doc/PERFORMANCE.md):
+
+=====================================================  ==============  ====================================
+collective                                             factor          S (bytes per rank)
+=====================================================  ==============  ====================================
+all_reduce                                             2(n−1)/n        the buffer reduced
+all_gather                                             (n−1)/n         the gathered output (n slots)
+reduce_scatter                                         (n−1)/n         the input (n slots)
+all_to_all                                             (n−1)/n         the send buffer (n slots)
+gather, scatter                                        (n−1)/n         the root's buffer (n slots)
+broadcast, reduce, sendrecv                            1               the buffer sent
+=====================================================  ==============  ====================================
+
+The "count" column is the element count of the operation's parameter, as in nccl-tests: the whole buffer
+for all_reduce/broadcast/reduce/sendrecv and one slot (S / n) for the slotted collectives. A requested
+size is rounded down so every slot holds a whole number of elements.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "broadcast",
+    "reduce",
+    "all_to_all",
+    "gather",
+    "scatter",
+    "sendrecv",
+)
+#: Collectives whose buffer is cut into one slot per rank.
+SLOTTED = frozenset({"all_gather", "reduce_scatter", "all_to_all", "gather", "scatter"})
+#: Collectives that apply a reduce op (the others print ``none`` in the redop column).
+REDUCING = frozenset({"all_reduce", "reduce_scatter", "reduce"})
+#: Collectives with a root (the others print ``-1`` in the root column, as nccl-tests).
+ROOTED = frozenset({"broadcast", "reduce", "gather", "scatter"})
+
+#: 1 GB/s as nccl-tests prints it: 10^9 bytes per second, not 2^30.
+GB = 1.0e9
+
+
+def bus_factor(collective: str, world_size: int) -> float:
+    """busbw / algbw for ``collective`` on ``world_size`` ranks."""
+    if world_size < 1:
+        raise ValueError(f"world size must be at least 1, got {world_size}")
+    n = world_size
+    if collective == "all_reduce":
+        return 2.0 * (n - 1) / n
+    if collective in SLOTTED:
+        return (n - 1) / n
+    if collective in ("broadcast", "reduce", "sendrecv"):
+        return 1.0
+    raise ValueError(f"unknown collective {collective!r}; choose one of {', '.join(COLLECTIVES)}")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Element counts of one benchmark row on every rank."""
+
+    collective: str
+    world_size: int
+    itemsize: int
+    count: int  # elements of the operation's parameter (nccl-tests' "count" column)
+
+    @property
+    def total_elements(self) -> int:
+        """Elements of the larger per-rank buffer: n slots for slotted collectives, else ``count``."""
+        return self.count * self.world_size if self.collective in SLOTTED else self.count
+
+    @property
+    def nbytes(self) -> int:
+        """S: the size column and the numerator of algbw."""
+        return self.total_elements * self.itemsize
+
+
+def layout_for(collective: str, size_bytes: int, world_size: int, itemsize: int) -> Layout:
+    """The layout of a requested size, rounded down to whole elements (and whole slots)."""
+    bus_factor(collective, world_size)  # validates both
+    elements = size_bytes // itemsize
+    count = elements // world_size if collective in SLOTTED else elements
+    return Layout(collective, world_size, itemsize, count)
+
+
+def min_size_bytes(collective: str, world_size: int, itemsize: int) -> int:
+    """The smallest size that holds one element per slot."""
+    return itemsize * (world_size if collective in SLOTTED else 1)
+
+
+def algbw(nbytes: int, seconds: float) -> float:
+    """Algorithm bandwidth in GB/s (S / t)."""
+    return nbytes / seconds / GB if seconds > 0 else 0.0
+
+
+def busbw(collective: str, nbytes: int, seconds: float, world_size: int) -> float:
+    """Bus bandwidth in GB/s (algbw · factor)."""
+    return algbw(nbytes, seconds) * bus_factor(collective, world_size)

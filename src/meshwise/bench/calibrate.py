@@ -1,0 +1,174 @@
+"""``meshwise bench --calibrate``: measure α, β, γ of each link class and write the cost model's file.
+
+Three links are fitted (see :mod:`meshwise.comm.cost`), each from a sweep whose samples the model can
+express as a·α + b·β + c·γ:
+
+* ``native`` — the backend's own all_reduce, all_gather and reduce_scatter over all ranks;
+* ``intra``  — our ring all_reduce, ring all_gather and recursive-doubling all_reduce among the ranks of
+  one node (all_gather has no γ term and recursive doubling a different α/β ratio, which is what makes
+  the three parameters separable);
+* ``inter``  — the same plan among one rank per node, measured only when the job spans several nodes.
+
+A class that cannot be measured in this job (one node → no ``inter``; one rank per node → no ``intra``)
+keeps its value from the existing file, or the built-in default, and the outcome says so. The fit is
+:func:`~meshwise.comm.cost.fit_link_params` (non-negative least squares on relative error); its largest
+relative error is reported, since a poor fit means the model's predictions (and ``auto``) are off too.
+Each sample is the fastest iteration of its size (the per-iteration maximum over ranks, minimised over
+iterations): α, β and γ describe what the link and the cores can do, and on a shared machine the mean is
+dominated by whichever other job happened to run; the benchmark tables keep reporting means.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+from rich.progress import Progress
+
+from meshwise.bench.runner import RunResult, SweepConfig, run_sweep
+from meshwise.comm.algorithms import with_algorithm
+from meshwise.comm.api import Communicator
+from meshwise.comm.cost import DEFAULT_PATH, Calibration, CostSample, LinkParams, fit_link_params
+
+NATIVE_PLAN = (("all_reduce", "native"), ("all_gather", "native"), ("reduce_scatter", "native"))
+LINK_PLAN = (("all_reduce", "ring"), ("all_gather", "ring"), ("all_reduce", "rd"))
+
+
+@dataclass(frozen=True)
+class LinkFit:
+    """The fitted parameters of one link class, or why it was not measured."""
+
+    name: str
+    params: LinkParams
+    max_relative_error: float | None  # None: not measured, ``params`` kept from before
+    samples: int
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class CalibrationOutcome:
+    path: str
+    links: tuple[LinkFit, ...]
+    runs: tuple[RunResult, ...]
+
+
+def _sweep(
+    comm: Communicator,
+    control: Communicator,
+    plan: tuple[tuple[str, str], ...],
+    sweep: SweepConfig,
+    device: torch.device,
+    progress: Progress | None,
+    label: str,
+) -> list[RunResult]:
+    runs = []
+    for collective, algo in plan:
+        config = replace(sweep, collective=collective, op="sum", checks=0, corrupt_rank=None)
+        task = (
+            progress.add_task(f"calibrate {label}: {collective}/{algo}", total=len(config.sizes))
+            if (progress is not None)
+            else None
+        )
+        rows = run_sweep(
+            with_algorithm(comm, algo),
+            control,
+            config,
+            device,
+            on_size=None if task is None else lambda _, t=task: progress.advance(t),
+        )
+        runs.append(RunResult(collective, comm.backend, algo, comm.world_size, tuple(rows)))
+    return runs
+
+
+def _fit(name: str, runs: list[RunResult]) -> LinkFit:
+    samples = [
+        CostSample(run.collective, run.algorithm, row.size, run.world_size, row.time_us_min * 1e-6)
+        for run in runs
+        for row in run.rows
+    ]
+    params, error = fit_link_params(samples)
+    return LinkFit(name, params, error, len(samples))
+
+
+def _kept(name: str, params: LinkParams, why: str, source: str) -> LinkFit:
+    return LinkFit(name, params, None, 0, f"not measured ({why}); kept the {source}")
+
+
+def calibrate(
+    base: Communicator,
+    control: Communicator,
+    nodes: list[int],
+    sweep: SweepConfig,
+    device: torch.device,
+    path: str | None,
+    progress: Progress | None,
+) -> CalibrationOutcome | None:
+    """Run the calibration sweeps on every rank; rank 0 fits, saves and returns the outcome."""
+    file = Path(path).expanduser() if path is not None else DEFAULT_PATH.expanduser()
+    previous = Calibration.load(file) if file.exists() else Calibration.default()
+    source = f"value from {file}" if file.exists() else "built-in default"
+    node_ids = sorted(set(nodes))
+    members = {node: [r for r, n in enumerate(nodes) if n == node] for node in node_ids}
+    runs = _sweep(base, control, NATIVE_PLAN, sweep, device, progress, "native")
+    fits = {"native": _fit("native", runs)} if base.world_size > 1 else {}
+
+    if len(node_ids) == 1:
+        local, local_control = base, control
+    else:
+        local = _member_split(base, [members[n] for n in node_ids])
+        local_control = _member_split(control, [members[n] for n in node_ids])
+    if local.world_size > 1:
+        intra_runs = _sweep(local, local_control, LINK_PLAN, sweep, device, progress, "intra")
+        runs += intra_runs
+        fits["intra"] = _fit("intra", intra_runs)
+
+    if len(node_ids) > 1:
+        leaders = [members[n][0] for n in node_ids]
+        across = base.split(leaders)
+        across_control = control.split(leaders)
+        if across is not None and across_control is not None:
+            inter_runs = _sweep(across, across_control, LINK_PLAN, sweep, device, progress, "inter")
+            runs += inter_runs
+            fits["inter"] = _fit("inter", inter_runs)
+        control.barrier()  # the other ranks wait here while the leaders measure
+    if base.rank != 0:
+        return None
+    links = (
+        fits.get("intra") or _kept("intra", previous.intra, "one rank per node", source),
+        fits.get("inter") or _kept("inter", previous.inter, "the job runs on one node", source),
+        fits.get("native") or _kept("native", previous.native, "a single rank", source),
+    )
+    saved = Calibration(links[0].params, links[1].params, links[2].params).save(file)
+    return CalibrationOutcome(str(saved), links, tuple(runs))
+
+
+def _member_split(comm: Communicator, groups: list[list[int]]) -> Communicator:
+    """This rank's group among ``groups`` (every rank calls split for every group, in the same order)."""
+    mine = None
+    for ranks in groups:
+        sub = comm.split(ranks)
+        if sub is not None:
+            mine = sub
+    assert mine is not None  # the groups partition the ranks
+    return mine
+
+
+def format_outcome(outcome: CalibrationOutcome) -> str:
+    """α in µs, β and γ as the bandwidths they stand for (GB/s), and the fit error per link."""
+    lines = [f"# Calibration written to {outcome.path}"]
+    lines.append(
+        f"# {'link':<7} {'alpha(us)':>10} {'1/beta(GB/s)':>13} {'1/gamma(GB/s)':>14} {'max rel err':>12}"
+    )
+    for fit in outcome.links:
+        p = fit.params
+        inv_beta = f"{1e-9 / p.beta:.3f}" if p.beta > 0 else "inf"
+        inv_gamma = f"{1e-9 / p.gamma:.3f}" if p.gamma > 0 else "inf"
+        error = f"{fit.max_relative_error:.1%}" if fit.max_relative_error is not None else "-"
+        line = f"# {fit.name:<7} {p.alpha * 1e6:>10.2f} {inv_beta:>13} {inv_gamma:>14} {error:>12}"
+        if fit.note:
+            line += f"  {fit.note}"
+        elif fit.samples:
+            line += f"  ({fit.samples} samples)"
+        lines.append(line)
+    return "\n".join(lines)

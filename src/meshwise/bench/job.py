@@ -1,0 +1,126 @@
+"""What every rank of ``meshwise bench`` runs: join the job, build each backend/algorithm, sweep.
+
+torch.distributed on gloo (CPU) is the control plane: it carries the barriers and the reductions of
+times and error counts. The communicator under test is built per backend with
+:func:`~meshwise.comm.factory.create_communicator` (nccl gets its own CUDA process group) and wrapped
+with :func:`~meshwise.comm.algorithms.with_algorithm` per algorithm. An algorithm that does not implement
+a collective would only rerun the backend's own operation, so that pair is skipped with a note rather
+than reported twice under two names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+
+from meshwise.bench.calibrate import CalibrationOutcome, calibrate
+from meshwise.bench.report import size_progress
+from meshwise.bench.runner import RunResult, SweepConfig, run_sweep
+from meshwise.comm.algorithms import with_algorithm
+from meshwise.comm.api import Communicator
+from meshwise.comm.cost import COVERAGE
+from meshwise.comm.factory import create_communicator
+from meshwise.runtime.world import World, init, shutdown
+
+
+@dataclass(frozen=True)
+class BenchJob:
+    """Everything a rank needs, validated by the CLI before any rank starts."""
+
+    collectives: tuple[str, ...]
+    backends: tuple[str, ...]
+    algorithms: tuple[str, ...]
+    sweep: SweepConfig  # its collective is replaced per run
+    timeout: float = 300.0
+    calibrate: bool = False
+    calibration_file: str | None = None
+    progress: bool = True
+
+
+@dataclass(frozen=True)
+class JobResult:
+    """Rank 0's view of the whole job."""
+
+    launcher: str
+    world_size: int
+    runs: tuple[RunResult, ...]
+    notes: tuple[str, ...]
+    calibration: CalibrationOutcome | None
+
+
+def covers(algorithm: str, collective: str) -> bool:
+    """True when ``algorithm`` runs ``collective`` itself (native and auto cover everything)."""
+    if algorithm in ("native", "auto"):
+        return True
+    return collective in COVERAGE.get(algorithm, ())
+
+
+def node_map(world: World, control: Communicator) -> list[int]:
+    """The node id of every rank (all ranks call it)."""
+    nodes = torch.empty(world.world_size, dtype=torch.int64)
+    control.all_gather(nodes, torch.tensor([world.node_rank], dtype=torch.int64))
+    return nodes.tolist()
+
+
+def data_communicator(backend: str, world: World, timeout: float) -> tuple[Communicator, torch.device]:
+    """The communicator under test for ``backend`` and the device its tensors live on."""
+    if backend == "nccl":
+        device = torch.device("cuda", world.local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        group = dist.new_group(backend="nccl")
+        return create_communicator("nccl", group, timeout=timeout), device
+    return create_communicator(backend, timeout=timeout), torch.device("cpu")
+
+
+def bench_rank_main(job: BenchJob) -> JobResult | None:
+    """Run the job on this rank; rank 0 returns the result, the others None."""
+    world = init("gloo", device="cpu", timeout=job.timeout)
+    try:
+        return _run(job, world)
+    finally:
+        shutdown()
+
+
+def _run(job: BenchJob, world: World) -> JobResult | None:
+    control = world.comm
+    nodes = node_map(world, control)
+    runs: list[RunResult] = []
+    notes: list[str] = []
+    outcome = None
+    main = world.rank == 0
+    with size_progress(enabled=job.progress and main) as progress:
+        for backend in job.backends:
+            base, device = data_communicator(backend, world, job.timeout)
+            for algorithm in job.algorithms:
+                comm = with_algorithm(base, algorithm, node_map=nodes)
+                for collective in job.collectives:
+                    if collective == "sendrecv" and world.world_size < 2:
+                        notes.append("sendrecv: skipped, it needs at least 2 ranks")
+                        continue
+                    if not covers(algorithm, collective):
+                        notes.append(
+                            f"{collective} · {backend} · {algorithm}: skipped, {algorithm} does not "
+                            f"implement {collective} (it would run the backend's own operation)"
+                        )
+                        continue
+                    config = replace(job.sweep, collective=collective)
+                    task = None
+                    if progress is not None:
+                        label = f"{collective} {backend}/{algorithm}"
+                        task = progress.add_task(label, total=len(config.sizes))
+                    rows = run_sweep(
+                        comm,
+                        control,
+                        config,
+                        device,
+                        on_size=None if task is None else lambda _, t=task: progress.advance(t),
+                    )
+                    runs.append(RunResult(collective, backend, algorithm, world.world_size, tuple(rows)))
+            if job.calibrate and backend == job.backends[0]:
+                outcome = calibrate(base, control, nodes, job.sweep, device, job.calibration_file, progress)
+            base.close()
+    if not main:
+        return None
+    return JobResult(world.launcher, world.world_size, tuple(runs), tuple(dict.fromkeys(notes)), outcome)

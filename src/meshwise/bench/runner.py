@@ -1,0 +1,181 @@
+"""Run one collective over a sweep of sizes on a Communicator: warm up, time, check.
+
+Timing: before every timed iteration the ranks meet at a barrier of the control communicator, each rank
+times the operation alone (device synchronised), and after the loop the per-iteration times are reduced
+with MAX over ranks. The reported time is the mean over iterations of that maximum — an iteration lasts
+until its slowest rank is done, which is what a training step waiting on the collective sees. (nccl-tests
+by default averages each rank's loop time over ranks instead, which hides a straggler.) Min and max over
+iterations are kept for the JSON record.
+
+Checking (``checks`` ≥ 1) runs the operation again on fresh exact inputs after timing and counts wrong
+elements and out-of-bounds writes on every rank; both counts are summed over ranks, so every rank
+returns identical rows.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from meshwise.bench.busbw import REDUCING, ROOTED, algbw, busbw, layout_for
+from meshwise.bench.cases import Case
+from meshwise.comm.api import Communicator, ReduceOp
+
+DTYPES = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+}
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    """What to measure: one collective over ``sizes`` (bytes requested, rounded as nccl-tests)."""
+
+    collective: str
+    sizes: tuple[int, ...]
+    dtype: str = "float32"
+    op: str = "sum"
+    root: int = 0
+    iters: int = 20
+    warmup: int = 5
+    checks: int = 1
+    #: Test hook: this rank corrupts one element of its result before every check (None: no one does).
+    corrupt_rank: int | None = None
+
+
+@dataclass(frozen=True)
+class Row:
+    """One line of the nccl-tests table (times in µs, bandwidths in GB/s = 1e9 B/s)."""
+
+    size: int
+    count: int
+    type: str
+    redop: str
+    root: int
+    time_us: float
+    algbw: float
+    busbw: float
+    wrong: int
+    out_of_bounds: int
+    time_us_min: float
+    time_us_max: float
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(case: Case, control: Communicator, iters: int, device: torch.device) -> torch.Tensor:
+    """Per-iteration seconds of this rank, each iteration started together after a barrier."""
+    times = torch.empty(iters, dtype=torch.float64)
+    for i in range(iters):
+        control.barrier()
+        start = time.perf_counter()
+        case.run()
+        _synchronize(device)
+        times[i] = time.perf_counter() - start
+    return times
+
+
+def run_sweep(
+    comm: Communicator,
+    control: Communicator,
+    config: SweepConfig,
+    device: torch.device,
+    on_size: Callable[[int], None] | None = None,
+) -> list[Row]:
+    """Measure ``config.collective`` on ``comm`` for every size; identical rows on every rank.
+
+    ``control`` (same ranks, any transport) carries the barriers and the reductions of times and error
+    counts, so a broken transport under test cannot corrupt its own verdict. ``on_size`` is called with
+    the index of each finished size (rank 0 drives a progress bar with it).
+    """
+    if comm.world_size != control.world_size or comm.rank != control.rank:
+        raise ValueError("the communicator under test and the control communicator must span the same ranks")
+    dtype = DTYPES[config.dtype]
+    op = ReduceOp(config.op)
+    n = comm.world_size
+    rooted = config.collective in ROOTED
+    rows = []
+    for index, size in enumerate(config.sizes):
+        layout = layout_for(config.collective, size, n, dtype.itemsize)
+        if layout.count == 0:  # below one element per slot: nothing to move (the CLI warns up front)
+            if on_size is not None:
+                on_size(index)
+            continue
+        case = Case(comm, layout, dtype, op, config.root, device)
+        case.prepare(None)
+        for _ in range(config.warmup):
+            case.run()
+        _synchronize(device)
+        times = _timed(case, control, config.iters, device)
+        control.all_reduce(times, ReduceOp.MAX)
+        counts = torch.zeros(2, dtype=torch.int64)
+        for check in range(config.checks):
+            case.prepare(salt=check + 1)
+            case.run()
+            _synchronize(device)
+            wrong, oob = case.check(check + 1, corrupt=config.corrupt_rank == comm.rank)
+            counts += torch.tensor([wrong, oob], dtype=torch.int64)
+        control.all_reduce(counts, ReduceOp.SUM)
+        seconds = float(times.mean())
+        rows.append(
+            Row(
+                size=layout.nbytes,
+                count=layout.count,
+                type=config.dtype,
+                redop=config.op if config.collective in REDUCING else "none",
+                root=config.root if rooted else -1,
+                time_us=seconds * 1e6,
+                algbw=algbw(layout.nbytes, seconds),
+                busbw=busbw(config.collective, layout.nbytes, seconds, n),
+                wrong=int(counts[0]),
+                out_of_bounds=int(counts[1]),
+                time_us_min=float(times.min()) * 1e6,
+                time_us_max=float(times.max()) * 1e6,
+            )
+        )
+        if on_size is not None:
+            on_size(index)
+    return rows
+
+
+def sizes_with_elements(collective: str, sizes: Sequence[int], world_size: int, itemsize: int) -> list[int]:
+    """The sizes that hold at least one element per rank (smaller requests cannot run)."""
+    return [s for s in sizes if layout_for(collective, s, world_size, itemsize).count > 0]
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """All rows of one collective on one backend with one algorithm."""
+
+    collective: str
+    backend: str
+    algorithm: str
+    world_size: int
+    rows: tuple[Row, ...]
+
+    @property
+    def avg_busbw(self) -> float:
+        """Mean busbw over the rows, nccl-tests' footer figure."""
+        return sum(r.busbw for r in self.rows) / len(self.rows) if self.rows else 0.0
+
+    @property
+    def wrong(self) -> int:
+        return sum(r.wrong for r in self.rows)
+
+    @property
+    def out_of_bounds(self) -> int:
+        return sum(r.out_of_bounds for r in self.rows)
+
+    @property
+    def ok(self) -> bool:
+        return self.wrong == 0 and self.out_of_bounds == 0

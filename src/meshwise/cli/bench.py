@@ -1,0 +1,265 @@
+"""``meshwise bench COLLECTIVE``: collective benchmarks with nccl-tests' columns, checks, JSON and plots.
+
+With ``-np N`` it starts N local ranks itself (default 2); under a launcher (``meshwise run``, torchrun,
+srun, mpirun) it runs on the ranks it was started on and rank 0 prints. Every option is checked before
+any rank starts. The exit code is 0 when every check passed, 1 when a value was wrong or written out of
+bounds (or a rank failed), 2 for bad options.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+import time
+from dataclasses import replace
+
+import torch
+
+from meshwise.bench.busbw import COLLECTIVES, REDUCING, min_size_bytes
+from meshwise.bench.calibrate import format_outcome
+from meshwise.bench.job import BenchJob, JobResult, bench_rank_main
+from meshwise.bench.jsonio import BenchRecord, write_json
+from meshwise.bench.report import output_console, print_runs
+from meshwise.bench.runner import DTYPES, SweepConfig, sizes_with_elements
+from meshwise.bench.sizes import format_size, parse_size, size_sweep
+from meshwise.comm.algorithms import ALGORITHMS
+from meshwise.comm.api import CommError, ReduceOp
+from meshwise.comm.cost import DEFAULT_PATH, Calibration
+from meshwise.comm.factory import BACKENDS
+from meshwise.runtime.env import detect_launch_env
+from meshwise.runtime.spawn import SpawnError, spawn
+
+_COMM_TIMEOUT_CAP = 300.0
+_MPI_LAUNCHERS = ("openmpi", "pmi")
+
+
+def _names(text: str, allowed: tuple[str, ...] | list[str], what: str, option: str) -> tuple[str, ...]:
+    names = tuple(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
+    unknown = [n for n in names if n not in allowed]
+    if not names or unknown:
+        raise ValueError(f"{option} {text!r}: unknown {what} {unknown}; choose from {', '.join(allowed)}")
+    return names
+
+
+def add_parser(subparsers: argparse._SubParsersAction, name: str, help_text: str) -> None:
+    parser = subparsers.add_parser(name, help=help_text, description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "collective",
+        nargs="?",
+        choices=(*COLLECTIVES, "all"),
+        metavar="COLLECTIVE",
+        help=f"one of {', '.join(COLLECTIVES)}, or all (optional with --calibrate)",
+    )
+    parser.add_argument("-np", "--nproc", dest="np", type=int, default=None, help="local ranks (default 2)")
+    parser.add_argument("-b", "--minbytes", default="8", help="smallest size, e.g. 8, 4K (default 8)")
+    parser.add_argument("-e", "--maxbytes", default="64M", help="largest size, e.g. 64M, 1G (default 64M)")
+    step = parser.add_mutually_exclusive_group()
+    step.add_argument("-f", "--stepfactor", type=int, default=None, help="multiply the size by F (default 2)")
+    step.add_argument("-i", "--stepbytes", default=None, help="add this many bytes instead, e.g. 1M")
+    parser.add_argument("-n", "--iters", type=int, default=20, help="timed iterations per size (default 20)")
+    parser.add_argument("-w", "--warmup", type=int, default=5, help="untimed iterations per size (default 5)")
+    parser.add_argument("-c", "--check", type=int, default=1, help="check results K times per size (0: off)")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
+    parser.add_argument("--op", choices=[o.value for o in ReduceOp], default="sum", help="reduction op")
+    parser.add_argument("--root", type=int, default=0, help="root of broadcast/reduce/gather/scatter")
+    parser.add_argument(
+        "--backend", default=None, help="comma list of gloo,nccl,shm,mpi (default nccl on GPUs)"
+    )
+    parser.add_argument("--algo", default="native", help=f"comma list of {','.join(ALGORITHMS)}")
+    parser.add_argument("--json", metavar="FILE", help="write every row and the machine to FILE")
+    parser.add_argument("--plot", metavar="FILE", help="draw busbw vs size to FILE (PNG)")
+    parser.add_argument("--ceiling", type=float, metavar="GBPS", help="link bandwidth to draw on the plot")
+    parser.add_argument("--calibrate", action="store_true", help="fit α, β, γ and write the cost model file")
+    parser.add_argument("--calibration-file", metavar="PATH", help=f"default {DEFAULT_PATH}")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="deadline for the whole run, seconds")
+    # Test hook (docs/bench.md): this rank corrupts one element of its result before each check.
+    parser.add_argument("--inject-error", type=int, metavar="RANK", default=None, help=argparse.SUPPRESS)
+    parser.set_defaults(func=handler)
+
+
+def _world_size(args: argparse.Namespace) -> tuple[int, str]:
+    layout = detect_launch_env()
+    if layout.launcher != "local" or layout.world_size > 1:
+        if args.np not in (None, layout.world_size):
+            raise ValueError(
+                f"-np {args.np} conflicts with the {layout.world_size} ranks {layout.launcher} started; "
+                "drop -np when running under a launcher"
+            )
+        return layout.world_size, layout.launcher
+    if args.np is not None and args.np < 1:
+        raise ValueError(f"-np must be at least 1, got {args.np}")
+    return args.np or 2, "local"
+
+
+def _check_backends(backends: tuple[str, ...], launcher: str) -> None:
+    for backend in backends:
+        if backend == "nccl" and not torch.cuda.is_available():
+            raise ValueError(
+                "backend nccl needs CUDA GPUs, and none is visible here; use --backend gloo or shm"
+            )
+        if backend == "mpi" and launcher not in _MPI_LAUNCHERS:
+            raise ValueError(
+                "backend mpi needs ranks started by an MPI launcher, e.g. "
+                "`mpirun -np 4 meshwise bench all_reduce --backend mpi`"
+            )
+        module = BACKENDS[backend].split(":")[0]
+        if importlib.util.find_spec(module) is None:
+            raise ValueError(f"backend {backend} is not available in this installation ({module} is missing)")
+
+
+def build_job(args: argparse.Namespace) -> tuple[BenchJob, int, str]:
+    """The validated job, its world size and launcher; ValueError says which option to change."""
+    if args.collective is None and not args.calibrate:
+        raise ValueError("name a COLLECTIVE (or all), or pass --calibrate")
+    world_size, launcher = _world_size(args)
+    collectives = (
+        () if args.collective is None else COLLECTIVES if args.collective == "all" else (args.collective,)
+    )
+    if args.collective == "sendrecv" and world_size < 2:
+        raise ValueError("sendrecv needs at least 2 ranks (each rank sends to the next); use -np 2")
+    if args.calibrate and world_size < 2:
+        raise ValueError("--calibrate measures links between ranks: use at least -np 2")
+    step = parse_size(args.stepbytes) if args.stepbytes is not None else None
+    factor = None if step is not None else (args.stepfactor if args.stepfactor is not None else 2)
+    sizes = size_sweep(parse_size(args.minbytes), parse_size(args.maxbytes), factor=factor, step=step)
+    itemsize = DTYPES[args.dtype].itemsize
+    for collective in collectives:
+        if not sizes_with_elements(collective, sizes, world_size, itemsize):
+            smallest = min_size_bytes(collective, world_size, itemsize)
+            raise ValueError(
+                f"{collective} of {args.dtype} on {world_size} ranks needs at least {smallest} B per "
+                f"operation; raise -e to {format_size(smallest)} or more"
+            )
+    if args.iters < 1 or args.warmup < 0 or args.check < 0:
+        raise ValueError("-n must be at least 1, and -w and -c at least 0")
+    if args.op == "avg" and not DTYPES[args.dtype].is_floating_point and set(collectives) & REDUCING:
+        raise ValueError(f"--op avg is not defined for {args.dtype}: use --op sum or a floating --dtype")
+    if not 0 <= args.root < world_size:
+        raise ValueError(f"--root {args.root} is outside 0..{world_size - 1}")
+    if args.inject_error is not None and not 0 <= args.inject_error < world_size:
+        raise ValueError(f"--inject-error {args.inject_error} is outside 0..{world_size - 1}")
+    if args.ceiling is not None and not args.ceiling > 0:
+        raise ValueError(f"--ceiling must be a positive bandwidth in GB/s, got {args.ceiling}")
+    if args.timeout <= 0:
+        raise ValueError(f"--timeout must be positive seconds, got {args.timeout}")
+    if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
+        raise ValueError("--plot needs matplotlib: pip install 'meshwise[plot]'")
+    default_backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backends = _names(args.backend or default_backend, list(BACKENDS), "backend", "--backend")
+    _check_backends(backends, launcher)
+    algorithms = _names(args.algo, ALGORITHMS, "algorithm", "--algo")
+    sweep = SweepConfig(
+        collective=collectives[0] if collectives else "all_reduce",
+        sizes=tuple(sizes),
+        dtype=args.dtype,
+        op=args.op,
+        root=args.root,
+        iters=args.iters,
+        warmup=args.warmup,
+        checks=args.check,
+        corrupt_rank=args.inject_error,
+    )
+    job = BenchJob(
+        collectives=collectives,
+        backends=backends,
+        algorithms=algorithms,
+        sweep=sweep,
+        timeout=min(args.timeout, _COMM_TIMEOUT_CAP),
+        calibrate=args.calibrate,
+        calibration_file=args.calibration_file,
+        progress=sys.stderr.isatty(),
+    )
+    return job, world_size, launcher
+
+
+def run_job(job: BenchJob, world_size: int, launcher: str, timeout: float) -> JobResult | None:
+    """Run on the launcher's ranks, in this process (one rank), or on spawned local ranks."""
+    if launcher != "local" or world_size == 1:
+        return bench_rank_main(job)
+    result = spawn(bench_rank_main, world_size, (job,), timeout=timeout)[0]
+    return replace(result, launcher="local")  # the children only see the torchrun-style variables
+
+
+def _plot_calibration(args: argparse.Namespace) -> Calibration | None:
+    """This machine's calibration when one was measured (the built-in defaults are not a ceiling)."""
+    path = args.calibration_file or DEFAULT_PATH
+    try:
+        return Calibration.load(path)
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def _report(args: argparse.Namespace, job: BenchJob, result: JobResult, seconds: float) -> int:
+    from meshwise.bench.plot import plot_runs
+
+    console = output_console()
+    sweep = job.sweep
+    console.print(
+        f"# meshwise bench · {result.world_size} ranks ({result.launcher}) · {sweep.dtype} · "
+        f"iters {sweep.iters} · warmup {sweep.warmup} · checks {sweep.checks}\n"
+        "# time = mean over iterations of the max over ranks (ranks start each iteration together)"
+    )
+    console.print()
+    print_runs(result.runs, console, checked=sweep.checks > 0)
+    runs = list(result.runs)
+    if result.calibration is not None:
+        print_runs(result.calibration.runs, console, checked=False)
+        console.print(format_outcome(result.calibration))
+        runs = runs or list(result.calibration.runs)
+    for note in result.notes:
+        console.print(f"# note: {note}")
+    if args.json:
+        record = BenchRecord(
+            launcher=result.launcher,
+            world_size=result.world_size,
+            config={
+                "dtype": sweep.dtype,
+                "op": sweep.op,
+                "root": sweep.root,
+                "iters": sweep.iters,
+                "warmup": sweep.warmup,
+                "checks": sweep.checks,
+            },
+            runs=tuple(runs),
+            command=tuple(sys.argv),
+        )
+        write_json(args.json, record)
+        console.print(f"# JSON written to {args.json}")
+    if args.plot:
+        title = f"meshwise bench · {result.world_size} ranks · {sweep.dtype}"
+        plot_runs(
+            runs, args.plot, ceiling_gbps=args.ceiling, calibration=_plot_calibration(args), title=title
+        )
+        console.print(f"# plot written to {args.plot}")
+    console.print(f"Wall time = {seconds:.3f} s")
+    failed = [run for run in result.runs if not run.ok]
+    if failed and sweep.checks > 0:
+        for run in failed:
+            print(
+                f"meshwise bench: check FAILED for {run.collective} on {run.backend}/{run.algorithm}: "
+                f"{run.wrong} wrong elements, {run.out_of_bounds} out-of-bounds writes",
+                file=sys.stderr,
+            )
+        return 1
+    return 0
+
+
+def handler(args: argparse.Namespace) -> int:
+    try:
+        job, world_size, launcher = build_job(args)
+    except ValueError as exc:
+        print(f"meshwise bench: error: {exc}", file=sys.stderr)
+        return 2
+    start = time.perf_counter()
+    try:
+        result = run_job(job, world_size, launcher, args.timeout)
+    except ValueError as exc:
+        print(f"meshwise bench: error: {exc}", file=sys.stderr)
+        return 2
+    except (SpawnError, CommError) as exc:
+        print(f"meshwise bench: {exc}", file=sys.stderr)
+        return 1
+    if result is None:  # not rank 0 of a launched job: rank 0 reports
+        return 0
+    return _report(args, job, result, time.perf_counter() - start)

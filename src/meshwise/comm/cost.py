@@ -1,0 +1,302 @@
+"""The α-β-γ cost model of collectives, its calibration, and the choice ``algo="auto"`` makes.
+
+A message of n bytes over one link costs α + n·β (α: latency per message, β: seconds per byte) and
+reducing n bytes costs n·γ. Each (collective, algorithm) pair is a linear form a·α + b·β + c·γ whose
+coefficients depend only on n and the world size p — the classic formulas of Thakur, Rabenseifner &
+Gropp (2005), e.g. ring all-reduce 2(p−1)α + 2(p−1)/p·nβ + (p−1)/p·nγ, recursive doubling
+lg p·(α + nβ + nγ), Rabenseifner 2·lg p·α + 2(p−1)/p·nβ + (p−1)/p·nγ, binomial broadcast lg p·(α + nβ).
+Sizes: n is the full vector for all_reduce/reduce/broadcast, all slots together for all_gather,
+reduce_scatter, scatter and gather, and one rank's whole input for all_to_all.
+
+Everything here is a pure function of its inputs so that the planner can evaluate hypothetical
+machines. Three links are calibrated: ``intra`` (our algorithms between ranks of one node), ``inter``
+(between nodes) and ``native`` (the backend's own collectives, so ``auto`` only replaces them where an
+algorithm of ours is predicted to be faster).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+COLLECTIVES = (
+    "all_reduce",
+    "reduce_scatter",
+    "all_gather",
+    "broadcast",
+    "reduce",
+    "scatter",
+    "gather",
+    "all_to_all",
+)
+
+#: Which collectives each algorithm implements; the others fall back to the backend's own (native) op.
+COVERAGE: dict[str, tuple[str, ...]] = {
+    "native": COLLECTIVES,
+    "ring": ("all_reduce", "reduce_scatter", "all_gather"),
+    "tree": ("all_reduce", "broadcast", "reduce", "scatter", "gather"),
+    "rd": ("all_reduce", "all_gather"),
+    "rhd": ("all_reduce", "reduce_scatter"),
+    "pairwise": ("all_to_all",),
+    "linear": COLLECTIVES,
+    "hierarchical": ("all_reduce",),
+}
+
+#: The algorithm each backend-native collective behaves like (gloo and NCCL: rings for the bulk ones).
+NATIVE_SHAPE = {
+    "all_reduce": "ring",
+    "reduce_scatter": "ring",
+    "all_gather": "ring",
+    "broadcast": "tree",
+    "reduce": "tree",
+    "scatter": "linear",
+    "gather": "linear",
+    "all_to_all": "pairwise",
+}
+
+
+@dataclass(frozen=True)
+class LinkParams:
+    """α (s per message), β (s per byte moved), γ (s per byte reduced)."""
+
+    alpha: float
+    beta: float
+    gamma: float
+
+    def __post_init__(self) -> None:
+        for name in ("alpha", "beta", "gamma"):
+            value = getattr(self, name)
+            if not (value >= 0 and math.isfinite(value)):
+                raise ValueError(f"LinkParams.{name} must be a finite non-negative number, got {value!r}")
+
+
+@dataclass(frozen=True)
+class CostSample:
+    """One measurement: ``seconds`` for ``collective`` with ``algo`` on ``nbytes`` over ``world_size``."""
+
+    collective: str
+    algo: str
+    nbytes: int
+    world_size: int
+    seconds: float
+
+
+# Built-in defaults, from `benchmarks/bench_algorithms.py -np 2,4` on the 2-core development box (gloo over
+# loopback, heavily shared): each point-to-point step of our plans cost 1–4 ms there (Python executor and
+# gloo's per-message handshake) against ~0.2 ms per step inside gloo's own collectives, and our large
+# messages reached ~0.5–0.8x of gloo's ring bandwidth. With these numbers ``auto`` keeps the native
+# collective on such a machine; ``meshwise bench --calibrate`` replaces them with the user's measurements.
+_DEFAULT_INTRA = LinkParams(alpha=1.5e-3, beta=1.0e-9, gamma=5.0e-10)
+_DEFAULT_INTER = LinkParams(alpha=1.5e-3, beta=1.0e-9, gamma=5.0e-10)
+_DEFAULT_NATIVE = LinkParams(alpha=2.0e-4, beta=4.0e-10, gamma=4.0e-10)
+
+DEFAULT_PATH = Path("~/.cache/meshwise/calibration.json")
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Link parameters of one machine: within a node, between nodes, and the backend's own collectives."""
+
+    intra: LinkParams
+    inter: LinkParams
+    native: LinkParams = _DEFAULT_NATIVE
+
+    @classmethod
+    def default(cls) -> Calibration:
+        return cls(_DEFAULT_INTRA, _DEFAULT_INTER, _DEFAULT_NATIVE)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str] | None = None) -> Calibration:
+        """Read ``path`` (default ``~/.cache/meshwise/calibration.json``); built-in defaults when the
+        default file does not exist. An explicit path must exist."""
+        file = Path(path).expanduser() if path is not None else DEFAULT_PATH.expanduser()
+        if not file.exists():
+            if path is not None:
+                raise FileNotFoundError(
+                    f"calibration file {file} does not exist; run `meshwise bench --calibrate`"
+                )
+            return cls.default()
+        try:
+            raw = json.loads(file.read_text())
+            links = {key: LinkParams(**raw[key]) for key in ("intra", "inter") if key in raw}
+            native = LinkParams(**raw["native"]) if "native" in raw else _DEFAULT_NATIVE
+            return cls(links["intra"], links.get("inter", links["intra"]), native)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(
+                f"calibration file {file} is malformed ({exc}); it needs 'intra' (and optionally 'inter', "
+                "'native') objects with alpha, beta, gamma — re-run `meshwise bench --calibrate` or delete it"
+            ) from exc
+
+    def save(self, path: str | os.PathLike[str] | None = None) -> Path:
+        file = Path(path).expanduser() if path is not None else DEFAULT_PATH.expanduser()
+        file.parent.mkdir(parents=True, exist_ok=True)
+        file.write_text(json.dumps(asdict(self), indent=2) + "\n")
+        return file
+
+
+def _lg(p: int) -> int:
+    return max(p - 1, 0).bit_length()
+
+
+def coefficients(collective: str, algo: str, nbytes: float, world_size: int) -> tuple[float, float, float]:
+    """(a, b, c) with time = a·α + b·β + c·γ for a single-link algorithm; ``native`` uses the shape of
+    the backend's own algorithm (:data:`NATIVE_SHAPE`)."""
+    if collective not in COLLECTIVES:
+        raise ValueError(f"unknown collective {collective!r}; choose one of {COLLECTIVES}")
+    if algo == "native":
+        algo = NATIVE_SHAPE[collective]
+    if algo not in COVERAGE or collective not in COVERAGE[algo] or algo == "hierarchical":
+        raise ValueError(f"no single-link cost for {collective} with algo {algo!r}")
+    p, n = world_size, float(nbytes)
+    if p == 1:
+        return (0.0, 0.0, 0.0)
+    frac = (p - 1) / p
+    lg, p2 = _lg(p), 1 << (p.bit_length() - 1)
+    fold = 0 if p == p2 else 1  # non-power-of-two: fold-in and fold-out steps
+    lg2 = p2.bit_length() - 1
+    table: dict[tuple[str, str], tuple[float, float, float]] = {
+        ("all_reduce", "ring"): (2 * (p - 1), 2 * frac * n, frac * n),
+        ("all_reduce", "rd"): (lg2 + 2 * fold, n * (lg2 + 2 * fold), n * (lg2 + fold)),
+        ("all_reduce", "rhd"): (
+            2 * lg2 + 2 * fold,
+            2 * (p2 - 1) / p2 * n + 2 * fold * n,
+            (p2 - 1) / p2 * n + fold * n,
+        ),
+        ("all_reduce", "tree"): (2 * lg, 2 * lg * n, lg * n),
+        ("all_reduce", "linear"): (p - 1, (p - 1) * n, (p - 1) * n),
+        ("reduce_scatter", "ring"): (p - 1, frac * n, frac * n),
+        ("reduce_scatter", "rhd"): (
+            lg2 + 2 * fold,
+            (p2 - 1) / p2 * n + fold * n * (1 + 1 / p),
+            (p2 - 1) / p2 * n + fold * n,
+        ),
+        ("reduce_scatter", "linear"): (p - 1, frac * n, frac * n),
+        ("all_gather", "ring"): (p - 1, frac * n, 0.0),
+        ("all_gather", "rd"): (lg, frac * n, 0.0) if not fold else (p - 1, frac * n, 0.0),
+        ("all_gather", "linear"): (p - 1, frac * n, 0.0),
+        ("broadcast", "tree"): (lg, lg * n, 0.0),
+        ("broadcast", "linear"): (p - 1, (p - 1) * n, 0.0),
+        ("reduce", "tree"): (lg, lg * n, lg * n),
+        ("reduce", "linear"): (p - 1, (p - 1) * n, (p - 1) * n),
+        ("scatter", "tree"): (2 * lg, frac * n, 0.0),  # sizes travel first (uneven slots)
+        ("scatter", "linear"): (p - 1, frac * n, 0.0),
+        ("gather", "tree"): (2 * lg, frac * n, 0.0),
+        ("gather", "linear"): (p - 1, frac * n, 0.0),
+        ("all_to_all", "pairwise"): (p - 1, frac * n, 0.0),
+        ("all_to_all", "linear"): (p - 1, frac * n, 0.0),
+    }
+    return table[(collective, algo)]
+
+
+def predict_seconds(
+    collective: str,
+    algo: str,
+    nbytes: float,
+    world_size: int,
+    link: LinkParams,
+    *,
+    inter: LinkParams | None = None,
+    local_size: int | None = None,
+) -> float:
+    """Predicted time of one call. ``hierarchical`` also needs ``inter`` and ``local_size`` (ranks per
+    node): intra-node ring reduce-scatter, inter-node all-reduce of n/L bytes, intra-node ring all-gather."""
+    if algo == "hierarchical":
+        if collective != "all_reduce" or inter is None or local_size is None:
+            raise ValueError("hierarchical cost is defined for all_reduce and needs inter= and local_size=")
+        if local_size < 1 or world_size % local_size:
+            raise ValueError(f"local_size {local_size} must divide the world size {world_size}")
+        nodes = world_size // local_size
+        intra = predict_seconds("reduce_scatter", "ring", nbytes, local_size, link)
+        intra += predict_seconds("all_gather", "ring", nbytes, local_size, link)
+        shard = nbytes / local_size
+        across = min(predict_seconds("all_reduce", a, shard, nodes, inter) for a in ("ring", "rhd"))
+        return intra + across
+    a, b, c = coefficients(collective, algo, nbytes, world_size)
+    return a * link.alpha + b * link.beta + c * link.gamma
+
+
+def choose_algorithm(
+    collective: str,
+    nbytes: float,
+    world_size: int,
+    calibration: Calibration,
+    *,
+    local_size: int | None = None,
+    candidates: Iterable[str] | None = None,
+) -> str:
+    """The predicted-fastest algorithm for ``collective`` (``native`` wins ties: no reason to replace it).
+
+    With ``local_size`` (ranks per node) smaller than the world, flat algorithms are priced on the
+    inter-node link and ``hierarchical`` competes for all_reduce.
+    """
+    multi_node = local_size is not None and 1 <= local_size < world_size
+    names = list(candidates) if candidates is not None else list(COVERAGE)
+    best, best_time = "native", math.inf
+    for algo in ["native", *[a for a in names if a != "native"]]:
+        if collective not in COVERAGE.get(algo, ()):
+            continue
+        if algo == "hierarchical":
+            if not multi_node or local_size == 1:
+                continue
+            seconds = predict_seconds(
+                collective,
+                algo,
+                nbytes,
+                world_size,
+                calibration.intra,
+                inter=calibration.inter,
+                local_size=local_size,
+            )
+        else:
+            link = (
+                calibration.inter
+                if multi_node
+                else (calibration.native if algo == "native" else calibration.intra)
+            )
+            seconds = predict_seconds(collective, algo, nbytes, world_size, link)
+        if seconds < best_time:
+            best, best_time = algo, seconds
+    return best
+
+
+def fit_link_params(samples: Sequence[CostSample]) -> tuple[LinkParams, float]:
+    """Least-squares α, β, γ (non-negative) minimising the relative error over ``samples``.
+
+    Returns the parameters and the largest relative error |predicted − measured| / measured. Relative
+    rather than absolute residuals keep the microsecond-scale small messages from being ignored next to
+    the large ones. Non-negativity is exact: every subset of the three parameters is tried.
+    """
+    if len(samples) < 3:
+        raise ValueError(f"fitting α, β, γ needs at least 3 samples, got {len(samples)}")
+    rows, times = [], []
+    for s in samples:
+        if s.seconds <= 0:
+            raise ValueError(f"sample {s} has a non-positive time")
+        rows.append(coefficients(s.collective, s.algo, s.nbytes, s.world_size))
+        times.append(s.seconds)
+    a = np.asarray(rows, dtype=np.float64)
+    t = np.asarray(times, dtype=np.float64)
+    weighted = a / t[:, None]
+    scale = np.maximum(np.abs(weighted).max(axis=0), 1e-300)  # column scaling: α and β differ by 1e5
+    best: tuple[float, np.ndarray] | None = None
+    for size in (3, 2, 1):
+        for cols in itertools.combinations(range(3), size):
+            idx = list(cols)
+            sol, *_ = np.linalg.lstsq(weighted[:, idx] / scale[idx], np.ones(len(t)), rcond=None)
+            if np.any(sol < 0):
+                continue
+            x = np.zeros(3)
+            x[idx] = sol / scale[idx]
+            err = float(np.max(np.abs(a @ x - t) / t))
+            if best is None or err < best[0]:
+                best = (err, x)
+    assert best is not None  # a single column with positive coefficients always fits non-negatively
+    err, x = best
+    return LinkParams(float(x[0]), float(x[1]), float(x[2])), err

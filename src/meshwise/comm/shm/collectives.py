@@ -1,0 +1,255 @@
+"""The shm collectives, each a sequence of phases (see :mod:`meshwise.comm.shm.phase`).
+
+Data never passes through Python objects: every copy and reduction is one vectorised torch op on views
+of the mapped regions. Messages larger than a region are cut into chunks, one phase (or two) each, so
+memory stays bounded. all_reduce of small messages, or on two ranks, is a single phase where every rank
+reduces all peers' chunks itself ("everyone reads everyone": one sync, no extra round); larger messages
+on more ranks use reduce-scatter then all-gather in two phases, so each rank reduces only 1/n of the
+data and the n ranks share the work, as in the ring algorithm but with direct reads instead of n-1 hops.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from meshwise.comm.api import SUPPORTED_DTYPES, ReduceOp
+from meshwise.comm.shm.phase import PhaseEngine, accumulator_dtype, reduce_into, signature
+
+#: all_reduce messages up to this size use the one-phase path on any number of ranks
+SMALL_ALL_REDUCE_BYTES = 256 * 1024
+
+_OPS = (
+    "all_reduce",
+    "reduce",
+    "broadcast",
+    "all_gather",
+    "reduce_scatter",
+    "all_to_all",
+    "scatter",
+    "gather",
+    "barrier",
+)
+
+
+def _sig(op: str, dtype: torch.dtype | None, *parts: int) -> int:
+    code = SUPPORTED_DTYPES.index(dtype) if dtype is not None else -1
+    return signature(_OPS.index(op), code, *parts)
+
+
+def _chunks(total: int, cap: int) -> range:
+    return range(0, total, cap)
+
+
+def _reduce_to(out: torch.Tensor, sources: list[torch.Tensor], op: ReduceOp, n: int) -> None:
+    """Reduce into ``out``, through a float32 scratch when ``out`` is half precision."""
+    acc = accumulator_dtype(out.dtype)
+    if acc == out.dtype:
+        reduce_into(out, sources, op, n)
+        return
+    scratch = torch.empty(out.shape, dtype=acc)
+    reduce_into(scratch, sources, op, n)
+    out.copy_(scratch)
+
+
+def all_reduce(eng: PhaseEngine, flat: torch.Tensor, op: ReduceOp) -> None:
+    n, rank, dtype = eng.n, eng.rank, flat.dtype
+    cap = eng.capacity(dtype)
+    sig = _sig("all_reduce", dtype, flat.numel(), list(ReduceOp).index(op))
+    one_phase = n <= 2 or flat.numel() * flat.element_size() <= SMALL_ALL_REDUCE_BYTES
+    everyone = list(range(n))
+    for start in _chunks(flat.numel(), cap):
+        part = flat[start : start + cap]
+        count = part.numel()
+        e = eng.begin("all_reduce")
+        eng.view(rank, e, dtype, count).copy_(part)
+        eng.post(e, sig)
+        eng.wait(e, eng.peers, "all_reduce")
+        if one_phase:
+            _reduce_to(part, [eng.view(p, e, dtype, count) for p in everyone], op, n)
+            continue
+        bounds = [count * i // n for i in range(n + 1)]
+        lo, hi = bounds[rank], bounds[rank + 1]
+        sources = [eng.view(p, e, dtype, count)[lo:hi] for p in everyone]
+        e2 = eng.begin("all_reduce")
+        _reduce_to(eng.view(rank, e2, dtype, count)[lo:hi], sources, op, n)
+        eng.post(e2, sig)
+        eng.wait(e2, eng.peers, "all_reduce")
+        for p in everyone:
+            part[bounds[p] : bounds[p + 1]].copy_(eng.view(p, e2, dtype, count)[bounds[p] : bounds[p + 1]])
+
+
+def reduce(eng: PhaseEngine, flat: torch.Tensor, root: int, op: ReduceOp) -> None:
+    n, rank, dtype = eng.n, eng.rank, flat.dtype
+    cap = eng.capacity(dtype)
+    sig = _sig("reduce", dtype, flat.numel(), root, list(ReduceOp).index(op))
+    for start in _chunks(flat.numel(), cap):
+        part = flat[start : start + cap]
+        e = eng.begin("reduce")
+        eng.view(rank, e, dtype, part.numel()).copy_(part)
+        eng.post(e, sig)
+        if rank == root:
+            eng.wait(e, eng.peers, "reduce")
+            _reduce_to(part, [eng.view(p, e, dtype, part.numel()) for p in range(n)], op, n)
+
+
+def broadcast(eng: PhaseEngine, flat: torch.Tensor, root: int) -> None:
+    rank, dtype = eng.rank, flat.dtype
+    cap = eng.capacity(dtype)
+    sig = _sig("broadcast", dtype, flat.numel(), root)
+    for start in _chunks(flat.numel(), cap):
+        part = flat[start : start + cap]
+        e = eng.begin("broadcast")
+        if rank == root:
+            eng.view(rank, e, dtype, part.numel()).copy_(part)
+        eng.post(e, sig)
+        if rank != root:
+            eng.wait(e, [root], "broadcast")
+            part.copy_(eng.view(root, e, dtype, part.numel()))
+
+
+def all_gather(eng: PhaseEngine, outputs: list[torch.Tensor], flat_in: torch.Tensor) -> None:
+    rank, dtype = eng.rank, flat_in.dtype
+    outs = [o.view(-1) for o in outputs]
+    sizes = [o.numel() for o in outs]
+    if outs[rank].data_ptr() != flat_in.data_ptr():
+        outs[rank].copy_(flat_in)
+    cap = eng.capacity(dtype)
+    sig = _sig("all_gather", dtype, *sizes)
+    for start in _chunks(max(sizes), cap):
+        e = eng.begin("all_gather")
+        mine = flat_in[start : start + cap]
+        eng.view(rank, e, dtype, mine.numel()).copy_(mine)
+        eng.post(e, sig)
+        eng.wait(e, eng.peers, "all_gather")
+        for p in eng.peers:
+            piece = outs[p][start : start + cap]
+            piece.copy_(eng.view(p, e, dtype, piece.numel()))
+
+
+def reduce_scatter(eng: PhaseEngine, out: torch.Tensor, inputs: list[torch.Tensor], op: ReduceOp) -> None:
+    n, rank, dtype = eng.n, eng.rank, out.dtype
+    ins = [t.view(-1) for t in inputs]
+    sizes = [t.numel() for t in ins]
+    per = eng.capacity(dtype, n)
+    sig = _sig("reduce_scatter", dtype, list(ReduceOp).index(op), *sizes)
+    for start in _chunks(max(sizes), per):
+        e = eng.begin("reduce_scatter")
+        for j, t in enumerate(ins):
+            piece = t[start : start + per]
+            if piece.numel():
+                eng.view(rank, e, dtype, piece.numel(), part=j).copy_(piece)
+        eng.post(e, sig)
+        eng.wait(e, eng.peers, "reduce_scatter")
+        target = out[start : start + per]
+        if target.numel():
+            _reduce_to(target, [eng.view(p, e, dtype, target.numel(), part=rank) for p in range(n)], op, n)
+
+
+def all_to_all(eng: PhaseEngine, outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> None:
+    n, rank, dtype = eng.n, eng.rank, inputs[0].dtype
+    ins = [t.view(-1) for t in inputs]
+    outs = [t.view(-1) for t in outputs]
+    per = eng.capacity(dtype, n)
+    sig = _sig("all_to_all", dtype)
+    outs[rank].copy_(ins[rank])
+    start, phases = 0, 1
+    while start == 0 or start < phases * per:
+        e = eng.begin("all_to_all")
+        for j, t in enumerate(ins):
+            piece = t[start : start + per]
+            if j != rank and piece.numel():
+                eng.view(rank, e, dtype, piece.numel(), part=j).copy_(piece)
+        eng.post(e, sig, [t.numel() for t in ins] if start == 0 else None)
+        eng.wait(e, eng.peers, "all_to_all")
+        if start == 0:
+            table = [eng.meta(p, e, n) for p in range(n)]
+            for p in eng.peers:
+                if table[p][rank] != outs[p].numel():
+                    raise eng.mismatch(
+                        f"rank {p} sends {table[p][rank]} elements to this rank but output slot {p} holds "
+                        f"{outs[p].numel()}",
+                        "all_to_all",
+                    )
+            phases = max(1, -(-max(max(row) for row in table) // per))
+        for p in eng.peers:
+            piece = outs[p][start : start + per]
+            if piece.numel():
+                piece.copy_(eng.view(p, e, dtype, piece.numel(), part=rank))
+        start += per
+
+
+def scatter(eng: PhaseEngine, out: torch.Tensor, inputs: list[torch.Tensor] | None, root: int) -> None:
+    n, rank, dtype = eng.n, eng.rank, out.dtype
+    per = eng.capacity(dtype, n)
+    sig = _sig("scatter", dtype, root)
+    ins = [t.view(-1) for t in inputs] if inputs is not None else []
+    if rank == root:
+        out.copy_(ins[root])
+    start, phases = 0, 1
+    while start == 0 or start < phases * per:
+        e = eng.begin("scatter")
+        if rank == root:
+            for j, t in enumerate(ins):
+                piece = t[start : start + per]
+                if j != root and piece.numel():
+                    eng.view(rank, e, dtype, piece.numel(), part=j).copy_(piece)
+            eng.post(e, sig, [t.numel() for t in ins] if start == 0 else None)
+            phases = max(1, -(-max(t.numel() for t in ins) // per))
+        else:
+            eng.post(e, sig)
+            eng.wait(e, [root], "scatter")
+            if start == 0:
+                sizes = eng.meta(root, e, n)
+                if sizes[rank] != out.numel():
+                    raise eng.mismatch(
+                        f"root {root} scatters {sizes[rank]} elements to this rank but output holds "
+                        f"{out.numel()}",
+                        "scatter",
+                    )
+                phases = max(1, -(-max(sizes) // per))
+            piece = out[start : start + per]
+            if piece.numel():
+                piece.copy_(eng.view(root, e, dtype, piece.numel(), part=rank))
+        start += per
+
+
+def gather(eng: PhaseEngine, flat_in: torch.Tensor, outputs: list[torch.Tensor] | None, root: int) -> None:
+    n, rank, dtype = eng.n, eng.rank, flat_in.dtype
+    cap = eng.capacity(dtype)
+    sig = _sig("gather", dtype, root)
+    outs = [t.view(-1) for t in outputs] if outputs is not None else []
+    if rank == root:
+        outs[root].copy_(flat_in)
+    start, phases = 0, 1
+    while start == 0 or start < phases * cap:
+        e = eng.begin("gather")
+        if rank == root:
+            eng.post(e, sig, [t.numel() for t in outs] if start == 0 else None)
+            phases = max(1, -(-max(t.numel() for t in outs) // cap))
+            eng.wait(e, eng.peers, "gather")
+            for p in eng.peers:
+                piece = outs[p][start : start + cap]
+                if piece.numel():
+                    piece.copy_(eng.view(p, e, dtype, piece.numel()))
+        else:
+            mine = flat_in[start : start + cap]
+            if mine.numel():
+                eng.view(rank, e, dtype, mine.numel()).copy_(mine)
+            eng.post(e, sig)
+            if start == 0:
+                eng.wait(e, [root], "gather")
+                sizes = eng.meta(root, e, n)
+                if sizes[rank] != flat_in.numel():
+                    raise eng.mismatch(
+                        f"root {root} expects {sizes[rank]} elements from this rank but input holds "
+                        f"{flat_in.numel()}",
+                        "gather",
+                    )
+                phases = max(1, -(-max(sizes) // cap))
+        start += cap
+
+
+def barrier(eng: PhaseEngine) -> None:
+    e = eng.begin("barrier")
+    eng.post(e, _sig("barrier", None))
+    eng.wait(e, eng.peers, "barrier")

@@ -1,0 +1,141 @@
+"""Waiting on shared counters: spin, then yield, with a deadline and dead-peer detection.
+
+A rank publishes progress by storing a monotonically increasing int64 (an aligned 8-byte store is atomic
+on x86-64) after its data; peers poll it. Polling starts with a short pure spin (the peer is usually a
+few microseconds away), then yields the CPU every round so that oversubscribed ranks (4 ranks on 2 cores)
+let the peer they wait for run, then sleeps in short naps. Every few milliseconds the slow path checks
+the deadline, the peers' abort words and whether the peer processes still exist, so a hung peer becomes
+a :class:`CommTimeoutError` and a dead one a :class:`PeerFailureError` naming it, never a hang.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+
+from meshwise.comm.api import CollectiveMismatchError, CommTimeoutError, PeerFailureError
+
+_SPIN_ROUNDS = 20  # short: when ranks outnumber cores, spinning only delays the peer we wait for
+_YIELD_SECONDS = 2e-3  # after this long, nap instead of yielding
+_NAP_SECONDS = 50e-6
+_CHECK_SECONDS = 5e-3  # how often the slow path (deadline, liveness, aborts) runs
+
+_fence_lock = threading.Lock()
+
+
+def store_fence() -> None:
+    """A full memory barrier before publishing a counter.
+
+    x86-64 keeps ordinary stores in order, but large copies may use non-temporal (streaming) stores that
+    are weakly ordered; a locked instruction (taken by acquiring an uncontended lock) drains them, so a
+    peer that sees the new counter is guaranteed to see the data written before it.
+    """
+    _fence_lock.acquire()
+    _fence_lock.release()
+
+
+def process_identity(pid: int) -> tuple[int, int] | None:
+    """(pid, start time in clock ticks) of a live process, or None when it is gone or a zombie.
+
+    The start time guards against pid reuse; zombies count as dead because a killed sibling is not reaped
+    until its parent (the launcher) gets to it.
+    """
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(b")") + 2 :].split()
+    if fields[0] in (b"Z", b"X"):
+        return None
+    return pid, int(fields[19])
+
+
+#: abort word values: 0 = fine, >0 = 1 + rank found dead, <0 = this rank saw a collective mismatch
+ABORT_MISMATCH = -1
+
+
+class Waiter:
+    """Polls a condition for one rank of one communicator, turning failures into named errors."""
+
+    def __init__(
+        self,
+        rank: int,
+        timeout: float,
+        identities: list[tuple[int, int] | None],
+        read_abort: Callable[[int], int],
+        set_abort: Callable[[int], None],
+    ) -> None:
+        self.rank = rank
+        self.timeout = timeout
+        self.identities = identities
+        self._read_abort = read_abort
+        self._set_abort = set_abort
+
+    def wait(
+        self,
+        ready: Callable[[], bool],
+        op: str,
+        peers: list[int],
+        progress: Callable[[], None] | None = None,
+        timeout: float | None = None,
+    ) -> None:
+        """Return once ``ready()`` is true; ``peers`` are the ranks whose failure would block it."""
+        for _ in range(_SPIN_ROUNDS):
+            if ready():
+                return
+        limit = self.timeout if timeout is None else timeout
+        start = time.monotonic()
+        next_check = start + _CHECK_SECONDS
+        yield_until = start + _YIELD_SECONDS
+        while True:
+            if progress is not None:
+                progress()
+            if ready():
+                return
+            now = time.monotonic()
+            if now >= next_check:
+                self.check_peers(op, peers)
+                if now - start >= limit:
+                    raise CommTimeoutError(
+                        f"no progress within {limit:g} s waiting for rank(s) {peers}; a peer may have hung "
+                        "or called another operation",
+                        rank=self.rank,
+                        op=op,
+                    )
+                next_check = now + _CHECK_SECONDS
+            if now < yield_until:
+                os.sched_yield()
+            else:
+                time.sleep(_NAP_SECONDS)
+
+    def check_peers(self, op: str, peers: list[int]) -> None:
+        """Raise if a peer died or reported a failure (and tell the others through our abort word)."""
+        for peer in range(len(self.identities)):
+            code = self._read_abort(peer)
+            if code > 0:
+                dead = code - 1
+                self._set_abort(code)
+                raise PeerFailureError(
+                    f"rank {dead} died (reported by rank {peer}); this communicator is unusable",
+                    rank=self.rank,
+                    op=op,
+                )
+            if code == ABORT_MISMATCH:
+                raise CollectiveMismatchError(
+                    f"rank {peer} found that ranks called different collectives (or with different sizes, "
+                    "dtypes or roots)",
+                    rank=self.rank,
+                    op=op,
+                )
+        for peer in peers:
+            expected = self.identities[peer]
+            if expected is not None and process_identity(expected[0]) != expected:
+                self._set_abort(peer + 1)
+                raise PeerFailureError(
+                    f"rank {peer} (pid {expected[0]}) died while this rank waited for it",
+                    rank=self.rank,
+                    op=op,
+                )

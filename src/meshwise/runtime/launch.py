@@ -1,0 +1,292 @@
+"""``meshwise run``: start N worker processes with torchrun's environment contract, and never hang.
+
+Every worker gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT and
+TORCHELASTIC_RESTART_COUNT, so an unmodified ``init_process_group(init_method="env://")`` script works.
+
+No survivors, by construction:
+- each worker leads its own session (process group); when any worker fails, the launcher signals the
+  whole *group* of every other worker (SIGTERM, then SIGKILL after a grace period), which also reaches
+  DataLoader workers and subprocesses they started. A rank stuck inside a collective dies with its
+  peers instead of waiting out a 30-minute NCCL/gloo timeout;
+- SIGINT / SIGTERM / SIGHUP to the launcher (Ctrl-C, scancel) tear the groups down the same way;
+- on Linux each worker is started through a tiny guard that sets PR_SET_PDEATHSIG before ``exec``, so
+  even a launcher killed with SIGKILL (which it cannot catch) takes its workers with it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import IO
+
+from meshwise.runtime.spawn import free_port
+from meshwise.runtime.worker import PrefixedOutput, WorkerExit, WorkerProcess
+
+#: seconds between SIGTERM and SIGKILL when tearing a group down.
+GRACE_SECONDS = 5.0
+#: rendezvous port of multi-node launches without --master-port (torchrun's default).
+DEFAULT_MASTER_PORT = 29500
+#: how often the supervisor checks for a signal to the launcher or the deadline.
+_POLL_SECONDS = 0.2
+#: exit status for an overall ``timeout`` (the value coreutils' timeout uses).
+TIMEOUT_EXIT = 124
+
+
+class LaunchConfigError(ValueError):
+    """Bad launch arguments, refused before any process starts."""
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """What to start: this node's share of an ``nnodes`` x ``nprocs`` job."""
+
+    cmd: tuple[str, ...]
+    nprocs: int
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str | None = None
+    master_port: int | None = None
+    max_restarts: int = 0
+    timeout: float | None = None
+    prefix_output: bool = True
+
+    def validate(self) -> None:
+        """Refuse a launch that cannot work, naming the flag to change."""
+        if not self.cmd:
+            raise LaunchConfigError("no command to launch")
+        if shutil.which(self.cmd[0]) is None:
+            raise LaunchConfigError(f"cannot find executable {self.cmd[0]!r} (not a file nor on PATH)")
+        if self.nprocs < 1:
+            raise LaunchConfigError(f"-np/-n must be at least 1, got {self.nprocs}")
+        if self.nnodes < 1:
+            raise LaunchConfigError(f"--nnodes must be at least 1, got {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise LaunchConfigError(
+                f"--node-rank {self.node_rank} is outside 0..{self.nnodes - 1} for --nnodes {self.nnodes}"
+            )
+        if self.nnodes > 1 and not self.master_addr:
+            raise LaunchConfigError(
+                "--nnodes > 1 needs --master-addr: the address of node 0, reachable from every node "
+                "(the same value on every node)"
+            )
+        if self.master_port is not None and not 0 < self.master_port < 65536:
+            raise LaunchConfigError(f"--master-port {self.master_port} is outside 1..65535")
+        if self.max_restarts < 0:
+            raise LaunchConfigError(f"--max-restarts must be >= 0, got {self.max_restarts}")
+        if self.max_restarts and self.nnodes > 1:
+            raise LaunchConfigError(
+                "--max-restarts restarts this node's workers only, which cannot rejoin a multi-node job; use "
+                "--max-restarts 0 with --nnodes > 1 (resubmit the job, or use torchrun's elastic rendezvous)"
+            )
+        if self.timeout is not None and self.timeout <= 0:
+            raise LaunchConfigError(f"--timeout must be positive, got {self.timeout}")
+
+    @property
+    def first_rank(self) -> int:
+        return self.node_rank * self.nprocs
+
+    def port(self) -> int:
+        """The given port; else a free one on a single node (all nodes must agree, so not there)."""
+        if self.master_port is not None:
+            return self.master_port
+        return free_port(self.address) if self.nnodes == 1 else DEFAULT_MASTER_PORT
+
+    @property
+    def address(self) -> str:
+        return self.master_addr or "127.0.0.1"
+
+    def worker_environment(self, local_rank: int, port: int, restart: int, run_id: str) -> dict[str, str]:
+        """torchrun's per-worker variables for this node's ``local_rank``-th worker."""
+        rank, world = self.first_rank + local_rank, self.nnodes * self.nprocs
+        return {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(local_rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_WORLD_SIZE": str(self.nprocs),
+            "GROUP_RANK": str(self.node_rank),
+            "GROUP_WORLD_SIZE": str(self.nnodes),
+            "ROLE_RANK": str(rank),
+            "ROLE_WORLD_SIZE": str(world),
+            "ROLE_NAME": "default",
+            "MASTER_ADDR": self.address,
+            "MASTER_PORT": str(port),
+            "TORCHELASTIC_RESTART_COUNT": str(restart),
+            "TORCHELASTIC_MAX_RESTARTS": str(self.max_restarts),
+            "TORCHELASTIC_RUN_ID": run_id,
+        }
+
+
+def _threads_per_worker(nprocs: int) -> str:
+    """OMP_NUM_THREADS default: this process's cores shared among the local workers (at least 1)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return str(max(1, cores // nprocs))
+
+
+class _Group:
+    """One attempt: start the workers, supervise them, and always tear every one of them down."""
+
+    def __init__(self, plan: LaunchPlan, env: Mapping[str, str], output: PrefixedOutput) -> None:
+        self.plan, self.env, self.output = plan, env, output
+        self.workers: list[WorkerProcess] = []
+        self.exits: queue.Queue[WorkerExit] = queue.Queue()
+
+    def run(self, attempt: int, run_id: str) -> tuple[int, bool]:
+        """(exit status, whether the launcher itself was interrupted)."""
+        plan = self.plan
+        port = plan.port()
+        with _recorded_signals() as stop:
+            try:
+                for local in range(plan.nprocs):
+                    if stop:
+                        break
+                    env = {**self.env, **plan.worker_environment(local, port, attempt, run_id)}
+                    label = f"[rank {plan.first_rank + local}] " if plan.prefix_output else ""
+                    self.workers.append(WorkerProcess(local, plan.cmd, env, self.output, label))
+                    self.workers[-1].watch(self.exits)
+                status = None if stop else self._supervise(stop)
+                if status is not None:
+                    return status, False
+                name = signal.Signals(stop[0]).name
+                self.output.write(f"meshwise run: {name} received, stopping all workers\n", to_err=True)
+                return 128 + stop[0], True
+            finally:
+                self._terminate()
+
+    def _supervise(self, stop: list[int]) -> int | None:
+        """Wait for every worker; on the first failure or at the deadline, report and return non-zero.
+
+        None when a signal to the launcher (recorded in ``stop``) cut the wait short.
+        """
+        timeout = self.plan.timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pending = len(self.workers)
+        while pending:
+            if stop:
+                return None
+            wait = _POLL_SECONDS if deadline is None else min(_POLL_SECONDS, deadline - time.monotonic())
+            if wait <= 0:
+                message = f"meshwise run: workers still running after {timeout:g} s; terminating them\n"
+                self.output.write(message, to_err=True)
+                return TIMEOUT_EXIT
+            try:
+                ended = self.exits.get(timeout=wait)
+            except queue.Empty:
+                continue
+            pending -= 1
+            if ended.returncode != 0:
+                self._report(ended)
+                return ended.exit_status
+        return 0
+
+    def _report(self, failed: WorkerExit) -> None:
+        others = [w for w in self.workers if w.rank != failed.rank and w.proc.poll() is None]
+        for worker in others:
+            worker.signal_group(signal.SIGTERM)
+        first = self.plan.first_rank
+        worker = self.workers[failed.rank]
+        worker.drain(2.0)
+        rank = first + failed.rank
+        lines = [f"meshwise run: rank {rank} failed ({failed.describe()})"]
+        if others:
+            lines[0] += "; terminating ranks " + ", ".join(str(first + w.rank) for w in others)
+        if worker.tail:
+            lines.append(f"last {len(worker.tail)} stderr lines of rank {rank}:")
+            lines.extend(f"  {line}" for line in worker.tail)
+        self.output.write("\n".join(lines) + "\n", to_err=True)
+
+    def _terminate(self) -> None:
+        """SIGTERM every worker's process group, SIGKILL what outlives the grace period, reap all."""
+        for worker in self.workers:
+            worker.signal_group(signal.SIGTERM)
+        deadline = time.monotonic() + GRACE_SECONDS
+        for worker in self.workers:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                worker.proc.wait(max(0.0, deadline - time.monotonic()))
+        for worker in self.workers:
+            worker.signal_group(signal.SIGKILL)  # also grandchildren whose leader already exited
+            worker.proc.wait()
+            worker.drain(1.0)
+
+
+@contextlib.contextmanager
+def _recorded_signals() -> Iterator[list[int]]:
+    """Record SIGINT/SIGTERM/SIGHUP in the yielded list instead of dying or raising.
+
+    The handler never raises: an exception thrown between ``Popen`` returning and the worker being
+    registered would leave that worker unknown to the teardown. The supervisor polls the list instead.
+    Signals arriving during the teardown (a second Ctrl-C) are recorded and otherwise ignored.
+    """
+    received: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield received
+        return
+
+    def handler(signum: int, frame: object) -> None:
+        received.append(signum)
+
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield received
+    finally:
+        for signum, old in previous.items():
+            signal.signal(signum, old)
+
+
+def launch(
+    cmd: Sequence[str],
+    nprocs: int,
+    *,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    master_addr: str | None = None,
+    master_port: int | None = None,
+    max_restarts: int = 0,
+    env: Mapping[str, str] | None = None,
+    timeout: float | None = None,
+    prefix_output: bool = True,
+    stdout: IO[str] | None = None,
+    stderr: IO[str] | None = None,
+) -> int:
+    """Run ``cmd`` as ``nprocs`` local workers of an ``nnodes``-node job; return the exit status.
+
+    0 when every worker exits 0. When one fails, the others are terminated and the failed worker's
+    status is returned (128 + signal when it was killed), after a report naming its rank, how it ended
+    and the tail of its stderr. ``max_restarts`` relaunches the whole local group that many times
+    (TORCHELASTIC_RESTART_COUNT counts them); ``timeout`` bounds each attempt's wall time (exit 124).
+    ``env`` adds variables on top of this process's environment.
+    """
+    plan = LaunchPlan(
+        tuple(cmd), nprocs, nnodes, node_rank, master_addr, master_port, max_restarts, timeout, prefix_output
+    )
+    plan.validate()
+    output = PrefixedOutput(stdout or sys.stdout, stderr or sys.stderr)
+    base_env = {**os.environ, **(env or {})}
+    base_env.setdefault("OMP_NUM_THREADS", _threads_per_worker(nprocs))
+    base_env["PYTHONUNBUFFERED"] = "1"
+    run_id = f"meshwise-{os.getpid()}-{int(time.time())}"
+    attempt = 0
+    while True:
+        status, interrupted = _Group(plan, base_env, output).run(attempt, run_id)
+        if status == 0 or interrupted or attempt == max_restarts:
+            return status
+        attempt += 1
+        message = f"meshwise run: restarting all {nprocs} workers (restart {attempt} of {max_restarts})\n"
+        output.write(message, to_err=True)
+
+
+def python_command(script: str, args: Sequence[str], *, module: bool = False) -> list[str]:
+    """The worker command for a Python script (or ``-m module``) with this interpreter, unbuffered."""
+    if module:
+        return [sys.executable, "-u", "-m", script, *args]
+    if not os.path.isfile(script):
+        raise LaunchConfigError(f"script {script!r} does not exist (relative to {os.getcwd()})")
+    return [sys.executable, "-u", script, *args]

@@ -1,0 +1,158 @@
+"""What this process can see, gathered without joining a job: the facts behind ``meshwise info``.
+
+Everything here is read-only and bounded: no process group is created, MPI is not initialised (importing
+``mpi4py.MPI`` would call MPI_Init), and ``nvidia-smi`` gets a timeout. A failing probe becomes a
+string in the report rather than an exception, because ``info`` is what users run when things are
+already broken.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import platform
+import shutil
+import subprocess
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from meshwise.runtime.env import LaunchEnvError, detect_launch_env
+from meshwise.runtime.world import pick_device, resolve_backend
+
+_NVIDIA_SMI_TIMEOUT = 10.0
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as handle:
+            for line in handle:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _memory_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo") as handle:
+            for line in handle:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _devices() -> list[dict[str, Any]]:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    devices: list[dict[str, Any]] = [
+        {"device": "cpu", "name": _cpu_model(), "cores": cores, "memory_bytes": _memory_bytes()}
+    ]
+    if torch.cuda.is_available():
+        for index in range(torch.cuda.device_count()):
+            props = torch.cuda.get_device_properties(index)
+            devices.append(
+                {
+                    "device": f"cuda:{index}",
+                    "name": props.name,
+                    "memory_bytes": props.total_memory,
+                    "capability": f"{props.major}.{props.minor}",
+                    "multiprocessors": props.multi_processor_count,
+                }
+            )
+    return devices
+
+
+def _backends() -> dict[str, dict[str, Any]]:
+    cuda = torch.cuda.is_available()
+    mpi4py = importlib.util.find_spec("mpi4py") is not None
+    return {
+        "gloo": {"available": dist.is_gloo_available(), "note": "CPU tensors; any machine"},
+        "nccl": {
+            "available": dist.is_nccl_available() and cuda,
+            "note": "CUDA tensors" if dist.is_nccl_available() else "this torch build has no NCCL",
+        },
+        "shm": {
+            "available": os.path.isdir("/dev/shm"),
+            "note": "single-node shared memory" if os.path.isdir("/dev/shm") else "no /dev/shm",
+        },
+        "mpi": {
+            "available": mpi4py,
+            "note": "mpi4py installed (not initialised here)" if mpi4py else "pip install meshwise[mpi]",
+        },
+    }
+
+
+def _topology() -> str | None:
+    """``nvidia-smi topo -m`` (NVLink/PCIe paths between GPUs and NICs), when the tool exists."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    try:
+        done = subprocess.run(
+            [exe, "topo", "-m"], capture_output=True, text=True, timeout=_NVIDIA_SMI_TIMEOUT, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"nvidia-smi topo -m failed: {exc}"
+    return (
+        done.stdout.rstrip() if done.returncode == 0 else f"nvidia-smi topo -m failed: {done.stderr.strip()}"
+    )
+
+
+def _shm() -> dict[str, Any] | None:
+    try:
+        usage = shutil.disk_usage("/dev/shm")
+    except OSError:
+        return None
+    return {"path": "/dev/shm", "total_bytes": usage.total, "free_bytes": usage.free}
+
+
+def collect() -> dict[str, Any]:
+    """The whole report as plain data (what ``meshwise info --json`` prints)."""
+    report: dict[str, Any] = {
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+            "platform": platform.platform(),
+        },
+        "host": platform.node(),
+    }
+    try:
+        layout = detect_launch_env()
+    except LaunchEnvError as exc:
+        report["launch"] = {"error": str(exc)}
+        layout = None
+    else:
+        report["launch"] = {
+            "launcher": layout.launcher,
+            "rank": layout.rank,
+            "local_rank": layout.local_rank,
+            "world_size": layout.world_size,
+            "local_world_size": layout.local_world_size,
+            "node_rank": layout.node_rank,
+            "num_nodes": layout.num_nodes,
+            "master_addr": layout.master_addr,
+            "master_port": layout.master_port,
+            "job_id": layout.job_id,
+            "restart_count": layout.restart_count,
+        }
+    report["backends"] = _backends()
+    if layout is not None:
+        try:
+            device = pick_device(layout)
+            report["auto"] = {
+                "device": str(device),
+                "backend": resolve_backend(
+                    "auto", device, layout.world_size, single_host=layout.num_nodes == 1
+                ),
+            }
+        except (RuntimeError, ValueError) as exc:
+            report["auto"] = {"error": str(exc)}
+    report["devices"] = _devices()
+    report["topology"] = _topology()
+    report["shm"] = _shm()
+    return report

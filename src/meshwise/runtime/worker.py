@@ -1,0 +1,120 @@
+"""One worker process of ``meshwise run``: started in its own session, its output forwarded line by line.
+
+The process plumbing under :mod:`meshwise.runtime.launch`: a new session per worker (so one signal to
+the group reaches everything the worker started), a parent-death guard (so even a SIGKILLed launcher
+leaves no workers), output pumps that prefix each line with the rank and keep the stderr tail for the
+failure report. The launcher decides *when* to start and stop workers; this module knows *how*.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import IO
+
+#: lines of a failed rank's stderr kept for the failure report.
+TAIL_LINES = 20
+
+# Run as ``python -S -c _GUARD <launcher pid> cmd...``: die with the launcher, then become ``cmd``.
+_GUARD = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)\n"  # 1 = PR_SET_PDEATHSIG
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    os._exit(1)\n"  # the launcher died before the prctl took effect
+    "os.execvp(sys.argv[2], sys.argv[2:])\n"
+)
+
+
+@dataclass(frozen=True)
+class WorkerExit:
+    """How one worker ended: ``returncode`` < 0 means killed by that signal."""
+
+    rank: int
+    returncode: int
+
+    @property
+    def exit_status(self) -> int:
+        """The shell's convention: the code itself, or 128 + signal number."""
+        return self.returncode if self.returncode >= 0 else 128 - self.returncode
+
+    def describe(self) -> str:
+        if self.returncode < 0:
+            try:
+                return f"killed by {signal.Signals(-self.returncode).name}"
+            except ValueError:
+                return f"killed by signal {-self.returncode}"
+        return f"exit code {self.returncode}"
+
+
+class PrefixedOutput:
+    """Serialised, line-prefixed writes to the launcher's streams; a closed stream is tolerated."""
+
+    def __init__(self, out: IO[str], err: IO[str]) -> None:
+        self.out, self.err = out, err
+        self.lock = threading.Lock()
+
+    def write(self, text: str, *, to_err: bool) -> None:
+        with self.lock, contextlib.suppress(OSError, ValueError):  # reader gone: keep draining anyway
+            sink = self.err if to_err else self.out
+            sink.write(text)
+            sink.flush()
+
+
+class WorkerProcess:
+    """One child process and the threads that forward its output line by line with a rank prefix."""
+
+    def __init__(
+        self, rank: int, cmd: Sequence[str], env: Mapping[str, str], output: PrefixedOutput, label: str
+    ) -> None:
+        self.rank = rank
+        self.tail: deque[str] = deque(maxlen=TAIL_LINES)
+        if sys.platform.startswith("linux"):
+            cmd = [sys.executable, "-S", "-c", _GUARD, str(os.getpid()), *cmd]
+        self.proc = subprocess.Popen(
+            list(cmd),
+            env=dict(env),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
+        self.readers = [
+            threading.Thread(target=self._pump, args=(self.proc.stdout, output, label, False), daemon=True),
+            threading.Thread(target=self._pump, args=(self.proc.stderr, output, label, True), daemon=True),
+        ]
+        for thread in self.readers:
+            thread.start()
+
+    def _pump(self, stream: IO[bytes], output: PrefixedOutput, label: str, is_err: bool) -> None:
+        for raw in iter(stream.readline, b""):
+            line = raw.decode(errors="replace").rstrip("\r\n")
+            if is_err:
+                self.tail.append(line)
+            output.write(f"{label}{line}\n", to_err=is_err)
+        stream.close()
+
+    def watch(self, exits: queue.Queue[WorkerExit]) -> None:
+        """Report this worker's end on ``exits`` the moment it happens."""
+        threading.Thread(
+            target=lambda: exits.put(WorkerExit(self.rank, self.proc.wait())), daemon=True
+        ).start()
+
+    def signal_group(self, signum: int) -> None:
+        """Signal the worker's whole process group (it leads its own session, so pgid == pid)."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signum)
+
+    def drain(self, timeout: float) -> None:
+        """Wait for the output threads, so the failure report shows the last stderr lines."""
+        deadline = time.monotonic() + timeout
+        for thread in self.readers:
+            thread.join(max(0.0, deadline - time.monotonic()))

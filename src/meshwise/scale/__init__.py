@@ -1,0 +1,1 @@
+"""Scaling studies: run a workload at several rank counts and say whether — and why not — it scales."""

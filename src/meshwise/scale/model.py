@@ -1,0 +1,47 @@
+"""What the α-β-γ cost model predicts for a scaling study: compute that divides plus a collective that grows.
+
+T_model(n) = C(n) + A(n), where C is the measured compute time of the baseline scale n0 (its wall time
+minus its communication time) divided by n/n0 for strong scaling and kept constant for weak scaling, and
+A(n) is ``meshwise.comm.cost``'s prediction for an all_reduce of the workload's payload on n ranks with
+the algorithm the model itself would choose. The gap between this line and the measurements is what the
+model does not know: launch overheads, imbalance, contention for cores.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from meshwise.scale.metrics import ScalePoint
+
+
+def predicted_times(
+    mode: str,
+    points: Sequence[ScalePoint],
+    comm_bytes: int,
+    calibration_path: str | None = None,
+) -> list[float] | None:
+    """Model wall time per point, or None when the cost model is not installed."""
+    try:
+        from meshwise.comm.cost import Calibration, choose_algorithm, predict_seconds
+    except ImportError:
+        return None
+    calibration = Calibration.load(calibration_path)
+    link = calibration.intra
+
+    def comm(ranks: int) -> float:
+        if ranks == 1:
+            return 0.0
+        algo = choose_algorithm("all_reduce", comm_bytes, ranks, calibration)
+        return predict_seconds("all_reduce", algo, comm_bytes, ranks, link)
+
+    base = points[0]
+    measured_comm = (
+        (base.comm_fraction or 0.0) * base.wall_seconds if base.comm_fraction is not None else None
+    )
+    compute = base.wall_seconds - (measured_comm if measured_comm is not None else comm(base.ranks))
+    compute = max(compute, 0.0)
+    times = []
+    for point in points:
+        share = compute * base.ranks / point.ranks if mode == "strong" else compute
+        times.append(share + comm(point.ranks))
+    return times

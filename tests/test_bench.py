@@ -1,0 +1,339 @@
+"""meshwise bench: sizes, nccl-tests definitions, checks that can fail, JSON, plots, calibration."""
+
+import json
+
+import pytest
+import torch
+
+import meshwise
+from meshwise.bench import cases
+from meshwise.bench.busbw import COLLECTIVES, algbw, bus_factor, busbw, layout_for
+from meshwise.bench.cases import Case, pattern
+from meshwise.bench.jsonio import from_dict, read_json, to_dict
+from meshwise.bench.plot import plot_runs
+from meshwise.bench.runner import Row, RunResult, SweepConfig, run_sweep
+from meshwise.bench.sizes import format_size, parse_size, size_sweep
+from meshwise.cli import build_parser, main
+from meshwise.cli.bench import build_job
+from meshwise.comm.api import Communicator, CompletedWork, ReduceOp
+from meshwise.comm.cost import Calibration, LinkParams
+from meshwise.runtime.spawn import spawn
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+# ---------------------------------------------------------------------------------------------- sizes
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("8", 8),
+        ("4K", 4096),
+        ("4k", 4096),
+        ("4KiB", 4096),
+        ("64M", 64 << 20),
+        ("1G", 1 << 30),
+        (" 2MB ", 2 << 20),
+    ],
+)
+def test_parse_size(text, expected):
+    assert parse_size(text) == expected
+    assert parse_size(format_size(expected)) == expected
+
+
+@pytest.mark.parametrize("text", ["1.5K", "-4", "4X", "", "K"])
+def test_parse_size_refuses_what_it_cannot_read(text):
+    with pytest.raises(ValueError, match="write bytes like"):
+        parse_size(text)
+
+
+def test_size_sweeps():
+    assert size_sweep(8, 64, factor=2) == [8, 16, 32, 64]
+    assert size_sweep(4096, 64 << 20, factor=16) == [4096, 65536, 1 << 20, 16 << 20]
+    assert size_sweep(100, 350, step=100) == [100, 200, 300]
+    assert format_size(3 << 20) == "3M" and format_size(1000) == "1000"
+    with pytest.raises(ValueError, match="swap -b and -e"):
+        size_sweep(64, 8, factor=2)
+    with pytest.raises(ValueError, match="exactly one"):
+        size_sweep(8, 64, factor=2, step=8)
+    with pytest.raises(ValueError, match="at least 2"):
+        size_sweep(8, 64, factor=1)
+
+
+# ---------------------------------------------------------------------------------------------- busbw
+# nccl-tests doc/PERFORMANCE.md, written out for 4 and 8 ranks.
+NCCL_FACTORS = {
+    4: {"all_reduce": 1.5, "all_gather": 0.75, "reduce_scatter": 0.75, "all_to_all": 0.75, "gather": 0.75,
+        "scatter": 0.75, "broadcast": 1.0, "reduce": 1.0, "sendrecv": 1.0},
+    8: {"all_reduce": 1.75, "all_gather": 0.875, "reduce_scatter": 0.875, "all_to_all": 0.875,
+        "gather": 0.875, "scatter": 0.875, "broadcast": 1.0, "reduce": 1.0, "sendrecv": 1.0},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("ranks", [4, 8])
+def test_bus_factors_match_nccl_tests(ranks):
+    assert set(NCCL_FACTORS[ranks]) == set(COLLECTIVES)
+    for collective, factor in NCCL_FACTORS[ranks].items():
+        assert bus_factor(collective, ranks) == factor, collective
+        assert busbw(collective, 10**9, 1.0, ranks) == pytest.approx(factor)
+    assert algbw(2 * 10**9, 0.5) == 4.0  # GB/s are 10^9 B/s
+    with pytest.raises(ValueError, match="unknown collective"):
+        bus_factor("allreduce", 4)
+
+
+def test_layout_is_nccl_tests_size_and_count():
+    # all_reduce: S = the buffer, count = its elements; the size is rounded down to whole elements.
+    lay = layout_for("all_reduce", 1002, 4, 4)
+    assert (lay.count, lay.nbytes) == (250, 1000)
+    # slotted collectives: count = one slot, S = all n slots.
+    for collective in ("all_gather", "reduce_scatter", "all_to_all", "gather", "scatter"):
+        lay = layout_for(collective, 1000, 4, 4)
+        assert (lay.count, lay.total_elements, lay.nbytes) == (62, 248, 992), collective
+    assert layout_for("all_gather", 8, 4, 4).count == 0  # too small: skipped by the runner
+
+
+# ---------------------------------------------------------------------------------------------- options
+def _args(*argv):
+    return build_parser("bench").parse_args(["bench", *argv])
+
+
+def test_options_are_parsed_into_a_job():
+    argv = (
+        "all -np 3 -b 1K -e 16K -f 4 -n 7 -w 2 -c 3 --dtype bfloat16 --op max --root 2 --algo ring,rhd,ring"
+    )
+    job, world, launcher = build_job(_args(*argv.split()))
+    assert (world, launcher) == (3, "local")
+    assert job.collectives == COLLECTIVES and job.backends == ("gloo",) and job.algorithms == ("ring", "rhd")
+    sweep = job.sweep
+    assert sweep.sizes == (1024, 4096, 16384)
+    assert (sweep.iters, sweep.warmup, sweep.checks, sweep.dtype, sweep.op, sweep.root) == (
+        7, 2, 3, "bfloat16", "max", 2
+    )  # fmt: skip
+    assert build_job(_args("sendrecv", "-i", "1K", "-b", "1K", "-e", "3K"))[0].sweep.sizes == (
+        1024,
+        2048,
+        3072,
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (("all_reduce", "-e", "64Q"), "write bytes like"),
+        (("all_reduce", "--op", "avg", "--dtype", "int32"), "not defined for int32"),
+        (("broadcast", "--root", "2"), "outside 0..1"),
+        (("all_reduce", "--backend", "gloo,tcp"), "unknown backend"),
+        (("all_reduce", "--algo", "ring,butterfly"), "unknown algorithm"),
+        (("all_reduce", "--backend", "mpi"), "mpirun"),
+        (("all_gather", "-np", "4", "-b", "4", "-e", "8"), "raise -e to 16"),
+        (("all_reduce", "-n", "0"), "-n must be at least 1"),
+        (("all_reduce", "--ceiling", "0"), "--ceiling must be"),
+        (("sendrecv", "-np", "1"), "at least 2 ranks"),
+        ((), "name a COLLECTIVE"),
+    ],
+)
+def test_bad_options_are_refused_before_launch(argv, message):
+    with pytest.raises(ValueError, match=message):
+        build_job(_args(*argv))
+
+
+def test_nccl_without_cuda_is_refused(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="needs CUDA"):
+        build_job(_args("all_reduce", "--backend", "nccl"))
+
+
+def test_bad_option_exit_code_is_2(capsys):
+    assert main(["bench", "all_reduce", "--op", "avg", "--dtype", "int64"]) == 2
+    assert "use --op sum" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------- checks
+class _Overrun(Communicator):
+    """One rank whose all_reduce also writes one element past the end of its buffer."""
+
+    backend = "overrun"
+
+    def __init__(self):
+        super().__init__(0, 1, 10.0)
+
+    def _all_reduce(self, tensor, op):
+        torch.as_strided(tensor, (tensor.numel() + 1,), (1,), tensor.storage_offset()).fill_(7)
+        return CompletedWork()
+
+    def _isend(self, *a):
+        return CompletedWork()
+
+    _irecv = _broadcast = _reduce = _all_gather = _reduce_scatter = _all_to_all = _isend
+    _scatter = _gather = _barrier = _split = _isend
+
+
+class _Honest(_Overrun):
+    def _all_reduce(self, tensor, op):
+        return CompletedWork()  # one rank: the input is the result
+
+
+def test_guards_catch_out_of_bounds_writes_and_values_are_checked():
+    layout = layout_for("all_reduce", 64, 1, 4)
+    case = Case(_Overrun(), layout, torch.float32, ReduceOp.SUM, 0, torch.device("cpu"))
+    case.prepare(salt=1)
+    case.run()
+    # it wrote 7 everywhere; a one-rank all_reduce must return the input, whose values lie in -4..4
+    assert case.check(1) == (layout.count, 1)
+    case.prepare(salt=2)
+    case.comm = _Honest()
+    case.run()
+    assert case.check(2) == (0, 0)
+
+
+class _FakeGather(_Overrun):
+    """Rank 1 of 3 whose all_gather fills the other slots with those ranks' check inputs."""
+
+    def __init__(self, salt):
+        Communicator.__init__(self, 1, 3, 10.0)
+        self.salt = salt
+
+    def _all_gather(self, outputs, input):
+        for k, out in enumerate(outputs):
+            source = input if k == self.rank else pattern(k, 0, out.numel(), out.dtype, ReduceOp.SUM, 3, 1)
+            out.copy_(source)
+        return CompletedWork()
+
+
+def test_chunked_reference_follows_slots(monkeypatch):
+    monkeypatch.setattr(cases, "CHUNK_ELEMENTS", 7)  # 20-element slots in chunks of 7, 7 and 6
+    layout = layout_for("all_gather", 3 * 20 * 4, 3, 4)
+    case = Case(_FakeGather(1), layout, torch.float32, ReduceOp.SUM, 0, torch.device("cpu"))
+    case.prepare(salt=1)
+    case.run()
+    assert case.check(1) == (0, 0)
+    case.result.view[2 * 20 + 13] += 1  # slot 2, third chunk
+    assert case.check(1) == (1, 0)
+
+
+def _sweep_matrix():
+    """Every collective, several dtypes, ops and roots, native and algorithm communicators."""
+    from meshwise.comm.algorithms import with_algorithm
+
+    world = meshwise.init("gloo", timeout=30)
+    out = []
+    configs = [
+        SweepConfig(c, (8, 100, 4096), dtype=dt, op=op, root=root, iters=1, warmup=0, checks=2)
+        for c in COLLECTIVES
+        for dt, op, root in (("float32", "sum", 0), ("bfloat16", "prod", 1), ("int32", "max", 1),
+                             ("float16", "avg", 0), ("int64", "min", 0))
+    ]  # fmt: skip
+    for algo in ("native", "ring", "rhd", "tree"):
+        comm = with_algorithm(world.comm, algo)
+        for config in configs:
+            rows = run_sweep(comm, world.comm, config, torch.device("cpu"))
+            out.append(
+                (algo, config.collective, config.dtype, config.op, [(r.wrong, r.out_of_bounds) for r in rows])
+            )
+    meshwise.shutdown()
+    return out
+
+
+def test_every_collective_dtype_op_and_root_checks_clean_on_three_ranks():
+    results = spawn(_sweep_matrix, 3, timeout=100)
+    assert results[0] == results[1] == results[2]  # verdicts are reduced over ranks
+    for algo, collective, dtype, op, rows in results[0]:
+        assert rows and all(r == (0, 0) for r in rows), (algo, collective, dtype, op, rows)
+
+
+# ---------------------------------------------------------------------------------------------- end to end
+def test_every_collective_on_two_ranks_reports_zero_wrong(tmp_path, capsys):
+    path = tmp_path / "bench.json"
+    argv = "bench all -np 2 -b 64 -e 4K -f 8 -n 2 -w 1 -c 1 --backend gloo --json"
+    code = main([*argv.split(), str(path)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    for column in ("size(B)", "count(elements)", "type", "redop", "root", "time(us)", "algbw(GB/s)",
+                   "busbw(GB/s)", "#wrong"):  # fmt: skip
+        assert column in out
+    assert "# Wrong elements       : 0 OK" in out and "Wall time = " in out
+    data = json.loads(path.read_text())
+    assert [run["collective"] for run in data["runs"]] == list(COLLECTIVES)
+    for run in data["runs"]:
+        assert run["world_size"] == 2 and run["backend"] == "gloo" and run["algorithm"] == "native"
+        assert [row["size"] for row in run["rows"]] == [64, 512, 4096]
+        assert all(
+            row["wrong"] == 0 and row["out_of_bounds"] == 0 and row["time_us"] > 0 for row in run["rows"]
+        )
+    assert data["world_size"] == 2 and data["launcher"] == "local" and data["versions"]["torch"]
+    assert data["machine"]["cpu_count"] >= 1
+    # JSON round trip: the record reads back into the same objects and writes the same document.
+    record = read_json(str(path))
+    assert to_dict(record) == data and to_dict(from_dict(to_dict(record))) == data
+
+
+def test_injected_wrong_result_fails_the_run(tmp_path, capsys):
+    path = tmp_path / "bad.json"
+    argv = "bench all_reduce -np 2 -b 1K -e 2K -n 1 -w 0 -c 2 --algo native,ring --inject-error 1 --json"
+    code = main([*argv.split(), str(path)])
+    captured = capsys.readouterr()
+    assert code == 1
+    assert "FAILED" in captured.out and "check FAILED for all_reduce" in captured.err
+    runs = json.loads(path.read_text())["runs"]
+    # one corrupted element per check (2) per size (2) on rank 1, for each algorithm
+    assert [[row["wrong"] for row in run["rows"]] for run in runs] == [[2, 2], [2, 2]]
+
+
+def test_algorithms_side_by_side_and_plot(tmp_path, capsys):
+    png = tmp_path / "bw.png"
+    argv = "bench all_reduce -np 2 -b 4K -e 64K -f 4 -n 2 -w 1 --algo native,ring,rhd,auto --plot"
+    code = main([*argv.split(), str(png)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    for algo in ("native", "ring", "rhd", "auto"):
+        assert f"all_reduce · backend gloo · algorithm {algo} · 2 ranks" in out
+    assert png.read_bytes().startswith(PNG_SIGNATURE) and png.stat().st_size > 10_000
+
+
+def test_plot_with_model_ceiling_is_a_png(tmp_path):
+    rows = tuple(
+        Row(s, s // 4, "float32", "sum", -1, 10 + s / 1e3, s / 1e4, s / 1e4, 0, 0, 9.0, 11.0)
+        for s in (8, 64, 512)
+    )
+    runs = [RunResult("all_reduce", "gloo", algo, 4, rows) for algo in ("native", "ring")]
+    runs.append(RunResult("sendrecv", "gloo", "native", 4, rows))
+    calibration = Calibration(LinkParams(1e-5, 1e-9, 1e-10), LinkParams(2e-5, 2e-9, 1e-10))
+    path = tmp_path / "model.png"
+    plot_runs(runs, str(path), ceiling_gbps=12.5, calibration=calibration, title="t")
+    assert path.read_bytes().startswith(PNG_SIGNATURE)
+
+
+def test_calibrate_writes_the_cost_model_file(tmp_path, capsys):
+    target = tmp_path / "calibration.json"
+    argv = "bench --calibrate -np 2 -b 1K -e 256K -f 4 -n 3 -w 1 --calibration-file"
+    code = main([*argv.split(), str(target)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    loaded = Calibration.load(target)
+    assert loaded.intra.alpha > 0 or loaded.intra.beta > 0
+    assert (
+        "# intra" in out and "# native" in out and "max rel err" in out and "kept the built-in default" in out
+    )
+    assert f"Calibration written to {target}" in out
+
+
+def _calibrate_two_nodes(path):
+    from meshwise.bench.calibrate import calibrate
+
+    world = meshwise.init("gloo", timeout=30)
+    sweep = SweepConfig("all_reduce", (1024, 16384, 262144), iters=2, warmup=1, checks=0)
+    outcome = calibrate(world.comm, world.comm, [0, 0, 1, 1], sweep, torch.device("cpu"), path, None)
+    meshwise.shutdown()
+    if outcome is None:
+        return None
+    return [(f.name, f.samples, f.max_relative_error is not None) for f in outcome.links], outcome.path
+
+
+def test_calibrate_splits_intra_and_inter_links_on_a_two_node_layout(tmp_path):
+    """Ranks {0,1} and {2,3} pretend to be two nodes: intra from each pair, inter from ranks 0 and 2."""
+    path = str(tmp_path / "two_nodes.json")
+    results = spawn(_calibrate_two_nodes, 4, (path,), timeout=100)
+    assert results[1:] == [None, None, None]
+    links, saved = results[0]
+    # 3 plans × 3 sizes each; intra and inter run on 2-rank groups, native on all 4 ranks
+    assert links == [("intra", 9, True), ("inter", 9, True), ("native", 9, True)]
+    assert saved == path and Calibration.load(path).inter.alpha >= 0

@@ -1,0 +1,252 @@
+"""Every algorithm against native torch.distributed (gloo) on 1–5 ranks, the seeds' tables, and errors.
+
+One spawn per world size runs the whole matrix inside the ranks (every covered collective × dtype × op,
+in and out of place, even and uneven, every root) and returns the mismatch descriptions, so a failure
+message says exactly which case differed on which rank.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import meshwise
+from collective_matrix import COLLECTIVES, check_collectives
+from meshwise.comm import CommError
+from meshwise.comm.algorithms import ALGORITHMS, with_algorithm
+from meshwise.comm.cost import COVERAGE, Calibration, LinkParams
+from meshwise.runtime.spawn import spawn
+
+ALGOS = [a for a in ALGORITHMS if a != "native"]
+DTYPES = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+}
+SEGMENT = 64  # bytes: forces the pipelined (segmented) ring paths on test-sized messages
+
+
+def node_map(world_size: int) -> list[int]:
+    """Two nodes when the world is even, else one rank per node (both are valid hierarchies)."""
+    return (
+        [2 * r // world_size for r in range(world_size)] if world_size % 2 == 0 else list(range(world_size))
+    )
+
+
+def _algorithm(comm, algo: str, calibration: Calibration | None = None):
+    nm = node_map(comm.world_size) if algo in ("hierarchical", "auto") else None
+    return with_algorithm(comm, algo, node_map=nm, calibration=calibration, segment_bytes=SEGMENT)
+
+
+GROUPS = {
+    "bandwidth": ("ring", "rd", "rhd"),
+    "rooted": ("tree", "linear", "pairwise"),
+    "composed": ("hierarchical", "auto"),
+}
+
+
+def _matrix(algos: list[str], dtype_names: list[str], sizes: list[int]) -> list[str]:
+    world = meshwise.init("gloo", timeout=30)
+    native, failures = world.comm, []
+    for algo in algos:
+        covered = COLLECTIVES if algo in ("auto", "linear") else COVERAGE[algo]
+        comm = _algorithm(native, algo)
+        found = check_collectives(
+            comm, native, dtypes=[DTYPES[d] for d in dtype_names], sizes=sizes, collectives=covered
+        )
+        failures += [f"{algo}: {f}" for f in found]
+    meshwise.shutdown()
+    return failures
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("group", list(GROUPS))
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5])
+def test_every_algorithm_matches_native(world_size, group):
+    # every dtype up to 4 ranks; the 5-rank (folding) world keeps one float, one half and one integer type
+    dtypes = list(DTYPES) if world_size <= 4 else ["float32", "bfloat16", "int64"]
+    failures = spawn(_matrix, world_size, args=(list(GROUPS[group]), dtypes, [1, 13]), timeout=110)
+    assert [f for rank in failures for f in rank] == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_every_algorithm_matches_native_on_segmented_messages(world_size):
+    failures = spawn(_matrix, world_size, args=(ALGOS, ["float32", "int64"], [300]), timeout=110)
+    assert [f for rank in failures for f in rank] == []
+
+
+def _random_floats() -> dict[str, float]:
+    """Non-exact float inputs: every algorithm within a tight tolerance of native, and bit-identical on
+    all ranks (so replicas never drift apart)."""
+    world = meshwise.init("gloo", timeout=30)
+    native, errors = world.comm, {}
+    gen = torch.Generator().manual_seed(world.rank)
+    x = torch.randn(5003, generator=gen)
+    want = x.clone()
+    native.all_reduce(want)
+    for algo in ALGOS:
+        got = x.clone()
+        _algorithm(native, algo).all_reduce(got)
+        errors[algo] = float(((got - want).abs() / want.abs().clamp_min(1e-3)).max())
+        everyone = torch.empty(world.world_size * got.numel())
+        native.all_gather(everyone, got)
+        errors[algo + " replicas differ"] = float((everyone.view(world.world_size, -1) != got).sum())
+    meshwise.shutdown()
+    return errors
+
+
+def test_random_floats_are_close_to_native_and_identical_across_ranks():
+    for rank_errors in spawn(_random_floats, 3, timeout=90):
+        for name, err in rank_errors.items():
+            limit = 0.0 if "replicas" in name else 1e-4
+            assert err <= limit, f"{name}: {err}"
+
+
+def _seed_tables(algo: str) -> dict:
+    world = meshwise.init("gloo", timeout=30)
+    comm, rank = _algorithm(world.comm, algo), world.rank
+    out = {}
+    x = torch.tensor([float(rank + 1)])  # Exercise 0: GPU0..3 = [1],[2],[3],[4]
+    reduced = x.clone()
+    comm.reduce(reduced, root=0)
+    out["ex0_reduce"] = reduced.tolist()
+    summed = x.clone()
+    comm.all_reduce(summed)
+    out["ex0_all_reduce"] = summed.tolist()
+    gathered = torch.empty(4)
+    comm.all_gather(gathered, x)
+    out["ex0_all_gather"] = gathered.tolist()
+    letters = torch.tensor([65, 66, 67, 68]) if rank == 0 else torch.zeros(4, dtype=torch.int64)  # A B C D
+    comm.broadcast(letters, root=0)
+    out["broadcast"] = letters.tolist()
+    shard = torch.empty(1, dtype=torch.int64)
+    comm.scatter(shard, list(torch.tensor([65, 66, 67, 68]).split(1)) if rank == 0 else None, root=0)
+    out["scatter"] = shard.tolist()
+    full = [torch.empty(1, dtype=torch.int64) for _ in range(4)] if rank == 0 else None
+    comm.gather(shard, full, root=0)
+    out["gather"] = [t.item() for t in full] if full else None
+    row = torch.arange(rank + 1, rank + 4, dtype=torch.int64)  # rank r holds [r+1, r+2, r+3]
+    red = row.clone()
+    comm.reduce(red, root=0)
+    out["reduce"] = red.tolist()
+    comm.all_reduce(row)
+    out["all_reduce"] = row.tolist()
+    piece = torch.empty(1, dtype=torch.int64)
+    comm.reduce_scatter(piece, torch.arange(rank + 1, rank + 5, dtype=torch.int64))  # [r+1 … r+4]
+    out["reduce_scatter"] = piece.tolist()
+    # seeds: "all-reduce = reduce-scatter + all-gather", on non-exact floats
+    gen = torch.Generator().manual_seed(rank)
+    v = torch.randn(4 * 1001, generator=gen)
+    direct = v.clone()
+    comm.all_reduce(direct)
+    part = torch.empty(1001)
+    comm.reduce_scatter(part, v)
+    composed = torch.empty(4 * 1001)
+    comm.all_gather(composed, part)
+    out["rs_ag_max_diff"] = float((direct - composed).abs().max())
+    out["rs_ag_bitwise"] = bool(torch.equal(direct, composed))
+    meshwise.shutdown()
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algo", ["ring", "tree", "rhd", "auto"])
+def test_seed_tables_literally(algo):
+    results = spawn(_seed_tables, 4, args=(algo,), timeout=90)
+    assert results[0]["ex0_reduce"] == [10.0]
+    assert [r["ex0_reduce"] for r in results[1:]] == [[2.0], [3.0], [4.0]]  # non-roots keep their input
+    for r in results:
+        assert r["ex0_all_reduce"] == [10.0]
+        assert r["ex0_all_gather"] == [1.0, 2.0, 3.0, 4.0]
+        assert r["broadcast"] == [65, 66, 67, 68]
+        assert r["all_reduce"] == [10, 14, 18]
+        assert r["rs_ag_max_diff"] < 1e-5
+    assert [r["scatter"] for r in results] == [[65], [66], [67], [68]]
+    assert results[0]["gather"] == [65, 66, 67, 68]
+    assert results[0]["reduce"] == [10, 14, 18]
+    assert [r["reduce_scatter"] for r in results] == [[10], [14], [18], [22]]
+    if algo == "ring":  # ring all_reduce *is* ring reduce-scatter followed by ring all-gather
+        assert all(r["rs_ag_bitwise"] for r in results)
+
+
+def _mismatch(algo: str, what: str) -> str:
+    world = meshwise.init("gloo", timeout=5)
+    comm = with_algorithm(world.comm, algo, check_consistency=True)
+    if what == "size":
+        x = torch.ones(4 if world.rank == 0 else 8)
+    else:
+        x = torch.ones(4, dtype=torch.float32 if world.rank == 0 else torch.float64)
+    try:
+        comm.all_reduce(x)
+    except CommError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+@pytest.mark.parametrize("algo,what", [("ring", "size"), ("rd", "dtype")])
+def test_mismatched_ranks_fail_with_an_error_naming_rank_and_op(algo, what):
+    results = spawn(_mismatch, 2, args=(algo, what), timeout=60)
+    for rank, message in enumerate(results):
+        assert message.startswith(
+            f"CollectiveMismatchError: [rank {rank} · all_reduce] ranks disagree on {what}"
+        )
+
+
+def _bad_ops() -> list[str]:
+    world = meshwise.init("gloo", timeout=10)
+    comm = _algorithm(world.comm, "rhd")
+    errors = []
+    for call in (
+        lambda: comm.all_reduce(torch.ones(2, dtype=torch.int64), op="avg"),
+        lambda: comm.all_reduce(torch.ones(2), op="xor"),
+        lambda: comm.reduce_scatter(torch.empty(3), torch.ones(5)),
+    ):
+        try:
+            call()
+            errors.append("no error")
+        except (TypeError, ValueError) as exc:
+            errors.append(str(exc))
+    meshwise.shutdown()
+    return errors
+
+
+def test_an_op_a_dtype_cannot_do_is_refused_before_communicating():
+    errors = spawn(_bad_ops, 2, timeout=60)[0]
+    assert "AVG is not defined for integer" in errors[0]
+    assert "unknown reduce op 'xor'" in errors[1]
+    assert "divisible by the world size 2" in errors[2]
+
+
+def test_unknown_algorithm_and_bad_arguments_are_refused():
+    class Dummy:
+        rank, world_size, timeout, backend = 0, 1, 1.0, "x"
+
+    with pytest.raises(ValueError, match="unknown algorithm 'fastest'"):
+        with_algorithm(Dummy(), "fastest")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="needs node_map"):
+        with_algorithm(Dummy(), "hierarchical")  # type: ignore[arg-type]
+    base = Dummy()
+    assert with_algorithm(base, "native") is base  # type: ignore[arg-type]
+
+
+def _auto_choices() -> dict[str, list[str]]:
+    world = meshwise.init("gloo", timeout=30)
+    latency = Calibration(
+        LinkParams(1e-3, 1e-12, 1e-12), LinkParams(1e-3, 1e-12, 1e-12), LinkParams(1e-3, 1e-12, 1e-12)
+    )
+    comm = with_algorithm(world.comm, "auto", calibration=latency)
+    picks = [comm.choose("all_reduce", n) for n in (8, 1 << 26)]
+    x = torch.full((1000,), float(world.rank))
+    comm.all_reduce(x)
+    meshwise.shutdown()
+    return {"picks": picks, "sum": x.unique().tolist()}
+
+
+def test_auto_follows_the_calibration():
+    result = spawn(_auto_choices, 4, timeout=60)[0]
+    assert result["picks"] == ["rd", "rd"]  # α-dominated link: fewest steps wins at every size
+    assert result["sum"] == [6.0]

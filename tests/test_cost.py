@@ -1,0 +1,117 @@
+"""The α-β-γ cost model: textbook formulas, calibration files, the choice auto makes, and the fit."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from meshwise.comm.cost import (
+    COVERAGE,
+    Calibration,
+    CostSample,
+    LinkParams,
+    choose_algorithm,
+    coefficients,
+    fit_link_params,
+    predict_seconds,
+)
+
+LINK = LinkParams(alpha=1e-5, beta=1e-9, gamma=5e-10)
+
+
+def test_formulas_are_thakur_rabenseifner_gropp():
+    n, p = 1 << 20, 8
+    assert predict_seconds("all_reduce", "ring", n, p, LINK) == pytest.approx(
+        2 * 7 * 1e-5 + 2 * 7 / 8 * n * 1e-9 + 7 / 8 * n * 5e-10
+    )
+    assert predict_seconds("all_reduce", "rd", n, p, LINK) == pytest.approx(3 * (1e-5 + n * 1e-9 + n * 5e-10))
+    assert predict_seconds("all_reduce", "rhd", n, p, LINK) == pytest.approx(
+        2 * 3 * 1e-5 + 2 * 7 / 8 * n * 1e-9 + 7 / 8 * n * 5e-10
+    )
+    assert predict_seconds("broadcast", "tree", n, p, LINK) == pytest.approx(3 * (1e-5 + n * 1e-9))
+    assert predict_seconds("all_gather", "ring", n, p, LINK) == pytest.approx(7 * 1e-5 + 7 / 8 * n * 1e-9)
+    assert predict_seconds("all_to_all", "pairwise", n, p, LINK) == pytest.approx(7 * 1e-5 + 7 / 8 * n * 1e-9)
+
+
+def test_every_covered_pair_has_a_cost_and_a_world_of_one_is_free():
+    for algo, collectives in COVERAGE.items():
+        for collective in collectives:
+            if algo == "hierarchical":
+                continue
+            assert predict_seconds(collective, algo, 4096, 6, LINK) > 0
+            assert predict_seconds(collective, algo, 4096, 1, LINK) == 0
+    with pytest.raises(ValueError, match="no single-link cost for broadcast with algo 'ring'"):
+        coefficients("broadcast", "ring", 8, 4)
+    with pytest.raises(ValueError, match="unknown collective"):
+        coefficients("allreduce", "ring", 8, 4)
+
+
+def test_non_power_of_two_folding_costs_two_extra_steps():
+    assert coefficients("all_reduce", "rd", 64, 6)[0] == 2 + 2
+    assert coefficients("all_reduce", "rhd", 64, 6)[0] == 2 * 2 + 2
+
+
+def test_auto_picks_latency_algorithms_small_and_bandwidth_algorithms_large():
+    link = LinkParams(alpha=5e-5, beta=1e-9, gamma=3e-10)
+    cal = Calibration(link, link, LinkParams(alpha=1e-3, beta=1e-9, gamma=3e-10))
+    assert choose_algorithm("all_reduce", 1024, 8, cal) == "rd"
+    assert choose_algorithm("all_reduce", 1 << 26, 8, cal) in ("ring", "rhd")
+    assert choose_algorithm("all_reduce", 1 << 26, 64, cal) == "rhd"  # fewer steps, same bytes as ring
+    assert choose_algorithm("broadcast", 1024, 8, cal) == "tree"
+    # native wins ties and whenever it is predicted faster
+    fast_native = Calibration(link, link, LinkParams(0.0, 0.0, 0.0))
+    assert choose_algorithm("all_reduce", 1 << 20, 8, fast_native) == "native"
+    assert choose_algorithm("all_reduce", 1 << 20, 1, cal) == "native"
+
+
+def test_hierarchical_wins_when_the_inter_node_link_is_slow():
+    fast, slow = LinkParams(1e-6, 1e-11, 1e-11), LinkParams(1e-4, 1e-8, 1e-11)
+    cal = Calibration(fast, slow, slow)
+    assert choose_algorithm("all_reduce", 1 << 24, 16, cal, local_size=8) == "hierarchical"
+    assert choose_algorithm("all_reduce", 1 << 24, 16, cal) != "hierarchical"  # one node: no hierarchy
+    with pytest.raises(ValueError, match="must divide"):
+        predict_seconds("all_reduce", "hierarchical", 8, 6, fast, inter=slow, local_size=4)
+
+
+def test_fit_recovers_known_parameters_exactly():
+    truth = LinkParams(alpha=3e-5, beta=2e-9, gamma=7e-10)
+    samples = [
+        CostSample(c, a, n, p, predict_seconds(c, a, n, p, truth))
+        for c, a in (("all_reduce", "ring"), ("all_reduce", "rd"), ("all_gather", "ring"))
+        for n in (4096, 1 << 20, 1 << 24)
+        for p in (2, 4)
+    ]
+    fitted, err = fit_link_params(samples)
+    assert err < 1e-6
+    for name in ("alpha", "beta", "gamma"):
+        assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=1e-6)
+
+
+def test_fit_stays_non_negative_on_noisy_data():
+    samples = [CostSample("all_reduce", "ring", n, 2, 1e-4 + n * 1e-9) for n in (1024, 4096, 1 << 20)]
+    samples.append(CostSample("all_reduce", "ring", 1 << 22, 2, 1e-3))  # an outlier pulling β down
+    fitted, err = fit_link_params(samples)
+    assert min(fitted.alpha, fitted.beta, fitted.gamma) >= 0 and err > 0
+    with pytest.raises(ValueError, match="at least 3 samples"):
+        fit_link_params(samples[:2])
+
+
+def test_calibration_round_trip_defaults_and_bad_files(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert Calibration.load() == Calibration.default()  # no file yet: built-in defaults
+    cal = Calibration(
+        LinkParams(1e-5, 1e-9, 1e-10), LinkParams(2e-5, 2e-9, 1e-10), LinkParams(3e-5, 1e-9, 1e-10)
+    )
+    written = cal.save()
+    assert written == tmp_path / ".cache/meshwise/calibration.json"
+    assert Calibration.load() == cal
+    assert Calibration.load(written) == cal
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"intra": {"alpha": 1}}))
+    with pytest.raises(ValueError, match="malformed"):
+        Calibration.load(bad)
+    with pytest.raises(FileNotFoundError, match="bench --calibrate"):
+        Calibration.load(tmp_path / "missing.json")
+    with pytest.raises(ValueError, match="non-negative"):
+        LinkParams(-1.0, 0.0, 0.0)

@@ -1,0 +1,104 @@
+"""``meshwise.init()`` under the launchers' environments: layout, device, idempotence, adoption, errors."""
+
+import os
+
+import pytest
+import torch.distributed as dist
+
+import meshwise
+from meshwise.runtime.env import LaunchEnvError
+from meshwise.runtime.spawn import spawn
+
+LAUNCH_VARS = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
+
+
+def _describe(world):
+    return {
+        "rank": world.rank,
+        "local_rank": world.local_rank,
+        "world_size": world.world_size,
+        "device": str(world.device),
+        "backend": world.backend,
+        "launcher": world.launcher,
+    }
+
+
+def _single_process():
+    for name in LAUNCH_VARS:
+        os.environ.pop(name, None)
+    first = meshwise.init(timeout=10)
+    same = meshwise.init(timeout=10) is first and meshwise.current_world() is first
+    meshwise.shutdown()
+    return _describe(first), same, dist.is_initialized()
+
+
+def test_single_process_without_launcher():
+    described, same, still_initialised = spawn(_single_process, 1, timeout=60)[0]
+    assert described == {
+        "rank": 0,
+        "local_rank": 0,
+        "world_size": 1,
+        "device": "cpu",
+        "backend": "gloo",
+        "launcher": "local",
+    }
+    assert same and not still_initialised
+
+
+def _two_ranks():
+    world = meshwise.init("gloo", timeout=20)  # MASTER_ADDR is the hostname "localhost": resolved to IPv4
+    import torch
+
+    total = torch.tensor([world.rank + 1])
+    world.comm.all_reduce(total)
+    meshwise.shutdown()
+    return _describe(world), total.item()
+
+
+def test_torchrun_contract_with_hostname_master():
+    results = spawn(_two_ranks, 2, env={"MASTER_ADDR": "localhost"}, timeout=60)
+    for rank, (described, total) in enumerate(results):
+        assert total == 3
+        assert described == {
+            "rank": rank,
+            "local_rank": rank,
+            "world_size": 2,
+            "device": "cpu",
+            "backend": "gloo",
+            "launcher": "torchrun",
+        }
+
+
+def _adopt_existing_group():
+    import torch
+
+    dist.init_process_group("gloo", init_method="env://")  # an unmodified script's own set-up
+    world = meshwise.init("gloo", timeout=20)
+    value = torch.tensor([world.rank + 1])
+    world.comm.all_reduce(value)
+    meshwise.shutdown()  # meshwise did not create the group, so it must leave it alone
+    kept = dist.is_initialized()
+    dist.destroy_process_group()
+    return value.item(), kept
+
+
+def test_adopts_a_process_group_the_script_created():
+    assert spawn(_adopt_existing_group, 2, timeout=60) == [(3, True), (3, True)]
+
+
+def test_incomplete_layout_fails_before_any_process_group(monkeypatch):
+    for name in LAUNCH_VARS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(LaunchEnvError, match="LOCAL_RANK missing"):
+        meshwise.init(timeout=5)
+    assert not dist.is_initialized()
