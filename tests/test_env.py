@@ -231,3 +231,17 @@ def test_pmi_without_local_variables_leaves_the_local_layout_to_the_mpi_bootstra
     layout = detect_launch_env(_without(HYDRA, "MPI_LOCALNRANKS", "MPI_LOCALRANKID"))
     assert layout.launcher == "pmi" and layout.rank == 3 and not layout.local_layout_known
     assert detect_launch_env(HYDRA).local_layout_known
+
+
+def test_plan_ranks_spawns_locally_or_joins_the_launcher():
+    from meshwise.runtime.env import plan_ranks
+
+    local = plan_ranks(None, default=2, environ={})
+    assert (local.world_size, local.launched) == (2, False)
+    assert plan_ranks(3, default=2, environ={}).world_size == 3
+    launched = plan_ranks(None, default=2, environ=OPENMPI)
+    assert launched.launched and launched.world_size == int(OPENMPI["OMPI_COMM_WORLD_SIZE"])
+    with pytest.raises(ValueError, match="conflicts with the"):
+        plan_ranks(99, default=2, environ=OPENMPI)
+    with pytest.raises(ValueError, match="-np must be at least 1"):
+        plan_ranks(0, default=2, environ={})

@@ -5,7 +5,7 @@ any transport, parallelize training, and measure and diagnose it. Start with :fu
 """
 
 from meshwise.comm.api import Communicator, ReduceOp, Work
-from meshwise.runtime.world import World, current_world, init, shutdown
+from meshwise.world import World, current_world, init, shutdown
 
 __version__ = "0.1.0"
 

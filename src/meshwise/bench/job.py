@@ -22,7 +22,7 @@ from meshwise.comm.algorithms import with_algorithm
 from meshwise.comm.api import Communicator
 from meshwise.comm.cost import COVERAGE
 from meshwise.comm.factory import create_communicator
-from meshwise.runtime.world import World, init, shutdown
+from meshwise.world import World, init, shutdown
 
 
 @dataclass(frozen=True)

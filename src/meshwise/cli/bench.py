@@ -27,7 +27,7 @@ from meshwise.comm.algorithms import ALGORITHMS
 from meshwise.comm.api import CommError, ReduceOp
 from meshwise.comm.cost import DEFAULT_PATH, Calibration
 from meshwise.comm.factory import BACKENDS
-from meshwise.runtime.env import detect_launch_env
+from meshwise.runtime.env import plan_ranks
 from meshwise.runtime.spawn import SpawnError, spawn
 
 _COMM_TIMEOUT_CAP = 300.0
@@ -79,17 +79,8 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str, help_text: str
 
 
 def _world_size(args: argparse.Namespace) -> tuple[int, str]:
-    layout = detect_launch_env()
-    if layout.launcher != "local" or layout.world_size > 1:
-        if args.np not in (None, layout.world_size):
-            raise ValueError(
-                f"-np {args.np} conflicts with the {layout.world_size} ranks {layout.launcher} started; "
-                "drop -np when running under a launcher"
-            )
-        return layout.world_size, layout.launcher
-    if args.np is not None and args.np < 1:
-        raise ValueError(f"-np must be at least 1, got {args.np}")
-    return args.np or 2, "local"
+    plan = plan_ranks(args.np, default=2)
+    return plan.world_size, plan.layout.launcher if plan.launched else "local"
 
 
 def _check_backends(backends: tuple[str, ...], launcher: str) -> None:

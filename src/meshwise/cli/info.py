@@ -11,7 +11,7 @@ import json
 import sys
 from typing import Any
 
-from meshwise.runtime.sysinfo import collect
+from meshwise.sysinfo import collect
 
 
 def add_parser(subparsers: argparse._SubParsersAction, name: str, help_text: str) -> None:

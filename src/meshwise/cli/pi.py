@@ -13,7 +13,7 @@ from decimal import Decimal, InvalidOperation
 import torch
 
 from meshwise.comm.factory import BACKENDS
-from meshwise.runtime.env import detect_launch_env
+from meshwise.runtime.env import plan_ranks
 from meshwise.runtime.spawn import SpawnError, spawn
 from meshwise.workloads.pi import METHODS, check_work
 from meshwise.workloads.pi_job import KERNELS, PiReport, pi_rank_main
@@ -63,7 +63,7 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str, help_text: str
 
 def _validate(args: argparse.Namespace) -> int:
     n = parse_count(args.n)
-    if args.np is not None and args.np < 1:
+    if args.np is not None and args.np < 1:  # checked again by plan_ranks; refused here before any work
         raise ValueError(f"-np must be at least 1, got {args.np}")
     if not 0 <= args.seed < 2**64:
         raise ValueError(f"--seed must be in 0 .. 2**64-1, got {args.seed}")
@@ -82,19 +82,13 @@ def run_job(args: argparse.Namespace, n: int, repeat: int = 1) -> list[PiReport]
     comm_timeout = min(args.timeout, _COMM_TIMEOUT_CAP)
     job = (args.method, n, args.seed, args.backend, args.device, args.chunk, repeat, comm_timeout)
     job += (None, False, args.kernel)  # default threads, no warm-up run
-    layout = detect_launch_env()
-    if layout.launcher != "local" or layout.world_size > 1:
-        if args.np not in (None, layout.world_size):
-            raise ValueError(
-                f"-np {args.np} conflicts with the {layout.world_size} ranks {layout.launcher} started; "
-                "drop -np when running under a launcher"
-            )
+    plan = plan_ranks(args.np, default=1)
+    if plan.launched:
         reports = pi_rank_main(*job)
-        return reports if layout.rank == 0 else None
-    nprocs = args.np or 1
-    if nprocs == 1:
+        return reports if plan.layout.rank == 0 else None
+    if plan.world_size == 1:
         return pi_rank_main(*job)
-    return spawn(pi_rank_main, nprocs, job, timeout=args.timeout)[0]
+    return spawn(pi_rank_main, plan.world_size, job, timeout=args.timeout)[0]
 
 
 def handler(args: argparse.Namespace) -> int:

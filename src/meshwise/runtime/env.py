@@ -309,3 +309,27 @@ def detect_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
     if _slurm_step(env):
         return _validate(_slurm(env), env)
     return _validate(_local(env), env)
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """Where a ``-np``-taking command runs: on ranks a launcher already started, or on ranks it spawns."""
+
+    world_size: int
+    launched: bool  # True: this process is one of the launcher's ranks; False: spawn world_size locally
+    layout: LaunchEnv
+
+
+def plan_ranks(requested: int | None, default: int, environ: Mapping[str, str] | None = None) -> RankPlan:
+    """Reconcile a command's ``-np`` with the launcher's layout: ``-np`` must agree with it or be omitted."""
+    layout = detect_launch_env(environ)
+    if layout.launcher != "local" or layout.world_size > 1:
+        if requested not in (None, layout.world_size):
+            raise ValueError(
+                f"-np {requested} conflicts with the {layout.world_size} ranks {layout.launcher} started; "
+                "drop -np when running under a launcher"
+            )
+        return RankPlan(layout.world_size, True, layout)
+    if requested is not None and requested < 1:
+        raise ValueError(f"-np must be at least 1, got {requested}")
+    return RankPlan(requested or default, False, layout)

@@ -1,4 +1,4 @@
-"""Run a π workload on every rank of a :class:`~meshwise.runtime.world.World` and report like the seeds.
+"""Run a π workload on every rank of a :class:`~meshwise.world.World` and report like the seeds.
 
 Timing follows the seeds' exercise 2: ranks meet at a barrier, each times its own computation (device
 synchronised), the partial results are combined with the Communicator's all_reduce (int64 hit counts,
@@ -16,7 +16,6 @@ import torch
 
 from meshwise.comm.api import ReduceOp
 from meshwise.runtime.cores import threads_per_rank
-from meshwise.runtime.world import World, init, shutdown
 from meshwise.workloads.pi import (
     METHODS,
     check_work,
@@ -26,6 +25,7 @@ from meshwise.workloads.pi import (
     split_range,
 )
 from meshwise.workloads.pi_fused import midpoint_partial_fused, montecarlo_hits_fused
+from meshwise.world import World, init, shutdown
 
 KERNELS = ("auto", "eager", "fused")
 #: ``auto`` compiles the fused kernel once a rank's share reaches this many items: eager needs about a

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from meshwise.runtime.env import LaunchEnvError, detect_launch_env
-from meshwise.runtime.world import pick_device, resolve_backend
+from meshwise.world import pick_device, resolve_backend
 
 _NVIDIA_SMI_TIMEOUT = 10.0
 
