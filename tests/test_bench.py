@@ -1,6 +1,8 @@
 """meshwise bench: sizes, nccl-tests definitions, checks that can fail, JSON, plots, calibration."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -20,6 +22,15 @@ from meshwise.comm.cost import Calibration, LinkParams
 from meshwise.runtime.spawn import spawn
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def _assert_png(path, min_pixels: int = 100_000) -> None:
+    """A PNG that decodes (not just its signature) into a real picture."""
+    from matplotlib.image import imread
+
+    assert path.read_bytes().startswith(PNG_SIGNATURE)
+    height, width, channels = imread(str(path)).shape
+    assert height * width >= min_pixels and channels in (3, 4)
 
 
 # ---------------------------------------------------------------------------------------------- sizes
@@ -134,6 +145,35 @@ def test_options_are_parsed_into_a_job():
 def test_bad_options_are_refused_before_launch(argv, message):
     with pytest.raises(ValueError, match=message):
         build_job(_args(*argv))
+
+
+def test_calibration_files_are_checked_before_launch(tmp_path):
+    with pytest.raises(ValueError, match="does not exist; write it with --calibrate"):
+        build_job(_args("all_reduce", "--algo", "auto", "--calibration-file", str(tmp_path / "none.json")))
+    assert build_job(_args("--calibrate", "--calibration-file", str(tmp_path / "new.json")))[0].calibrate
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    with pytest.raises(ValueError, match="malformed"):
+        build_job(_args("all_reduce", "--algo", "auto", "--calibration-file", str(bad)))
+
+
+def _shared_calibration(paths):
+    from meshwise.bench.job import shared_calibration
+
+    world = meshwise.init("gloo", timeout=30)
+    calibration = shared_calibration(world.comm, paths[world.rank])
+    meshwise.shutdown()
+    return calibration
+
+
+def test_auto_prices_with_rank_zeros_calibration_on_every_rank(tmp_path):
+    """auto must choose identically everywhere, even when ranks' nodes hold different files."""
+    mine = Calibration(
+        LinkParams(1e-5, 2e-9, 3e-10), LinkParams(4e-5, 5e-9, 6e-10), LinkParams(7e-5, 8e-9, 0.0)
+    )
+    mine.save(tmp_path / "cal.json")
+    results = spawn(_shared_calibration, 2, ([str(tmp_path / "cal.json"), str(tmp_path / "absent.json")],))
+    assert results == [mine, mine]
 
 
 def test_nccl_without_cuda_is_refused(monkeypatch):
@@ -261,9 +301,51 @@ def test_every_collective_on_two_ranks_reports_zero_wrong(tmp_path, capsys):
         )
     assert data["world_size"] == 2 and data["launcher"] == "local" and data["versions"]["torch"]
     assert data["machine"]["cpu_count"] >= 1
+    # the documented schema, key for key (docs/bench.md)
+    assert data["schema"] == "meshwise.bench/1"
+    assert " ".join(data["command"]) == (  # every effective option, so the record can be replayed
+        "meshwise bench all -np 2 -b 64 -e 4K -f 8 -n 2 -w 1 -c 1 --dtype float32 --op sum --root 0 "
+        "--backend gloo --algo native"
+    )
+    assert set(data) == {"schema", "created", "command", "launcher", "world_size", "timing", "machine",
+                         "versions", "config", "runs"}  # fmt: skip
+    assert set(data["machine"]) == {"hostname", "platform", "processor", "cpu_count", "gpus"}
+    assert {"meshwise", "python", "torch", "numpy"} <= set(data["versions"])
+    assert data["config"] == {
+        "dtype": "float32",
+        "op": "sum",
+        "root": 0,
+        "iters": 2,
+        "warmup": 1,
+        "checks": 1,
+    }
+    assert set(data["runs"][0]) == {"collective", "backend", "algorithm", "world_size", "avg_busbw", "wrong",
+                                    "out_of_bounds", "rows"}  # fmt: skip
+    assert set(data["runs"][0]["rows"][0]) == {"size", "count", "type", "redop", "root", "time_us", "algbw",
+                                               "busbw", "wrong", "out_of_bounds", "time_us_min",
+                                               "time_us_max"}  # fmt: skip
     # JSON round trip: the record reads back into the same objects and writes the same document.
     record = read_json(str(path))
     assert to_dict(record) == data and to_dict(from_dict(to_dict(record))) == data
+
+
+def test_under_a_launcher_it_runs_on_the_launched_ranks(tmp_path):
+    """`meshwise run -np 2 -m meshwise bench …`: the two launched ranks are the job (no -np, nothing
+    spawned), rank 0 reports, and every rank exits cleanly (a process group still referenced after
+    shutdown used to abort a rank at exit now and then, failing a good run)."""
+    path = tmp_path / "launched.json"
+    argv = "-m meshwise run -np 2 -m meshwise bench all_reduce -b 1K -e 4K -n 1 -w 0 --backend gloo,shm"
+    done = subprocess.run(
+        [sys.executable, *argv.split(), "--algo", "native,auto", "--json", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
+    assert done.returncode == 0, done.stderr
+    data = json.loads(path.read_text())
+    assert (data["launcher"], data["world_size"]) == ("torchrun", 2)
+    runs = [(run["backend"], run["algorithm"], run["wrong"]) for run in data["runs"]]
+    assert runs == [("gloo", "native", 0), ("gloo", "auto", 0), ("shm", "native", 0), ("shm", "auto", 0)]
 
 
 def test_injected_wrong_result_fails_the_run(tmp_path, capsys):
@@ -286,7 +368,22 @@ def test_algorithms_side_by_side_and_plot(tmp_path, capsys):
     assert code == 0, out
     for algo in ("native", "ring", "rhd", "auto"):
         assert f"all_reduce · backend gloo · algorithm {algo} · 2 ranks" in out
-    assert png.read_bytes().startswith(PNG_SIGNATURE) and png.stat().st_size > 10_000
+    _assert_png(png)
+
+
+def test_rank_zero_draws_a_progress_bar_over_sizes_and_skips_are_noted(capsys, monkeypatch):
+    """One rank in this process, stderr a terminal: the rich bar counts the sizes of every run; an
+    algorithm that does not implement the collective is skipped with one note, not reported."""
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    argv = "bench all_reduce -np 1 -b 1K -e 4K -n 1 -w 0 --algo native,ring,pairwise"
+    code = main(argv.split())
+    captured = capsys.readouterr()
+    assert code == 0, captured.out
+    for label in ("all_reduce gloo/native", "all_reduce gloo/ring"):
+        assert label in captured.err
+    assert captured.err.count("3/3") >= 2
+    assert "pairwise" not in captured.err and "algorithm pairwise" not in captured.out
+    assert "# note: pairwise: skipped all_reduce; it implements only all_to_all" in captured.out
 
 
 def test_plot_with_model_ceiling_is_a_png(tmp_path):
@@ -299,7 +396,7 @@ def test_plot_with_model_ceiling_is_a_png(tmp_path):
     calibration = Calibration(LinkParams(1e-5, 1e-9, 1e-10), LinkParams(2e-5, 2e-9, 1e-10))
     path = tmp_path / "model.png"
     plot_runs(runs, str(path), ceiling_gbps=12.5, calibration=calibration, title="t")
-    assert path.read_bytes().startswith(PNG_SIGNATURE)
+    _assert_png(path)
 
 
 def test_calibrate_writes_the_cost_model_file(tmp_path, capsys):

@@ -15,6 +15,7 @@ from collective_matrix import COLLECTIVES, check_collectives
 from meshwise.comm import CommError
 from meshwise.comm.algorithms import ALGORITHMS, with_algorithm
 from meshwise.comm.cost import COVERAGE, Calibration, LinkParams
+from meshwise.comm.shm import ShmCommunicator
 from meshwise.runtime.spawn import spawn
 
 ALGOS = [a for a in ALGORITHMS if a != "native"]
@@ -36,8 +37,17 @@ def node_map(world_size: int) -> list[int]:
     )
 
 
+#: For ``auto``: a backend whose own collectives are predicted hopeless, so that auto's choices land on
+#: our algorithms (which one depends on collective, size and world) and the matrix exercises its dispatch.
+SLOW_NATIVE = Calibration(
+    LinkParams(1e-5, 1e-9, 1e-9), LinkParams(1e-4, 1e-8, 1e-9), LinkParams(1.0, 1.0, 1.0)
+)
+
+
 def _algorithm(comm, algo: str, calibration: Calibration | None = None):
     nm = node_map(comm.world_size) if algo in ("hierarchical", "auto") else None
+    if algo == "auto" and calibration is None:
+        calibration = SLOW_NATIVE
     return with_algorithm(comm, algo, node_map=nm, calibration=calibration, segment_bytes=SEGMENT)
 
 
@@ -48,16 +58,23 @@ GROUPS = {
 }
 
 
-def _matrix(algos: list[str], dtype_names: list[str], sizes: list[int]) -> list[str]:
+def _matrix(algos: list[str], dtype_names: list[str], sizes: list[int], over_shm: bool = False) -> list[str]:
+    """The matrix for each algorithm over gloo's point-to-point (or shared-memory mailboxes of 4 KiB, so
+    larger messages stream in chunks), against native gloo."""
     world = meshwise.init("gloo", timeout=30)
     native, failures = world.comm, []
+    base = (
+        ShmCommunicator.from_process_group(None, timeout=30, segment_bytes=64 << 10) if over_shm else native
+    )
     for algo in algos:
         covered = COLLECTIVES if algo in ("auto", "linear") else COVERAGE[algo]
-        comm = _algorithm(native, algo)
+        comm = _algorithm(base, algo)
         found = check_collectives(
             comm, native, dtypes=[DTYPES[d] for d in dtype_names], sizes=sizes, collectives=covered
         )
-        failures += [f"{algo}: {f}" for f in found]
+        comm.close()
+        failures += [f"{algo} over {base.backend}: {f}" for f in found]
+    base.close()
     meshwise.shutdown()
     return failures
 
@@ -79,6 +96,14 @@ def test_every_algorithm_matches_native_on_segmented_messages(world_size):
     assert [f for rank in failures for f in rank] == []
 
 
+@pytest.mark.slow
+def test_every_algorithm_over_shm_point_to_point_matches_native():
+    """The plans' many in-flight isend/irecv per pair through shared-memory mailboxes, in posting order;
+    700 float64 (5.6 kB) per slot stream through the 4 KiB mailboxes."""
+    failures = spawn(_matrix, 4, args=(ALGOS, ["float64"], [1, 700], True), timeout=110)
+    assert [f for rank in failures for f in rank] == []
+
+
 def _random_floats() -> dict[str, float]:
     """Non-exact float inputs: every algorithm within a tight tolerance of native, and bit-identical on
     all ranks (so replicas never drift apart)."""
@@ -90,7 +115,9 @@ def _random_floats() -> dict[str, float]:
     native.all_reduce(want)
     for algo in ALGOS:
         got = x.clone()
-        _algorithm(native, algo).all_reduce(got)
+        comm = _algorithm(native, algo)
+        comm.all_reduce(got)
+        comm.close()
         errors[algo] = float(((got - want).abs() / want.abs().clamp_min(1e-3)).max())
         everyone = torch.empty(world.world_size * got.numel())
         native.all_gather(everyone, got)
@@ -106,8 +133,8 @@ def test_random_floats_are_close_to_native_and_identical_across_ranks():
             assert err <= limit, f"{name}: {err}"
 
 
-def _seed_tables(algo: str) -> dict:
-    world = meshwise.init("gloo", timeout=30)
+def _seed_tables(backend: str, algo: str) -> dict:
+    world = meshwise.init(backend, timeout=30)
     comm, rank = _algorithm(world.comm, algo), world.rank
     out = {}
     x = torch.tensor([float(rank + 1)])  # Exercise 0: GPU0..3 = [1],[2],[3],[4]
@@ -129,6 +156,9 @@ def _seed_tables(algo: str) -> dict:
     full = [torch.empty(1, dtype=torch.int64) for _ in range(4)] if rank == 0 else None
     comm.gather(shard, full, root=0)
     out["gather"] = [t.item() for t in full] if full else None
+    everyone = torch.empty(4, dtype=torch.int64)
+    comm.all_gather(everyone, shard)  # AllGather table: [A] [B] [C] [D] → [A B C D] everywhere
+    out["all_gather"] = everyone.tolist()
     row = torch.arange(rank + 1, rank + 4, dtype=torch.int64)  # rank r holds [r+1, r+2, r+3]
     red = row.clone()
     comm.reduce(red, root=0)
@@ -138,7 +168,17 @@ def _seed_tables(algo: str) -> dict:
     piece = torch.empty(1, dtype=torch.int64)
     comm.reduce_scatter(piece, torch.arange(rank + 1, rank + 5, dtype=torch.int64))  # [r+1 … r+4]
     out["reduce_scatter"] = piece.tolist()
-    # seeds: "all-reduce = reduce-scatter + all-gather", on non-exact floats
+    # CS336 lecture: all_reduce of [0 1 2 3] + r, then reduce_scatter of the same inputs and all_gather of
+    # its output give [6 10 14 18] both ways — "all-reduce = reduce-scatter + all-gather", literally.
+    lecture = torch.tensor([0.0, 1, 2, 3]) + rank
+    direct = lecture.clone()
+    comm.all_reduce(direct)
+    part = torch.empty(1)
+    comm.reduce_scatter(part, lecture)
+    composed = torch.empty(4)
+    comm.all_gather(composed, part)
+    out["lecture"] = (direct.tolist(), part.tolist(), composed.tolist())
+    # the same identity on non-exact floats
     gen = torch.Generator().manual_seed(rank)
     v = torch.randn(4 * 1001, generator=gen)
     direct = v.clone()
@@ -149,37 +189,46 @@ def _seed_tables(algo: str) -> dict:
     comm.all_gather(composed, part)
     out["rs_ag_max_diff"] = float((direct - composed).abs().max())
     out["rs_ag_bitwise"] = bool(torch.equal(direct, composed))
+    if comm is not world.comm:
+        comm.close()
     meshwise.shutdown()
     return out
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("algo", ["ring", "tree", "rhd", "auto"])
-def test_seed_tables_literally(algo):
-    results = spawn(_seed_tables, 4, args=(algo,), timeout=90)
+@pytest.mark.parametrize(
+    "backend,algo",
+    [("gloo", "native"), ("shm", "native"), ("gloo", "ring"), ("gloo", "tree"), ("gloo", "rhd"),
+     ("gloo", "auto"), ("shm", "rd")],
+)  # fmt: skip
+def test_seed_tables_literally(backend, algo):
+    results = spawn(_seed_tables, 4, args=(backend, algo), timeout=90)
     assert results[0]["ex0_reduce"] == [10.0]
     assert [r["ex0_reduce"] for r in results[1:]] == [[2.0], [3.0], [4.0]]  # non-roots keep their input
     for r in results:
         assert r["ex0_all_reduce"] == [10.0]
         assert r["ex0_all_gather"] == [1.0, 2.0, 3.0, 4.0]
         assert r["broadcast"] == [65, 66, 67, 68]
+        assert r["all_gather"] == [65, 66, 67, 68]
         assert r["all_reduce"] == [10, 14, 18]
+        assert r["lecture"][0] == r["lecture"][2] == [6.0, 10.0, 14.0, 18.0]
         assert r["rs_ag_max_diff"] < 1e-5
     assert [r["scatter"] for r in results] == [[65], [66], [67], [68]]
     assert results[0]["gather"] == [65, 66, 67, 68]
     assert results[0]["reduce"] == [10, 14, 18]
     assert [r["reduce_scatter"] for r in results] == [[10], [14], [18], [22]]
+    assert [r["lecture"][1] for r in results] == [[6.0], [10.0], [14.0], [18.0]]
     if algo == "ring":  # ring all_reduce *is* ring reduce-scatter followed by ring all-gather
         assert all(r["rs_ag_bitwise"] for r in results)
 
 
-def _mismatch(algo: str, what: str) -> str:
-    world = meshwise.init("gloo", timeout=5)
-    comm = with_algorithm(world.comm, algo, check_consistency=True)
+def _mismatch(backend: str, algo: str, what: str) -> str:
+    world = meshwise.init(backend, timeout=5)
+    comm = with_algorithm(world.comm, algo, check_consistency=backend == "gloo")
     if what == "size":
         x = torch.ones(4 if world.rank == 0 else 8)
-    else:
-        x = torch.ones(4, dtype=torch.float32 if world.rank == 0 else torch.float64)
+    else:  # same byte count, so only a check of the dtype itself can notice
+        x = torch.ones(4, dtype=torch.float32 if world.rank == 0 else torch.int32)
     try:
         comm.all_reduce(x)
     except CommError as exc:
@@ -187,13 +236,22 @@ def _mismatch(algo: str, what: str) -> str:
     return "no error"
 
 
-@pytest.mark.parametrize("algo,what", [("ring", "size"), ("rd", "dtype")])
-def test_mismatched_ranks_fail_with_an_error_naming_rank_and_op(algo, what):
-    results = spawn(_mismatch, 2, args=(algo, what), timeout=60)
+@pytest.mark.parametrize(
+    "backend,algo,what",
+    [("gloo", "ring", "size"), ("gloo", "rd", "dtype"), ("gloo", "native", "size"),
+     ("gloo", "native", "dtype"), ("shm", "native", "size"), ("shm", "native", "dtype")],
+)  # fmt: skip
+def test_mismatched_ranks_fail_with_an_error_naming_rank_and_op(backend, algo, what):
+    """gloo aborts the process on a size mismatch and reduces garbage on a dtype one, so over gloo the
+    opt-in consistency check must catch both; shm's call signatures catch them without it."""
+    results = spawn(_mismatch, 2, args=(backend, algo, what), timeout=60)
     for rank, message in enumerate(results):
-        assert message.startswith(
-            f"CollectiveMismatchError: [rank {rank} · all_reduce] ranks disagree on {what}"
+        expected = (
+            f"ranks disagree on {what}"
+            if backend == "gloo"
+            else f"rank {1 - rank} called a different collective"
         )
+        assert message.startswith(f"CollectiveMismatchError: [rank {rank} · all_reduce] {expected}"), message
 
 
 def _bad_ops() -> list[str]:
@@ -204,6 +262,10 @@ def _bad_ops() -> list[str]:
         lambda: comm.all_reduce(torch.ones(2, dtype=torch.int64), op="avg"),
         lambda: comm.all_reduce(torch.ones(2), op="xor"),
         lambda: comm.reduce_scatter(torch.empty(3), torch.ones(5)),
+        lambda: comm.all_reduce(torch.ones(2, dtype=torch.uint8)),
+        lambda: comm.broadcast(torch.ones(2, dtype=torch.complex64)),
+        lambda: comm.all_gather(torch.empty(4), torch.ones(2, dtype=torch.float64)),
+        lambda: comm.all_reduce(torch.ones(4)[::2]),
     ):
         try:
             call()
@@ -219,6 +281,10 @@ def test_an_op_a_dtype_cannot_do_is_refused_before_communicating():
     assert "AVG is not defined for integer" in errors[0]
     assert "unknown reduce op 'xor'" in errors[1]
     assert "divisible by the world size 2" in errors[2]
+    assert "dtype torch.uint8 is not supported" in errors[3]
+    assert "dtype torch.complex64 is not supported" in errors[4]
+    assert "mix dtypes" in errors[5]
+    assert "must be contiguous" in errors[6]
 
 
 def test_unknown_algorithm_and_bad_arguments_are_refused():
@@ -231,6 +297,29 @@ def test_unknown_algorithm_and_bad_arguments_are_refused():
         with_algorithm(Dummy(), "hierarchical")  # type: ignore[arg-type]
     base = Dummy()
     assert with_algorithm(base, "native") is base  # type: ignore[arg-type]
+
+
+def _closed() -> list[str]:
+    world = meshwise.init("gloo", timeout=10)
+    comm = world.comm
+    wrapper = with_algorithm(comm, "hierarchical", node_map=[0, 1])
+    subgroups = [sub.base for sub in (wrapper.hierarchy.intra, wrapper.hierarchy.inter)]
+    wrapper.close()
+    meshwise.shutdown()
+    errors = []
+    for closed in (comm, *subgroups):
+        assert closed.group is None  # no process group outlives the job (it would abort at exit)
+        try:
+            closed.all_reduce(torch.ones(2))
+            errors.append("no error")
+        except CommError as exc:
+            errors.append(str(exc))
+    return errors
+
+
+def test_a_closed_communicator_releases_its_group_and_refuses_work():
+    for errors in spawn(_closed, 2, timeout=60):
+        assert len(errors) == 3 and all("the communicator is closed" in e for e in errors), errors
 
 
 def _auto_choices() -> dict[str, list[str]]:

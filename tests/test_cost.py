@@ -70,6 +70,11 @@ def test_hierarchical_wins_when_the_inter_node_link_is_slow():
     cal = Calibration(fast, slow, slow)
     assert choose_algorithm("all_reduce", 1 << 24, 16, cal, local_size=8) == "hierarchical"
     assert choose_algorithm("all_reduce", 1 << 24, 16, cal) != "hierarchical"  # one node: no hierarchy
+    # the backend's own collectives keep their calibrated (whole-job) link across nodes too
+    quick_native = Calibration(fast, slow, LinkParams(1e-6, 1e-12, 1e-12))
+    assert choose_algorithm("broadcast", 1 << 24, 16, quick_native, local_size=8) == "native"
+    sluggish_native = Calibration(fast, slow, LinkParams(1e-3, 1e-7, 1e-11))
+    assert choose_algorithm("broadcast", 1 << 24, 16, sluggish_native, local_size=8) == "tree"
     with pytest.raises(ValueError, match="must divide"):
         predict_seconds("all_reduce", "hierarchical", 8, 6, fast, inter=slow, local_size=4)
 

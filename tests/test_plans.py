@@ -163,8 +163,6 @@ def test_reduce_scatter_leaves_each_rank_its_fully_reduced_slot(algo):
 @pytest.mark.parametrize("algo", ["ring", "rd", "linear"])
 def test_all_gather_places_every_slot(algo):
     for p in WORLDS:
-        if algo == "rd" and p & (p - 1):
-            continue
         for counts in ([3] * p, uneven(p, 2)):
             offsets = prefix(counts)
             start = []
@@ -264,17 +262,33 @@ def test_step_counts_match_textbook_and_cost_model():
             ("reduce_scatter", "ring"): p - 1,
             ("reduce_scatter", "rhd"): int(math.log2(p2)) + fold,
             ("all_gather", "ring"): p - 1,
+            ("all_gather", "rd"): int(math.log2(p2)) + fold,
             ("broadcast", "tree"): lg(p),
             ("reduce", "tree"): lg(p),
+            ("all_to_all", "pairwise"): p - 1,
         }
-        if p == p2:
-            expected[("all_gather", "rd")] = int(math.log2(p))
         for (collective, algo), steps in expected.items():
             sizes = (16,) if collective in ("all_reduce", "broadcast", "reduce") else (4,) * p
+            if collective == "all_to_all":
+                sizes = (4,) * 2 * p
             plan_steps = max(build_plan(collective, algo, r, p, sizes).steps for r in range(p))
             assert plan_steps == steps, f"{collective}/{algo} p={p}: plan has {plan_steps} steps, not {steps}"
             alpha = coefficients(collective, algo, 64, p)[0]
             assert alpha == steps, f"{collective}/{algo} p={p}: cost model counts {alpha} latencies"
+        # tree scatter/gather: the sizes travel through the same tree first, so the model counts 2·lg p
+        for collective in ("scatter", "gather"):
+            data = max(build_plan(collective, "tree", r, p, (4,) * p, 1).steps for r in range(p))
+            sizes = tree_mod.counts_plan_scatter if collective == "scatter" else tree_mod.counts_plan_gather
+            size_steps = max(sizes(r, p, 1).steps for r in range(p))
+            assert data == size_steps == lg(p)
+            assert coefficients(collective, "tree", 64, p)[0] == data + size_steps
+        # linear: one round, but the busiest rank posts p−1 messages, which is what the model charges
+        for collective in ("all_reduce", "broadcast", "all_gather"):
+            sizes = (16,) if collective != "all_gather" else (4,) * p
+            plans = [build_plan(collective, "linear", r, p, sizes) for r in range(p)]
+            assert max(plan.steps for plan in plans) == 1
+            busiest = max(sum(isinstance(op, Send) for op in plan.ops) for plan in plans)
+            assert busiest == p - 1 == coefficients(collective, "linear", 64, p)[0]
 
 
 def test_ring_pipelining_splits_blocks_without_changing_the_step_count():

@@ -2,19 +2,24 @@
 
 import multiprocessing as mp
 import os
+import platform
 import signal
 import threading
 import time
+import warnings
 
 import pytest
 import torch
 
 import meshwise
 from collective_matrix import check_collectives
+from meshwise.cli.info import render
 from meshwise.comm.api import CollectiveMismatchError, CommError, CommTimeoutError, ReduceOp
 from meshwise.comm.shm import ShmCommunicator, ShmSpaceError, check_memory_model, plan_layout
 from meshwise.comm.shm.segment import MIN_REGION_BYTES, Layout
 from meshwise.runtime.spawn import free_port, rank_environment, spawn
+from meshwise.sysinfo import collect
+from meshwise.world import resolve_backend
 
 SMALL = 64 * 1024  # the smallest segment: 32 KiB collective regions, 4 KiB mailboxes
 
@@ -28,9 +33,13 @@ def _matrix(segment_bytes, sizes, dtypes, ops):
     return failures
 
 
-def test_collective_matrix_is_bit_exact_against_gloo():
-    failures = spawn(_matrix, 3, args=(8 * 2**20, (1, 7, 300), None, None), timeout=100)
-    assert failures == [[], [], []]
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4, 5])
+def test_collective_matrix_is_bit_exact_against_gloo(ranks):
+    # every dtype up to 4 ranks; 5 ranks (odd, more ranks than cores) keeps one float, one half, one int
+    dtypes = None if ranks <= 4 else (torch.float32, torch.bfloat16, torch.int64)
+    failures = spawn(_matrix, ranks, args=(8 * 2**20, (1, 7, 300), dtypes, None), timeout=100)
+    assert failures == [[]] * ranks
 
 
 def test_chunked_streaming_through_a_tiny_segment():
@@ -228,20 +237,35 @@ def test_mismatched_collectives_and_a_silent_peer_raise_named_errors():
 
 def _too_little_space():
     meshwise.init("gloo", timeout=30)
+    refused = None
     try:
         ShmCommunicator.from_process_group(None, timeout=10, free_space=lambda path: 100_000)
     except CommError as exc:
-        return type(exc).__name__, str(exc)
-    finally:
-        meshwise.shutdown()
-    return None
+        refused = type(exc).__name__, str(exc)
+    # 5 MiB free: too little for two default 8 MiB segments, enough once the chunks shrink
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        shm = ShmCommunicator.from_process_group(None, timeout=10, free_space=lambda path: 5 * 2**20)
+    x = torch.arange(2**20, dtype=torch.float32)  # 4 MiB: streamed through the smaller regions
+    shm.all_reduce(x)
+    streamed = bool(torch.equal(x, torch.arange(2**20, dtype=torch.float32) * 2))
+    fits = 2 * shm.layout.total_bytes <= 5 * 2**20
+    shm.close()
+    meshwise.shutdown()
+    return refused, [str(w.message) for w in caught], streamed and fits
 
 
-def test_insufficient_dev_shm_is_a_clear_error_on_every_rank():
+def test_insufficient_dev_shm_is_a_clear_error_on_every_rank_and_a_tight_one_shrinks_chunks():
     results = spawn(_too_little_space, 2, timeout=60)
-    assert all(kind in ("ShmSpaceError", "CommError") for kind, _ in results)
-    assert all("--shm-size" in message and "/dev/shm has 0.1 MiB free" in message for _, message in results)
-    assert "rank 0 could not size" in results[1][1]
+    assert all(refused is not None for refused, _, _ in results), "0.1 MiB of /dev/shm was accepted"
+    for (kind, message), _, _ in results:
+        assert kind in ("ShmSpaceError", "CommError")
+        assert "/dev/shm has 0.1 MiB free" in message and "need at least" in message
+        assert "--shm-size" in message
+    assert "rank 0 could not size" in results[1][0][1]
+    warned = [w for w in results[0][1] if "shm segments shrank" in w]
+    assert warned and "--shm-size" in warned[0]  # rank 0 says how to get full speed back
+    assert [ok for _, _, ok in results] == [True, True]
 
 
 def test_layout_planning_shrinks_chunks_then_refuses():
@@ -257,12 +281,16 @@ def test_layout_planning_shrinks_chunks_then_refuses():
         plan_layout(2, 1000, 2**30)
 
 
-def test_unvalidated_memory_models_are_refused():
+def test_unvalidated_memory_models_are_refused_and_auto_falls_back_to_gloo(monkeypatch):
     check_memory_model("x86_64")
     with pytest.raises(CommError, match=r"x86-64 .*aarch64.*gloo"):
         check_memory_model("aarch64", "linux")
     with pytest.raises(CommError, match=r"needs Linux .*darwin.*gloo"):
         check_memory_model("x86_64", "darwin")
+    cpu = torch.device("cpu")
+    assert resolve_backend("auto", cpu, 4, single_host=True) == "shm"
+    monkeypatch.setattr(platform, "machine", lambda: "aarch64")
+    assert resolve_backend("auto", cpu, 4, single_host=True) == "gloo"
 
 
 def _auto():
@@ -271,8 +299,11 @@ def _auto():
     world.comm.all_reduce(x)
     backend = world.backend, type(world.comm).__name__
     meshwise.shutdown()
-    return backend, x.item()
+    shown = [line for line in render(collect()).splitlines() if line.startswith("auto")]
+    return backend, x.item(), shown
 
 
-def test_auto_picks_shm_for_cpu_ranks_on_one_host():
-    assert spawn(_auto, 2, timeout=60) == [(("shm", "ShmCommunicator"), 3.0)] * 2
+def test_auto_picks_shm_for_cpu_ranks_on_one_host_and_info_shows_it():
+    for backend, total, shown in spawn(_auto, 2, timeout=60):
+        assert (backend, total) == (("shm", "ShmCommunicator"), 3.0)
+        assert shown == ["auto        backend shm on cpu"]

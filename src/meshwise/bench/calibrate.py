@@ -105,8 +105,8 @@ def calibrate(
     progress: Progress | None,
 ) -> CalibrationOutcome | None:
     """Run the calibration sweeps on every rank; rank 0 fits, saves and returns the outcome."""
-    file = Path(path).expanduser() if path is not None else DEFAULT_PATH.expanduser()
-    previous = Calibration.load(file) if file.exists() else Calibration.default()
+    file = calibration_path(path)
+    previous = read_calibration(path)
     source = f"value from {file}" if file.exists() else "built-in default"
     node_ids = sorted(set(nodes))
     members = {node: [r for r, n in enumerate(nodes) if n == node] for node in node_ids}
@@ -122,6 +122,9 @@ def calibrate(
         intra_runs = _sweep(local, local_control, LINK_PLAN, sweep, device, progress, "intra")
         runs += intra_runs
         fits["intra"] = _fit("intra", intra_runs)
+    if local is not base:
+        local.close()
+        local_control.close()
 
     if len(node_ids) > 1:
         leaders = [members[n][0] for n in node_ids]
@@ -131,6 +134,8 @@ def calibrate(
             inter_runs = _sweep(across, across_control, LINK_PLAN, sweep, device, progress, "inter")
             runs += inter_runs
             fits["inter"] = _fit("inter", inter_runs)
+            across.close()
+            across_control.close()
         control.barrier()  # the other ranks wait here while the leaders measure
     if base.rank != 0:
         return None
@@ -141,6 +146,18 @@ def calibrate(
     )
     saved = Calibration(links[0].params, links[1].params, links[2].params).save(file)
     return CalibrationOutcome(str(saved), links, tuple(runs))
+
+
+def calibration_path(path: str | None) -> Path:
+    """The calibration file: ``path``, or the cost model's default ``~/.cache/meshwise/calibration.json``."""
+    return Path(path).expanduser() if path is not None else DEFAULT_PATH.expanduser()
+
+
+def read_calibration(path: str | None) -> Calibration:
+    """What ``auto`` prices with: the file when it exists, else the built-in defaults (raises ValueError
+    on a malformed file)."""
+    file = calibration_path(path)
+    return Calibration.load(file) if file.exists() else Calibration.default()
 
 
 def _member_split(comm: Communicator, groups: list[list[int]]) -> Communicator:

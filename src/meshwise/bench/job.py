@@ -5,7 +5,8 @@ times and error counts. The communicator under test is built per backend with
 :func:`~meshwise.comm.factory.create_communicator` (nccl gets its own CUDA process group) and wrapped
 with :func:`~meshwise.comm.algorithms.with_algorithm` per algorithm. An algorithm that does not implement
 a collective would only rerun the backend's own operation, so that pair is skipped with a note rather
-than reported twice under two names.
+than reported twice under two names. ``auto`` prices with rank 0's calibration, sent to every rank, so
+that all ranks choose the same algorithm even when their nodes hold different calibration files.
 """
 
 from __future__ import annotations
@@ -15,12 +16,12 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from meshwise.bench.calibrate import CalibrationOutcome, calibrate
+from meshwise.bench.calibrate import CalibrationOutcome, calibrate, read_calibration
 from meshwise.bench.report import size_progress
 from meshwise.bench.runner import RunResult, SweepConfig, run_sweep
 from meshwise.comm.algorithms import with_algorithm
 from meshwise.comm.api import Communicator
-from meshwise.comm.cost import COVERAGE
+from meshwise.comm.cost import COVERAGE, Calibration, LinkParams
 from meshwise.comm.factory import create_communicator
 from meshwise.world import World, init, shutdown
 
@@ -64,6 +65,20 @@ def node_map(world: World, control: Communicator) -> list[int]:
     return nodes.tolist()
 
 
+def shared_calibration(control: Communicator, path: str | None) -> Calibration:
+    """Rank 0's calibration (``path`` or the default file) on every rank (all ranks call it)."""
+    values = torch.zeros(9, dtype=torch.float64)
+    if control.rank == 0:
+        cal = read_calibration(path)
+        links = (cal.intra, cal.inter, cal.native)
+        values = torch.tensor(
+            [v for link in links for v in (link.alpha, link.beta, link.gamma)], dtype=torch.float64
+        )
+    control.broadcast(values, 0)
+    numbers = values.tolist()
+    return Calibration(*(LinkParams(*numbers[i : i + 3]) for i in (0, 3, 6)))
+
+
 def data_communicator(backend: str, world: World, timeout: float) -> tuple[Communicator, torch.device]:
     """The communicator under test for ``backend`` and the device its tensors live on."""
     if backend == "nccl":
@@ -88,22 +103,22 @@ def _run(job: BenchJob, world: World) -> JobResult | None:
     nodes = node_map(world, control)
     runs: list[RunResult] = []
     notes: list[str] = []
+    skipped: dict[str, list[str]] = {}  # algorithm -> collectives it does not implement
     outcome = None
     main = world.rank == 0
+    calibration = shared_calibration(control, job.calibration_file)
     with size_progress(enabled=job.progress and main) as progress:
         for backend in job.backends:
             base, device = data_communicator(backend, world, job.timeout)
             for algorithm in job.algorithms:
-                comm = with_algorithm(base, algorithm, node_map=nodes)
+                comm = with_algorithm(base, algorithm, node_map=nodes, calibration=calibration)
                 for collective in job.collectives:
                     if collective == "sendrecv" and world.world_size < 2:
                         notes.append("sendrecv: skipped, it needs at least 2 ranks")
                         continue
                     if not covers(algorithm, collective):
-                        notes.append(
-                            f"{collective} · {backend} · {algorithm}: skipped, {algorithm} does not "
-                            f"implement {collective} (it would run the backend's own operation)"
-                        )
+                        if collective not in skipped.setdefault(algorithm, []):
+                            skipped[algorithm].append(collective)
                         continue
                     config = replace(job.sweep, collective=collective)
                     task = None
@@ -118,9 +133,16 @@ def _run(job: BenchJob, world: World) -> JobResult | None:
                         on_size=None if task is None else lambda _, t=task: progress.advance(t),
                     )
                     runs.append(RunResult(collective, backend, algorithm, world.world_size, tuple(rows)))
+                if comm is not base:
+                    comm.close()  # the node groups hierarchical/auto split off
             if job.calibrate and backend == job.backends[0]:
                 outcome = calibrate(base, control, nodes, job.sweep, device, job.calibration_file, progress)
             base.close()
     if not main:
         return None
+    for algorithm, collectives in skipped.items():
+        notes.append(
+            f"{algorithm}: skipped {', '.join(collectives)}; it implements only "
+            f"{', '.join(COVERAGE[algorithm])}, and the others would run the backend's own operation"
+        )
     return JobResult(world.launcher, world.world_size, tuple(runs), tuple(dict.fromkeys(notes)), outcome)

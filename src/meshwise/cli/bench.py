@@ -17,7 +17,7 @@ from dataclasses import replace
 import torch
 
 from meshwise.bench.busbw import COLLECTIVES, REDUCING, min_size_bytes
-from meshwise.bench.calibrate import format_outcome
+from meshwise.bench.calibrate import calibration_path, format_outcome, read_calibration
 from meshwise.bench.job import BenchJob, JobResult, bench_rank_main
 from meshwise.bench.jsonio import BenchRecord, write_json
 from meshwise.bench.report import output_console, print_runs
@@ -140,6 +140,10 @@ def build_job(args: argparse.Namespace) -> tuple[BenchJob, int, str]:
     backends = _names(args.backend or default_backend, list(BACKENDS), "backend", "--backend")
     _check_backends(backends, launcher)
     algorithms = _names(args.algo, ALGORITHMS, "algorithm", "--algo")
+    file = calibration_path(args.calibration_file)
+    if args.calibration_file is not None and not args.calibrate and not file.exists():
+        raise ValueError(f"--calibration-file {file} does not exist; write it with --calibrate first")
+    read_calibration(args.calibration_file)  # a malformed file fails here, before any rank starts
     sweep = SweepConfig(
         collective=collectives[0] if collectives else "all_reduce",
         sizes=tuple(sizes),
@@ -174,11 +178,27 @@ def run_job(job: BenchJob, world_size: int, launcher: str, timeout: float) -> Jo
 
 def _plot_calibration(args: argparse.Namespace) -> Calibration | None:
     """This machine's calibration when one was measured (the built-in defaults are not a ceiling)."""
-    path = args.calibration_file or DEFAULT_PATH
-    try:
-        return Calibration.load(path)
-    except (FileNotFoundError, ValueError):
-        return None
+    path = calibration_path(args.calibration_file)
+    return Calibration.load(path) if path.exists() else None
+
+
+def replay_command(
+    args: argparse.Namespace, job: BenchJob, world_size: int, launcher: str
+) -> tuple[str, ...]:
+    """The run spelled out with every option's effective value, so the record says how to repeat it
+    (whatever defaults a later version has, and however the command was typed or launched)."""
+    sweep = job.sweep
+    step = ("-i", args.stepbytes) if args.stepbytes is not None else ("-f", str(args.stepfactor or 2))
+    words = ["meshwise", "bench"]
+    words += [args.collective] if args.collective is not None else []
+    words += ["-np", str(world_size)] if launcher == "local" else []
+    words += ["-b", args.minbytes, "-e", args.maxbytes, *step]
+    words += ["-n", str(sweep.iters), "-w", str(sweep.warmup)]
+    words += ["-c", str(sweep.checks), "--dtype", sweep.dtype, "--op", sweep.op, "--root", str(sweep.root)]
+    words += ["--backend", ",".join(job.backends), "--algo", ",".join(job.algorithms)]
+    words += ["--calibrate"] if job.calibrate else []
+    words += ["--calibration-file", args.calibration_file] if args.calibration_file else []
+    return tuple(words)
 
 
 def _report(args: argparse.Namespace, job: BenchJob, result: JobResult, seconds: float) -> int:
@@ -213,7 +233,7 @@ def _report(args: argparse.Namespace, job: BenchJob, result: JobResult, seconds:
                 "checks": sweep.checks,
             },
             runs=tuple(runs),
-            command=tuple(sys.argv),
+            command=replay_command(args, job, result.world_size, result.launcher),
         )
         write_json(args.json, record)
         console.print(f"# JSON written to {args.json}")

@@ -179,7 +179,7 @@ def coefficients(collective: str, algo: str, nbytes: float, world_size: int) -> 
         ),
         ("reduce_scatter", "linear"): (p - 1, frac * n, frac * n),
         ("all_gather", "ring"): (p - 1, frac * n, 0.0),
-        ("all_gather", "rd"): (lg, frac * n, 0.0) if not fold else (p - 1, frac * n, 0.0),
+        ("all_gather", "rd"): (lg2 + 2 * fold, frac * n + fold * n, 0.0),
         ("all_gather", "linear"): (p - 1, frac * n, 0.0),
         ("broadcast", "tree"): (lg, lg * n, 0.0),
         ("broadcast", "linear"): (p - 1, (p - 1) * n, 0.0),
@@ -233,8 +233,9 @@ def choose_algorithm(
 ) -> str:
     """The predicted-fastest algorithm for ``collective`` (``native`` wins ties: no reason to replace it).
 
-    With ``local_size`` (ranks per node) smaller than the world, flat algorithms are priced on the
-    inter-node link and ``hierarchical`` competes for all_reduce.
+    ``native`` is priced on the ``native`` link, measured over the whole job. With ``local_size`` (ranks
+    per node) smaller than the world, our flat algorithms are priced on the inter-node link and
+    ``hierarchical`` competes for all_reduce; on one node they use the ``intra`` link.
     """
     multi_node = local_size is not None and 1 <= local_size < world_size
     names = list(candidates) if candidates is not None else list(COVERAGE)
@@ -255,10 +256,12 @@ def choose_algorithm(
                 local_size=local_size,
             )
         else:
+            # native is calibrated over the whole job (across nodes too); our flat algorithms are priced
+            # on their slowest link
             link = (
-                calibration.inter
-                if multi_node
-                else (calibration.native if algo == "native" else calibration.intra)
+                calibration.native
+                if algo == "native"
+                else (calibration.inter if multi_node else calibration.intra)
             )
             seconds = predict_seconds(collective, algo, nbytes, world_size, link)
         if seconds < best_time:

@@ -5,7 +5,7 @@ algo           collectives it implements (the others use the base's own)        
 =============  ===================================================================  =======================
 ring           all_reduce (pipelined RS + AG), reduce_scatter, all_gather           2(p−1), p−1, p−1
 tree           broadcast, reduce, scatter, gather (binomial); all_reduce (R + B)    ⌈lg p⌉ (all_reduce ×2)
-rd             all_reduce; all_gather (power-of-two worlds, else ring)             lg p (+2 folding)
+rd             all_reduce, all_gather (recursive doubling)                          lg p (+2 folding)
 rhd            all_reduce, reduce_scatter (Rabenseifner)                            2 lg p, lg p (+2)
 pairwise       all_to_all                                                           p−1
 linear         every collective, all messages at once                               1 round, p−1 messages

@@ -75,7 +75,7 @@ class AlgorithmCommunicator(Communicator):
         segment_bytes: int = DEFAULT_SEGMENT_BYTES,
         check_consistency: bool = False,
     ) -> None:
-        if algo not in ALGORITHMS or algo == "native":
+        if algo not in ALGORITHMS:
             raise ValueError(f"unknown algorithm {algo!r}; choose one of {ALGORITHMS}")
         if segment_bytes <= 0:
             raise ValueError(f"segment_bytes must be positive, got {segment_bytes}")
@@ -90,6 +90,7 @@ class AlgorithmCommunicator(Communicator):
         self.check_consistency = check_consistency
         self.node_map = list(node_map) if node_map is not None else None
         self.hierarchy: Hierarchy | None = None
+        self._owned: list[Communicator] = []  # communicators this wrapper split off and must close
         if node_map is not None and algo in ("hierarchical", "auto"):
             inter_cal = Calibration(self.calibration.inter, self.calibration.inter, self.calibration.inter)
 
@@ -102,17 +103,21 @@ class AlgorithmCommunicator(Communicator):
     def __repr__(self) -> str:
         return f"AlgorithmCommunicator(algo={self.algo!r}, base={self.base!r})"
 
+    def close(self) -> None:
+        """Close what this wrapper created (node and cross-node groups, a split's base); ``base`` itself
+        stays open: it belongs to the caller."""
+        if self.hierarchy is not None:
+            self.hierarchy.close()
+        for sub in self._owned:
+            sub.close()
+
     # ------------------------------------------------------------------ choice
     def choose(self, collective: str, nbytes: int) -> str:
         """The algorithm that runs ``collective`` on ``nbytes`` (what ``auto`` picks, or the fallback)."""
         if self.algo == "auto":
             local = self.hierarchy.local_size if self.hierarchy is not None else None
             return _choose(collective, nbytes, self.world_size, self.calibration, local_size=local)
-        if collective not in COVERAGE[self.algo]:
-            return "native"
-        if (collective, self.algo) == ("all_gather", "rd") and self.world_size & (self.world_size - 1):
-            return "ring"  # recursive doubling all-gather needs a power-of-two world
-        return self.algo
+        return self.algo if collective in COVERAGE[self.algo] else "native"
 
     def _agree(self, collective: str, dtype: torch.dtype, size: int = -1, root: int = -1) -> None:
         if self.check_consistency:
@@ -146,7 +151,7 @@ class AlgorithmCommunicator(Communicator):
         algo = self.algo
         if algo == "hierarchical" and node_map is not None and len(set(node_map)) == 1:
             algo = "auto"  # a single node has no hierarchy left
-        return AlgorithmCommunicator(
+        wrapper = AlgorithmCommunicator(
             sub,
             algo,
             node_map=node_map,
@@ -154,6 +159,8 @@ class AlgorithmCommunicator(Communicator):
             segment_bytes=self.segment_bytes,
             check_consistency=self.check_consistency,
         )
+        wrapper._owned.append(sub)
+        return wrapper
 
     # ------------------------------------------------------------------ reductions
     def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> Work:
@@ -298,7 +305,8 @@ def with_algorithm(
     segment_bytes: int = DEFAULT_SEGMENT_BYTES,
     check_consistency: bool = False,
 ) -> Communicator:
-    """``base`` with its collectives run by ``algo`` (one of :data:`ALGORITHMS`; ``native`` = unchanged).
+    """``base`` with its collectives run by ``algo`` (one of :data:`ALGORITHMS`; ``native`` = ``base``
+    itself, or a thin wrapper that only adds the consistency check when ``check_consistency`` is set).
 
     Every rank must call it with the same arguments (``hierarchical`` and ``auto`` with a node map split
     the group into node and cross-node sub-communicators, a collective operation). ``segment_bytes`` is
@@ -308,7 +316,7 @@ def with_algorithm(
     """
     if algo not in ALGORITHMS:
         raise ValueError(f"unknown algorithm {algo!r}; choose one of {', '.join(ALGORITHMS)}")
-    if algo == "native":
+    if algo == "native" and not check_consistency:
         return base
     return AlgorithmCommunicator(
         base,

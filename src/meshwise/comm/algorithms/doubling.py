@@ -9,6 +9,7 @@ halving) and then doubles it back (an all-gather by recursive doubling): 2·lg p
 Other world sizes fold: with p' the largest power of two ≤ p and rem = p − p', each even rank
 r < 2·rem hands its vector to r+1 first and takes the result back last, so p' "virtual" ranks run the
 power-of-two algorithm (2 extra steps). Virtual rank v is real rank 2v+1 for v < rem, else v + rem.
+The recursive-doubling all-gather folds the same way, handing over one slot instead of the vector.
 """
 
 from __future__ import annotations
@@ -40,6 +41,11 @@ class _Fold:
 
     def real(self, virtual: int) -> int:
         return 2 * virtual + 1 if virtual < self.rem else virtual + self.rem
+
+    def bounds(self, slots: list[int]) -> list[int]:
+        """Offsets of the virtual blocks: virtual rank v covers the slots of the real ranks it stands for
+        (two for v < rem, one otherwise), contiguous and in rank order, given the real slot offsets."""
+        return [slots[2 * v] if v <= self.rem else slots[v + self.rem] for v in range(self.p2 + 1)]
 
 
 def _fold_in(b: PlanBuilder, fold: _Fold, whole: Region) -> None:
@@ -138,9 +144,7 @@ def rhd_reduce_scatter(rank: int, world_size: int, counts: list[int]) -> Plan:
     _fold_in(b, fold, Region("data", 0, slots[-1]))
     lg = fold.p2.bit_length() - 1
     if not fold.extra:
-        # virtual block v covers the slots of the real ranks it stands for (contiguous, in rank order)
-        bounds = [slots[2 * v] if v <= fold.rem else slots[v + fold.rem] for v in range(fold.p2 + 1)]
-        _halving(b, fold, bounds)
+        _halving(b, fold, fold.bounds(slots))
     if fold.rem and rank < 2 * fold.rem:
         slot = rank if fold.extra else rank - 1  # the folded-out (even) rank's own slot
         _fold_out(b, fold, Region("data", slots[slot], slots[slot + 1]), fold.offset + lg)
@@ -148,9 +152,17 @@ def rhd_reduce_scatter(rank: int, world_size: int, counts: list[int]) -> Plan:
 
 
 def rd_all_gather(rank: int, world_size: int, counts: list[int]) -> Plan:
-    """Recursive-doubling all-gather (power-of-two worlds; blocks may differ in size)."""
-    if world_size & (world_size - 1):
-        raise ValueError(f"recursive-doubling all_gather needs a power-of-two world, got {world_size}")
+    """Recursive-doubling all-gather (blocks may differ in size). Other world sizes fold: a folded-out
+    rank hands its slot to its neighbour first and receives the whole gathered vector from it last."""
     b = PlanBuilder("all_gather", "rd", rank, world_size)
-    _doubling_gather(b, _Fold(rank, world_size), prefix(counts), 0)
+    fold = _Fold(rank, world_size)
+    slots = prefix(counts)
+    paired = fold.rem and rank < 2 * fold.rem
+    if paired and fold.extra:
+        b.send(rank + 1, Region("data", slots[rank], slots[rank + 1]), 0)
+    elif paired:
+        b.recv(rank - 1, Region("data", slots[rank - 1], slots[rank]), 0)
+    if not fold.extra:
+        _doubling_gather(b, fold, fold.bounds(slots), fold.offset)
+    _fold_out(b, fold, Region("data", 0, slots[-1]), fold.offset + fold.p2.bit_length() - 1)
     return b.build()

@@ -55,8 +55,14 @@ class Hierarchy:
             sub = comm.split([group[i] for group in members])
             inter = sub if sub is not None else inter
         assert intra is not None and inter is not None
+        self._subgroups = (intra, inter)
         self.intra = wrap(intra, "ring")
         self.inter = wrap(inter, "auto")
+
+    def close(self) -> None:
+        """Release the sub-communicators this hierarchy split off."""
+        for sub in self._subgroups:
+            sub.close()
 
     def all_reduce(self, data: torch.Tensor, op: ReduceOp) -> None:
         """Reduce the flat ``data`` in place (AVG is the caller's business: pass SUM and divide)."""

@@ -61,7 +61,7 @@ class ShmCommunicator(Communicator):
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialised: call meshwise.init() first")
         check_memory_model()
-        self.group = group if group is not None else dist.group.WORLD
+        self.group: dist.ProcessGroup | None = group if group is not None else dist.group.WORLD
         size = dist.get_world_size(self.group)
         self._globals = list(order) if order is not None else [self._global_of(r) for r in range(size)]
         me = self._globals.index(dist.get_rank())
@@ -172,10 +172,12 @@ class ShmCommunicator(Communicator):
         return layout
 
     def close(self) -> None:
-        """Unmap the segments (already unlinked: the memory goes when the last rank unmaps)."""
+        """Unmap the segments (already unlinked: the memory goes when the last rank unmaps) and drop the
+        control group (see :meth:`NativeCommunicator.close` for why a group must not outlive the job)."""
         if self._closed:
             return
         self._closed = True
+        self.group = None
         del self._phases, self._p2p
         for segment in self._segments:
             segment.close()
