@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("bench", "collective benchmarks as nccl-tests: time, algbw, busbw, checks, JSON, plots"),
     "pi": ("pi", "compute π by the midpoint rule or Monte Carlo on N ranks (the seeds' exercises)"),
     "scale": ("scale", "strong/weak scaling study of a workload or command: speedup, efficiency, causes"),
+    "train": ("train", "data-parallel training of the reference models: progress, validation, checkpoints"),
 }
 
 

@@ -1,0 +1,85 @@
+"""``meshwise train {mlp,deep-mlp,cnn}``: data-parallel training with progress, validation and checkpoints.
+
+With ``-np N`` it starts N local ranks itself; under a launcher (``meshwise run``, torchrun, mpirun, srun)
+it trains on the ranks it was started on. Every setting is checked before any rank starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from meshwise.runtime.spawn import SpawnError
+from meshwise.train import WORKLOADS, TrainConfig, run_training
+
+
+def add_parser(subparsers: argparse._SubParsersAction, name: str, help_text: str) -> None:
+    models = "\n".join(f"  {w.name:<9} {w.summary}" for w in WORKLOADS.values())
+    parser = subparsers.add_parser(
+        name,
+        help=help_text,
+        description=f"{__doc__.splitlines()[0]}\n\nmodels:\n{models}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("model", choices=list(WORKLOADS), help="what to train (see above)")
+    parser.add_argument("-np", "--nproc", dest="np", type=int, default=None, help="local ranks to start")
+    parser.add_argument("--epochs", type=int, default=None, help="total epochs (default: per model)")
+    parser.add_argument("--batch-size", type=int, default=None, help="samples per rank per step")
+    parser.add_argument(
+        "--lr", type=float, default=None, help="learning rate for one rank (default: per model)"
+    )
+    parser.add_argument(
+        "--no-lr-scaling",
+        dest="lr_scaling",
+        action="store_false",
+        help="keep --lr as is instead of multiplying it by the number of ranks",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="initial weights and shuffling (default 0)")
+    parser.add_argument("--backend", default="auto", help="communicator backend (auto, gloo, nccl, shm, mpi)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if present")
+    parser.add_argument(
+        "--data", dest="data_dir", default=None, help="cnn only: a directory with MNIST IDX files"
+    )
+    parser.add_argument(
+        "--checkpoint", default=None, metavar="DIR", help="write DIR/checkpoint.pt every epoch"
+    )
+    parser.add_argument(
+        "--resume", action="store_true", help="continue the run checkpointed in --checkpoint DIR"
+    )
+    parser.add_argument("--json", default=None, metavar="FILE", help="write the run's metrics as JSON")
+    parser.add_argument("--timeout", type=float, default=3600.0, help="deadline for the whole job, seconds")
+    parser.set_defaults(func=handler)
+
+
+def handler(args: argparse.Namespace) -> int:
+    config = TrainConfig(
+        model=args.model,
+        nproc=args.np,
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        lr_scaling=args.lr_scaling,
+        seed=args.seed,
+        backend=args.backend,
+        device=args.device,
+        checkpoint=args.checkpoint,
+        resume=args.resume,
+        data_dir=args.data_dir,
+        timeout=args.timeout,
+    )
+    try:
+        result = run_training(config)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"meshwise train: error: {exc}", file=sys.stderr)
+        return 2
+    except SpawnError as exc:
+        print(f"meshwise train: {exc}", file=sys.stderr)
+        return 1
+    if result is None:  # a launched rank other than 0
+        return 0
+    print(result.summary(), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result.to_json(), indent=2) + "\n")
+    return 0

@@ -1,0 +1,17 @@
+"""``meshwise train``: data-parallel training of the reference workloads, with checkpoints and resume."""
+
+from meshwise.train.checkpoint import read_checkpoint, save_checkpoint
+from meshwise.train.config import TrainConfig
+from meshwise.train.job import run_training
+from meshwise.train.report import EpochStats, TrainResult
+from meshwise.train.workloads import WORKLOADS
+
+__all__ = [
+    "WORKLOADS",
+    "EpochStats",
+    "TrainConfig",
+    "TrainResult",
+    "read_checkpoint",
+    "run_training",
+    "save_checkpoint",
+]

@@ -1,0 +1,115 @@
+"""A training run's settings, checked completely before any rank starts."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from meshwise.comm.factory import BACKENDS
+from meshwise.data.mnist import find_mnist_files
+from meshwise.train.checkpoint import checkpoint_file, read_checkpoint
+from meshwise.train.workloads import WORKLOADS, Workload
+
+#: The Communicator timeout never exceeds this; ``timeout`` bounds the whole job.
+COMM_TIMEOUT_CAP = 300.0
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything a rank needs to train; ``None`` for epochs, batch size or lr means the workload's
+    default (see :data:`~meshwise.train.workloads.WORKLOADS`)."""
+
+    model: str
+    nproc: int | None = None
+    epochs: int | None = None
+    batch_size: int | None = None
+    lr: float | None = None
+    lr_scaling: bool = True
+    seed: int = 0
+    backend: str = "auto"
+    device: str | None = None
+    checkpoint: str | None = None
+    resume: bool = False
+    data_dir: str | None = None
+    timeout: float = 3600.0
+
+    @property
+    def workload(self) -> Workload:
+        return WORKLOADS[self.model]
+
+    @property
+    def total_epochs(self) -> int:
+        return self.epochs if self.epochs is not None else self.workload.epochs
+
+    @property
+    def per_rank_batch(self) -> int:
+        return self.batch_size if self.batch_size is not None else self.workload.batch_size
+
+    @property
+    def base_lr(self) -> float:
+        return self.lr if self.lr is not None else self.workload.lr
+
+    @property
+    def comm_timeout(self) -> float:
+        return min(self.timeout, COMM_TIMEOUT_CAP)
+
+    def validate(self) -> TrainConfig:
+        """Raise ValueError (FileNotFoundError for missing paths) saying what to change; return self."""
+        if self.model not in WORKLOADS:
+            raise ValueError(f"unknown model {self.model!r}; choose one of {', '.join(WORKLOADS)}")
+        if self.nproc is not None and self.nproc < 1:
+            raise ValueError(f"-np must be at least 1, got {self.nproc}")
+        if self.total_epochs < 1:
+            raise ValueError(f"--epochs must be at least 1, got {self.total_epochs}")
+        if self.per_rank_batch < 1:
+            raise ValueError(
+                f"--batch-size must be a positive number of samples per rank, got {self.per_rank_batch}"
+            )
+        if not (math.isfinite(self.base_lr) and self.base_lr > 0):
+            raise ValueError(f"--lr must be a positive number, got {self.base_lr}")
+        if not 0 <= self.seed < 2**63:
+            raise ValueError(f"--seed must be in 0 .. 2**63-1, got {self.seed}")
+        if self.timeout <= 0:
+            raise ValueError(f"--timeout must be positive seconds, got {self.timeout}")
+        if self.backend != "auto" and self.backend not in BACKENDS:
+            raise ValueError(
+                f"--backend {self.backend!r} is unknown; choose auto or one of {', '.join(sorted(BACKENDS))}"
+            )
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda was asked for but CUDA is not available here; use --device cpu")
+        if self.data_dir is not None:
+            if not self.workload.accepts_data_dir:
+                raise ValueError(f"model {self.model!r} trains on synthetic data; --data is only for cnn")
+            find_mnist_files(self.data_dir)  # the four files exist, before any rank starts
+        self._check_checkpoint()
+        return self
+
+    def _check_checkpoint(self) -> None:
+        if self.checkpoint is None:
+            if self.resume:
+                raise ValueError("--resume needs --checkpoint DIR: the directory of the run to continue")
+            return
+        directory = Path(self.checkpoint)
+        if directory.exists() and not directory.is_dir():
+            raise ValueError(f"--checkpoint {directory} is a file; pass a directory")
+        path = checkpoint_file(directory)
+        if not self.resume:
+            if path.exists():
+                raise ValueError(
+                    f"{path} already exists; pass --resume to continue that run, "
+                    "or choose another --checkpoint"
+                )
+            return
+        if not directory.is_dir():
+            raise FileNotFoundError(f"--resume: checkpoint directory {directory} does not exist")
+        state = read_checkpoint(directory)
+        if state["model"] != self.model:
+            raise ValueError(f"{path} holds a {state['model']!r} run, not {self.model!r}")
+        if state["epoch"] >= self.total_epochs:
+            raise ValueError(
+                f"{path} has already completed {state['epoch']} of --epochs {self.total_epochs}; "
+                "pass a larger --epochs to train further"
+            )

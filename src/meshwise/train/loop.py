@@ -1,0 +1,227 @@
+"""The training loop every rank runs: shard, step, reduce the metrics, checkpoint, report.
+
+It is the seeds' DDP recipe with the pitfalls handled in one place: the sampler is re-seeded every epoch
+(``set_epoch``), the learning rate is scaled with the number of ranks, validation accuracy is a sum over
+every rank's shard (not rank 0's guess), rank 0 alone writes checkpoints and prints, and a resumed run
+restores model, optimizer, sampler and generator so it continues exactly where the checkpoint left off.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from torch import nn
+
+from meshwise.comm.api import ReduceOp
+from meshwise.data import DistributedSampler, Splits
+from meshwise.parallel import DataParallel
+from meshwise.train.checkpoint import read_checkpoint, save_checkpoint
+from meshwise.train.config import TrainConfig
+from meshwise.train.report import EpochStats, TrainResult, header_line
+from meshwise.world import World, init, shutdown
+
+_EVAL_BATCH = 1024
+
+
+def train_rank_main(config: TrainConfig) -> TrainResult | None:
+    """Join the job, train, leave; rank 0 returns the result (the others None)."""
+    world = init(config.backend, device=config.device, timeout=config.comm_timeout)
+    try:
+        result = Trainer(world, config).run()
+    finally:
+        shutdown()
+    return result if world.is_main else None
+
+
+class Trainer:
+    """One rank's share of a data-parallel training run."""
+
+    def __init__(self, world: World, config: TrainConfig) -> None:
+        self.world, self.config = world, config
+        workload = config.workload
+        self.splits: Splits = workload.load_data(config.data_dir)
+        torch.manual_seed(config.seed)
+        model = workload.build_model(self.splits).to(world.device)
+        self.lr = config.base_lr * (world.world_size if config.lr_scaling else 1)
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=self.lr)
+        self.sampler = DistributedSampler(
+            len(self.splits.train), world.world_size, world.rank, seed=config.seed
+        )
+        self.val_indices = DistributedSampler(
+            len(self.splits.val), world.world_size, world.rank, shuffle=False, remainder="uneven"
+        ).indices()
+        self.steps_per_epoch = math.ceil(len(self.sampler) / config.per_rank_batch)
+        self.history: list[EpochStats] = []
+        self.first_epoch = 0
+        self.checkpoint: str | None = None  # path of the last checkpoint written (rank 0)
+        if config.resume:
+            assert config.checkpoint is not None
+            self._restore(model, read_checkpoint(config.checkpoint, map_location=world.device))
+        self.model = DataParallel(model, world.comm)
+        self.console = Console(soft_wrap=True)
+
+    # ------------------------------------------------------------------ checkpoints
+    def _restore(self, model: nn.Module, state: dict[str, Any]) -> None:
+        model.load_state_dict(state["model_state"])
+        self.optimizer.load_state_dict(state["optimizer_state"])
+        self.sampler.load_state_dict(state["sampler"])
+        torch.set_rng_state(state["rng"].cpu())
+        self.first_epoch = int(state["epoch"])
+        self.history = [EpochStats(**h) for h in state["history"]]
+        run = state["run"]
+        if self.world.is_main and (run["world_size"], run["batch_size"]) != (
+            self.world.world_size,
+            self.config.per_rank_batch,
+        ):
+            print(
+                f"note: the checkpoint was written by {run['world_size']} ranks with batch "
+                f"{run['batch_size']}/rank; continuing with {self.world.world_size} × "
+                f"{self.config.per_rank_batch} changes the shards, so the run will not match an "
+                "uninterrupted one",
+                flush=True,
+            )
+
+    def _save(self, epoch: int) -> str:
+        state = {
+            "model": self.config.model,
+            "epoch": epoch,
+            "model_state": self.model.state_dict(),
+            "optimizer_state": self.optimizer.state_dict(),
+            "sampler": self.sampler.state_dict(),
+            "rng": torch.get_rng_state(),
+            "run": {
+                "world_size": self.world.world_size,
+                "batch_size": self.config.per_rank_batch,
+                "base_lr": self.config.base_lr,
+                "lr": self.lr,
+                "seed": self.config.seed,
+                "epochs": self.config.total_epochs,
+            },
+            "history": [asdict(e) for e in self.history],
+        }
+        assert self.config.checkpoint is not None
+        return str(save_checkpoint(self.config.checkpoint, state))
+
+    # ------------------------------------------------------------------ steps
+    def _lr_at(self, step: int) -> float:
+        """Cosine decay from the scaled lr to zero over the whole run, a pure function of the step: a
+        resumed run needs no scheduler state to continue on the same curve."""
+        total = self.steps_per_epoch * self.config.total_epochs
+        return self.lr * 0.5 * (1.0 + math.cos(math.pi * step / total))
+
+    def _train_epoch(self, epoch: int, progress: Progress | None) -> torch.Tensor:
+        """Run one epoch on this rank's shard; return [loss sum, samples, correct] (float64)."""
+        data, device, batch = self.splits.train, self.world.device, self.config.per_rank_batch
+        self.sampler.set_epoch(epoch)
+        indices = self.sampler.indices()
+        totals = torch.zeros(3, dtype=torch.float64, device=device)
+        task = (
+            None if progress is None else progress.add_task(f"epoch {epoch + 1}", total=self.steps_per_epoch)
+        )
+        self.model.train()
+        for step in range(self.steps_per_epoch):
+            chunk = indices[step * batch : (step + 1) * batch]
+            inputs, targets = data.inputs[chunk].to(device), data.targets[chunk].to(device)
+            for group in self.optimizer.param_groups:
+                group["lr"] = self._lr_at(epoch * self.steps_per_epoch + step)
+            logits = self.model(inputs)
+            loss = nn.functional.cross_entropy(logits, targets)
+            self.optimizer.zero_grad()
+            loss.backward()  # returns with gradients averaged over the ranks
+            self.optimizer.step()
+            with torch.no_grad():
+                totals += torch.stack(
+                    [
+                        loss.double() * len(chunk),
+                        totals.new_tensor(len(chunk)),
+                        (logits.argmax(1) == targets).sum(),
+                    ]
+                )
+            if progress is not None and task is not None:
+                progress.update(task, advance=1)
+        if progress is not None and task is not None:  # (both or neither)
+            progress.remove_task(task)
+        return totals
+
+    @torch.no_grad()
+    def _evaluate(self) -> torch.Tensor:
+        """[loss sum, samples, correct] over this rank's share of the validation set."""
+        part, device = self.splits.val, self.world.device
+        totals = torch.zeros(3, dtype=torch.float64, device=device)
+        self.model.eval()
+        for start in range(0, len(self.val_indices), _EVAL_BATCH):
+            chunk = self.val_indices[start : start + _EVAL_BATCH]
+            inputs, targets = part.inputs[chunk].to(device), part.targets[chunk].to(device)
+            logits = self.model.module(inputs)
+            loss = nn.functional.cross_entropy(logits, targets, reduction="sum")
+            totals += torch.stack(
+                [loss.double(), totals.new_tensor(len(chunk)), (logits.argmax(1) == targets).sum()]
+            )
+        return totals
+
+    # ------------------------------------------------------------------ the run
+    def run_epoch(self, epoch: int, progress: Progress | None = None) -> EpochStats:
+        """Train and validate one epoch (0-based), reduce its metrics over the ranks, checkpoint it."""
+        started = time.perf_counter()
+        train = self._train_epoch(epoch, progress)
+        seconds = time.perf_counter() - started
+        totals = torch.cat([train, self._evaluate()])
+        self.world.comm.all_reduce(totals, ReduceOp.SUM)
+        t_loss, t_n, t_ok, v_loss, v_n, v_ok = totals.tolist()
+        stats = EpochStats(epoch + 1, t_loss / t_n, t_ok / t_n, v_loss / v_n, v_ok / v_n, int(t_n), seconds)
+        self.history.append(stats)
+        if self.config.checkpoint is not None and self.world.is_main:
+            self.checkpoint = self._save(epoch + 1)
+        return stats
+
+    def run(self) -> TrainResult:
+        """Every remaining epoch, with a progress bar and a line per epoch on rank 0."""
+        parameters = sum(p.numel() for p in self.model.parameters())
+        world, epochs = self.world, self.config.total_epochs
+        if world.is_main:
+            self.console.print(
+                header_line(
+                    self.config.model,
+                    self.splits.name,
+                    parameters,
+                    world.world_size,
+                    world.backend,
+                    str(world.device),
+                )
+            )
+        started = time.perf_counter()
+        with Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeRemainingColumn(),
+            console=self.console,
+            transient=True,
+            disable=not (world.is_main and self.console.is_terminal),
+        ) as progress:
+            for epoch in range(self.first_epoch, epochs):
+                stats = self.run_epoch(epoch, progress)
+                if world.is_main:
+                    progress.console.print(stats.line(epochs))
+        return TrainResult(
+            model=self.config.model,
+            dataset=self.splits.name,
+            parameters=parameters,
+            world_size=world.world_size,
+            backend=world.backend,
+            device=str(world.device),
+            batch_size=self.config.per_rank_batch,
+            base_lr=self.config.base_lr,
+            lr=self.lr,
+            epochs=epochs,
+            first_epoch=self.first_epoch,
+            history=tuple(self.history),
+            wall_seconds=time.perf_counter() - started,
+            checkpoint=self.checkpoint,
+        )

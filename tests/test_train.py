@@ -1,0 +1,142 @@
+"""``meshwise train``: input validation, exact resume, and the default CNN run reaching ≥ 97%."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+import meshwise
+from meshwise.cli import main
+from meshwise.models import SmallCNN
+from meshwise.runtime.spawn import spawn
+from meshwise.train import WORKLOADS, TrainConfig, read_checkpoint, save_checkpoint
+from meshwise.train.loop import Trainer
+from test_data import write_mnist
+
+
+# ---------------------------------------------------------------------------------------------- validation
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"model": "resnet"}, "unknown model"),
+        ({"nproc": 0}, "-np must be at least 1"),
+        ({"epochs": 0}, "--epochs must be at least 1"),
+        ({"batch_size": 0}, "--batch-size must be a positive"),
+        ({"batch_size": -4}, "--batch-size must be a positive"),
+        ({"lr": 0.0}, "--lr must be a positive"),
+        ({"lr": math.nan}, "--lr must be a positive"),
+        ({"seed": -1}, "--seed"),
+        ({"timeout": 0}, "--timeout"),
+        ({"backend": "tcp"}, "--backend 'tcp' is unknown"),
+        ({"resume": True}, "--resume needs --checkpoint"),
+        ({"model": "mlp", "data_dir": "."}, "--data is only for cnn"),
+    ],
+)
+def test_bad_settings_are_refused_before_any_rank_starts(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        TrainConfig(**{"model": "cnn", **kwargs}).validate()
+
+
+def test_missing_paths_are_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        TrainConfig("cnn", checkpoint=str(tmp_path / "nope"), resume=True).validate()
+    with pytest.raises(FileNotFoundError, match="no checkpoint at"):
+        TrainConfig("cnn", checkpoint=str(tmp_path), resume=True).validate()
+    with pytest.raises(FileNotFoundError, match="train-images-idx3-ubyte"):
+        TrainConfig("cnn", data_dir=str(tmp_path)).validate()
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="is a file"):
+        TrainConfig("cnn", checkpoint=str(tmp_path / "file")).validate()
+
+
+def test_checkpoints_are_checked_against_the_run_that_resumes_them(tmp_path):
+    save_checkpoint(tmp_path, {"model": "mlp", "epoch": 3})
+    with pytest.raises(ValueError, match="already exists; pass --resume"):
+        TrainConfig("mlp", checkpoint=str(tmp_path)).validate()
+    with pytest.raises(ValueError, match="holds a 'mlp' run, not 'cnn'"):
+        TrainConfig("cnn", checkpoint=str(tmp_path), resume=True).validate()
+    with pytest.raises(ValueError, match="already completed 3 of --epochs 3"):
+        TrainConfig("mlp", epochs=3, checkpoint=str(tmp_path), resume=True).validate()
+    TrainConfig("mlp", epochs=4, checkpoint=str(tmp_path), resume=True).validate()
+    (tmp_path / "checkpoint.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(ValueError, match="not a readable checkpoint"):
+        read_checkpoint(tmp_path)
+
+
+def test_cnn_workload_sizes_itself_for_mnist_files(tmp_path):
+    write_mnist(tmp_path, images=6)
+    TrainConfig("cnn", data_dir=str(tmp_path)).validate()
+    workload = WORKLOADS["cnn"]
+    splits = workload.load_data(str(tmp_path))
+    model = workload.build_model(splits)
+    assert splits.name == "mnist" and abs(splits.train.inputs.mean().item()) < 1e-5  # standardized
+    assert model(splits.val.inputs).shape == (6, 10)
+
+
+def test_the_command_line_reports_bad_input_with_exit_code_2(capsys):
+    assert main(["train", "cnn", "-np", "2", "--batch-size", "0"]) == 2
+    assert "meshwise train: error: --batch-size must be a positive number" in capsys.readouterr().err
+
+
+def test_an_atomic_save_leaves_no_temporary_file(tmp_path):
+    path = save_checkpoint(tmp_path / "run", {"model": "mlp", "epoch": 1})
+    assert [p.name for p in path.parent.iterdir()] == ["checkpoint.pt"]
+    assert read_checkpoint(path.parent)["format"] == "meshwise-train/1"
+
+
+# ---------------------------------------------------------------------------------------------- resume
+def _resume(root: str) -> dict[str, object]:
+    world = meshwise.init("gloo", timeout=60)
+
+    def config(name: str, resume: bool = False) -> TrainConfig:
+        return TrainConfig("mlp", epochs=2, checkpoint=f"{root}/{name}", resume=resume, backend="gloo")
+
+    straight = Trainer(world, config("straight"))
+    straight.run()
+    interrupted = Trainer(world, config("resumed"))
+    interrupted.run_epoch(0)  # the job dies here, after its epoch-1 checkpoint
+    del interrupted
+    world.comm.barrier()  # a restarted job finds the file rank 0 wrote
+    resumed = Trainer(world, config("resumed", resume=True))
+    result = resumed.run()
+    a, b = straight.model.state_dict(), resumed.model.state_dict()
+    out = {
+        "same parameters": list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a),
+        "same final loss": straight.history[-1].train_loss == resumed.history[-1].train_loss,
+        "first epoch": result.first_epoch,
+        "epochs in history": len(result.history),
+    }
+    meshwise.shutdown()
+    return out
+
+
+def test_resuming_after_epoch_one_ends_exactly_where_two_straight_epochs_end(tmp_path):
+    results = spawn(_resume, 2, args=(str(tmp_path),), timeout=100)
+    for result in results:
+        assert result == {
+            "same parameters": True,
+            "same final loss": True,
+            "first epoch": 1,
+            "epochs in history": 2,
+        }
+
+
+# ---------------------------------------------------------------------------------------------- default run
+def test_default_cnn_run_on_two_ranks_reaches_97_percent(tmp_path, capsys):
+    report = tmp_path / "run.json"
+    assert (
+        main(["train", "cnn", "-np", "2", "--checkpoint", str(tmp_path / "ckpt"), "--json", str(report)]) == 0
+    )
+    assert "===== TRAINING SUMMARY =====" in capsys.readouterr().out
+    data = json.loads(report.read_text())
+    assert data["world_size"] == 2 and data["lr"] == 2 * data["base_lr"]  # linear scaling
+    assert len(data["history"]) == data["epochs"] == 20
+    assert data["val_accuracy"] >= 0.97
+    # the checkpoint loads into the plain model: no "module." prefix
+    state = read_checkpoint(tmp_path / "ckpt")
+    model = SmallCNN()
+    model.load_state_dict(state["model_state"])
+    assert state["epoch"] == 20 and state["run"]["world_size"] == 2
