@@ -11,7 +11,8 @@ The points the template exists to show (each a common multi-GPU bug when missed)
 - the GPU is bound (``set_device``) *before* ``init_process_group``, so NCCL never opens contexts on GPU 0
   for every rank;
 - DistributedSampler gives each rank a disjoint shard, and ``set_epoch`` reshuffles it per epoch;
-- a finite timeout turns a dead peer into an error instead of a 30-minute hang.
+- a finite timeout turns a dead peer into an error instead of a 30-minute hang;
+- ``destroy_process_group`` at the end, after a barrier, and with nothing left holding the group.
 At the end, every rank checks that its parameters equal rank 0's: DDP's gradient all-reduce keeps them so.
 """
 
@@ -23,6 +24,11 @@ import os
 
 import torch
 import torch.distributed as dist
+
+# Before init_process_group: DDP imports this lazily, and imported after init its default arguments
+# (group=group.WORLD) keep the process group alive past destroy_process_group(); gloo's threads then
+# race the interpreter's exit and can abort a finished run ("terminate called without an active exception").
+import torch.distributed.nn
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset

@@ -95,15 +95,15 @@ def extras() -> None:
 
 
 def bootstrap() -> None:
-    """torch.distributed over gloo brought up from MPI alone: no MASTER_ADDR anywhere."""
-    leaked = [k for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE") if k in os.environ]
+    """torch.distributed over gloo, its rendezvous completed over MPI (the test may export MASTER_ADDR)."""
+    exported = [k for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE") if k in os.environ]
     world = meshwise.init("gloo", timeout=30)
     value = torch.tensor([float(world.rank + 1)])
     dist.all_reduce(value)
     report(
         {
             "rank": world.rank,
-            "leaked": leaked,
+            "exported": exported,
             "launcher": world.launcher,
             "backend": dist.get_backend(),
             "world": [world.world_size, world.local_rank, world.local_world_size, world.node_rank],

@@ -1,5 +1,6 @@
 """Launch-environment detection as a pure function: every launcher's contract and every error case."""
 
+import importlib.util
 import os
 
 import pytest
@@ -12,6 +13,7 @@ TORCHRUN = {
     "WORLD_SIZE": "8",
     "LOCAL_WORLD_SIZE": "4",
     "GROUP_RANK": "1",
+    "GROUP_WORLD_SIZE": "2",
     "MASTER_ADDR": "10.0.0.1",
     "MASTER_PORT": "29400",
     "TORCHELASTIC_RUN_ID": "job7",
@@ -47,14 +49,17 @@ HYDRA = {"PMI_RANK": "3", "PMI_SIZE": "4", "MPI_LOCALRANKID": "1", "MPI_LOCALNRA
             {"PATH": "/bin", "SLURM_JOB_ID": "9", "MASTER_ADDR": "stale"},
             LaunchEnv("local", 0, 0, 1, 1, 0, None, None, job_id="9"),
         ),
-        (TORCHRUN, LaunchEnv("torchrun", 5, 1, 8, 4, 1, "10.0.0.1", 29400, "job7", 2)),
+        (TORCHRUN, LaunchEnv("torchrun", 5, 1, 8, 4, 1, "10.0.0.1", 29400, "job7", 2, node_count=2)),
         (
             {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"},
             LaunchEnv("torchrun", 0, 0, 1, 1, 0, None, None),
         ),
         # torchrun inside an srun allocation: torchrun's own variables win over the agent's SLURM task.
-        ({**SLURM, **TORCHRUN}, LaunchEnv("torchrun", 5, 1, 8, 4, 1, "10.0.0.1", 29400, "job7", 2)),
-        (SLURM, LaunchEnv("slurm", 5, 1, 8, 4, 1, "gpu01", 29500 + 123456 % 20000, "123456")),
+        (
+            {**SLURM, **TORCHRUN},
+            LaunchEnv("torchrun", 5, 1, 8, 4, 1, "10.0.0.1", 29400, "job7", 2, node_count=2),
+        ),
+        (SLURM, LaunchEnv("slurm", 5, 1, 8, 4, 1, "gpu01", 29500 + 123456 % 20000, "123456", node_count=2)),
         (  # exported MASTER_* win over the derived ones; step variables win over the job's
             {
                 **SLURM,
@@ -67,9 +72,9 @@ HYDRA = {"PMI_RANK": "3", "PMI_SIZE": "4", "MPI_LOCALRANKID": "1", "MPI_LOCALNRA
                 "SLURM_PROCID": "2",
                 "SLURM_LOCALID": "0",
             },
-            LaunchEnv("slurm", 2, 0, 3, 1, 1, "10.1.1.1", 12355, "123456"),
+            LaunchEnv("slurm", 2, 0, 3, 1, 1, "10.1.1.1", 12355, "123456", node_count=2),
         ),
-        (  # uneven tasks per node: node 2 of a 2(x2),1 layout runs 1 task
+        (  # uneven tasks per node: node 2 of a 2(x2),1 layout runs 1 task (3 nodes, not 5 // 1)
             {
                 **SLURM,
                 "SLURM_NTASKS": "5",
@@ -79,7 +84,7 @@ HYDRA = {"PMI_RANK": "3", "PMI_SIZE": "4", "MPI_LOCALRANKID": "1", "MPI_LOCALNRA
                 "SLURM_PROCID": "4",
                 "SLURM_LOCALID": "0",
             },
-            LaunchEnv("slurm", 4, 0, 5, 1, 2, "a1", 29500 + 123456 % 20000, "123456"),
+            LaunchEnv("slurm", 4, 0, 5, 1, 2, "a1", 29500 + 123456 % 20000, "123456", node_count=3),
         ),
         (OPENMPI, LaunchEnv("openmpi", 6, 2, 8, 4, 1, None, None, "prterun-host-1234@1")),
         # mpirun inside an sbatch allocation: the batch step's SLURM_PROCID=0 leaks into every rank.
@@ -96,7 +101,7 @@ HYDRA = {"PMI_RANK": "3", "PMI_SIZE": "4", "MPI_LOCALRANKID": "1", "MPI_LOCALNRA
         # srun --mpi=pmix: PMIx and SLURM agree, SLURM adds the node list and job id.
         (
             {**SLURM, "PMIX_RANK": "5"},
-            LaunchEnv("slurm", 5, 1, 8, 4, 1, "gpu01", 29500 + 123456 % 20000, "123456"),
+            LaunchEnv("slurm", 5, 1, 8, 4, 1, "gpu01", 29500 + 123456 % 20000, "123456", node_count=2),
         ),
         # mpiexec.hydra bootstrapping its proxies through srun: the proxy's SLURM task is not the rank.
         (
@@ -150,7 +155,11 @@ def _without(env, *names):
     [
         (_without(TORCHRUN, "LOCAL_RANK"), ["torchrun variables are incomplete", "LOCAL_RANK missing"]),
         (_without(TORCHRUN, "RANK"), ["LOCAL_RANK, WORLD_SIZE set but RANK missing"]),
-        (_without(TORCHRUN, "MASTER_PORT"), ["MASTER_PORT missing"]),
+        (
+            _without(TORCHRUN, "MASTER_PORT"),
+            ["WORLD_SIZE=8 (several ranks must meet) but MASTER_PORT missing"],
+        ),
+        ({**TORCHRUN, "GROUP_RANK": "2"}, ["node rank 2 is outside 0..1"]),
         ({**TORCHRUN, "RANK": "eight"}, ["RANK='eight' is not an integer"]),
         ({**TORCHRUN, "RANK": "8"}, ["rank 8 is outside 0..7"]),
         ({**TORCHRUN, "LOCAL_RANK": "4"}, ["local rank 4 is outside 0..3"]),
@@ -172,6 +181,7 @@ def _without(env, *names):
         (_without(OPENMPI, "OMPI_COMM_WORLD_SIZE"), ["Open MPI variables are incomplete", "SIZE missing"]),
         ({**HYDRA, "PMIX_RANK": "1"}, ["conflicting ranks", "PMI_RANK=3", "PMIX_RANK=1"]),
         ({"PMIX_RANK": "1"}, ["PMI_SIZE missing"]),
+        ({"PMI_SIZE": "4"}, ["PMI_SIZE set but PMI_RANK (or PMIX_RANK) missing"]),
         (_without(HYDRA, "MPI_LOCALNRANKS"), ["MPI_LOCALRANKID set but MPI_LOCALNRANKS missing"]),
         ({**HYDRA, "PMI_RANK": "4", "MPI_LOCALRANKID": "0"}, ["rank 4 is outside 0..3"]),
         ({**HYDRA, "MPI_LOCALNRANKS": "0"}, ["MPI_LOCALNRANKS=0 must be at least 1"]),
@@ -222,6 +232,9 @@ def test_info_reports_the_detected_layout_as_json(monkeypatch, capsys, tmp_path)
     assert report["auto"]["device"] == "cpu" and report["backends"]["gloo"]["available"]
     assert report["devices"][0]["device"] == "cpu" and report["devices"][0]["cores"] >= 1
     assert report["shm"]["total_bytes"] > 0
+    mpi = report["backends"]["mpi"]  # found without initialising MPI; names the version and mpirun
+    assert mpi["available"] == (importlib.util.find_spec("mpi4py") is not None)
+    assert mpi["note"].startswith("mpi4py " if mpi["available"] else "pip install")
     monkeypatch.setenv("SLURM_NTASKS", "6")
     assert main(["info"]) == 1
     assert "launcher    ERROR: SLURM layout" in capsys.readouterr().out

@@ -18,6 +18,8 @@ from meshwise.runtime.hostlist import HostlistError, expand_hostlist, expand_tas
         ("x[1,3],y[5],z", ["x1", "x3", "y5", "z"]),
         ("c[1-2]a,c[4]b", ["c1a", "c2a", "c4b"]),
         ("  node[1-2]\n", ["node1", "node2"]),
+        ("a, b[1-2]\tc", ["a", "b1", "b2", "c"]),  # SLURM also separates with spaces and tabs
+        ("a,,b", ["a", "b"]),  # and, like SLURM, repeated separators count as one
         ("node-a.cluster.org", ["node-a.cluster.org"]),
     ],
 )
@@ -28,7 +30,8 @@ def test_expand_hostlist(text, hosts):
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("", "empty"),
+        ("", "names no host"),
+        (" , ", "names no host"),
         ("node[1-2", "unclosed"),
         ("node1-2]", "without '['"),
         ("node[[1-2]]", "nested"),
@@ -36,7 +39,6 @@ def test_expand_hostlist(text, hosts):
         ("node[4-2]", "runs backwards"),
         ("node[a-b]", "not N or N-M"),
         ("node[1-]", "not N or N-M"),
-        ("a,,b", "empty host name"),
         ("n[0-999999]x[0-9]", "expands to"),
     ],
 )

@@ -68,21 +68,22 @@ RECORD_PIDS = """
 """
 
 
-def test_all_reduce_of_ones_is_three_on_every_rank(tmp_path):
+def test_all_reduce_of_the_ranks_is_three_on_every_rank(tmp_path):
     script = _script(
         tmp_path,
         "allreduce.py",
         """
         import torch, torch.distributed as dist
         dist.init_process_group("gloo", init_method="env://")
-        x = torch.ones(1)
+        x = torch.tensor([dist.get_rank()])
         dist.all_reduce(x)
-        print(f"sum {int(x.item())}")
+        print(f"sum {x.item()}")
         dist.destroy_process_group()
         """,
     )
     code, out, err, _ = _cli("-n", "3", script)
     assert code == 0, err
+    # 0 + 1 + 2 = 3 on every rank: each worker got a distinct rank and they all met.
     assert sorted(line for line in out.splitlines() if "sum" in line) == [
         f"[rank {r}] sum 3" for r in range(3)
     ]
@@ -112,6 +113,8 @@ def test_failing_rank_stops_the_group_and_is_named(tmp_path):
 
 
 def test_rank_hung_in_collective_is_killed_when_another_raises(tmp_path):
+    """Rank 2 blocks in an all_reduce that only rank 1 could complete (rank 1 sleeps): no peer of rank 2
+    dies, so gloo cannot notice anything and only the launcher can end the hang when rank 0 raises."""
     script = _script(
         tmp_path,
         "hang.py",
@@ -119,10 +122,19 @@ def test_rank_hung_in_collective_is_killed_when_another_raises(tmp_path):
         """
     import datetime, time, torch, torch.distributed as dist
     dist.init_process_group("gloo", init_method="env://", timeout=datetime.timedelta(seconds=600))
-    if rank == "0":
+    pair = dist.new_group([1, 2])
+    if rank == "2":
+        open(f"{piddir}/entered", "w").write("")
+        dist.all_reduce(torch.ones(1), group=pair)  # waits for rank 1, for up to 10 minutes
+        open(f"{piddir}/left", "w").write("")
+    elif rank == "1":
+        time.sleep(600)
+    else:
+        while not os.path.exists(f"{piddir}/entered"):
+            time.sleep(0.05)
+        time.sleep(0.5)  # rank 2 is now inside the all_reduce
         open(f"{piddir}/failed-at", "w").write(repr(time.time()))
-        raise ValueError("rank 0 broke before the all_reduce")
-    dist.all_reduce(torch.ones(1))  # ranks 1 and 2 wait here for rank 0, for up to 10 minutes
+        raise ValueError("rank 0 broke while rank 2 waited in all_reduce")
     """,
     )
     code, _, err, elapsed = _cli("-n", "3", script, str(tmp_path))
@@ -131,8 +143,9 @@ def test_rank_hung_in_collective_is_killed_when_another_raises(tmp_path):
     # The launcher's reaction is what must be fast; three torch imports on a busy 2-core box are not.
     assert ended - float((tmp_path / "failed-at").read_text()) < 10
     assert elapsed < 60
-    assert "rank 0 failed (exit code 1)" in err
-    assert "ValueError: rank 0 broke before the all_reduce" in err
+    assert not (tmp_path / "left").exists()  # rank 2 was killed inside the collective
+    assert "rank 0 failed (exit code 1); terminating ranks 1, 2" in err
+    assert "ValueError: rank 0 broke while rank 2 waited in all_reduce" in err
     _assert_no_survivors(tmp_path)
 
 
@@ -178,6 +191,17 @@ def test_worker_environment_contract_multi_node(tmp_path):
         assert line.startswith(f"[rank {2 + local}] RANK={2 + local} LOCAL_RANK={local} WORLD_SIZE=4 ")
         assert "LOCAL_WORLD_SIZE=2 GROUP_RANK=1 MASTER_ADDR=10.9.8.7 MASTER_PORT=29500 " in line
         assert "TORCHELASTIC_RESTART_COUNT=0 OMP_NUM_THREADS=" in line
+
+
+def test_torchrun_spellings_of_the_flags_are_accepted(tmp_path):
+    """Replacing `torchrun` by `meshwise run` in an existing command line must just work."""
+    script = _script(
+        tmp_path, "env.py", "import os\nprint(os.environ['WORLD_SIZE'], os.environ['MASTER_PORT'])\n"
+    )
+    port = str(free_port())
+    code, out, err, _ = _cli("--nproc_per_node=2", "--master_port", port, "--max_restarts=0", script)
+    assert code == 0, err
+    assert sorted(out.splitlines()) == [f"[rank 0] 2 {port}", f"[rank 1] 2 {port}"]
 
 
 def test_max_restarts_relaunches_the_group(tmp_path):
@@ -247,14 +271,44 @@ def test_ctrl_c_cleans_up_every_worker(tmp_path):
     _assert_no_survivors(tmp_path)
 
 
-def test_workers_die_with_a_launcher_killed_by_sigkill(tmp_path):
-    """SIGKILL cannot be caught: the parent-death signal set before exec takes the workers down."""
-    record = (
-        "import os, sys\nopen(f\"{sys.argv[1]}/rank{os.environ['RANK']}.pid\", 'w').write(str(os.getpid()))\n"
-    )
-    proc = _start_ready_workers(tmp_path, record)
+def test_workers_and_their_children_die_with_a_launcher_killed_by_sigkill(tmp_path):
+    """SIGKILL cannot be caught: the parent-death signal set before exec takes the workers down, and the
+    reaper kills the `sleep` each of them started."""
+    proc = _start_ready_workers(tmp_path, RECORD_PIDS)
+    assert len(_pids(tmp_path)) == 4
     proc.kill()
     proc.communicate(timeout=20)
+    _assert_no_survivors(tmp_path)
+
+
+SLEEPER = """
+import os, time
+
+def sleep_forever(piddir):
+    open(f"{piddir}/rank{os.environ['RANK']}.pid", "w").write(str(os.getpid()))
+    time.sleep(300)
+"""
+SPAWNER = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import sleeper
+from meshwise.runtime.spawn import spawn
+spawn(sleeper.sleep_forever, 2, (sys.argv[1],), timeout=300)
+"""
+
+
+@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL])
+def test_spawned_ranks_do_not_outlive_their_parent(tmp_path, how):
+    """`-np N` commands run function ranks from a forkserver; `scancel` or `kill -9` of the command
+    must not leave them computing (or waiting in a collective) as orphans."""
+    (tmp_path / "sleeper.py").write_text(SLEEPER)
+    proc = subprocess.Popen([sys.executable, "-c", SPAWNER, str(tmp_path)])
+    deadline = time.monotonic() + 60
+    while len(_pids(tmp_path)) < 2:
+        assert proc.poll() is None and time.monotonic() < deadline, "ranks did not start"
+        time.sleep(0.1)
+    proc.send_signal(how)
+    proc.wait(timeout=20)
     _assert_no_survivors(tmp_path)
 
 
@@ -302,6 +356,7 @@ def test_torchrun_sbatch_layout():
     assert "#SBATCH --nodes=3\n#SBATCH --ntasks-per-node=1\n#SBATCH --cpus-per-task=32\n" in text
     assert '--nproc-per-node=4 --rdzv-id="$SLURM_JOB_ID" --rdzv-backend=c10d' in text
     assert '--rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT"' in text
+    assert 'srun --kill-on-bad-exit=1 --cpus-per-task="$SLURM_CPUS_PER_TASK" torchrun' in text
     assert text.rstrip().endswith("train.py --lr 0.1")
     binary = render_sbatch(SbatchSpec("./a.out", nodes=2, tasks_per_node=2, python=False))
     assert binary.rstrip().endswith("task \\\n    ./a.out")
@@ -312,6 +367,7 @@ def test_torchrun_sbatch_layout():
 
 FAKE_SRUN = """#!/bin/bash
 # A one-node stand-in for srun: start SLURM_NTASKS copies of the command with srun's task variables.
+printf '%s\\n' "$@" > "$(dirname "$0")/srun.args"
 while [[ "$1" == --* ]]; do shift; done
 pids=()
 for ((i = 0; i < SLURM_NTASKS; i++)); do
@@ -351,5 +407,11 @@ def test_generated_sbatch_runs_an_unmodified_ddp_script(tmp_path):
         env.pop(name, None)
     done = subprocess.run(["bash", str(job)], env=env, capture_output=True, text=True, timeout=90)
     assert done.returncode == 0, done.stderr
+    # srun >= 22.05 does not inherit the batch script's CPUs per task: the script must pass them on.
+    assert (bin_dir / "srun.args").read_text().splitlines()[:3] == [
+        "--kill-on-bad-exit=1",
+        "--cpus-per-task=1",
+        "--cpu-bind=cores",
+    ]
     for rank in range(2):
         assert f"rank {rank}/2 local_rank {rank} on cpu: trained 2 steps, parameters in sync" in done.stdout

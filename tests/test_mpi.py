@@ -37,9 +37,15 @@ needs_mpi = pytest.mark.skipif(
 _LEAKS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
 
 
-def mpirun(n: int, *args: str, timeout: float = 100.0) -> tuple[int, str, float]:
-    """(exit code, stdout+stderr, seconds) of ``mpirun -n n python ARGS``; the whole job dies on timeout."""
+def mpirun(
+    n: int, *args: str, timeout: float = 100.0, export: dict[str, str] | None = None
+) -> tuple[int, str, float]:
+    """(exit code, stdout+stderr, seconds) of ``mpirun -n n python ARGS``; the whole job dies on timeout.
+
+    The ranks see this process's environment without other launchers' variables, plus ``export``.
+    """
     env = {k: v for k, v in os.environ.items() if k not in _LEAKS and not k.startswith(("OMPI_", "PMI"))}
+    env.update(export or {})
     cmd = [MPIRUN, "--allow-run-as-root", "--oversubscribe", "-n", str(n), sys.executable, *args]
     start = time.monotonic()
     proc = subprocess.Popen(
@@ -136,13 +142,18 @@ def test_subgroups_async_half_precision_and_size_mismatch():
 
 @needs_mpi
 @pytest.mark.slow
-def test_bootstrap_brings_up_gloo_without_master_addr():
-    code, output, _ = mpirun(2, JOB, "bootstrap")
+@pytest.mark.parametrize(
+    "export",
+    [{}, {"MASTER_ADDR": "127.0.0.1"}],  # an address chosen by the user (which network), the port by MPI
+    ids=["nothing", "only-master-addr"],
+)
+def test_bootstrap_fills_in_the_rendezvous_over_mpi(export):
+    code, output, _ = mpirun(2, JOB, "bootstrap", export=export)
     results = verdicts(output)
     assert code == 0 and sorted(results) == [0, 1], output[-3000:]
     local_ranks = set()
     for result in results.values():
-        assert result["leaked"] == []
+        assert result["exported"] == sorted(export)
         assert result["launcher"] == "openmpi" and result["backend"] == "gloo"
         world, local_rank, local_world, node = result["world"]
         assert (world, local_world, node) == (2, 2, 0)

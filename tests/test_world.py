@@ -1,6 +1,7 @@
 """``meshwise.init()`` under the launchers' environments: layout, device, idempotence, adoption, errors."""
 
 import os
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -92,6 +93,31 @@ def _adopt_existing_group():
 
 def test_adopts_a_process_group_the_script_created():
     assert spawn(_adopt_existing_group, 2, timeout=60) == [(3, True), (3, True)]
+
+
+def _gloo_threads() -> int:
+    tasks = Path("/proc/self/task")
+    return sum((task / "comm").read_text().strip() == "pt_gloo_runloop" for task in tasks.iterdir())
+
+
+def _torch_ddp_then_shutdown():
+    import torch
+    from torch import nn
+
+    meshwise.init("gloo", timeout=20)
+    model = nn.parallel.DistributedDataParallel(nn.Linear(2, 2))  # imports torch.distributed.nn lazily
+    model(torch.ones(3, 2)).sum().backward()
+    del model
+    during = _gloo_threads()
+    meshwise.shutdown()
+    return during, _gloo_threads()
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux /proc thread names")
+def test_shutdown_releases_the_process_group_after_torch_ddp():
+    """Otherwise gloo's threads outlive shutdown() and may abort the finished process at exit."""
+    during, after = spawn(_torch_ddp_then_shutdown, 1, timeout=60)[0]
+    assert during > 0 and after == 0
 
 
 def test_incomplete_layout_fails_before_any_process_group(monkeypatch):

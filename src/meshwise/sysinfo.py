@@ -8,6 +8,7 @@ already broken.
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import os
 import platform
@@ -18,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from meshwise.runtime.cores import available_cores
 from meshwise.runtime.env import LaunchEnvError, detect_launch_env
 from meshwise.world import pick_device, resolve_backend
 
@@ -47,9 +49,8 @@ def _memory_bytes() -> int | None:
 
 
 def _devices() -> list[dict[str, Any]]:
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     devices: list[dict[str, Any]] = [
-        {"device": "cpu", "name": _cpu_model(), "cores": cores, "memory_bytes": _memory_bytes()}
+        {"device": "cpu", "name": _cpu_model(), "cores": available_cores(), "memory_bytes": _memory_bytes()}
     ]
     if torch.cuda.is_available():
         for index in range(torch.cuda.device_count()):
@@ -66,6 +67,14 @@ def _devices() -> list[dict[str, Any]]:
     return devices
 
 
+def _mpi_note(found: bool) -> str:
+    """mpi4py's version and the mpirun on PATH, without initialising MPI (importing mpi4py.MPI would)."""
+    if not found:
+        return "pip install 'meshwise[mpi]' (mpi4py + Open MPI wheel) or mpi4py for your system MPI"
+    mpirun = shutil.which("mpirun") or shutil.which("mpiexec") or "no mpirun/mpiexec on PATH"
+    return f"mpi4py {importlib.metadata.version('mpi4py')} (not initialised here); {mpirun}"
+
+
 def _backends() -> dict[str, dict[str, Any]]:
     cuda = torch.cuda.is_available()
     mpi4py = importlib.util.find_spec("mpi4py") is not None
@@ -79,10 +88,7 @@ def _backends() -> dict[str, dict[str, Any]]:
             "available": os.path.isdir("/dev/shm"),
             "note": "single-node shared memory" if os.path.isdir("/dev/shm") else "no /dev/shm",
         },
-        "mpi": {
-            "available": mpi4py,
-            "note": "mpi4py installed (not initialised here)" if mpi4py else "pip install meshwise[mpi]",
-        },
+        "mpi": {"available": mpi4py, "note": _mpi_note(mpi4py)},
     }
 
 

@@ -15,6 +15,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+# Imported before any process group exists, on purpose: torch.distributed.nn.functional binds
+# ``group=group.WORLD`` as default arguments when first imported, and torch's DDP imports it lazily. Imported
+# after init, it pins the WORLD group past destroy_process_group(); gloo's worker threads then outlive
+# shutdown() and can abort the process at exit ("terminate called without an active exception").
+import torch.distributed.nn
+
 from meshwise.comm.api import CommError, Communicator
 from meshwise.comm.factory import BACKENDS, create_communicator
 from meshwise.comm.shm.segment import check_memory_model
@@ -138,7 +144,7 @@ def init(
     if _current is not None:
         return _current
     layout = detect_launch_env()
-    needs_mpi = layout.master_addr is None or not layout.local_layout_known
+    needs_mpi = layout.master_addr is None or layout.master_port is None or not layout.local_layout_known
     if layout.launcher in ("openmpi", "pmi") and needs_mpi and not dist.is_initialized():
         from meshwise.runtime.mpi_bootstrap import bootstrap_rendezvous  # imports mpi4py: only under MPI
 

@@ -45,4 +45,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except BrokenPipeError:
+        # `meshwise info --json | head`: the reader left; say nothing more and exit as a killed writer does.
+        sys.stderr.close()
+        return 141

@@ -25,10 +25,14 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str, help_text: str
         "all and name it.",
         epilog="examples:\n" + __doc__.split("\n\n")[1],
     )
+    # torchrun's spellings (--nproc-per-node, --node_rank, ...) are accepted too, so that replacing
+    # `torchrun` by `meshwise run` in an existing command line just works.
     parser.add_argument(
         "-np",
         "-n",
         "--nproc",
+        "--nproc-per-node",
+        "--nproc_per_node",
         dest="nprocs",
         type=int,
         default=1,
@@ -36,13 +40,21 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str, help_text: str
         help="worker processes on this node (default 1)",
     )
     parser.add_argument("--nnodes", type=int, default=1, help="nodes in the job (default 1)")
-    parser.add_argument("--node-rank", type=int, default=0, help="this node's index, 0..nnodes-1")
-    parser.add_argument("--master-addr", help="address of node 0 (default 127.0.0.1 on one node)")
     parser.add_argument(
-        "--master-port", type=int, help="rendezvous port (default: a free port on one node, 29500 on several)"
+        "--node-rank", "--node_rank", type=int, default=0, help="this node's index, 0..nnodes-1"
+    )
+    parser.add_argument(
+        "--master-addr", "--master_addr", help="address of node 0 (default 127.0.0.1 on one node)"
+    )
+    parser.add_argument(
+        "--master-port",
+        "--master_port",
+        type=int,
+        help="rendezvous port (default: a free port on one node, 29500 on several)",
     )
     parser.add_argument(
         "--max-restarts",
+        "--max_restarts",
         type=int,
         default=0,
         help="restart the whole local group up to K times when a worker fails",

@@ -56,9 +56,16 @@ class LaunchEnv:
     #: False when the launcher did not say which ranks share a node (PMI without MPI_LOCAL* variables):
     #: local_rank/local_world_size are placeholders until the MPI bootstrap groups ranks by host name.
     local_layout_known: bool = True
+    #: nodes in the job when the launcher says so (SLURM's node list, torchrun's GROUP_WORLD_SIZE, the MPI
+    #: bootstrap's host names); None when only the local world size hints at it.
+    node_count: int | None = None
 
     @property
     def num_nodes(self) -> int:
+        """Nodes in the job: as the launcher said, else assuming equal ranks per node (uneven SLURM
+        layouts such as ``2(x2),1`` are why the launcher's word wins)."""
+        if self.node_count is not None:
+            return self.node_count
         return max(1, -(-self.world_size // self.local_world_size))
 
 
@@ -139,6 +146,8 @@ def _validate(layout: LaunchEnv, env: Mapping[str, str]) -> LaunchEnv:
         raise LaunchEnvError(
             f"{where}: local rank {layout.local_rank} is outside 0..{layout.local_world_size - 1}"
         )
+    if not 0 <= layout.node_rank < layout.num_nodes:
+        raise LaunchEnvError(f"{where}: node rank {layout.node_rank} is outside 0..{layout.num_nodes - 1}")
     if layout.master_port is not None and not 0 < layout.master_port < 65536:
         raise LaunchEnvError(f"{where}: master port {layout.master_port} is outside 1..65535")
     exported = _opt_int(env, "WORLD_SIZE")
@@ -153,8 +162,12 @@ def _validate(layout: LaunchEnv, env: Mapping[str, str]) -> LaunchEnv:
 def _torchrun(env: Mapping[str, str]) -> LaunchEnv:
     _require(env, "torchrun", ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
     world = _int(env, "WORLD_SIZE")
-    if world > 1:
-        _require(env, "torchrun", ("MASTER_ADDR", "MASTER_PORT"))
+    missing = [n for n in ("MASTER_ADDR", "MASTER_PORT") if n not in env]
+    if world > 1 and missing:
+        raise LaunchEnvError(
+            f"torchrun variables are incomplete: WORLD_SIZE={world} (several ranks must meet) but "
+            f"{', '.join(missing)} missing"
+        )
     local_world = _int(env, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in env else world
     rank = _int(env, "RANK")
     return LaunchEnv(
@@ -168,6 +181,7 @@ def _torchrun(env: Mapping[str, str]) -> LaunchEnv:
         master_port=_opt_int(env, "MASTER_PORT"),
         job_id=env.get("TORCHELASTIC_RUN_ID"),
         restart_count=_opt_int(env, "TORCHELASTIC_RESTART_COUNT") or 0,
+        node_count=_opt_int(env, "GROUP_WORLD_SIZE"),
     )
 
 
@@ -247,11 +261,17 @@ def _slurm(env: Mapping[str, str]) -> LaunchEnv:
         master_port=port if port is not None else job_port(job),
         job_id=job,
         restart_count=_opt_int(env, "SLURM_RESTART_COUNT") or 0,
+        node_count=len(hosts),
     )
 
 
 def _pmi(env: Mapping[str, str]) -> LaunchEnv:
-    rank = _agree(env, ("PMI_RANK", "PMIX_RANK"), "ranks") or 0  # one of them is set: see the caller
+    rank = _agree(env, ("PMI_RANK", "PMIX_RANK"), "ranks")
+    if rank is None:
+        raise LaunchEnvError(
+            "PMI variables are incomplete: PMI_SIZE set but PMI_RANK (or PMIX_RANK) missing; unset the "
+            "stale PMI_SIZE, or start the job with mpiexec/srun"
+        )
     if _slurm_step(env):
         layout = _slurm(env)
         if layout.rank == rank and _opt_int(env, "PMI_SIZE") in (None, layout.world_size):
@@ -304,7 +324,7 @@ def detect_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
         return _validate(_torchrun(env), env)
     if any(name.startswith("OMPI_COMM_WORLD_") for name in env):
         return _validate(_openmpi(env), env)
-    if "PMI_RANK" in env or "PMIX_RANK" in env:
+    if any(name in env for name in ("PMI_RANK", "PMIX_RANK", "PMI_SIZE")):
         return _validate(_pmi(env), env)
     if _slurm_step(env):
         return _validate(_slurm(env), env)

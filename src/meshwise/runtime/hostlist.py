@@ -1,7 +1,8 @@
 """SLURM's compressed list notations, expanded without calling ``scontrol``.
 
-``SLURM_JOB_NODELIST`` names the allocation's hosts as ``node[01-04,07],gpu-a[1-2]-b[3,5]``: comma
-separated hosts, each with any number of bracketed ranges whose zero padding is part of the name.
+``SLURM_JOB_NODELIST`` names the allocation's hosts as ``node[01-04,07],gpu-a[1-2]-b[3,5]``: hosts
+separated by commas (or, as SLURM also accepts, spaces and tabs; repeated separators count as one), each
+with any number of bracketed ranges whose zero padding is part of the name.
 ``SLURM_TASKS_PER_NODE`` counts tasks per host as ``2(x3),1`` (2 tasks on each of 3 hosts, then 1).
 Both are needed to find the master host and the local world size from the environment alone, on a
 compute node where ``scontrol`` may not even be installed.
@@ -22,8 +23,12 @@ class HostlistError(ValueError):
     """A host list or task-count list that SLURM would not have written."""
 
 
+#: what separates hosts outside brackets (SLURM's hostlist_create uses the same three).
+_SEPARATORS = ", \t"
+
+
 def _split_top_level(text: str) -> list[str]:
-    """Split on commas that are not inside brackets."""
+    """Split on separators that are not inside brackets, dropping empty pieces as SLURM does."""
     parts, depth, start = [], 0, 0
     for i, char in enumerate(text):
         if char == "[":
@@ -34,13 +39,13 @@ def _split_top_level(text: str) -> list[str]:
             if not depth:
                 raise HostlistError(f"']' without '[' at position {i} in host list {text!r}")
             depth = 0
-        elif char == "," and not depth:
+        elif char in _SEPARATORS and not depth:
             parts.append(text[start:i])
             start = i + 1
     if depth:
         raise HostlistError(f"unclosed '[' in host list {text!r}")
     parts.append(text[start:])
-    return parts
+    return [part for part in parts if part]
 
 
 def _expand_range(spec: str, where: str) -> list[str]:
@@ -85,13 +90,11 @@ def _expand_host(pattern: str) -> list[str]:
 
 def expand_hostlist(text: str) -> list[str]:
     """Every host named by a SLURM host list, in order: ``node[01-02],gpu7`` → node01, node02, gpu7."""
-    text = text.strip()
-    if not text:
-        raise HostlistError("host list is empty")
+    parts = _split_top_level(text.strip())
+    if not parts:
+        raise HostlistError(f"host list {text!r} names no host")
     hosts: list[str] = []
-    for part in _split_top_level(text):
-        if not part:
-            raise HostlistError(f"empty host name between commas in host list {text!r}")
+    for part in parts:
         hosts.extend(_expand_host(part))
     return hosts
 

@@ -10,7 +10,8 @@ No survivors, by construction:
   peers instead of waiting out a 30-minute NCCL/gloo timeout;
 - SIGINT / SIGTERM / SIGHUP to the launcher (Ctrl-C, scancel) tear the groups down the same way;
 - on Linux each worker is started through a tiny guard that sets PR_SET_PDEATHSIG before ``exec``, so
-  even a launcher killed with SIGKILL (which it cannot catch) takes its workers with it.
+  even a launcher killed with SIGKILL (which it cannot catch) takes its workers with it, and a
+  :class:`~meshwise.runtime.reaper.Reaper` in its own session then kills what those workers started.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO
 
+from meshwise.runtime.cores import threads_per_rank
+from meshwise.runtime.reaper import Reaper
 from meshwise.runtime.spawn import free_port
 from meshwise.runtime.worker import PrefixedOutput, WorkerExit, WorkerProcess
 
@@ -125,17 +128,13 @@ class LaunchPlan:
         }
 
 
-def _threads_per_worker(nprocs: int) -> str:
-    """OMP_NUM_THREADS default: this process's cores shared among the local workers (at least 1)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return str(max(1, cores // nprocs))
-
-
 class _Group:
     """One attempt: start the workers, supervise them, and always tear every one of them down."""
 
-    def __init__(self, plan: LaunchPlan, env: Mapping[str, str], output: PrefixedOutput) -> None:
-        self.plan, self.env, self.output = plan, env, output
+    def __init__(
+        self, plan: LaunchPlan, env: Mapping[str, str], output: PrefixedOutput, reaper: Reaper
+    ) -> None:
+        self.plan, self.env, self.output, self.reaper = plan, env, output, reaper
         self.workers: list[WorkerProcess] = []
         self.exits: queue.Queue[WorkerExit] = queue.Queue()
 
@@ -151,6 +150,7 @@ class _Group:
                     env = {**self.env, **plan.worker_environment(local, port, attempt, run_id)}
                     label = f"[rank {plan.first_rank + local}] " if plan.prefix_output else ""
                     self.workers.append(WorkerProcess(local, plan.cmd, env, self.output, label))
+                    self.reaper.track(self.workers[-1].proc.pid)
                     self.workers[-1].watch(self.exits)
                 status = None if stop else self._supervise(stop)
                 if status is not None:
@@ -214,6 +214,7 @@ class _Group:
         for worker in self.workers:
             worker.signal_group(signal.SIGKILL)  # also grandchildren whose leader already exited
             worker.proc.wait()
+            self.reaper.release(worker.proc.pid)
             worker.drain(1.0)
 
 
@@ -270,17 +271,21 @@ def launch(
     plan.validate()
     output = PrefixedOutput(stdout or sys.stdout, stderr or sys.stderr)
     base_env = {**os.environ, **(env or {})}
-    base_env.setdefault("OMP_NUM_THREADS", _threads_per_worker(nprocs))
+    base_env.setdefault("OMP_NUM_THREADS", str(threads_per_rank(nprocs)))  # torchrun's 1 starves CPU ranks
     base_env["PYTHONUNBUFFERED"] = "1"
     run_id = f"meshwise-{os.getpid()}-{int(time.time())}"
-    attempt = 0
-    while True:
-        status, interrupted = _Group(plan, base_env, output).run(attempt, run_id)
-        if status == 0 or interrupted or attempt == max_restarts:
-            return status
-        attempt += 1
-        message = f"meshwise run: restarting all {nprocs} workers (restart {attempt} of {max_restarts})\n"
-        output.write(message, to_err=True)
+    reaper = Reaper()
+    try:
+        attempt = 0
+        while True:
+            status, interrupted = _Group(plan, base_env, output, reaper).run(attempt, run_id)
+            if status == 0 or interrupted or attempt == max_restarts:
+                return status
+            attempt += 1
+            message = f"meshwise run: restarting all {nprocs} workers (restart {attempt} of {max_restarts})\n"
+            output.write(message, to_err=True)
+    finally:
+        reaper.close()
 
 
 def python_command(script: str, args: Sequence[str], *, module: bool = False) -> list[str]:

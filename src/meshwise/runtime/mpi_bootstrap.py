@@ -172,4 +172,5 @@ def bootstrap_rendezvous(layout: LaunchEnv, *, timeout: float = 300.0, fail_fast
         local_rank=local_rank,
         local_world_size=local_world,
         local_layout_known=True,
+        node_count=len(set(hosts)),
     )

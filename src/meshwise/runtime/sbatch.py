@@ -11,7 +11,8 @@ meshwise script under srun needs no exports at all):
   the other nodes through its c10d rendezvous on the master address.
 
 ``--kill-on-bad-exit=1`` makes srun end every task when one fails, the batch analogue of ``meshwise
-run``'s fail-fast.
+run``'s fail-fast. srun is given ``--cpus-per-task`` again: since SLURM 22.05 it no longer inherits the
+batch script's value, and each task (with ``--cpu-bind=cores``) would be pinned to a single core.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from dataclasses import dataclass
 from meshwise.runtime.env import JOB_PORT_BASE, JOB_PORT_SPAN
 
 SBATCH_MODES = ("tasks", "torchrun")
+#: every srun line: fail fast, and the batch script's CPUs per task (srun >= 22.05 does not inherit them).
+_SRUN_FLAGS = '--kill-on-bad-exit=1 --cpus-per-task="$SLURM_CPUS_PER_TASK"'
 _TIME = re.compile(r"^(\d+-)?\d{1,2}(:\d{2}){0,2}$")
 
 
@@ -117,7 +120,7 @@ def render_sbatch(spec: SbatchSpec) -> str:
             "export WORLD_SIZE=$SLURM_NTASKS OMP_NUM_THREADS=$SLURM_CPUS_PER_TASK",
             "",
             "# One task per worker (per GPU); srun's SLURM_PROCID / SLURM_LOCALID become RANK / LOCAL_RANK.",
-            f"srun --kill-on-bad-exit=1 --cpu-bind=cores bash -c {shlex.quote(mapping)} task \\",
+            f"srun {_SRUN_FLAGS} --cpu-bind=cores bash -c {shlex.quote(mapping)} task \\",
             f"    {shlex.join(command)}",
         ]
     else:
@@ -138,7 +141,7 @@ def render_sbatch(spec: SbatchSpec) -> str:
             "",
             f"# One torchrun per node; each starts {spec.tasks_per_node} workers and meets the others at the "
             "master.",
-            "srun --kill-on-bad-exit=1 " + " ".join(torchrun) + " \\",
+            f"srun {_SRUN_FLAGS} " + " ".join(torchrun) + " \\",
             f"    {shlex.join([*target, *spec.args])}",
         ]
     return "\n".join(lines) + "\n"

@@ -4,14 +4,19 @@ Used by tests and by every ``-np N`` command that does not go through ``meshwise
 forked from a forkserver that has already imported torch, so a rank starts in milliseconds rather than
 re-importing torch. When any rank fails or the deadline passes, the others are terminated (then killed)
 and the error names the rank, its exit code and its traceback: a broken rank never leaves a hang behind.
+If the parent itself dies without cleaning up (SIGTERM from ``scancel``, SIGKILL), every rank notices its
+end of a lifeline pipe closing and exits at once instead of computing on, or waiting in a collective,
+as an orphan.
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import signal
 import socket
+import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
@@ -52,9 +57,23 @@ def rank_environment(rank: int, world_size: int, master_addr: str, master_port: 
     }
 
 
+def _exit_with_parent(lifeline: Connection) -> None:
+    """Block until the parent's end of the lifeline closes, then end this rank (the parent is gone)."""
+    with contextlib.suppress(EOFError, OSError):
+        lifeline.recv_bytes()
+    os._exit(1)
+
+
 def _child(
-    fn: Callable[..., Any], args: Sequence[Any], env: Mapping[str, str], threads: int, conn: Connection
+    fn: Callable[..., Any],
+    args: Sequence[Any],
+    env: Mapping[str, str],
+    threads: int,
+    conn: Connection,
+    lifeline: Connection,
 ) -> None:
+    # A forkserver child's parent is the forkserver, which outlives ours: PR_SET_PDEATHSIG cannot help.
+    threading.Thread(target=_exit_with_parent, args=(lifeline,), daemon=True).start()
     os.environ.update(env)
     import torch  # preloaded by the forkserver: free here
 
@@ -71,7 +90,9 @@ def _child(
 
 def _context() -> mp.context.BaseContext:
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed"])
+    # torch._dynamo is imported by the first optimizer a rank builds (about 1 s, several under load):
+    # paying it once in the server spares every training rank.
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo"])
     return ctx
 
 
@@ -117,56 +138,70 @@ def spawn(
     threads = threads or threads_per_rank(nprocs)
     processes: list[mp.process.BaseProcess] = []
     pipes: dict[Connection, int] = {}
-    for rank in range(nprocs):
-        receiver, sender = ctx.Pipe(duplex=False)
-        child_env = {
-            **rank_environment(rank, nprocs, "127.0.0.1", port),
-            "OMP_NUM_THREADS": str(threads),
-            **(env or {}),
-        }
-        proc = ctx.Process(
-            target=_child, args=(fn, tuple(args), child_env, threads, sender), name=f"meshwise-rank{rank}"
-        )
-        proc.start()
-        sender.close()
-        processes.append(proc)
-        pipes[receiver] = rank
+    lifeline, keepalive = ctx.Pipe(duplex=False)  # only this process holds keepalive: EOF means it died
+    try:
+        for rank in range(nprocs):
+            receiver, sender = ctx.Pipe(duplex=False)
+            child_env = {
+                **rank_environment(rank, nprocs, "127.0.0.1", port),
+                "OMP_NUM_THREADS": str(threads),
+                **(env or {}),
+            }
+            proc = ctx.Process(
+                target=_child,
+                args=(fn, tuple(args), child_env, threads, sender, lifeline),
+                name=f"meshwise-rank{rank}",
+            )
+            proc.start()
+            sender.close()
+            processes.append(proc)
+            pipes[receiver] = rank
+        lifeline.close()
+        return _collect(processes, pipes, timeout)
+    finally:  # also when starting a rank failed: the ones already started must not be left behind
+        _stop(processes)
+        for conn in (lifeline, keepalive, *pipes):
+            conn.close()
+
+
+def _collect(
+    processes: Sequence[mp.process.BaseProcess], pipes: dict[Connection, int], timeout: float
+) -> list[Any]:
+    """Every rank's result in rank order; the first failure or the deadline raises :class:`SpawnError`."""
+    nprocs = len(processes)
     results: dict[int, Any] = {}
     deadline = time.monotonic() + timeout
-    try:
-        while len(results) < nprocs:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                pending = sorted(set(range(nprocs)) - set(results))
-                raise SpawnError(f"ranks {pending} did not finish within {timeout:g} s (terminated)")
-            ready = wait([*pipes, *(p.sentinel for p in processes)], timeout=min(remaining, 0.5))
-            for item in ready:
-                if isinstance(item, Connection) and item in pipes:
-                    rank = pipes.pop(item)
-                    try:
-                        status, value, trace = item.recv()
-                    except EOFError:
-                        processes[rank].join(_GRACE_SECONDS)
-                        code = processes[rank].exitcode
-                        raise SpawnError(
-                            f"rank {rank} died without a result ({_describe_exit(code)})",
-                            rank=rank,
-                            exitcode=code,
-                        ) from None
-                    if status == "error":
-                        raise SpawnError(f"rank {rank} failed: {value}\n{trace}", rank=rank, exitcode=1)
-                    results[rank] = value
-            for rank, proc in enumerate(processes):
-                if rank not in results and proc.exitcode not in (None, 0) and not _has_pending(pipes, rank):
+    while len(results) < nprocs:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            pending = sorted(set(range(nprocs)) - set(results))
+            raise SpawnError(f"ranks {pending} did not finish within {timeout:g} s (terminated)")
+        ready = wait([*pipes, *(p.sentinel for p in processes)], timeout=min(remaining, 0.5))
+        for item in ready:
+            if isinstance(item, Connection) and item in pipes:
+                rank = pipes.pop(item)
+                try:
+                    status, value, trace = item.recv()
+                except EOFError:
+                    processes[rank].join(_GRACE_SECONDS)
+                    code = processes[rank].exitcode
                     raise SpawnError(
-                        f"rank {rank} died ({_describe_exit(proc.exitcode)})",
+                        f"rank {rank} died without a result ({_describe_exit(code)})",
                         rank=rank,
-                        exitcode=proc.exitcode,
-                    )
-    finally:
-        _stop(processes)
-        for conn in pipes:
-            conn.close()
+                        exitcode=code,
+                    ) from None
+                finally:
+                    item.close()
+                if status == "error":
+                    raise SpawnError(f"rank {rank} failed: {value}\n{trace}", rank=rank, exitcode=1)
+                results[rank] = value
+        for rank, proc in enumerate(processes):
+            if rank not in results and proc.exitcode not in (None, 0) and not _has_pending(pipes, rank):
+                raise SpawnError(
+                    f"rank {rank} died ({_describe_exit(proc.exitcode)})",
+                    rank=rank,
+                    exitcode=proc.exitcode,
+                )
     return [results[r] for r in range(nprocs)]
 
 

@@ -63,21 +63,23 @@ class TrainResult:
         samples = sum(e.samples for e in self.trained)
         seconds = sum(e.seconds for e in self.trained)
         lines = ["", "===== TRAINING SUMMARY ====="]
-        lines.append(f"model               {self.model} ({self.parameters:,} parameters) on {self.dataset}")
+        model = f"{self.model} ({self.parameters:,} parameters) on {self.dataset}"
+        lines.append(f"Model               = {model}")
+        ranks = f"{self.world_size} × {self.device} ({self.backend})"
         lines.append(
-            f"ranks               {self.world_size} × {self.device} ({self.backend}), batch {self.batch_size}"
-            f"/rank = {self.batch_size * self.world_size} global, lr {self.lr:g} (base {self.base_lr:g})"
+            f"Ranks               = {ranks}, batch {self.batch_size}/rank = "
+            f"{self.batch_size * self.world_size} global, lr {self.lr:g} (base {self.base_lr:g})"
         )
         resumed = f", resumed after epoch {self.first_epoch}" if self.first_epoch else ""
-        lines.append(f"epochs              {len(self.trained)} run{resumed}, {self.epochs} in total")
-        lines.append(f"validation accuracy {100 * self.final.val_accuracy:.2f} %")
-        lines.append(f"final train loss    {self.final.train_loss:.4f}")
+        lines.append(f"Epochs              = {len(self.trained)} run{resumed}, {self.epochs} in total")
+        lines.append(f"Validation accuracy = {100 * self.final.val_accuracy:.2f} %")
+        lines.append(f"Final train loss    = {self.final.train_loss:.4f}")
         lines.append(
-            f"training time       {seconds:.2f} s ({samples / seconds if seconds else 0:.0f} samples/s)"
+            f"Training time       = {seconds:.2f} s ({samples / seconds if seconds else 0:.0f} samples/s)"
         )
-        lines.append(f"wall time           {self.wall_seconds:.2f} s")
+        lines.append(f"Wall time           = {self.wall_seconds:.2f} s")
         if self.checkpoint:
-            lines.append(f"checkpoint          {self.checkpoint}")
+            lines.append(f"Checkpoint          = {self.checkpoint}")
         return "\n".join(lines)
 
     def to_json(self) -> dict[str, Any]:
