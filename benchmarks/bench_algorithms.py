@@ -170,8 +170,8 @@ def _calibrate(collective: str, results: list[dict], algos: list[str], path: str
     native, err_native = fit_link_params(natives)
     calibration = Calibration(intra=intra, inter=intra, native=native)
     print(
-        f"fitted intra {intra} (max rel. error {err_intra:.2f});\n"
-        f"fitted native {native} (max rel. error {err_native:.2f})"
+        f"fitted intra {intra} (worst factor − 1: {err_intra:.2f});\n"
+        f"fitted native {native} (worst factor − 1: {err_native:.2f})"
     )
     print(f"wrote {calibration.save(path)}")
     return calibration

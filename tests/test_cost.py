@@ -56,13 +56,35 @@ def test_auto_picks_latency_algorithms_small_and_bandwidth_algorithms_large():
     link = LinkParams(alpha=5e-5, beta=1e-9, gamma=3e-10)
     cal = Calibration(link, link, LinkParams(alpha=1e-3, beta=1e-9, gamma=3e-10))
     assert choose_algorithm("all_reduce", 1024, 8, cal) == "rd"
-    assert choose_algorithm("all_reduce", 1 << 26, 8, cal) in ("ring", "rhd")
-    assert choose_algorithm("all_reduce", 1 << 26, 64, cal) == "rhd"  # fewer steps, same bytes as ring
+    assert choose_algorithm("all_reduce", 1 << 26, 8, cal, margin=1.0) in ("ring", "rhd")
+    assert choose_algorithm("all_reduce", 1 << 26, 64, cal, margin=1.0) == "rhd"  # fewer steps than ring
     assert choose_algorithm("broadcast", 1024, 8, cal) == "tree"
     # native wins ties and whenever it is predicted faster
     fast_native = Calibration(link, link, LinkParams(0.0, 0.0, 0.0))
     assert choose_algorithm("all_reduce", 1 << 20, 8, fast_native) == "native"
     assert choose_algorithm("all_reduce", 1 << 20, 1, cal) == "native"
+
+
+def test_native_stays_unless_beaten_by_the_margin():
+    link = LinkParams(alpha=0.0, beta=1e-9, gamma=0.0)
+    ours = predict_seconds("all_reduce", "ring", 1 << 20, 4, link)
+    for speedup, expected in ((1.9, "native"), (2.1, "ring")):
+        native_beta = 1e-9 * speedup * ours / predict_seconds("all_reduce", "native", 1 << 20, 4, link)
+        cal = Calibration(link, link, LinkParams(0.0, native_beta, 0.0))
+        assert choose_algorithm("all_reduce", 1 << 20, 4, cal, candidates=["ring"]) == expected
+        assert choose_algorithm("all_reduce", 1 << 20, 4, cal, candidates=["ring"], margin=1.0) == "ring"
+
+
+def test_fit_error_is_the_worst_factor_either_way():
+    samples = [CostSample("all_reduce", "ring", n, 2, 2e-4) for n in (1024, 4096, 8192)]
+    samples.append(CostSample("all_reduce", "ring", 1 << 20, 2, 0.5e-4))  # 4x faster than the others
+    fitted, err = fit_link_params(samples)
+    worst = max(
+        max(p / s.seconds, s.seconds / p)
+        for s in samples
+        for p in [predict_seconds("all_reduce", "ring", s.nbytes, 2, fitted)]
+    )
+    assert err == pytest.approx(worst - 1.0) and err > 1.0  # no single α fits both: off by > 2x
 
 
 def test_hierarchical_wins_when_the_inter_node_link_is_slow():

@@ -11,8 +11,9 @@ express as a·α + b·β + c·γ:
 
 A class that cannot be measured in this job (one node → no ``inter``; one rank per node → no ``intra``)
 keeps its value from the existing file, or the built-in default, and the outcome says so. The fit is
-:func:`~meshwise.comm.cost.fit_link_params` (non-negative least squares on relative error); its largest
-relative error is reported, since a poor fit means the model's predictions (and ``auto``) are off too.
+:func:`~meshwise.comm.cost.fit_link_params` (non-negative least squares on relative error); its worst
+factor between predicted and measured time, minus one, is reported, since a poor fit means the model's
+predictions (and ``auto``) are off too.
 Each sample is the fastest iteration of its size (the per-iteration maximum over ranks, minimised over
 iterations): α, β and γ describe what the link and the cores can do, and on a shared machine the mean is
 dominated by whichever other job happened to run; the benchmark tables keep reporting means.
@@ -41,7 +42,7 @@ class LinkFit:
 
     name: str
     params: LinkParams
-    max_relative_error: float | None  # None: not measured, ``params`` kept from before
+    worst_factor: float | None  # predicted vs measured, either way (1.0 = exact); None: not measured
     samples: int
     note: str = ""
 
@@ -88,7 +89,7 @@ def _fit(name: str, runs: list[RunResult]) -> LinkFit:
         for row in run.rows
     ]
     params, error = fit_link_params(samples)
-    return LinkFit(name, params, error, len(samples))
+    return LinkFit(name, params, 1.0 + error, len(samples))
 
 
 def _kept(name: str, params: LinkParams, why: str, source: str) -> LinkFit:
@@ -175,13 +176,13 @@ def format_outcome(outcome: CalibrationOutcome) -> str:
     """α in µs, β and γ as the bandwidths they stand for (GB/s), and the fit error per link."""
     lines = [f"# Calibration written to {outcome.path}"]
     lines.append(
-        f"# {'link':<7} {'alpha(us)':>10} {'1/beta(GB/s)':>13} {'1/gamma(GB/s)':>14} {'max rel err':>12}"
+        f"# {'link':<7} {'alpha(us)':>10} {'1/beta(GB/s)':>13} {'1/gamma(GB/s)':>14} {'worst factor':>12}"
     )
     for fit in outcome.links:
         p = fit.params
         inv_beta = f"{1e-9 / p.beta:.3f}" if p.beta > 0 else "inf"
         inv_gamma = f"{1e-9 / p.gamma:.3f}" if p.gamma > 0 else "inf"
-        error = f"{fit.max_relative_error:.1%}" if fit.max_relative_error is not None else "-"
+        error = f"{fit.worst_factor:.2f}x" if fit.worst_factor is not None else "-"
         line = f"# {fit.name:<7} {p.alpha * 1e6:>10.2f} {inv_beta:>13} {inv_gamma:>14} {error:>12}"
         if fit.note:
             line += f"  {fit.note}"
