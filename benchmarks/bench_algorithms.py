@@ -1,11 +1,12 @@
 """Our collective algorithms against the backend's own (native gloo) collective, size by size.
 
     python benchmarks/bench_algorithms.py -np 2,4 --collective all_reduce --json results.json
-    python benchmarks/bench_algorithms.py -np 2,4 --calibrate calibration.json   # fit α, β, γ
+    python benchmarks/bench_algorithms.py -np 2,4 --calibrate calibration.json   # fit α, β, γ per world size
 
 For each world size, message size (4 KiB … 64 MiB by default) and algorithm it prints the time and the
 nccl-tests bus bandwidth (all_reduce: size/time·2(p−1)/p), the ratio of each algorithm to native, what
-``auto`` chose, and the cost model's prediction and its error. Algorithms are timed in interleaved
+``auto`` chose, and the cost model's prediction and its error (with the calibration's entry for each
+world size, ``Calibration.for_world``). Algorithms are timed in interleaved
 rounds and the best round counts, so a burst of load on a shared machine penalises all of them alike.
 A rank's time is the slowest rank's (max over ranks), as in nccl-tests. ``meshwise bench`` is the full
 tool; this script is the focused comparison behind benchmarks/RESULTS.md.
@@ -23,7 +24,15 @@ import torch
 
 import meshwise
 from meshwise.comm.algorithms import with_algorithm
-from meshwise.comm.cost import Calibration, CostSample, choose_algorithm, fit_link_params, predict_seconds
+from meshwise.comm.cost import (
+    Calibration,
+    CostSample,
+    LinkParams,
+    WorldLinks,
+    choose_algorithm,
+    fit_link_params,
+    predict_seconds,
+)
 from meshwise.runtime.spawn import spawn
 
 BUS_FACTOR = {
@@ -98,7 +107,9 @@ def main(argv: list[str] | None = None) -> int:
         "--calibration", help="calibration file for auto and the predictions (default: built-in)"
     )
     parser.add_argument(
-        "--calibrate", metavar="PATH", help="fit α, β, γ from this sweep and write them to PATH"
+        "--calibrate",
+        metavar="PATH",
+        help="fit α, β, γ per world size (and jointly) from this sweep; write them to PATH",
     )
     parser.add_argument("--json", help="write all measurements here")
     args = parser.parse_args(argv)
@@ -154,48 +165,66 @@ def _print_table(collective: str, p: int, rows: list[dict], algos: list[str]) ->
         )
 
 
-def _calibrate(collective: str, results: list[dict], algos: list[str], path: str) -> Calibration:
+def _fit(collective: str, rows: list[dict], algos: list[str], label: str) -> tuple[LinkParams, LinkParams]:
+    """(intra, native) fitted to ``rows``: intra from our algorithms, native from the backend's own."""
     ours = [
         CostSample(collective, a, r["nbytes"], r["world_size"], r["seconds"][a])
-        for r in results
+        for r in rows
         for a in algos
-        if a not in ("native", "auto", "hierarchical") and r["world_size"] > 1
+        if a not in ("native", "auto", "hierarchical")
     ]
     natives = [
-        CostSample(collective, "native", r["nbytes"], r["world_size"], r["seconds"]["native"])
-        for r in results
-        if r["world_size"] > 1
+        CostSample(collective, "native", r["nbytes"], r["world_size"], r["seconds"]["native"]) for r in rows
     ]
     intra, err_intra = fit_link_params(ours)
     native, err_native = fit_link_params(natives)
-    calibration = Calibration(intra=intra, inter=intra, native=native)
     print(
-        f"fitted intra {intra} (worst factor − 1: {err_intra:.2f});\n"
-        f"fitted native {native} (worst factor − 1: {err_native:.2f})"
+        f"{label}: fitted intra {intra} (worst factor − 1: {err_intra:.2f});\n"
+        f"{label}: fitted native {native} (worst factor − 1: {err_native:.2f})"
     )
+    return intra, native
+
+
+def _calibrate(collective: str, results: list[dict], algos: list[str], path: str) -> Calibration:
+    """One fit per world size into ``by_world_size`` and a joint fit at top level: oversubscribing the
+    cores multiplies α with the rank count, so no single α, β, γ describes every world size."""
+    rows = [r for r in results if r["world_size"] > 1]
+    intra, native = _fit(collective, rows, algos, "all world sizes")
+    calibration = Calibration(intra=intra, inter=intra, native=native)
+    for p in sorted({r["world_size"] for r in rows}):
+        links = _fit(collective, [r for r in rows if r["world_size"] == p], algos, f"{p} ranks")
+        calibration = calibration.with_world(p, WorldLinks(*links))
     print(f"wrote {calibration.save(path)}")
     return calibration
 
 
 def _report_model(collective: str, results: list[dict], algos: list[str], calibration: Calibration) -> None:
-    """Predicted vs measured for every point; 'within 2x' means 1/2 <= predicted/measured <= 2."""
-    factors = []
+    """Predicted vs measured for every point, priced with the calibration's entry for the point's world
+    size; 'within 2x' means 1/2 <= predicted/measured <= 2."""
+    factors: dict[int, list[float]] = {}
     for row in results:
         row["predicted"] = {}
+        world = calibration.for_world(row["world_size"])
         for a in algos:
             shape = row["auto_choice"] if a == "auto" else a
-            link = calibration.native if shape == "native" else calibration.intra
+            link = world.native if shape == "native" else world.intra
             predicted = predict_seconds(collective, shape, row["nbytes"], row["world_size"], link)
             row["predicted"][a] = predicted
             if row["world_size"] > 1 and predicted > 0:
-                factors.append(max(predicted / row["seconds"][a], row["seconds"][a] / predicted))
-    if factors:
-        factors.sort()
-        print(
-            f"cost model vs measured: worst factor {factors[-1]:.2f}, "
-            f"median {factors[len(factors) // 2]:.2f}, "
-            f"within 2x: {sum(f <= 2.0 for f in factors)}/{len(factors)}"
-        )
+                ratio = max(predicted / row["seconds"][a], row["seconds"][a] / predicted)
+                factors.setdefault(row["world_size"], []).append(ratio)
+    for p, mine in sorted(factors.items()):
+        _print_factors(f"{p} ranks", mine)
+    if len(factors) > 1:
+        _print_factors("all world sizes", [f for mine in factors.values() for f in mine])
+
+
+def _print_factors(label: str, factors: list[float]) -> None:
+    factors = sorted(factors)
+    print(
+        f"cost model vs measured ({label}): worst factor {factors[-1]:.2f}, "
+        f"median {factors[len(factors) // 2]:.2f}, within 2x: {sum(f <= 2.0 for f in factors)}/{len(factors)}"
+    )
 
 
 def _human(nbytes: int) -> str:

@@ -10,6 +10,7 @@ import torch
 import meshwise
 from meshwise.bench import cases
 from meshwise.bench.busbw import COLLECTIVES, algbw, bus_factor, busbw, layout_for
+from meshwise.bench.calibrate import merge_fit
 from meshwise.bench.cases import Case, pattern
 from meshwise.bench.jsonio import from_dict, read_json, to_dict
 from meshwise.bench.plot import plot_runs
@@ -18,7 +19,7 @@ from meshwise.bench.sizes import format_size, parse_size, size_sweep
 from meshwise.cli import build_parser, main
 from meshwise.cli.bench import build_job
 from meshwise.comm.api import Communicator, CompletedWork, ReduceOp
-from meshwise.comm.cost import Calibration, LinkParams
+from meshwise.comm.cost import Calibration, LinkParams, WorldLinks
 from meshwise.runtime.spawn import spawn
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -399,17 +400,33 @@ def test_plot_with_model_ceiling_is_a_png(tmp_path):
     _assert_png(path)
 
 
-def test_calibrate_writes_the_cost_model_file(tmp_path, capsys):
+def test_calibrate_writes_the_cost_model_file_and_keeps_other_world_sizes(tmp_path, capsys):
     target = tmp_path / "calibration.json"
+    four = WorldLinks(LinkParams(4e-3, 1e-9, 1e-10), LinkParams(5e-4, 1e-9, 1e-10))
+    old_inter = LinkParams(9e-5, 9e-9, 9e-10)
+    Calibration(four.intra, old_inter, four.native).with_world(4, four).save(target)  # from an -np 4 run
     argv = "bench --calibrate -np 2 -b 1K -e 256K -f 4 -n 3 -w 1 --calibration-file"
     code = main([*argv.split(), str(target)])
-    out = capsys.readouterr().out
+    out = " ".join(capsys.readouterr().out.split())  # the console wraps long paths
     assert code == 0, out
     loaded = Calibration.load(target)
     assert loaded.intra.alpha > 0 or loaded.intra.beta > 0
-    for expected in ("# intra", "# native", "worst factor", "kept the built-in default"):
+    assert dict(loaded.by_world_size)[4] == four  # the other world size's entry survives
+    assert dict(loaded.by_world_size)[2] == WorldLinks(loaded.intra, loaded.native)  # top level: latest fit
+    assert loaded.inter == old_inter  # one node: inter is not measured and keeps the file's value
+    for expected in ("# intra", "# native", "worst factor", f"kept the value from {target}"):
         assert expected in out
-    assert f"Calibration written to {target}" in out
+    written = f"Calibration written to {target} # for world size 2; the file has entries for world sizes 2, 4"
+    assert written in out
+
+
+def test_merge_fit_sets_this_world_size_and_the_top_level():
+    a, b, c = LinkParams(1e-5, 1e-9, 0.0), LinkParams(2e-5, 2e-9, 0.0), LinkParams(3e-5, 3e-9, 0.0)
+    first = merge_fit(Calibration.default(), 2, a, b, c)
+    assert first == Calibration(a, b, c, ((2, WorldLinks(a, c)),))
+    second = merge_fit(first, 4, c, b, a)
+    assert second == Calibration(c, b, a, ((2, WorldLinks(a, c)), (4, WorldLinks(c, a))))
+    assert merge_fit(second, 2, b, b, b).for_world(2) == Calibration(b, b, b)  # a re-run replaces its entry
 
 
 def _calibrate_two_nodes(path):

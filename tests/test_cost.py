@@ -11,6 +11,7 @@ from meshwise.comm.cost import (
     Calibration,
     CostSample,
     LinkParams,
+    WorldLinks,
     choose_algorithm,
     coefficients,
     fit_link_params,
@@ -142,3 +143,73 @@ def test_calibration_round_trip_defaults_and_bad_files(tmp_path, monkeypatch):
         Calibration.load(tmp_path / "missing.json")
     with pytest.raises(ValueError, match="non-negative"):
         LinkParams(-1.0, 0.0, 0.0)
+
+
+SLOW = LinkParams(alpha=4e-3, beta=1e-9, gamma=5e-10)
+FAST = LinkParams(alpha=1e-5, beta=1e-9, gamma=5e-10)
+
+
+def _per_world() -> Calibration:
+    """Top level: a joint fit; 2 ranks: ours fast; 8 ranks (oversubscribed): ours slow."""
+    top = Calibration(LINK, LINK, LINK)
+    return top.with_world(8, WorldLinks(SLOW, FAST)).with_world(2, WorldLinks(FAST, SLOW))
+
+
+def test_per_world_calibration_round_trips_and_old_files_still_load(tmp_path):
+    cal = _per_world()
+    assert [p for p, _ in cal.by_world_size] == [2, 8]  # sorted whatever the insertion order
+    path = cal.save(tmp_path / "cal.json")
+    raw = json.loads(path.read_text())
+    assert sorted(raw["by_world_size"]) == ["2", "8"]
+    assert raw["by_world_size"]["8"] == {
+        "intra": {"alpha": 4e-3, "beta": 1e-9, "gamma": 5e-10},
+        "native": {"alpha": 1e-5, "beta": 1e-9, "gamma": 5e-10},
+    }
+    assert Calibration.load(path) == cal
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"intra": {"alpha": 1e-5, "beta": 1e-9, "gamma": 0.0}}))
+    loaded = Calibration.load(old)
+    assert loaded.by_world_size == () and loaded.for_world(4) == loaded
+    assert "by_world_size" not in json.loads(loaded.save(tmp_path / "again.json").read_text())
+
+
+def test_for_world_takes_the_exact_then_the_nearest_entry_then_the_top_level():
+    cal = _per_world()
+    assert cal.for_world(2) == Calibration(FAST, LINK, SLOW)
+    assert cal.for_world(8) == Calibration(SLOW, LINK, FAST)
+    assert cal.for_world(1).intra == FAST  # nearest: 2
+    assert cal.for_world(3).intra == FAST  # |log2 3/2| = 0.58 < |log2 3/8| = 1.42
+    assert cal.for_world(4).intra == SLOW  # |log2 4/2| = |log2 4/8| = 1: the tie goes to the larger
+    assert cal.for_world(64).intra == SLOW
+    assert Calibration(LINK, LINK, LINK).for_world(4) == Calibration(LINK, LINK, LINK)
+    assert cal.for_world(4).inter == LINK  # inter stays global
+    with pytest.raises(ValueError, match="at least 1"):
+        cal.for_world(0)
+
+
+@pytest.mark.parametrize(
+    "entries, message",
+    [
+        ([], "'by_world_size' must be an object"),
+        ({"two": {}}, "invalid literal"),
+        ({"0": {"intra": {"alpha": 0, "beta": 0, "gamma": 0}, "native": {"alpha": 0, "beta": 0, "gamma": 0}}},
+         "world sizes >= 1"),
+        ({"2": {"intra": {"alpha": 1e-5, "beta": 0, "gamma": 0}}}, "'native'"),
+        ({"2": 5}, r"by_world_size\['2'\] must be an object"),
+    ],
+)  # fmt: skip
+def test_malformed_per_world_entries_are_refused_clearly(tmp_path, entries, message):
+    bad = tmp_path / "bad.json"
+    top = {"alpha": 1e-5, "beta": 1e-9, "gamma": 0.0}
+    bad.write_text(json.dumps({"intra": top, "by_world_size": entries}))
+    with pytest.raises(ValueError, match="malformed") as info:
+        Calibration.load(bad)
+    assert info.match(message) and "re-run `meshwise bench --calibrate`" in str(info.value)
+
+
+def test_auto_prices_with_the_entry_for_its_world_size():
+    # on 2 ranks our algorithms are cheap and native slow: rd wins; on 8 ranks the reverse keeps native
+    cal = _per_world()
+    assert choose_algorithm("all_reduce", 4096, 2, cal) == "rd"
+    assert choose_algorithm("all_reduce", 4096, 8, cal) == "native"
+    assert choose_algorithm("all_reduce", 4096, 2, Calibration(SLOW, SLOW, FAST)) == "native"  # top level

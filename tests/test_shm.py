@@ -235,6 +235,33 @@ def test_mismatched_collectives_and_a_silent_peer_raise_named_errors():
     assert results[0][2] < 10
 
 
+def _one_rank_leaves_early():
+    world = meshwise.init("gloo", timeout=60)
+    shm = ShmCommunicator.from_process_group(None, timeout=60)
+    shm.all_reduce(torch.ones(8))  # both finish this call; rank 0 may close before rank 1 returns
+    outcome = None
+    if world.rank == 1:
+        shm.close()  # leaves, but stays alive (as a rank inside MPI_Finalize does)
+        time.sleep(6)
+    else:
+        start = time.monotonic()
+        try:
+            shm.all_reduce(torch.ones(8))
+        except CommError as exc:
+            outcome = type(exc).__name__, str(exc), time.monotonic() - start
+        shm.close()
+    world.comm.barrier()
+    meshwise.shutdown()
+    return outcome
+
+
+def test_a_peer_that_closed_fails_the_waiting_rank_at_once():
+    kind, message, seconds = spawn(_one_rank_leaves_early, 2, timeout=100)[0]
+    assert kind == "PeerFailureError"
+    assert "rank 1 closed the communicator" in message and "rank 0 · all_reduce" in message
+    assert seconds < 3  # not the 60 s timeout
+
+
 def _too_little_space():
     meshwise.init("gloo", timeout=30)
     refused = None

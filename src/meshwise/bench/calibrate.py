@@ -14,6 +14,9 @@ keeps its value from the existing file, or the built-in default, and the outcome
 :func:`~meshwise.comm.cost.fit_link_params` (non-negative least squares on relative error); its worst
 factor between predicted and measured time, minus one, is reported, since a poor fit means the model's
 predictions (and ``auto``) are off too.
+The fit is stored for this job's world size in the file's ``by_world_size`` and merged with the entries
+already there (other world sizes are kept; the top-level links become this fit), because α depends on how
+many ranks share the cores: running ``-np 2`` and then ``-np 4`` leaves a calibration for both.
 Each sample is the fastest iteration of its size (the per-iteration maximum over ranks, minimised over
 iterations): α, β and γ describe what the link and the cores can do, and on a shared machine the mean is
 dominated by whichever other job happened to run; the benchmark tables keep reporting means.
@@ -30,7 +33,14 @@ from rich.progress import Progress
 from meshwise.bench.runner import RunResult, SweepConfig, run_sweep
 from meshwise.comm.algorithms import with_algorithm
 from meshwise.comm.api import Communicator
-from meshwise.comm.cost import DEFAULT_PATH, Calibration, CostSample, LinkParams, fit_link_params
+from meshwise.comm.cost import (
+    DEFAULT_PATH,
+    Calibration,
+    CostSample,
+    LinkParams,
+    WorldLinks,
+    fit_link_params,
+)
 
 NATIVE_PLAN = (("all_reduce", "native"), ("all_gather", "native"), ("reduce_scatter", "native"))
 LINK_PLAN = (("all_reduce", "ring"), ("all_gather", "ring"), ("all_reduce", "rd"))
@@ -52,6 +62,8 @@ class CalibrationOutcome:
     path: str
     links: tuple[LinkFit, ...]
     runs: tuple[RunResult, ...]
+    world_size: int  # the entry this run wrote
+    world_sizes: tuple[int, ...]  # every world size the file now holds an entry for
 
 
 def _sweep(
@@ -108,6 +120,7 @@ def calibrate(
     """Run the calibration sweeps on every rank; rank 0 fits, saves and returns the outcome."""
     file = calibration_path(path)
     previous = read_calibration(path)
+    known = previous.for_world(base.world_size)  # what a link this job cannot measure keeps
     source = f"value from {file}" if file.exists() else "built-in default"
     node_ids = sorted(set(nodes))
     members = {node: [r for r, n in enumerate(nodes) if n == node] for node in node_ids}
@@ -141,12 +154,23 @@ def calibrate(
     if base.rank != 0:
         return None
     links = (
-        fits.get("intra") or _kept("intra", previous.intra, "one rank per node", source),
-        fits.get("inter") or _kept("inter", previous.inter, "the job runs on one node", source),
-        fits.get("native") or _kept("native", previous.native, "a single rank", source),
+        fits.get("intra") or _kept("intra", known.intra, "one rank per node", source),
+        fits.get("inter") or _kept("inter", known.inter, "the job runs on one node", source),
+        fits.get("native") or _kept("native", known.native, "a single rank", source),
     )
-    saved = Calibration(links[0].params, links[1].params, links[2].params).save(file)
-    return CalibrationOutcome(str(saved), links, tuple(runs))
+    merged = merge_fit(previous, base.world_size, *(fit.params for fit in links))
+    saved = merged.save(file)
+    sizes = tuple(p for p, _ in merged.by_world_size)
+    return CalibrationOutcome(str(saved), links, tuple(runs), base.world_size, sizes)
+
+
+def merge_fit(
+    previous: Calibration, world_size: int, intra: LinkParams, inter: LinkParams, native: LinkParams
+) -> Calibration:
+    """``previous`` with this job's fit as the top-level links and as the entry for ``world_size``; the
+    entries of other world sizes stay, so successive runs at different sizes accumulate."""
+    latest = Calibration(intra, inter, native, previous.by_world_size)
+    return latest.with_world(world_size, WorldLinks(intra, native))
 
 
 def calibration_path(path: str | None) -> Path:
@@ -174,7 +198,11 @@ def _member_split(comm: Communicator, groups: list[list[int]]) -> Communicator:
 
 def format_outcome(outcome: CalibrationOutcome) -> str:
     """α in µs, β and γ as the bandwidths they stand for (GB/s), and the fit error per link."""
-    lines = [f"# Calibration written to {outcome.path}"]
+    held = ", ".join(str(p) for p in outcome.world_sizes)
+    lines = [
+        f"# Calibration written to {outcome.path}",
+        f"# for world size {outcome.world_size}; the file has entries for world sizes {held}",
+    ]
     lines.append(
         f"# {'link':<7} {'alpha(us)':>10} {'1/beta(GB/s)':>13} {'1/gamma(GB/s)':>14} {'worst factor':>12}"
     )

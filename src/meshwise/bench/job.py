@@ -66,10 +66,11 @@ def node_map(world: World, control: Communicator) -> list[int]:
 
 
 def shared_calibration(control: Communicator, path: str | None) -> Calibration:
-    """Rank 0's calibration (``path`` or the default file) on every rank (all ranks call it)."""
+    """Rank 0's calibration (``path`` or the default file) for this job's world size, on every rank (all
+    ranks call it): the entry measured at this world size, or the nearest one (``Calibration.for_world``)."""
     values = torch.zeros(9, dtype=torch.float64)
     if control.rank == 0:
-        cal = read_calibration(path)
+        cal = read_calibration(path).for_world(control.world_size)
         links = (cal.intra, cal.inter, cal.native)
         values = torch.tensor(
             [v for link in links for v in (link.alpha, link.beta, link.gamma)], dtype=torch.float64

@@ -4,7 +4,8 @@ Bus bandwidth is the figure that compares across collectives and rank counts and
 (nccl-tests' rationale), so it is what we draw, with sizes on a log-2 axis. Two ceilings are drawn when
 known: the link bandwidth a user states (``--ceiling``, e.g. a NIC's or NVLink's GB/s per direction),
 and, with a calibration of this machine, the busbw the α-β-γ model predicts for each algorithm (dashed,
-same colour) plus its asymptote 1/β. A measured curve far below its model curve is the interesting case.
+same colour) plus its asymptote 1/β, both from the calibration's entry for the run's world size
+(``Calibration.for_world``). A measured curve far below its model curve is the interesting case.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from meshwise.comm.cost import Calibration, predict_seconds
 
 def _model_busbw(run: RunResult, calibration: Calibration) -> list[float] | None:
     """Predicted busbw (GB/s) per row, or None when the model has no formula for this run."""
-    link = calibration.native if run.algorithm == "native" else calibration.intra
+    world = calibration.for_world(run.world_size)
+    link = world.native if run.algorithm == "native" else world.intra
     factor = bus_factor(run.collective, run.world_size)
     try:
         seconds = [
@@ -78,12 +80,14 @@ def plot_runs(
                         alpha=0.7,
                         label=f"{run.backend}/{run.algorithm} α-β-γ model",
                     )
-        if calibration is not None and calibration.intra.beta > 0:
+        n = mine[0].world_size if mine else 0
+        intra = calibration.for_world(n).intra if calibration is not None and n else None
+        if intra is not None and intra.beta > 0:
             ax.axhline(
-                1e-9 / calibration.intra.beta,
+                1e-9 / intra.beta,
                 color="grey",
                 linestyle=":",
-                label=f"1/β intra = {1e-9 / calibration.intra.beta:.2f} GB/s",
+                label=f"1/β intra = {1e-9 / intra.beta:.2f} GB/s",
             )
         if ceiling_gbps is not None:
             ax.axhline(ceiling_gbps, color="black", linestyle="-.", label=f"link {ceiling_gbps:g} GB/s")
@@ -91,7 +95,6 @@ def plot_runs(
         ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: format_size(round(x)) if x >= 1 else ""))
         ax.set_xlabel("size (bytes, nccl-tests S)")
         ax.set_ylabel("busbw (GB/s)")
-        n = mine[0].world_size if mine else 0
         ax.set_title(f"{collective} · {n} rank{'' if n == 1 else 's'}")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)

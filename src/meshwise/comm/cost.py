@@ -11,7 +11,9 @@ reduce_scatter, scatter and gather, and one rank's whole input for all_to_all.
 Everything here is a pure function of its inputs so that the planner can evaluate hypothetical
 machines. Three links are calibrated: ``intra`` (our algorithms between ranks of one node), ``inter``
 (between nodes) and ``native`` (the backend's own collectives, so ``auto`` only replaces them where an
-algorithm of ours is predicted to be faster).
+algorithm of ours is predicted to be faster). ``intra`` and ``native`` may also be calibrated per world
+size (:meth:`Calibration.for_world`): on a machine whose ranks share cores, α grows with the number of
+ranks, so one set of parameters cannot describe both 2 and 4 ranks.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import itertools
 import json
 import math
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -104,16 +106,57 @@ SWITCH_MARGIN = 2.0
 
 
 @dataclass(frozen=True)
+class WorldLinks:
+    """The links measured in a job of one world size: α in particular depends on how many ranks share the
+    cores, so these override the top-level values for that size. ``inter`` stays global."""
+
+    intra: LinkParams
+    native: LinkParams
+
+
+@dataclass(frozen=True)
 class Calibration:
-    """Link parameters of one machine: within a node, between nodes, and the backend's own collectives."""
+    """Link parameters of one machine: within a node, between nodes, and the backend's own collectives.
+
+    The top-level links are the default (the latest fit, or a joint fit over world sizes);
+    ``by_world_size`` holds (world size, links) pairs measured at that size, sorted and unique. It is a
+    tuple rather than a dict so that a calibration stays hashable (``auto`` caches its choices by it).
+    """
 
     intra: LinkParams
     inter: LinkParams
     native: LinkParams = _DEFAULT_NATIVE
+    by_world_size: tuple[tuple[int, WorldLinks], ...] = ()
+
+    def __post_init__(self) -> None:
+        entries = dict(self.by_world_size)
+        if len(entries) != len(self.by_world_size) or any(p < 1 for p in entries):
+            raise ValueError(f"by_world_size needs unique world sizes >= 1, got {sorted(entries)}")
+        object.__setattr__(self, "by_world_size", tuple(sorted(entries.items())))
 
     @classmethod
     def default(cls) -> Calibration:
         return cls(_DEFAULT_INTRA, _DEFAULT_INTER, _DEFAULT_NATIVE)
+
+    def with_world(self, world_size: int, links: WorldLinks) -> Calibration:
+        """This calibration with the entry for ``world_size`` set to ``links`` (the others kept), so that
+        calibrating one world size after another accumulates them."""
+        entries = {**dict(self.by_world_size), world_size: links}
+        return Calibration(self.intra, self.inter, self.native, tuple(entries.items()))
+
+    def for_world(self, world_size: int) -> Calibration:
+        """The links to price a job of ``world_size`` ranks with: the entry measured at that size, else the
+        nearest measured size (by |log2 ratio|, ties to the larger, which errs towards more contention),
+        else the top-level values. The result has no per-world entries of its own."""
+        if world_size < 1:
+            raise ValueError(f"world_size must be at least 1, got {world_size}")
+        flat = Calibration(self.intra, self.inter, self.native)
+        if not self.by_world_size:
+            return flat
+        _, links = min(
+            self.by_world_size, key=lambda entry: (abs(math.log2(entry[0] / world_size)), -entry[0])
+        )
+        return Calibration(links.intra, self.inter, links.native)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str] | None = None) -> Calibration:
@@ -127,21 +170,54 @@ class Calibration:
                 )
             return cls.default()
         try:
-            raw = json.loads(file.read_text())
-            links = {key: LinkParams(**raw[key]) for key in ("intra", "inter") if key in raw}
-            native = LinkParams(**raw["native"]) if "native" in raw else _DEFAULT_NATIVE
-            return cls(links["intra"], links.get("inter", links["intra"]), native)
+            return _from_json(json.loads(file.read_text()))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(
                 f"calibration file {file} is malformed ({exc}); it needs 'intra' (and optionally 'inter', "
-                "'native') objects with alpha, beta, gamma — re-run `meshwise bench --calibrate` or delete it"
+                "'native') objects with alpha, beta, gamma, and optionally 'by_world_size' mapping world "
+                "sizes to 'intra' and 'native' objects — re-run `meshwise bench --calibrate` or delete it"
             ) from exc
 
     def save(self, path: str | os.PathLike[str] | None = None) -> Path:
         file = Path(path).expanduser() if path is not None else DEFAULT_PATH.expanduser()
         file.parent.mkdir(parents=True, exist_ok=True)
-        file.write_text(json.dumps(asdict(self), indent=2) + "\n")
+        file.write_text(json.dumps(_to_json(self), indent=2) + "\n")
         return file
+
+
+def _to_json(calibration: Calibration) -> dict[str, object]:
+    """The file's layout: top-level links, plus ``by_world_size`` keyed by the world size as a string
+    (JSON keys are strings) only when there are entries, so files without them keep their old form."""
+    raw: dict[str, object] = {
+        name: asdict(getattr(calibration, name)) for name in ("intra", "inter", "native")
+    }
+    if calibration.by_world_size:
+        raw["by_world_size"] = {str(p): asdict(links) for p, links in calibration.by_world_size}
+    return raw
+
+
+def _from_json(raw: object) -> Calibration:
+    """Inverse of :func:`_to_json`; KeyError, TypeError or ValueError on anything else (load explains)."""
+    if not isinstance(raw, Mapping):
+        raise TypeError(f"expected a JSON object, got {type(raw).__name__}")
+    intra = _link(raw["intra"])
+    inter = _link(raw["inter"]) if "inter" in raw else intra
+    native = _link(raw["native"]) if "native" in raw else _DEFAULT_NATIVE
+    entries = raw.get("by_world_size", {})
+    if not isinstance(entries, Mapping):
+        raise TypeError(f"'by_world_size' must be an object, got {type(entries).__name__}")
+    by_world = []
+    for key, value in entries.items():
+        if not isinstance(value, Mapping):
+            raise TypeError(f"by_world_size[{key!r}] must be an object, got {type(value).__name__}")
+        by_world.append((int(key), WorldLinks(_link(value["intra"]), _link(value["native"]))))
+    return Calibration(intra, inter, native, tuple(by_world))
+
+
+def _link(raw: object) -> LinkParams:
+    if not isinstance(raw, Mapping):
+        raise TypeError(f"a link must be an object with alpha, beta, gamma, got {raw!r}")
+    return LinkParams(**raw)
 
 
 def _lg(p: int) -> int:
@@ -243,8 +319,10 @@ def choose_algorithm(
 
     ``native`` is priced on the ``native`` link, measured over the whole job. With ``local_size`` (ranks
     per node) smaller than the world, our flat algorithms are priced on the inter-node link and
-    ``hierarchical`` competes for all_reduce; on one node they use the ``intra`` link.
+    ``hierarchical`` competes for all_reduce; on one node they use the ``intra`` link. Links come from
+    ``calibration.for_world(world_size)``, the entry measured nearest this world size.
     """
+    calibration = calibration.for_world(world_size)
     multi_node = local_size is not None and 1 <= local_size < world_size
     names = list(candidates) if candidates is not None else list(COVERAGE)
     best, best_time = "native", math.inf

@@ -3,8 +3,9 @@
 T_model(n) = C(n) + A(n), where C is the measured compute time of the baseline scale n0 (its wall time
 minus its communication time) divided by n/n0 for strong scaling and kept constant for weak scaling, and
 A(n) is ``meshwise.comm.cost``'s prediction for an all_reduce of the workload's payload on n ranks with
-the algorithm the model itself would choose. The gap between this line and the measurements is what the
-model does not know: launch overheads, imbalance, contention for cores.
+the algorithm the model itself would choose, priced with the calibration measured nearest n ranks
+(``Calibration.for_world``: contention for cores changes α with n). The gap between this line and the
+measurements is what the model does not know: launch overheads, imbalance, contention for cores.
 """
 
 from __future__ import annotations
@@ -26,12 +27,13 @@ def predicted_times(
     except ImportError:
         return None
     calibration = Calibration.load(calibration_path)
-    link = calibration.intra
 
     def comm(ranks: int) -> float:
         if ranks == 1:
             return 0.0
         algo = choose_algorithm("all_reduce", comm_bytes, ranks, calibration)
+        world = calibration.for_world(ranks)
+        link = world.native if algo == "native" else world.intra
         return predict_seconds("all_reduce", algo, comm_bytes, ranks, link)
 
     base = points[0]

@@ -35,7 +35,7 @@ from meshwise.comm.shm.segment import (
     segment_path,
     unlink_quietly,
 )
-from meshwise.comm.shm.sync import Waiter, process_identity
+from meshwise.comm.shm.sync import ABORT_CLOSED, Waiter, process_identity
 from meshwise.runtime.cores import threads_per_rank
 
 _COMPLETED = CompletedWork()
@@ -178,6 +178,9 @@ class ShmCommunicator(Communicator):
             return
         self._closed = True
         self.group = None
+        own = self._segments[self.rank].words
+        if int(own[self.layout.ABORT]) == 0:  # keep a failure code if one is set
+            own[self.layout.ABORT] = ABORT_CLOSED  # peers still waiting on us fail now, not at the timeout
         del self._phases, self._p2p
         for segment in self._segments:
             segment.close()

@@ -107,8 +107,11 @@ class PhaseEngine:
         def ready() -> bool:
             return all(w[index] >= epoch for w in words)
 
+        def pending() -> list[int]:
+            return [p for p, w in zip(peers, words, strict=True) if w[index] < epoch]
+
         if not ready():
-            self.waiter.wait(ready, op, peers, progress=self.progress)
+            self.waiter.wait(ready, op, peers, progress=self.progress, pending=pending)
         if check_sig:
             slot = self.layout.sig(epoch & 1)
             for p, w in zip(peers, words, strict=True):

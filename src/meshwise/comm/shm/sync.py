@@ -5,7 +5,8 @@ on x86-64) after its data; peers poll it. Polling starts with a short pure spin 
 few microseconds away), then yields the CPU every round so that oversubscribed ranks (4 ranks on 2 cores)
 let the peer they wait for run, then sleeps in short naps. Every few milliseconds the slow path checks
 the deadline, the peers' abort words and whether the peer processes still exist, so a hung peer becomes
-a :class:`CommTimeoutError` and a dead one a :class:`PeerFailureError` naming it, never a hang.
+a :class:`CommTimeoutError` and a dead one, or one that closed the communicator, a
+:class:`PeerFailureError` naming it, never a hang.
 """
 
 from __future__ import annotations
@@ -53,8 +54,11 @@ def process_identity(pid: int) -> tuple[int, int] | None:
     return pid, int(fields[19])
 
 
-#: abort word values: 0 = fine, >0 = 1 + rank found dead, <0 = this rank saw a collective mismatch
+#: abort word values: 0 = fine, >0 = 1 + rank found dead, -1 = this rank saw a collective mismatch,
+#: -2 = this rank closed the communicator (it may still be alive, e.g. inside MPI_Finalize, so the pid
+#: check alone would leave its peers waiting for the whole timeout)
 ABORT_MISMATCH = -1
+ABORT_CLOSED = -2
 
 
 class Waiter:
@@ -81,8 +85,12 @@ class Waiter:
         peers: list[int],
         progress: Callable[[], None] | None = None,
         timeout: float | None = None,
+        pending: Callable[[], list[int]] | None = None,
     ) -> None:
-        """Return once ``ready()`` is true; ``peers`` are the ranks whose failure would block it."""
+        """Return once ``ready()`` is true; ``peers`` are the ranks whose failure would block it, and
+        ``pending()`` (default: all of ``peers``) those that have not yet done their part. Only a pending
+        peer that closed the communicator is an error: one that finished this call and then closed is not.
+        """
         for _ in range(_SPIN_ROUNDS):
             if ready():
                 return
@@ -97,7 +105,7 @@ class Waiter:
                 return
             now = time.monotonic()
             if now >= next_check:
-                self.check_peers(op, peers)
+                self.check_peers(op, peers, pending() if pending is not None else peers)
                 if now - start >= limit:
                     raise CommTimeoutError(
                         f"no progress within {limit:g} s waiting for rank(s) {peers}; a peer may have hung "
@@ -111,8 +119,9 @@ class Waiter:
             else:
                 time.sleep(_NAP_SECONDS)
 
-    def check_peers(self, op: str, peers: list[int]) -> None:
-        """Raise if a peer died or reported a failure (and tell the others through our abort word)."""
+    def check_peers(self, op: str, peers: list[int], pending: list[int]) -> None:
+        """Raise if a peer died, reported a failure (and tell the others through our abort word), or
+        closed the communicator while this rank still waits for it (``pending``)."""
         for peer in range(len(self.identities)):
             code = self._read_abort(peer)
             if code > 0:
@@ -127,6 +136,13 @@ class Waiter:
                 raise CollectiveMismatchError(
                     f"rank {peer} found that ranks called different collectives (or with different sizes, "
                     "dtypes or roots)",
+                    rank=self.rank,
+                    op=op,
+                )
+        for peer in pending:
+            if self._read_abort(peer) == ABORT_CLOSED:
+                raise PeerFailureError(
+                    f"rank {peer} closed the communicator (it left the job) while this rank waited for it",
                     rank=self.rank,
                     op=op,
                 )
