@@ -12,6 +12,7 @@ import meshwise
 from meshwise.cli import main
 from meshwise.models import SmallCNN
 from meshwise.runtime.spawn import spawn
+from meshwise.scale.runner import WALL_TIME_LINE
 from meshwise.train import WORKLOADS, TrainConfig, read_checkpoint, save_checkpoint
 from meshwise.train.loop import Trainer
 from test_data import write_mnist
@@ -130,8 +131,12 @@ def test_default_cnn_run_on_two_ranks_reaches_97_percent(tmp_path, capsys):
     assert (
         main(["train", "cnn", "-np", "2", "--checkpoint", str(tmp_path / "ckpt"), "--json", str(report)]) == 0
     )
-    assert "===== TRAINING SUMMARY =====" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "===== TRAINING SUMMARY =====" in out
     data = json.loads(report.read_text())
+    # `meshwise scale train:cnn` reads the run's own wall time from the summary
+    wall = WALL_TIME_LINE.search(out)
+    assert wall is not None and float(wall.group(1)) == pytest.approx(data["wall_seconds"], abs=1e-3)
     assert data["world_size"] == 2 and data["lr"] == 2 * data["base_lr"]  # linear scaling
     assert len(data["history"]) == data["epochs"] == 20
     assert data["val_accuracy"] >= 0.97

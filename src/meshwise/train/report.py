@@ -77,7 +77,7 @@ class TrainResult:
         lines.append(
             f"Training time       = {seconds:.2f} s ({samples / seconds if seconds else 0:.0f} samples/s)"
         )
-        lines.append(f"Wall time           = {self.wall_seconds:.2f} s")
+        lines.append(f"Wall time           = {self.wall_seconds:.3f} s")
         if self.checkpoint:
             lines.append(f"Checkpoint          = {self.checkpoint}")
         return "\n".join(lines)
