@@ -74,6 +74,28 @@ def _large_all_reduce(count, segment_bytes):
     return torch.equal(x, want), bool((halves == exact).all())
 
 
+def _aliased_all_reduce():
+    world = meshwise.init("gloo", timeout=30)
+    shm = ShmCommunicator.from_process_group(None, timeout=30, segment_bytes=SMALL)
+    x = torch.arange(70000, dtype=torch.int64) + world.rank
+    want = x.clone()
+    world.comm.all_reduce(want)
+    shm.all_reduce(x, output=x)  # output aliases the source: must behave as in place
+    buffer = torch.arange(10, dtype=torch.int64)
+    try:
+        shm.all_reduce(buffer[0:6], output=buffer[2:8])  # partial overlap: refused, not silently wrong
+        refused = False
+    except RuntimeError:
+        refused = True
+    shm.close()
+    meshwise.shutdown()
+    return torch.equal(x, want), refused
+
+
+def test_out_of_place_all_reduce_with_aliased_output():
+    assert spawn(_aliased_all_reduce, 3, timeout=60) == [(True, True)] * 3
+
+
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_large_all_reduce_and_half_accumulation(ranks):
     assert spawn(_large_all_reduce, ranks, args=(300_000, SMALL), timeout=100) == [(True, True)] * ranks

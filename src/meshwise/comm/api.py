@@ -283,8 +283,7 @@ class Communicator(ABC):
                     f"[rank {self.rank} · all_reduce] output {tuple(output.shape)}/{output.dtype} must match "
                     f"tensor {tuple(tensor.shape)}/{tensor.dtype}"
                 )
-            output.copy_(tensor)
-            tensor = output
+            return self._finish(self._all_reduce_into(tensor, output, op), async_op)
         return self._finish(self._all_reduce(tensor, op), async_op)
 
     def all_gather(self, output: TensorOrList, input: torch.Tensor, *, async_op: bool = False) -> Work | None:
@@ -403,6 +402,12 @@ class Communicator(ABC):
 
     @abstractmethod
     def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> Work: ...
+
+    def _all_reduce_into(self, source: torch.Tensor, output: torch.Tensor, op: ReduceOp) -> Work:
+        """Out-of-place all_reduce. The default copies and reduces in place; a backend that can read
+        ``source`` directly overrides it and saves a full pass over the buffer."""
+        output.copy_(source)
+        return self._all_reduce(output, op)
 
     @abstractmethod
     def _all_gather(self, outputs: list[torch.Tensor], input: torch.Tensor) -> Work: ...

@@ -163,6 +163,12 @@ class AlgorithmCommunicator(Communicator):
         return wrapper
 
     # ------------------------------------------------------------------ reductions
+    def _all_reduce_into(self, source: torch.Tensor, output: torch.Tensor, op: ReduceOp) -> Work:
+        if self.choose("all_reduce", source.numel() * source.element_size()) == "native":
+            self._agree("all_reduce", source.dtype, source.numel())
+            return self.base._all_reduce_into(source, output, op)  # the base may skip the copy
+        return super()._all_reduce_into(source, output, op)
+
     def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> Work:
         self._agree("all_reduce", tensor.dtype, tensor.numel())
         algo = self.choose("all_reduce", tensor.numel() * tensor.element_size())

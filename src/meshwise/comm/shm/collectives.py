@@ -51,8 +51,13 @@ def _reduce_to(out: torch.Tensor, sources: list[torch.Tensor], op: ReduceOp, n: 
     out.copy_(scratch)
 
 
-def all_reduce(eng: PhaseEngine, flat: torch.Tensor, op: ReduceOp) -> None:
+def all_reduce(
+    eng: PhaseEngine, flat: torch.Tensor, op: ReduceOp, source: torch.Tensor | None = None
+) -> None:
+    """Reduce into ``flat``; with ``source`` (same size, not overlapping) it reads from there instead, so an
+    out-of-place call costs no extra copy."""
     n, rank, dtype = eng.n, eng.rank, flat.dtype
+    source = flat if source is None else source
     cap = eng.capacity(dtype)
     sig = _sig("all_reduce", dtype, flat.numel(), list(ReduceOp).index(op))
     one_phase = n <= 2 or flat.numel() * flat.element_size() <= SMALL_ALL_REDUCE_BYTES
@@ -61,7 +66,7 @@ def all_reduce(eng: PhaseEngine, flat: torch.Tensor, op: ReduceOp) -> None:
         part = flat[start : start + cap]
         count = part.numel()
         e = eng.begin("all_reduce")
-        eng.view(rank, e, dtype, count).copy_(part)
+        eng.view(rank, e, dtype, count).copy_(source[start : start + cap])
         eng.post(e, sig)
         eng.wait(e, eng.peers, "all_reduce")
         if one_phase:

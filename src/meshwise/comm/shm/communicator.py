@@ -217,6 +217,13 @@ class ShmCommunicator(Communicator):
     def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> Work:
         return self._run("all_reduce", lambda e: collectives.all_reduce(e, tensor.view(-1), op))
 
+    def _all_reduce_into(self, source: torch.Tensor, output: torch.Tensor, op: ReduceOp) -> Work:
+        if self.world_size == 1 or _overlap(source, output):
+            return super()._all_reduce_into(source, output, op)
+        return self._run(
+            "all_reduce", lambda e: collectives.all_reduce(e, output.view(-1), op, source=source.view(-1))
+        )
+
     def _all_gather(self, outputs: list[torch.Tensor], input: torch.Tensor) -> Work:
         if self.world_size == 1 and outputs[0].data_ptr() != input.data_ptr():
             outputs[0].view(-1).copy_(input.view(-1))
@@ -262,3 +269,10 @@ class ShmCommunicator(Communicator):
             free_space=self._free_space,
             order=global_ranks,
         )
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two contiguous tensors share any byte (then reading one while writing the other is unsafe)."""
+    a_end = a.data_ptr() + a.numel() * a.element_size()
+    b_end = b.data_ptr() + b.numel() * b.element_size()
+    return a.data_ptr() < b_end and b.data_ptr() < a_end
