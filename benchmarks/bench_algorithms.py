@@ -70,7 +70,7 @@ def _worker(
         count -= count % world.world_size
         data = torch.ones(count)
         out = torch.empty(count)
-        n_iter = max(2, min(iters, int(2e8 // max(nbytes, 1)) // 4))
+        n_iter = max(3, min(iters, int(2e8 // max(nbytes, 1)) // 4))
         best = {a: float("inf") for a in algos}
         for a in algos:  # warm-up: connections, allocations, plan caches
             for _ in range(2):
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         "--algos", default="ring,rd,rhd,tree,auto", help="compared with native (default %(default)s)"
     )
     parser.add_argument("-n", "--iters", type=int, default=50, help="iterations per round at small sizes")
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the best one counts")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds; the best one counts")
     parser.add_argument(
         "--calibration", help="calibration file for auto and the predictions (default: built-in)"
     )

@@ -447,6 +447,6 @@ def test_calibrate_splits_intra_and_inter_links_on_a_two_node_layout(tmp_path):
     results = spawn(_calibrate_two_nodes, 4, (path,), timeout=100)
     assert results[1:] == [None, None, None]
     links, saved = results[0]
-    # 3 plans × 3 sizes each; intra and inter run on 2-rank groups, native on all 4 ranks
-    assert links == [("intra", 9, True), ("inter", 9, True), ("native", 9, True)]
+    # 4 plans (3 for native) × 3 sizes each; intra and inter run on 2-rank groups, native on all 4 ranks
+    assert links == [("intra", 12, True), ("inter", 12, True), ("native", 9, True)]
     assert saved == path and Calibration.load(path).inter.alpha >= 0

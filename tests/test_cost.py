@@ -103,17 +103,30 @@ def test_hierarchical_wins_when_the_inter_node_link_is_slow():
 
 
 def test_fit_recovers_known_parameters_exactly():
+    pairs = (("all_reduce", "ring"), ("all_reduce", "rd"), ("all_gather", "ring"), ("all_reduce", "tree"))
+    # classic data (σ = δ = 0): the extra parameters stay exactly zero, they do not share β or α
     truth = LinkParams(alpha=3e-5, beta=2e-9, gamma=7e-10)
     samples = [
         CostSample(c, a, n, p, predict_seconds(c, a, n, p, truth))
-        for c, a in (("all_reduce", "ring"), ("all_reduce", "rd"), ("all_gather", "ring"))
+        for c, a in pairs[:3]
         for n in (4096, 1 << 20, 1 << 24)
         for p in (2, 4)
     ]
     fitted, err = fit_link_params(samples)
-    assert err < 1e-6
+    assert err < 1e-6 and fitted.sigma == 0.0 and fitted.delta == 0.0
     for name in ("alpha", "beta", "gamma"):
         assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=1e-6)
+    # oversubscribed data: exchange steps cost σ and δ more; the one-way tree separates them from α, β
+    crowded = LinkParams(alpha=2e-4, beta=1e-9, gamma=1e-9, sigma=7e-4, delta=2e-9)
+    samples = [
+        CostSample(c, a, n, 4, predict_seconds(c, a, n, 4, crowded))
+        for c, a in pairs
+        for n in (4096, 1 << 16, 1 << 20, 1 << 24)
+    ]
+    fitted, err = fit_link_params(samples)
+    assert err < 1e-6
+    for name in ("alpha", "beta", "gamma", "sigma", "delta"):
+        assert getattr(fitted, name) == pytest.approx(getattr(crowded, name), rel=1e-6)
 
 
 def test_fit_stays_non_negative_on_noisy_data():
@@ -162,8 +175,8 @@ def test_per_world_calibration_round_trips_and_old_files_still_load(tmp_path):
     raw = json.loads(path.read_text())
     assert sorted(raw["by_world_size"]) == ["2", "8"]
     assert raw["by_world_size"]["8"] == {
-        "intra": {"alpha": 4e-3, "beta": 1e-9, "gamma": 5e-10},
-        "native": {"alpha": 1e-5, "beta": 1e-9, "gamma": 5e-10},
+        "intra": {"alpha": 4e-3, "beta": 1e-9, "gamma": 5e-10, "sigma": 0.0, "delta": 0.0},
+        "native": {"alpha": 1e-5, "beta": 1e-9, "gamma": 5e-10, "sigma": 0.0, "delta": 0.0},
     }
     assert Calibration.load(path) == cal
     old = tmp_path / "old.json"

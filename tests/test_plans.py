@@ -15,7 +15,7 @@ import pytest
 from meshwise.comm.algorithms import Copy, Fence, Plan, Recv, Reduce, Send, build_plan
 from meshwise.comm.algorithms import tree as tree_mod
 from meshwise.comm.algorithms.plan import Region, even_bounds, prefix
-from meshwise.comm.cost import coefficients
+from meshwise.comm.cost import COVERAGE, coefficients
 
 WORLDS = range(1, 10)
 
@@ -289,6 +289,22 @@ def test_step_counts_match_textbook_and_cost_model():
             assert max(plan.steps for plan in plans) == 1
             busiest = max(sum(isinstance(op, Send) for op in plan.ops) for plan in plans)
             assert busiest == p - 1 == coefficients(collective, "linear", 64, p)[0]
+
+
+def test_exchange_steps_match_the_cost_models_sigma_coefficient():
+    # σ counts the rounds where a rank both sends and receives; trees and rooted plans are one-way
+    for p in range(2, 10):
+        for algo, collectives in COVERAGE.items():
+            if algo in ("native", "hierarchical"):
+                continue
+            for collective in collectives:
+                sizes = (16,) if collective in ("all_reduce", "broadcast", "reduce") else (4,) * p
+                if collective == "all_to_all":
+                    sizes = (4,) * 2 * p
+                plans = [build_plan(collective, algo, r, p, sizes) for r in range(p)]
+                busiest = max(plan.exchange_steps for plan in plans)
+                sigma = coefficients(collective, algo, 64, p)[3]
+                assert busiest == sigma, f"{collective}/{algo} p={p}: plans {busiest}, model {sigma}"
 
 
 def test_ring_pipelining_splits_blocks_without_changing_the_step_count():

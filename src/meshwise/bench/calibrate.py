@@ -1,12 +1,13 @@
-"""``meshwise bench --calibrate``: measure α, β, γ of each link class and write the cost model's file.
+"""``meshwise bench --calibrate``: measure the cost model's link parameters and write its file.
 
 Three links are fitted (see :mod:`meshwise.comm.cost`), each from a sweep whose samples the model can
-express as a·α + b·β + c·γ:
+express as a·α + b·β + c·γ + s·σ + d·δ:
 
-* ``native`` — the backend's own all_reduce, all_gather and reduce_scatter over all ranks;
-* ``intra``  — our ring all_reduce, ring all_gather and recursive-doubling all_reduce among the ranks of
-  one node (all_gather has no γ term and recursive doubling a different α/β ratio, which is what makes
-  the three parameters separable);
+* ``native`` — the backend's own all_reduce, all_gather and reduce_scatter over all ranks (all rings, so
+  σ and δ cannot be told from α and β there and stay zero: the native shape needs only its own sum);
+* ``intra``  — our ring all_reduce, ring all_gather, recursive-doubling all_reduce and tree all_reduce
+  among the ranks of one node (all_gather has no γ term, recursive doubling a different α/β ratio, and
+  the tree's one-way steps separate the exchange-step terms σ, δ from α, β);
 * ``inter``  — the same plan among one rank per node, measured only when the job spans several nodes.
 
 A class that cannot be measured in this job (one node → no ``inter``; one rank per node → no ``intra``)
@@ -43,7 +44,7 @@ from meshwise.comm.cost import (
 )
 
 NATIVE_PLAN = (("all_reduce", "native"), ("all_gather", "native"), ("reduce_scatter", "native"))
-LINK_PLAN = (("all_reduce", "ring"), ("all_gather", "ring"), ("all_reduce", "rd"))
+LINK_PLAN = (("all_reduce", "ring"), ("all_gather", "ring"), ("all_reduce", "rd"), ("all_reduce", "tree"))
 
 
 @dataclass(frozen=True)
@@ -197,24 +198,31 @@ def _member_split(comm: Communicator, groups: list[list[int]]) -> Communicator:
 
 
 def format_outcome(outcome: CalibrationOutcome) -> str:
-    """α in µs, β and γ as the bandwidths they stand for (GB/s), and the fit error per link."""
+    """α and σ in µs, β, γ and δ as the bandwidths they stand for (GB/s), and the fit error per link."""
     held = ", ".join(str(p) for p in outcome.world_sizes)
     lines = [
         f"# Calibration written to {outcome.path}",
         f"# for world size {outcome.world_size}; the file has entries for world sizes {held}",
     ]
     lines.append(
-        f"# {'link':<7} {'alpha(us)':>10} {'1/beta(GB/s)':>13} {'1/gamma(GB/s)':>14} {'worst factor':>12}"
+        f"# {'link':<7} {'alpha(us)':>10} {'1/beta(GB/s)':>13} {'1/gamma(GB/s)':>14} {'sigma(us)':>10} "
+        f"{'1/delta(GB/s)':>14} {'worst factor':>12}"
     )
     for fit in outcome.links:
         p = fit.params
-        inv_beta = f"{1e-9 / p.beta:.3f}" if p.beta > 0 else "inf"
-        inv_gamma = f"{1e-9 / p.gamma:.3f}" if p.gamma > 0 else "inf"
         error = f"{fit.worst_factor:.2f}x" if fit.worst_factor is not None else "-"
-        line = f"# {fit.name:<7} {p.alpha * 1e6:>10.2f} {inv_beta:>13} {inv_gamma:>14} {error:>12}"
+        line = (
+            f"# {fit.name:<7} {p.alpha * 1e6:>10.2f} {_bandwidth(p.beta):>13} {_bandwidth(p.gamma):>14} "
+            f"{p.sigma * 1e6:>10.2f} {_bandwidth(p.delta):>14} {error:>12}"
+        )
         if fit.note:
             line += f"  {fit.note}"
         elif fit.samples:
             line += f"  ({fit.samples} samples)"
         lines.append(line)
     return "\n".join(lines)
+
+
+def _bandwidth(seconds_per_byte: float) -> str:
+    """GB/s that a per-byte cost stands for ("inf" when the fit left it at zero)."""
+    return f"{1e-9 / seconds_per_byte:.3f}" if seconds_per_byte > 0 else "inf"

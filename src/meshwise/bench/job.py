@@ -21,7 +21,7 @@ from meshwise.bench.report import size_progress
 from meshwise.bench.runner import RunResult, SweepConfig, run_sweep
 from meshwise.comm.algorithms import with_algorithm
 from meshwise.comm.api import Communicator
-from meshwise.comm.cost import COVERAGE, Calibration, LinkParams
+from meshwise.comm.cost import COVERAGE, PARAMETERS, Calibration, LinkParams
 from meshwise.comm.factory import create_communicator
 from meshwise.world import World, init, shutdown
 
@@ -68,16 +68,17 @@ def node_map(world: World, control: Communicator) -> list[int]:
 def shared_calibration(control: Communicator, path: str | None) -> Calibration:
     """Rank 0's calibration (``path`` or the default file) for this job's world size, on every rank (all
     ranks call it): the entry measured at this world size, or the nearest one (``Calibration.for_world``)."""
-    values = torch.zeros(9, dtype=torch.float64)
+    width = len(PARAMETERS)
+    values = torch.zeros(3 * width, dtype=torch.float64)
     if control.rank == 0:
         cal = read_calibration(path).for_world(control.world_size)
         links = (cal.intra, cal.inter, cal.native)
         values = torch.tensor(
-            [v for link in links for v in (link.alpha, link.beta, link.gamma)], dtype=torch.float64
+            [getattr(link, name) for link in links for name in PARAMETERS], dtype=torch.float64
         )
     control.broadcast(values, 0)
     numbers = values.tolist()
-    return Calibration(*(LinkParams(*numbers[i : i + 3]) for i in (0, 3, 6)))
+    return Calibration(*(LinkParams(*numbers[i : i + width]) for i in range(0, 3 * width, width)))
 
 
 def data_communicator(backend: str, world: World, timeout: float) -> tuple[Communicator, torch.device]:

@@ -70,7 +70,9 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str, help_text: str
     parser.add_argument("--json", metavar="FILE", help="write every row and the machine to FILE")
     parser.add_argument("--plot", metavar="FILE", help="draw busbw vs size to FILE (PNG)")
     parser.add_argument("--ceiling", type=float, metavar="GBPS", help="link bandwidth to draw on the plot")
-    parser.add_argument("--calibrate", action="store_true", help="fit α, β, γ and write the cost model file")
+    parser.add_argument(
+        "--calibrate", action="store_true", help="fit the cost model (α, β, γ, σ, δ) and write its file"
+    )
     parser.add_argument("--calibration-file", metavar="PATH", help=f"default {DEFAULT_PATH}")
     parser.add_argument("--timeout", type=float, default=1800.0, help="deadline for the whole run, seconds")
     # Test hook (docs/bench.md): this rank corrupts one element of its result before each check.

@@ -8,6 +8,13 @@ lg p·(α + nβ + nγ), Rabenseifner 2·lg p·α + 2(p−1)/p·nβ + (p−1)/p·
 Sizes: n is the full vector for all_reduce/reduce/broadcast, all slots together for all_gather,
 reduce_scatter, scatter and gather, and one rank's whole input for all_to_all.
 
+Two more terms describe ranks that share cores. In an *exchange step* every rank both sends and
+receives (ring, recursive doubling and halving, pairwise), so all ranks must run at once; when there are
+more ranks than cores each such step waits for a scheduling round (σ per step) and both directions
+share the cores (δ per byte moved in such steps). Tree steps are one-way and pay neither, which is why
+the binomial tree beats recursive doubling on 4 ranks over 2 cores although it takes twice the steps.
+Where every rank has a core of its own the fit leaves σ = δ = 0 and the classic model remains.
+
 Everything here is a pure function of its inputs so that the planner can evaluate hypothetical
 machines. Three links are calibrated: ``intra`` (our algorithms between ranks of one node), ``inter``
 (between nodes) and ``native`` (the backend's own collectives, so ``auto`` only replaces them where an
@@ -66,17 +73,24 @@ NATIVE_SHAPE = {
 
 @dataclass(frozen=True)
 class LinkParams:
-    """α (s per message), β (s per byte moved), γ (s per byte reduced)."""
+    """α (s per message), β (s per byte moved), γ (s per byte reduced), and the oversubscription terms:
+    σ (s per exchange step) and δ (s per byte moved in exchange steps); see the module docstring."""
 
     alpha: float
     beta: float
     gamma: float
+    sigma: float = 0.0
+    delta: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("alpha", "beta", "gamma"):
+        for name in PARAMETERS:
             value = getattr(self, name)
             if not (value >= 0 and math.isfinite(value)):
                 raise ValueError(f"LinkParams.{name} must be a finite non-negative number, got {value!r}")
+
+
+#: the fields of :class:`LinkParams`, in the order of :func:`coefficients`
+PARAMETERS = ("alpha", "beta", "gamma", "sigma", "delta")
 
 
 @dataclass(frozen=True)
@@ -224,9 +238,14 @@ def _lg(p: int) -> int:
     return max(p - 1, 0).bit_length()
 
 
-def coefficients(collective: str, algo: str, nbytes: float, world_size: int) -> tuple[float, float, float]:
-    """(a, b, c) with time = a·α + b·β + c·γ for a single-link algorithm; ``native`` uses the shape of
-    the backend's own algorithm (:data:`NATIVE_SHAPE`)."""
+Coefficients = tuple[float, float, float, float, float]
+
+
+def coefficients(collective: str, algo: str, nbytes: float, world_size: int) -> Coefficients:
+    """(a, b, c, s, d) with time = a·α + b·β + c·γ + s·σ + d·δ for a single-link algorithm: a messages
+    on the busiest rank, b bytes moved, c bytes reduced, s exchange steps (every rank sends and receives)
+    and d bytes moved in them. ``native`` uses the shape of the backend's own algorithm
+    (:data:`NATIVE_SHAPE`)."""
     if collective not in COLLECTIVES:
         raise ValueError(f"unknown collective {collective!r}; choose one of {COLLECTIVES}")
     if algo == "native":
@@ -235,41 +254,49 @@ def coefficients(collective: str, algo: str, nbytes: float, world_size: int) -> 
         raise ValueError(f"no single-link cost for {collective} with algo {algo!r}")
     p, n = world_size, float(nbytes)
     if p == 1:
-        return (0.0, 0.0, 0.0)
+        return (0.0, 0.0, 0.0, 0.0, 0.0)
     frac = (p - 1) / p
     lg, p2 = _lg(p), 1 << (p.bit_length() - 1)
     fold = 0 if p == p2 else 1  # non-power-of-two: fold-in and fold-out steps
     lg2 = p2.bit_length() - 1
-    table: dict[tuple[str, str], tuple[float, float, float]] = {
-        ("all_reduce", "ring"): (2 * (p - 1), 2 * frac * n, frac * n),
-        ("all_reduce", "rd"): (lg2 + 2 * fold, n * (lg2 + 2 * fold), n * (lg2 + fold)),
+    halving = (p2 - 1) / p2 * n  # bytes one rank moves while recursive halving among p2 ranks
+    # (a, b, c) of the classic model, then (s, d): exchange steps and the bytes moved in them; rooted
+    # (tree, linear broadcast/reduce/scatter/gather) steps are one-way, and fold steps of the
+    # non-power-of-two paths are one-way too
+    table: dict[tuple[str, str], Coefficients] = {
+        ("all_reduce", "ring"): (2 * (p - 1), 2 * frac * n, frac * n, 2 * (p - 1), 2 * frac * n),
+        ("all_reduce", "rd"): (lg2 + 2 * fold, n * (lg2 + 2 * fold), n * (lg2 + fold), lg2, lg2 * n),
         ("all_reduce", "rhd"): (
             2 * lg2 + 2 * fold,
-            2 * (p2 - 1) / p2 * n + 2 * fold * n,
-            (p2 - 1) / p2 * n + fold * n,
+            2 * halving + 2 * fold * n,
+            halving + fold * n,
+            2 * lg2,
+            2 * halving,
         ),
-        ("all_reduce", "tree"): (2 * lg, 2 * lg * n, lg * n),
-        ("all_reduce", "linear"): (p - 1, (p - 1) * n, (p - 1) * n),
-        ("reduce_scatter", "ring"): (p - 1, frac * n, frac * n),
+        ("all_reduce", "tree"): (2 * lg, 2 * lg * n, lg * n, 0.0, 0.0),
+        ("all_reduce", "linear"): (p - 1, (p - 1) * n, (p - 1) * n, 1.0, (p - 1) * n),
+        ("reduce_scatter", "ring"): (p - 1, frac * n, frac * n, p - 1, frac * n),
         ("reduce_scatter", "rhd"): (
             lg2 + 2 * fold,
-            (p2 - 1) / p2 * n + fold * n * (1 + 1 / p),
-            (p2 - 1) / p2 * n + fold * n,
+            halving + fold * n * (1 + 1 / p),
+            halving + fold * n,
+            lg2,
+            halving,
         ),
-        ("reduce_scatter", "linear"): (p - 1, frac * n, frac * n),
-        ("all_gather", "ring"): (p - 1, frac * n, 0.0),
-        ("all_gather", "rd"): (lg2 + 2 * fold, frac * n + fold * n, 0.0),
-        ("all_gather", "linear"): (p - 1, frac * n, 0.0),
-        ("broadcast", "tree"): (lg, lg * n, 0.0),
-        ("broadcast", "linear"): (p - 1, (p - 1) * n, 0.0),
-        ("reduce", "tree"): (lg, lg * n, lg * n),
-        ("reduce", "linear"): (p - 1, (p - 1) * n, (p - 1) * n),
-        ("scatter", "tree"): (2 * lg, frac * n, 0.0),  # sizes travel first (uneven slots)
-        ("scatter", "linear"): (p - 1, frac * n, 0.0),
-        ("gather", "tree"): (2 * lg, frac * n, 0.0),
-        ("gather", "linear"): (p - 1, frac * n, 0.0),
-        ("all_to_all", "pairwise"): (p - 1, frac * n, 0.0),
-        ("all_to_all", "linear"): (p - 1, frac * n, 0.0),
+        ("reduce_scatter", "linear"): (p - 1, frac * n, frac * n, 1.0, frac * n),
+        ("all_gather", "ring"): (p - 1, frac * n, 0.0, p - 1, frac * n),
+        ("all_gather", "rd"): (lg2 + 2 * fold, frac * n + fold * n, 0.0, lg2, frac * n),
+        ("all_gather", "linear"): (p - 1, frac * n, 0.0, 1.0, frac * n),
+        ("broadcast", "tree"): (lg, lg * n, 0.0, 0.0, 0.0),
+        ("broadcast", "linear"): (p - 1, (p - 1) * n, 0.0, 0.0, 0.0),
+        ("reduce", "tree"): (lg, lg * n, lg * n, 0.0, 0.0),
+        ("reduce", "linear"): (p - 1, (p - 1) * n, (p - 1) * n, 0.0, 0.0),
+        ("scatter", "tree"): (2 * lg, frac * n, 0.0, 0.0, 0.0),  # sizes travel first (uneven slots)
+        ("scatter", "linear"): (p - 1, frac * n, 0.0, 0.0, 0.0),
+        ("gather", "tree"): (2 * lg, frac * n, 0.0, 0.0, 0.0),
+        ("gather", "linear"): (p - 1, frac * n, 0.0, 0.0, 0.0),
+        ("all_to_all", "pairwise"): (p - 1, frac * n, 0.0, p - 1, frac * n),
+        ("all_to_all", "linear"): (p - 1, frac * n, 0.0, 1.0, frac * n),
     }
     return table[(collective, algo)]
 
@@ -297,8 +324,8 @@ def predict_seconds(
         shard = nbytes / local_size
         across = min(predict_seconds("all_reduce", a, shard, nodes, inter) for a in ("ring", "rhd"))
         return intra + across
-    a, b, c = coefficients(collective, algo, nbytes, world_size)
-    return a * link.alpha + b * link.beta + c * link.gamma
+    terms = coefficients(collective, algo, nbytes, world_size)
+    return sum(k * getattr(link, name) for k, name in zip(terms, PARAMETERS, strict=True))
 
 
 def choose_algorithm(
@@ -357,18 +384,25 @@ def choose_algorithm(
     return best
 
 
+#: worst-factor improvements below this are ties, won by the subset with fewer parameters
+_TIE = 1e-6
+
+
 def fit_link_params(samples: Sequence[CostSample]) -> tuple[LinkParams, float]:
-    """Least-squares α, β, γ (non-negative) on relative residuals, judged by the worst factor.
+    """Least-squares α, β, γ, σ, δ (non-negative) on relative residuals, judged by the worst factor.
 
     Returns the parameters and the model's error: the worst factor between predicted and measured time,
     minus one (0 is a perfect fit; 1 means some point is off by 2x, either way). Relative rather than
     absolute residuals keep the microsecond-scale small messages from being ignored next to the large
-    ones. Every subset of the three parameters is tried (non-negativity is exact) and the subset with the
-    smallest worst factor wins; a factor rather than |predicted − measured| / measured, because the latter
-    never exceeds 1 for an under-prediction and so favours fits that predict almost nothing.
+    ones. Every subset of the parameters is tried (non-negativity is exact), fewest parameters first, and
+    the subset with the smallest worst factor wins; a larger subset must be strictly better, so what the
+    samples cannot tell apart (σ from α when every sample is a ring) and what they do not need (σ, δ
+    when every rank has a core) stays zero. The worst factor rather than |predicted − measured| /
+    measured, because the latter never exceeds 1 for an under-prediction and so favours fits that
+    predict almost nothing.
     """
     if len(samples) < 3:
-        raise ValueError(f"fitting α, β, γ needs at least 3 samples, got {len(samples)}")
+        raise ValueError(f"fitting the link parameters needs at least 3 samples, got {len(samples)}")
     rows, times = [], []
     for s in samples:
         if s.seconds <= 0:
@@ -379,22 +413,23 @@ def fit_link_params(samples: Sequence[CostSample]) -> tuple[LinkParams, float]:
     t = np.asarray(times, dtype=np.float64)
     weighted = a / t[:, None]
     scale = np.maximum(np.abs(weighted).max(axis=0), 1e-300)  # column scaling: α and β differ by 1e5
+    width = len(PARAMETERS)
     best: tuple[float, np.ndarray] | None = None
-    for size in (3, 2, 1):
-        for cols in itertools.combinations(range(3), size):
+    for size in range(1, width + 1):  # fewest parameters first: a larger subset must fit strictly better
+        for cols in itertools.combinations(range(width), size):
             idx = list(cols)
             sol, *_ = np.linalg.lstsq(weighted[:, idx] / scale[idx], np.ones(len(t)), rcond=None)
             if np.any(sol < 0):
                 continue
-            x = np.zeros(3)
+            x = np.zeros(width)
             x[idx] = sol / scale[idx]
             predicted = a @ x
             if np.any(predicted <= 0):
                 continue  # a zero prediction is an infinite factor
             err = float(np.max(np.maximum(predicted / t, t / predicted))) - 1.0
-            if best is None or err < best[0]:
+            if best is None or err < best[0] - _TIE:
                 best = (err, x)
     if best is None:
-        raise ValueError("no non-negative α, β, γ predicts a positive time for every sample")
+        raise ValueError("no non-negative α, β, γ, σ, δ predicts a positive time for every sample")
     err, x = best
-    return LinkParams(float(x[0]), float(x[1]), float(x[2])), err
+    return LinkParams(*(float(v) for v in x)), err

@@ -90,6 +90,14 @@ class Plan:
         rounds = {op.step for op in self.ops if isinstance(op, Send | Recv)}
         return max(rounds) + 1 if rounds else 0
 
+    @property
+    def exchange_steps(self) -> int:
+        """Rounds in which this rank both sends and receives (the σ multiplier of its cost): such a
+        round needs the rank and its peers running at once, which costs extra when ranks share cores."""
+        sends = {op.step for op in self.ops if isinstance(op, Send)}
+        recvs = {op.step for op in self.ops if isinstance(op, Recv)}
+        return len(sends & recvs)
+
 
 class PlanBuilder:
     """Accumulates ops; small helper so the algorithm modules read like their textbook description."""
