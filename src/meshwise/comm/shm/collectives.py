@@ -31,6 +31,9 @@ _OPS = (
 )
 
 
+_OP_CODES = {op: code for code, op in enumerate(ReduceOp)}
+
+
 def _sig(op: str, dtype: torch.dtype | None, *parts: int) -> int:
     code = SUPPORTED_DTYPES.index(dtype) if dtype is not None else -1
     return signature(_OPS.index(op), code, *parts)
@@ -59,7 +62,7 @@ def all_reduce(
     n, rank, dtype = eng.n, eng.rank, flat.dtype
     source = flat if source is None else source
     cap = eng.capacity(dtype)
-    sig = _sig("all_reduce", dtype, flat.numel(), list(ReduceOp).index(op))
+    sig = _sig("all_reduce", dtype, flat.numel(), _OP_CODES[op])
     one_phase = n <= 2 or flat.numel() * flat.element_size() <= SMALL_ALL_REDUCE_BYTES
     everyone = list(range(n))
     for start in _chunks(flat.numel(), cap):
@@ -86,7 +89,7 @@ def all_reduce(
 def reduce(eng: PhaseEngine, flat: torch.Tensor, root: int, op: ReduceOp) -> None:
     n, rank, dtype = eng.n, eng.rank, flat.dtype
     cap = eng.capacity(dtype)
-    sig = _sig("reduce", dtype, flat.numel(), root, list(ReduceOp).index(op))
+    sig = _sig("reduce", dtype, flat.numel(), root, _OP_CODES[op])
     for start in _chunks(flat.numel(), cap):
         part = flat[start : start + cap]
         e = eng.begin("reduce")
@@ -136,7 +139,7 @@ def reduce_scatter(eng: PhaseEngine, out: torch.Tensor, inputs: list[torch.Tenso
     ins = [t.view(-1) for t in inputs]
     sizes = [t.numel() for t in ins]
     per = eng.capacity(dtype, n)
-    sig = _sig("reduce_scatter", dtype, list(ReduceOp).index(op), *sizes)
+    sig = _sig("reduce_scatter", dtype, _OP_CODES[op], *sizes)
     for start in _chunks(max(sizes), per):
         e = eng.begin("reduce_scatter")
         for j, t in enumerate(ins):

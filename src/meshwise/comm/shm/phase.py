@@ -47,6 +47,8 @@ class PhaseEngine:
             [b[layout.region_offset(q) : layout.region_offset(q) + layout.region_bytes] for q in (0, 1)]
             for b in raw
         ]
+        self._typed: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
+        self._part_bytes = layout.region_bytes // self.n
         self._sig = 0
         #: called while waiting, so queued point-to-point messages keep moving during a collective
         self.progress: Callable[[], None] | None = None
@@ -56,9 +58,17 @@ class PhaseEngine:
         return self._peers
 
     def view(self, owner: int, epoch: int, dtype: torch.dtype, count: int, part: int = 0) -> torch.Tensor:
-        """``count`` elements of ``dtype`` in ``owner``'s region for ``epoch``, sub-region ``part`` of n."""
-        start = part * (self.layout.region_bytes // self.n) if part else 0
-        return self._regions[owner][epoch & 1][start : start + count * dtype.itemsize].view(dtype)
+        """``count`` elements of ``dtype`` in ``owner``'s region for ``epoch``, sub-region ``part`` of n.
+
+        The typed view of each region is made once and then only sliced: a collective takes 2n + 2 views
+        per chunk, and on ranks that share cores this Python time is paid n/cores times over. Sub-regions
+        are multiples of 64 bytes (:meth:`Layout.for_segment`), so every dtype's slice is exact."""
+        key = (owner, epoch & 1, dtype)
+        typed = self._typed.get(key)
+        if typed is None:
+            typed = self._typed[key] = self._regions[owner][epoch & 1].view(dtype)
+        start = part * self._part_bytes // dtype.itemsize
+        return typed[start : start + count]
 
     def capacity(self, dtype: torch.dtype, parts: int = 1) -> int:
         """Elements of ``dtype`` that fit in one region split into ``parts`` equal sub-regions.
@@ -151,15 +161,18 @@ def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
 
 
+_COMBINE = {
+    ReduceOp.SUM: torch.add,
+    ReduceOp.AVG: torch.add,
+    ReduceOp.MAX: torch.maximum,
+    ReduceOp.MIN: torch.minimum,
+    ReduceOp.PROD: torch.mul,
+}
+
+
 def reduce_into(out: torch.Tensor, sources: list[torch.Tensor], op: ReduceOp, world_size: int) -> None:
     """``out`` = op over ``sources`` in rank order (the same order on every rank: identical results)."""
-    combine = {
-        ReduceOp.SUM: torch.add,
-        ReduceOp.AVG: torch.add,
-        ReduceOp.MAX: torch.maximum,
-        ReduceOp.MIN: torch.minimum,
-        ReduceOp.PROD: torch.mul,
-    }[op]
+    combine = _COMBINE[op]
     if len(sources) == 1 or out.dtype != sources[0].dtype:
         out.copy_(sources[0])
         rest = sources[1:]
