@@ -1,15 +1,22 @@
 """Our collective algorithms against the backend's own (native gloo) collective, size by size.
 
     python benchmarks/bench_algorithms.py -np 2,4 --collective all_reduce --json results.json
-    python benchmarks/bench_algorithms.py -np 2,4 --calibrate calibration.json   # fit α, β, γ per world size
+    python benchmarks/bench_algorithms.py -np 2,4 --calibrate calibration.json  # fit links per world size
 
 For each world size, message size (4 KiB … 64 MiB by default) and algorithm it prints the time and the
 nccl-tests bus bandwidth (all_reduce: size/time·2(p−1)/p), the ratio of each algorithm to native, what
 ``auto`` chose, and the cost model's prediction and its error (with the calibration's entry for each
-world size, ``Calibration.for_world``). Algorithms are timed in interleaved
-rounds and the best round counts, so a burst of load on a shared machine penalises all of them alike.
-A rank's time is the slowest rank's (max over ranks), as in nccl-tests. ``meshwise bench`` is the full
-tool; this script is the focused comparison behind benchmarks/RESULTS.md.
+world size, ``Calibration.for_world``). A ``control`` column times the native call a second time: the
+ratio of two identical calls in one run is the noise floor, and where ``auto`` keeps the native call its
+ratio is to be read against it.
+
+Timing: every call starts from a barrier and is timed alone (the slowest rank's time, as in
+nccl-tests), which is what the cost model predicts (back-to-back calls of a tree overlap, rings do not).
+The algorithms take turns call by call (``--rounds`` × ``--iters`` turns, each in a new random order),
+and a time is the median over all of an algorithm's calls: on a shared machine whose speed changes from
+second to second, every algorithm then sees the same mix of fast and slow spells, and the median ignores
+the stragglers.
+``meshwise bench`` is the full tool; this script is the focused comparison behind benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import sys
 import time
 
@@ -34,6 +42,10 @@ from meshwise.comm.cost import (
     predict_seconds,
 )
 from meshwise.runtime.spawn import spawn
+
+#: a second copy of the native call, timed like the algorithms: what separates two identical calls in one
+#: run, i.e. the noise floor against which an ``auto`` that kept native is to be read
+CONTROL = "control"
 
 BUS_FACTOR = {
     "all_reduce": lambda p: 2 * (p - 1) / p,
@@ -64,29 +76,41 @@ def _worker(
     native = world.comm
     calibration = Calibration.load(cal_path) if cal_path else Calibration.load()
     comms = {a: with_algorithm(native, a, calibration=calibration) for a in algos}
+    comms[CONTROL] = with_algorithm(native, "native")  # the native call again: the noise floor
+    timed = [*algos, CONTROL]
     rows = []
     for nbytes in sizes:
         count = max(world.world_size, nbytes // 4)
         count -= count % world.world_size
         data = torch.ones(count)
         out = torch.empty(count)
-        n_iter = max(3, min(iters, int(2e8 // max(nbytes, 1)) // 4))
-        best = {a: float("inf") for a in algos}
-        for a in algos:  # warm-up: connections, allocations, plan caches
+        n_iter = max(3, min(iters, int(5e7 // max(nbytes, 1))))
+        for a in timed:  # warm-up: connections, allocations, plan caches
             for _ in range(2):
                 _run_once(comms[a], collective, data, out)
-        for _ in range(rounds):
-            for a in algos:
+        calls: dict[str, list[float]] = {a: [] for a in timed}
+        for turn in range(rounds * n_iter):
+            for a in _shuffled(timed, turn):
                 native.barrier()
                 start = time.perf_counter()
-                for _ in range(n_iter):
-                    _run_once(comms[a], collective, data, out)
-                elapsed = torch.tensor([(time.perf_counter() - start) / n_iter], dtype=torch.float64)
-                native.all_reduce(elapsed, "max")
-                best[a] = min(best[a], float(elapsed))
-        rows.append({"nbytes": count * 4, "seconds": best, "iters": n_iter})
+                _run_once(comms[a], collective, data, out)
+                calls[a].append(time.perf_counter() - start)
+        seconds = {}
+        for a, mine in calls.items():
+            slowest = torch.tensor(mine, dtype=torch.float64)
+            native.all_reduce(slowest, "max")  # call by call, the slowest rank's time
+            seconds[a] = float(slowest.median())
+        rows.append({"nbytes": count * 4, "seconds": seconds, "iters": n_iter * rounds})
     meshwise.shutdown()
     return rows
+
+
+def _shuffled(algos: list[str], turn: int) -> list[str]:
+    """The order of turn ``turn``, the same on every rank: a fresh permutation per turn, so that no
+    algorithm always follows the same neighbour. Over loopback TCP the state one algorithm leaves on the
+    connections carries over: measured on 2 ranks, whichever block came right after the one-way tree
+    ran its 16 KiB all_reduce 10-20 % slower, even when it was the very same native call."""
+    return random.Random(turn).sample(algos, len(algos))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,8 +125,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--algos", default="ring,rd,rhd,tree,auto", help="compared with native (default %(default)s)"
     )
-    parser.add_argument("-n", "--iters", type=int, default=50, help="iterations per round at small sizes")
-    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds; the best one counts")
+    parser.add_argument("-n", "--iters", type=int, default=20, help="calls per round at small sizes")
+    parser.add_argument(
+        "--rounds", type=int, default=8, help="turns = rounds × iters (the median over all calls)"
+    )
     parser.add_argument(
         "--calibration", help="calibration file for auto and the predictions (default: built-in)"
     )
@@ -153,15 +179,17 @@ def _print_table(collective: str, p: int, rows: list[dict], algos: list[str]) ->
     factor = BUS_FACTOR[collective](p)
     print(f"\n{collective} on {p} ranks (gloo): busbw GB/s per algorithm, ratio = algorithm / native")
     head = (
-        f"{'size':>9} " + " ".join(f"{a:>8}" for a in algos) + f" {'auto/nat':>8} {'ring/nat':>8}  auto picks"
+        f"{'size':>9} "
+        + " ".join(f"{a:>8}" for a in algos)
+        + f" {'auto/nat':>8} {'ctl/nat':>8} {'ring/nat':>8}  auto picks"
     )
     print(head)
     for row in rows:
-        bw = {a: row["nbytes"] * factor / row["seconds"][a] / 1e9 for a in algos}
+        bw = {a: row["nbytes"] * factor / t / 1e9 for a, t in row["seconds"].items()}
         print(
             f"{_human(row['nbytes']):>9} "
             + " ".join(f"{bw[a]:8.3f}" for a in algos)
-            + f" {_ratio(bw, 'auto')} {_ratio(bw, 'ring')}  {row['auto_choice']}"
+            + f" {_ratio(bw, 'auto')} {_ratio(bw, CONTROL)} {_ratio(bw, 'ring')}  {row['auto_choice']}"
         )
 
 
@@ -171,7 +199,7 @@ def _fit(collective: str, rows: list[dict], algos: list[str], label: str) -> tup
         CostSample(collective, a, r["nbytes"], r["world_size"], r["seconds"][a])
         for r in rows
         for a in algos
-        if a not in ("native", "auto", "hierarchical")
+        if a not in ("native", "auto", "hierarchical", CONTROL)
     ]
     natives = [
         CostSample(collective, "native", r["nbytes"], r["world_size"], r["seconds"]["native"]) for r in rows

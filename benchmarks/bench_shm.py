@@ -5,7 +5,9 @@ each (collective, size) on gloo and on shm with identical buffers: ``--warmup`` 
 ``--rounds`` rounds that alternate the two backends, each a gloo barrier and enough back-to-back calls to
 fill about ``--budget`` / ``--rounds`` seconds (the same count on every rank). A round's time of one call
 is the slowest rank's mean, as in nccl-tests; the reported time is the median over the rounds, so a
-burst of load from elsewhere on a shared machine moves one round, not the result. busbw follows nccl-tests
+burst of load from elsewhere on a shared machine moves one round, not the result; ``--repeat k`` runs the
+whole sweep k times (world sizes interleaved) and reports the median run per row, against slow spells
+that last longer than a row. busbw follows nccl-tests
 (:mod:`meshwise.bench.busbw`). One extra call per row compares the two backends' results (``wrong``).
 
 The memcpy-bound limit of all_reduce: every rank must at least copy its buffer into shared memory and
@@ -122,6 +124,16 @@ def _rank_main(
     return rows
 
 
+def _median_of_runs(runs: list[list]) -> list:
+    """Rows of several whole runs merged: per row and backend the median time, and any wrong result."""
+    merged = []
+    for same in zip(*runs, strict=True):
+        collective, nbytes = same[0][0], same[0][1]
+        seconds = {k: statistics.median(row[2][k] for row in same) for k in same[0][2]}
+        merged.append((collective, nbytes, seconds, sum(row[3] for row in same)))
+    return merged
+
+
 def copy_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 5) -> float:
     """Single-core copy bandwidth (bytes copied per second) between buffers far larger than the caches."""
     threads = torch.get_num_threads()
@@ -145,6 +157,7 @@ def main() -> None:
     parser.add_argument("-w", "--warmup", type=int, default=3)
     parser.add_argument("--budget", type=float, default=0.5, help="seconds of timed calls per cell")
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds; the median counts")
+    parser.add_argument("--repeat", type=int, default=1, help="whole runs; the median per row counts")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     args = parser.parse_args()
@@ -156,16 +169,13 @@ def main() -> None:
     cores = len(os.sched_getaffinity(0))
     worlds = [int(x) for x in args.np.split(",")]
     copies = [copy_bandwidth()]
-    results = {
-        n: spawn(
-            _rank_main,
-            n,
-            args=(sizes, collectives, args.warmup, args.budget, args.rounds, args.threads),
-            timeout=3600,
-        )[0]
-        for n in worlds
-    }
+    runs: dict[int, list[list]] = {n: [] for n in worlds}
+    for _ in range(args.repeat):  # world sizes interleaved, so a slow spell hits each of them once
+        for n in worlds:
+            job = (sizes, collectives, args.warmup, args.budget, args.rounds, args.threads)
+            runs[n].append(spawn(_rank_main, n, args=job, timeout=3600)[0])
     copies.append(copy_bandwidth())
+    results = {n: _median_of_runs(r) for n, r in runs.items()}
     copy_bw = max(copies)  # the machine's best: the strictest limit, whatever load came and went
     print(
         f"single-core copy bandwidth C = {copy_bw / 1e9:.2f} GB/s (best of "
@@ -212,6 +222,7 @@ def main() -> None:
                     "cores": cores,
                     "threads": args.threads,
                     "rounds": args.rounds,
+                    "repeat": args.repeat,
                     "argv": sys.argv,
                     "rows": records,
                 },

@@ -8,6 +8,7 @@ import pytest
 
 from meshwise.comm.cost import (
     COVERAGE,
+    SWITCH_MARGIN,
     Calibration,
     CostSample,
     LinkParams,
@@ -69,7 +70,7 @@ def test_auto_picks_latency_algorithms_small_and_bandwidth_algorithms_large():
 def test_native_stays_unless_beaten_by_the_margin():
     link = LinkParams(alpha=0.0, beta=1e-9, gamma=0.0)
     ours = predict_seconds("all_reduce", "ring", 1 << 20, 4, link)
-    for speedup, expected in ((1.9, "native"), (2.1, "ring")):
+    for speedup, expected in ((SWITCH_MARGIN * 0.95, "native"), (SWITCH_MARGIN * 1.05, "ring")):
         native_beta = 1e-9 * speedup * ours / predict_seconds("all_reduce", "native", 1 << 20, 4, link)
         cal = Calibration(link, link, LinkParams(0.0, native_beta, 0.0))
         assert choose_algorithm("all_reduce", 1 << 20, 4, cal, candidates=["ring"]) == expected

@@ -115,8 +115,10 @@ _DEFAULT_NATIVE = LinkParams(alpha=2.0e-4, beta=4.0e-10, gamma=4.0e-10)
 
 DEFAULT_PATH = Path("~/.cache/meshwise/calibration.json")
 
-#: how much faster than ``native`` one of our algorithms must be predicted before ``auto`` takes it
-SWITCH_MARGIN = 2.0
+#: how much faster than ``native`` one of our algorithms must be predicted before ``auto`` takes it: above
+#: the calibrated model's typical error (median factor 1.20 out of sample, benchmarks/RESULTS.md), so a
+#: switch is not a coin toss, yet low enough to take the 1.3-1.6x wins of recursive doubling at 2 ranks
+SWITCH_MARGIN = 1.25
 
 
 @dataclass(frozen=True)
@@ -340,9 +342,9 @@ def choose_algorithm(
 ) -> str:
     """The predicted-fastest algorithm for ``collective``; ``native`` stays unless beaten by ``margin``.
 
-    The backend's own collective is the safe choice (tuned, one call, no Python executor), and the
-    calibrated model is trusted to about a factor of two (benchmarks/RESULTS.md), so a smaller predicted
-    win is within its error: one of ours replaces ``native`` only when predicted ``margin`` times faster.
+    The backend's own collective is the safe choice (tuned, one call, no Python executor), and a
+    predicted win smaller than the model's typical error is no win: one of ours replaces ``native`` only
+    when predicted ``margin`` times faster (:data:`SWITCH_MARGIN`).
 
     ``native`` is priced on the ``native`` link, measured over the whole job. With ``local_size`` (ranks
     per node) smaller than the world, our flat algorithms are priced on the inter-node link and

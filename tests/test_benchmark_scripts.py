@@ -1,0 +1,55 @@
+"""The benchmark scripts behind benchmarks/RESULTS.md still run: tiny sweeps, real processes, JSON checked.
+
+They are not timed here (performance lives in the benchmarks themselves); these runs catch a script
+that no longer matches the library it measures, and check that what it writes is complete and that the
+compared backends agreed.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def _run(script: str, *args: str) -> str:
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / script), *args], capture_output=True, text=True, timeout=100
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+def test_bench_shm_writes_a_complete_comparison(tmp_path):
+    out = tmp_path / "shm.json"
+    text = _run(
+        "bench_shm.py", "--np", "2", "--sizes", "4K,64K", "--collectives", "all_reduce,broadcast",
+        "--budget", "0.02", "--rounds", "2", "--repeat", "2", "--json", str(out),
+    )  # fmt: skip
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    assert [(r["collective"], r["bytes"]) for r in rows] == [
+        ("all_reduce", 4096), ("all_reduce", 65536), ("broadcast", 4096), ("broadcast", 65536)
+    ]  # fmt: skip
+    assert all(r["wrong"] == 0 and r["gloo_seconds"] > 0 and r["shm_seconds"] > 0 for r in rows)
+    assert rows[0]["memcpy_limit_busbw"] > 0 and rows[2]["memcpy_limit_busbw"] is None
+    assert len(result["copy_bandwidth_samples"]) == 2 and result["repeat"] == 2
+    assert "all_reduce" in text and "memcpy-bound limit" in text
+
+
+def test_bench_algorithms_calibrates_then_compares(tmp_path):
+    cal, first, second = tmp_path / "cal.json", tmp_path / "sweep.json", tmp_path / "compare.json"
+    common = ["-np", "2", "-b", "4096", "-e", "262144", "-f", "8", "-n", "3", "--rounds", "2"]
+    _run("bench_algorithms.py", *common, "--calibrate", str(cal), "--json", str(first))
+    text = _run("bench_algorithms.py", *common, "--calibration", str(cal), "--json", str(second))
+    saved = json.loads(cal.read_text())
+    assert set(saved["by_world_size"]) == {"2"}
+    assert set(saved["intra"]) == {"alpha", "beta", "gamma", "sigma", "delta"}
+    rows = json.loads(second.read_text())["results"]
+    assert [r["nbytes"] for r in rows] == [4096, 32768, 262144]
+    for row in rows:
+        assert set(row["seconds"]) == {"native", "ring", "rd", "rhd", "tree", "auto", "control"}
+        assert all(t > 0 for t in row["seconds"].values()) and row["iters"] == 6
+        assert row["auto_choice"] in row["seconds"] and row["predicted"]["auto"] > 0
+    assert "cost model vs measured (2 ranks)" in text
