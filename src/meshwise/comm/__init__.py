@@ -39,6 +39,8 @@ and rounded once), int32/64 (AVG refused). ``async_op=True`` returns a :class:`W
 :class:`CommTimeoutError` for a silent peer, :class:`PeerFailureError` for a dead one,
 :class:`CollectiveMismatchError` for ranks that called different things (always on ``shm``; over gloo,
 which aborts the process on a size mismatch, with ``with_algorithm(..., check_consistency=True)``).
+When ranks share cores, exchange steps (every rank sends and receives: ring, rd, rhd, pairwise) also
+cost σ each plus δ per byte they move, and one-way tree steps do not (fitted per world size).
 docs/collectives.md has the per-algorithm costs, the non-power-of-two folding and how ``auto`` chooses.
 """
 
