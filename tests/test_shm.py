@@ -92,6 +92,21 @@ def _aliased_all_reduce():
     return torch.equal(x, want), refused
 
 
+def _spin_rounds():
+    meshwise.init("gloo", timeout=30)
+    shm = ShmCommunicator.from_process_group(None, timeout=30, segment_bytes=SMALL)
+    rounds = shm._phases.waiter.spin_rounds
+    shm.close()
+    meshwise.shutdown()
+    return rounds
+
+
+def test_waits_spin_less_when_ranks_outnumber_the_cores():
+    ranks = 3
+    crowded = ranks > len(os.sched_getaffinity(0))  # the ranks inherit this process's mask
+    assert spawn(_spin_rounds, ranks, timeout=60) == [2 if crowded else 20] * ranks
+
+
 def test_out_of_place_all_reduce_with_aliased_output():
     assert spawn(_aliased_all_reduce, 3, timeout=60) == [(True, True)] * 3
 

@@ -128,12 +128,12 @@ class ShmCommunicator(Communicator):
         created: tuple[str, object]
         try:
             self._segments = [Segment(path, layout, create=True)]
-            created = ("", (socket.gethostname(), me))
+            created = ("", (socket.gethostname(), me, sorted(os.sched_getaffinity(0))))
         except (CommError, OSError) as exc:
             created = (str(exc), None)
         try:
             info = self._agree(created, "create its shared-memory segment")
-            hosts = {host for host, _ in info}
+            hosts = {host for host, _, _ in info}
             if len(hosts) > 1:
                 raise CommError(
                     f"the shm backend needs every rank on one host but ranks run on {sorted(hosts)}; use "
@@ -156,7 +156,8 @@ class ShmCommunicator(Communicator):
             self._agree(opened, "map its peers' segments")
         finally:
             unlink_quietly(path)
-        identities = [identity for _, identity in info]
+        identities = [identity for _, identity, _ in info]
+        cores = set().union(*(set(mask) for _, _, mask in info))
         own = self._segments[self.rank].words
         waiter = Waiter(
             self.rank,
@@ -164,6 +165,7 @@ class ShmCommunicator(Communicator):
             identities,
             read_abort=lambda p: int(self._segments[p].words[layout.ABORT]),
             set_abort=lambda code: own.__setitem__(layout.ABORT, code),
+            crowded=self.world_size > len(cores),
         )
         self._phases = PhaseEngine(self.rank, layout, self._segments, waiter)
         self._threads = ThreadLimit(threads_per_rank(self.world_size))

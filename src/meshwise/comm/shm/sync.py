@@ -18,7 +18,8 @@ from collections.abc import Callable
 
 from meshwise.comm.api import CollectiveMismatchError, CommTimeoutError, PeerFailureError
 
-_SPIN_ROUNDS = 20  # short: when ranks outnumber cores, spinning only delays the peer we wait for
+_SPIN_ROUNDS = 20  # short: the peer is usually a few microseconds away
+_CROWDED_SPIN_ROUNDS = 2  # ranks outnumber the cores: the peer we wait for is likely descheduled
 _YIELD_SECONDS = 2e-3  # after this long, nap instead of yielding
 _NAP_SECONDS = 50e-6
 _CHECK_SECONDS = 5e-3  # how often the slow path (deadline, liveness, aborts) runs
@@ -71,7 +72,12 @@ class Waiter:
         identities: list[tuple[int, int] | None],
         read_abort: Callable[[int], int],
         set_abort: Callable[[int], None],
+        crowded: bool = False,
     ) -> None:
+        """``crowded``: the communicator's ranks outnumber the cores they may run on (the union of
+        their affinity masks), so spinning for a peer mostly burns the core that peer needs; measured
+        with 4 ranks on 2 cores, 2 spin rounds instead of 20 made 1–4 MiB all_reduce 4–5 % faster."""
+        self.spin_rounds = _CROWDED_SPIN_ROUNDS if crowded else _SPIN_ROUNDS
         self.rank = rank
         self.timeout = timeout
         self.identities = identities
@@ -91,7 +97,7 @@ class Waiter:
         ``pending()`` (default: all of ``peers``) those that have not yet done their part. Only a pending
         peer that closed the communicator is an error: one that finished this call and then closed is not.
         """
-        for _ in range(_SPIN_ROUNDS):
+        for _ in range(self.spin_rounds):
             if ready():
                 return
         limit = self.timeout if timeout is None else timeout
