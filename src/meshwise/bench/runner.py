@@ -1,6 +1,8 @@
 """Run one collective over a sweep of sizes on a Communicator: warm up, time, check.
 
-Timing: before every timed iteration the ranks meet at a barrier of the control communicator, each rank
+Timing: before every timed iteration the ranks meet at a barrier of the control communicator and then at
+one of the communicator under test, whose barrier releases them closest together (gloo's, on 4 ranks
+over 2 cores, leaves them ~0.4 ms apart, which a 20 µs shm call would otherwise be charged); each rank
 times the operation alone (device synchronised), and after the loop the per-iteration times are reduced
 with MAX over ranks. The reported time is the mean over iterations of that maximum — an iteration lasts
 until its slowest rank is done, which is what a training step waiting on the collective sees. (nccl-tests
@@ -78,6 +80,8 @@ def _timed(case: Case, control: Communicator, iters: int, device: torch.device) 
     times = torch.empty(iters, dtype=torch.float64)
     for i in range(iters):
         control.barrier()
+        case.comm.barrier()
+        _synchronize(device)
         start = time.perf_counter()
         case.run()
         _synchronize(device)
