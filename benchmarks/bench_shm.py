@@ -35,20 +35,13 @@ import torch
 
 import meshwise
 from meshwise.bench.busbw import bus_factor, layout_for
+from meshwise.bench.sizes import parse_size
 from meshwise.comm.api import Communicator
 from meshwise.comm.shm import ShmCommunicator
 from meshwise.runtime.spawn import spawn
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
 DEFAULT_SIZES = "4K,64K,1M,4M,16M"
-
-
-def parse_size(text: str) -> int:
-    units = {"K": 2**10, "M": 2**20, "G": 2**30}
-    text = text.strip().upper().removesuffix("B")
-    if text and text[-1] in units:
-        return int(float(text[:-1]) * units[text[-1]])
-    return int(text)
 
 
 def _buffers(collective: str, nbytes: int, n: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
