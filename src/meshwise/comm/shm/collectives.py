@@ -66,18 +66,25 @@ def all_reduce(
     one_phase = n <= 2 or flat.numel() * flat.element_size() <= SMALL_ALL_REDUCE_BYTES
     everyone = list(range(n))
     for start in _chunks(flat.numel(), cap):
-        part = flat[start : start + cap]
+        part, given = flat[start : start + cap], source[start : start + cap]
         count = part.numel()
         e = eng.begin("all_reduce")
-        eng.view(rank, e, dtype, count).copy_(source[start : start + cap])
-        eng.post(e, sig)
-        eng.wait(e, eng.peers, "all_reduce")
+        mine = eng.view(rank, e, dtype, count)
         if one_phase:
+            mine.copy_(given)
+            eng.post(e, sig)
+            eng.wait(e, eng.peers, "all_reduce")
             _reduce_to(part, [eng.view(p, e, dtype, count) for p in everyone], op, n)
             continue
+        # Peers reduce every slice but this rank's own, which it reduces itself straight from ``given``:
+        # that slice is never copied into shared memory (1/n less copying).
         bounds = [count * i // n for i in range(n + 1)]
         lo, hi = bounds[rank], bounds[rank + 1]
-        sources = [eng.view(p, e, dtype, count)[lo:hi] for p in everyone]
+        mine[:lo].copy_(given[:lo])
+        mine[hi:].copy_(given[hi:])
+        eng.post(e, sig)
+        eng.wait(e, eng.peers, "all_reduce")
+        sources = [given[lo:hi] if p == rank else eng.view(p, e, dtype, count)[lo:hi] for p in everyone]
         e2 = eng.begin("all_reduce")
         _reduce_to(eng.view(rank, e2, dtype, count)[lo:hi], sources, op, n)
         eng.post(e2, sig)
