@@ -16,6 +16,7 @@ from collective_matrix import check_collectives
 from meshwise.cli.info import render
 from meshwise.comm.api import CollectiveMismatchError, CommError, CommTimeoutError, ReduceOp
 from meshwise.comm.shm import ShmCommunicator, ShmSpaceError, check_memory_model, plan_layout
+from meshwise.comm.shm.collectives import chunks_of
 from meshwise.comm.shm.segment import MIN_REGION_BYTES, Layout
 from meshwise.runtime.spawn import free_port, rank_environment, spawn
 from meshwise.sysinfo import collect
@@ -330,6 +331,19 @@ def test_insufficient_dev_shm_is_a_clear_error_on_every_rank_and_a_tight_one_shr
     warned = [w for w in results[0][1] if "shm segments shrank" in w]
     assert warned and "--shm-size" in warned[0]  # rank 0 says how to get full speed back
     assert [ok for _, _, ok in results] == [True, True]
+
+
+@pytest.mark.parametrize(
+    ("total", "cap"),
+    [(0, 64), (5, 64), (64, 64), (65, 64), (4 << 18, 3 << 18), (16 << 18, 3 << 18), (97, 16)],
+)
+def test_messages_are_cut_into_the_fewest_nearly_equal_chunks(total, cap):
+    chunks = chunks_of(total, cap)
+    lengths = [min(chunks.step, total - start) for start in chunks]
+    assert sum(lengths) == total and all(0 < n <= cap for n in lengths)
+    assert len(lengths) == -(-total // cap)  # no more chunks than the region forces
+    # equal up to the 16-element rounding: 4 MiB over 3 MiB regions is 2 + 2 MiB, not 3 + 1
+    assert not lengths or max(lengths) - min(lengths) <= 16 * len(lengths)
 
 
 def test_layout_planning_shrinks_chunks_then_refuses():
