@@ -3,21 +3,25 @@
 For every world size in ``--np`` the ranks build both communicators over the same processes and time
 each (collective, size) on gloo and on shm with identical buffers: ``--warmup`` untimed calls, then
 ``--rounds`` rounds that alternate the two backends, each a gloo barrier and enough back-to-back calls to
-fill about ``--budget`` / ``--rounds`` seconds (the same count on every rank). A round's time of one call
-is the slowest rank's mean, as in nccl-tests; the reported time is the median over the rounds, so a
-burst of load from elsewhere on a shared machine moves one round, not the result; ``--repeat k`` runs the
-whole sweep k times (world sizes interleaved) and reports the median run per row, against slow spells
-that last longer than a row. busbw follows nccl-tests
+fill about ``--budget`` / ``--rounds`` seconds (the same count on every rank). Every round starts with
+untimed calls of its backend (a tenth of its count): right after the other backend's round, calls ran up
+to 20 % slower (4 ranks on 2 cores, paired probe) while the ranks' scheduling settled. A round's time
+of one call is the slowest rank's mean, as in nccl-tests; the reported time is the median over the
+rounds, so a burst of load from elsewhere on a shared machine moves one round, not the result;
+``--repeat k`` runs the whole sweep k times (world sizes interleaved, ``--pause`` seconds apart) and
+reports the median run per row, against slow spells that last longer than a row. busbw follows nccl-tests
 (:mod:`meshwise.bench.busbw`). One extra call per row compares the two backends' results (``wrong``).
 
 The memcpy-bound limit of all_reduce: every rank must at least copy its buffer into shared memory and
 copy the result out, i.e. two copies of the S-byte buffer per rank, done by ``min(n, cores)`` cores in
 parallel. With C the measured single-core copy bandwidth (bytes copied per second, buffers larger than
 the caches), one all_reduce takes at least ``2·S·n / (C·min(n, cores))`` of core-time spread over n
-ranks, so ``busbw_limit = 2(n−1)/n · S / t = (n−1)/n · C · min(1, cores/n)``. C is measured before and
-after the runs and the larger value counts, so a slow spell of the machine cannot lower the limit. The
-bound is for data streaming from memory: at sizes where every rank's buffers fit the shared cache, a run
-can exceed it.
+ranks, so ``busbw_limit = 2(n−1)/n · S / t = (n−1)/n · C · min(1, cores/n)``. C is measured before the
+first run and after every run; each run is judged against the larger of the two samples next to it (a
+slow spell cannot lower its limit, and a run is not judged by a C measured many minutes away on a machine
+whose speed drifts), and ``%limit`` is the median over runs, with the lowest and highest run beside it.
+The bound is for data streaming from memory: at sizes where every rank's buffers fit the shared cache, a
+run can exceed it.
 
     python benchmarks/bench_shm.py --np 2,4 --json shm_vs_gloo.json
 """
@@ -25,6 +29,7 @@ can exceed it.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -96,6 +101,8 @@ def _rank_main(
                 per_round[name] = []
             for _ in range(rounds):
                 for name, comm in backends.items():
+                    for _ in range(1 + iters[name] // 10):  # settle after the other backend's round
+                        _call(comm, collective, source, out)
                     gloo.barrier()
                     start = time.perf_counter()
                     for _ in range(iters[name]):
@@ -151,6 +158,7 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=0.5, help="seconds of timed calls per cell")
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds; the median counts")
     parser.add_argument("--repeat", type=int, default=1, help="whole runs; the median per row counts")
+    parser.add_argument("--pause", type=float, default=0.0, help="seconds to wait between runs")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     args = parser.parse_args()
@@ -163,34 +171,47 @@ def main() -> None:
     worlds = [int(x) for x in args.np.split(",")]
     copies = [copy_bandwidth()]
     runs: dict[int, list[list]] = {n: [] for n in worlds}
-    for _ in range(args.repeat):  # world sizes interleaved, so a slow spell hits each of them once
+    for index in range(args.repeat):  # world sizes interleaved, so a slow spell hits each of them once
+        if index and args.pause:
+            time.sleep(args.pause)
         for n in worlds:
             job = (sizes, collectives, args.warmup, args.budget, args.rounds, args.threads)
             runs[n].append(spawn(_rank_main, n, args=job, timeout=3600)[0])
-    copies.append(copy_bandwidth())
+        copies.append(copy_bandwidth())
+    # each run is judged against the higher C measured next to it: a slow spell cannot lower its limit
+    run_copy = [max(pair) for pair in itertools.pairwise(copies)]
     results = {n: _median_of_runs(r) for n, r in runs.items()}
-    copy_bw = max(copies)  # the machine's best: the strictest limit, whatever load came and went
     print(
-        f"single-core copy bandwidth C = {copy_bw / 1e9:.2f} GB/s (best of "
-        f"{', '.join(f'{c / 1e9:.2f}' for c in copies)}, before and after); {cores} cores"
+        f"single-core copy bandwidth C = {min(copies) / 1e9:.2f}-{max(copies) / 1e9:.2f} GB/s over "
+        f"{len(copies)} samples (before the first run and after each); {cores} cores"
     )
-    print("all_reduce memcpy-bound limit: busbw <= (n-1)/n * C * min(1, cores/n)")
+    print("all_reduce memcpy-bound limit: busbw <= (n-1)/n * C * min(1, cores/n), C the higher sample")
+    print("next to each run; %limit is the median over runs (range: lowest-highest run)")
     header = (
         f"{'np':>3} {'collective':<15}{'size':>10} {'gloo us':>10} {'gloo GB/s':>10} "
-        f"{'shm us':>10} {'shm GB/s':>9} {'speedup':>8} {'%limit':>7} {'wrong':>6}"
+        f"{'shm us':>10} {'shm GB/s':>9} {'speedup':>8} {'%limit':>7} {'range':>9} {'wrong':>6}"
     )
     records = []
     for n, rows in results.items():
-        limit = (n - 1) / n * copy_bw * min(1.0, cores / n)
         print(header)
-        for collective, nbytes, seconds, wrong in rows:
-            bus = {k: nbytes / t * bus_factor(collective, n) for k, t in seconds.items()}
-            share = f"{100 * bus['shm'] / limit:6.0f}%" if collective == "all_reduce" else ""
+        for index, (collective, nbytes, seconds, wrong) in enumerate(rows):
+            factor = bus_factor(collective, n)
+            bus = {k: nbytes / t * factor for k, t in seconds.items()}
+            limits = shares = None
+            share = spread = ""
+            if collective == "all_reduce":
+                limits = [(n - 1) / n * c * min(1.0, cores / n) for c in run_copy]
+                shares = [
+                    100 * nbytes / run[index][2]["shm"] * factor / limit
+                    for run, limit in zip(runs[n], limits, strict=True)
+                ]
+                share = f"{statistics.median(shares):6.0f}%"
+                spread = f"{min(shares):.0f}-{max(shares):.0f}"
             print(
                 f"{n:>3} {collective:<15}{nbytes:>10} "
                 f"{seconds['gloo'] * 1e6:>10.1f} {bus['gloo'] / 1e9:>10.2f} "
                 f"{seconds['shm'] * 1e6:>10.1f} {bus['shm'] / 1e9:>9.2f} "
-                f"{seconds['gloo'] / seconds['shm']:>7.1f}x {share:>7} {wrong:>6}"
+                f"{seconds['gloo'] / seconds['shm']:>7.1f}x {share:>7} {spread:>9} {wrong:>6}"
             )
             records.append(
                 {
@@ -203,19 +224,24 @@ def main() -> None:
                     "shm_busbw": bus["shm"],
                     "speedup": seconds["gloo"] / seconds["shm"],
                     "wrong": wrong,
-                    "memcpy_limit_busbw": limit if collective == "all_reduce" else None,
+                    "run_shm_seconds": [run[index][2]["shm"] for run in runs[n]],
+                    "run_gloo_seconds": [run[index][2]["gloo"] for run in runs[n]],
+                    "memcpy_limit_busbw_runs": limits,
+                    "percent_of_limit_runs": shares,
+                    "percent_of_limit": statistics.median(shares) if shares else None,
                 }
             )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
                 {
-                    "copy_bandwidth": copy_bw,
                     "copy_bandwidth_samples": copies,
+                    "run_copy_bandwidth": run_copy,
                     "cores": cores,
                     "threads": args.threads,
                     "rounds": args.rounds,
                     "repeat": args.repeat,
+                    "pause": args.pause,
                     "argv": sys.argv,
                     "rows": records,
                 },

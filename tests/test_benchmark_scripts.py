@@ -25,7 +25,7 @@ def test_bench_shm_writes_a_complete_comparison(tmp_path):
     out = tmp_path / "shm.json"
     text = _run(
         "bench_shm.py", "--np", "2", "--sizes", "4K,64K", "--collectives", "all_reduce,broadcast",
-        "--budget", "0.02", "--rounds", "2", "--repeat", "2", "--json", str(out),
+        "--budget", "0.02", "--rounds", "2", "--repeat", "2", "--pause", "0.1", "--json", str(out),
     )  # fmt: skip
     result = json.loads(out.read_text())
     rows = result["rows"]
@@ -33,8 +33,12 @@ def test_bench_shm_writes_a_complete_comparison(tmp_path):
         ("all_reduce", 4096), ("all_reduce", 65536), ("broadcast", 4096), ("broadcast", 65536)
     ]  # fmt: skip
     assert all(r["wrong"] == 0 and r["gloo_seconds"] > 0 and r["shm_seconds"] > 0 for r in rows)
-    assert rows[0]["memcpy_limit_busbw"] > 0 and rows[2]["memcpy_limit_busbw"] is None
-    assert len(result["copy_bandwidth_samples"]) == 2 and result["repeat"] == 2
+    first, broadcast = rows[0], rows[2]
+    shares = first["percent_of_limit_runs"]
+    assert len(shares) == 2 and all(x > 0 for x in first["memcpy_limit_busbw_runs"])
+    assert min(shares) <= first["percent_of_limit"] <= max(shares)
+    assert broadcast["percent_of_limit"] is None and len(broadcast["run_shm_seconds"]) == 2
+    assert len(result["copy_bandwidth_samples"]) == 3 and result["repeat"] == 2  # before, after each run
     assert "all_reduce" in text and "memcpy-bound limit" in text
 
 
