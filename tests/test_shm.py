@@ -108,6 +108,28 @@ def test_waits_spin_less_when_ranks_outnumber_the_cores():
     assert spawn(_spin_rounds, ranks, timeout=60) == [2 if crowded else 20] * ranks
 
 
+def _many_shapes():
+    world = meshwise.init("gloo", timeout=30)
+    shm = ShmCommunicator.from_process_group(None, timeout=30, segment_bytes=SMALL)
+    exact, cached = True, []
+    for count in range(70_000, 70_000 + 80 * 16, 16):  # 80 shapes through the two-phase path
+        x = torch.arange(count, dtype=torch.int32) % 97 + world.rank
+        want = x.clone()
+        world.comm.all_reduce(want)
+        shm.all_reduce(x)
+        exact = exact and torch.equal(x, want)
+        cached.append(len(shm._phases.memo))
+    shm.close()
+    meshwise.shutdown()
+    return exact, max(cached)
+
+
+def test_cached_region_views_stay_exact_and_bounded_over_many_shapes():
+    results = spawn(_many_shapes, 3, timeout=100)
+    assert all(exact for exact, _ in results)
+    assert all(0 < most <= 64 for _, most in results)
+
+
 def test_out_of_place_all_reduce_with_aliased_output():
     assert spawn(_aliased_all_reduce, 3, timeout=60) == [(True, True)] * 3
 

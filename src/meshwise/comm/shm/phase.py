@@ -50,6 +50,8 @@ class PhaseEngine:
         self._typed: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
         self._part_bytes = layout.region_bytes // self.n
         self._sig = 0
+        #: views the collectives derive from the regions, kept per call shape (they never change)
+        self.memo: dict[tuple, object] = {}
         #: called while waiting, so queued point-to-point messages keep moving during a collective
         self.progress: Callable[[], None] | None = None
 
