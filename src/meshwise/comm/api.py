@@ -168,6 +168,14 @@ def split_slots(tensor: torch.Tensor, parts: int, what: str, op_name: str, rank:
     return list(tensor.chunk(parts, dim=0)) if parts > 1 else [tensor]
 
 
+def overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two contiguous tensors share any byte (then reading one while writing the other is unsafe)."""
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
 class Communicator(ABC):
     """A group of ``world_size`` ranks that can exchange tensors; this process is ``rank``.
 

@@ -31,8 +31,9 @@ from meshwise.comm.api import (
     Communicator,
     ReduceOp,
     Work,
+    overlap,
 )
-from meshwise.comm.mpi_buffers import adjacent_span, joined, overlap, same_memory, scatter_back
+from meshwise.comm.mpi_buffers import adjacent_span, joined, same_memory, scatter_back
 from meshwise.comm.mpi_work import MpiWork, translate_mpi_error
 from meshwise.runtime.mpi_wait import import_mpi
 

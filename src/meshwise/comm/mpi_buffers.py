@@ -35,13 +35,6 @@ def joined(slots: Sequence[torch.Tensor]) -> torch.Tensor:
     return span if span is not None else torch.cat([s.reshape(-1) for s in slots])
 
 
-def overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.numel() == 0 or b.numel() == 0:
-        return False
-    a0, b0 = a.data_ptr(), b.data_ptr()
-    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
-
-
 def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.numel() > 0 and a.data_ptr() == b.data_ptr() and a.numel() == b.numel()
 

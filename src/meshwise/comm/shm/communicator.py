@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from meshwise.comm.api import CommError, Communicator, CompletedWork, ReduceOp, Work
+from meshwise.comm.api import CommError, Communicator, CompletedWork, ReduceOp, Work, overlap
 from meshwise.comm.shm import collectives
 from meshwise.comm.shm.p2p import P2PEngine
 from meshwise.comm.shm.phase import PhaseEngine, ThreadLimit
@@ -220,7 +220,7 @@ class ShmCommunicator(Communicator):
         return self._run("all_reduce", lambda e: collectives.all_reduce(e, tensor.view(-1), op))
 
     def _all_reduce_into(self, source: torch.Tensor, output: torch.Tensor, op: ReduceOp) -> Work:
-        if self.world_size == 1 or _overlap(source, output):
+        if self.world_size == 1 or overlap(source, output):
             return super()._all_reduce_into(source, output, op)
         return self._run(
             "all_reduce", lambda e: collectives.all_reduce(e, output.view(-1), op, source=source.view(-1))
@@ -271,10 +271,3 @@ class ShmCommunicator(Communicator):
             free_space=self._free_space,
             order=global_ranks,
         )
-
-
-def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two contiguous tensors share any byte (then reading one while writing the other is unsafe)."""
-    a_end = a.data_ptr() + a.numel() * a.element_size()
-    b_end = b.data_ptr() + b.numel() * b.element_size()
-    return a.data_ptr() < b_end and b.data_ptr() < a_end
