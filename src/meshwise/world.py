@@ -9,7 +9,9 @@ returned in :class:`World` may be another transport (shared memory, MPI) that bo
 from __future__ import annotations
 
 import datetime
+import os
 import socket
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -21,10 +23,14 @@ import torch.distributed as dist
 # shutdown() and can abort the process at exit ("terminate called without an active exception").
 import torch.distributed.nn
 
+from meshwise.comm import flight_recorder
 from meshwise.comm.api import CommError, Communicator
+from meshwise.comm.debug import DebugChecker, default_store
 from meshwise.comm.factory import BACKENDS, create_communicator
+from meshwise.comm.instrumented import InstrumentedCommunicator
 from meshwise.comm.shm.segment import check_memory_model
 from meshwise.runtime.env import LaunchEnv, detect_launch_env, resolve_ipv4
+from meshwise.runtime.flight_dumps import DEBUG_ENV, FLIGHT_DIR_ENV
 
 DEFAULT_TIMEOUT_SECONDS = 300.0
 
@@ -50,6 +56,7 @@ class World:
 
 _current: World | None = None
 _owns_process_group = False
+_stop_dump_thread: threading.Event | None = None
 
 
 def pick_device(layout: LaunchEnv, requested: str | torch.device | None = None) -> torch.device:
@@ -134,13 +141,19 @@ def init(
     *,
     device: str | torch.device | None = None,
     timeout: float = DEFAULT_TIMEOUT_SECONDS,
+    debug: bool | None = None,
+    flight_recorder_ops: int = flight_recorder.DEFAULT_CAPACITY,
 ) -> World:
     """Join the job described by the environment and return this rank's :class:`World`.
 
     Idempotent: a second call returns the same World. When torch.distributed was already initialised
     by the script itself (an unmodified torch program), that group is adopted rather than replaced.
+
+    ``World.comm`` records its last ``flight_recorder_ops`` operations (dumped on a failure and merged by
+    ``meshwise run`` into a hang report). ``debug=True`` checks every collective's fingerprint across
+    ranks before it runs and raises on a mismatch; ``None`` follows ``meshwise run --debug``.
     """
-    global _current, _owns_process_group
+    global _current, _owns_process_group, _stop_dump_thread
     if _current is not None:
         return _current
     layout = detect_launch_env()
@@ -174,7 +187,10 @@ def init(
         backend == "auto" and chosen_device.type == "cpu" and dist.get_world_size() > 1 and _on_one_host()
     )
     name = resolve_backend(backend, chosen_device, layout.world_size, single_host=single_host)
-    comm = create_communicator(name, timeout=timeout)
+    comm = _instrument(create_communicator(name, timeout=timeout), debug, flight_recorder_ops)
+    flight_dir = os.environ.get(FLIGHT_DIR_ENV)
+    if flight_dir:
+        _stop_dump_thread = flight_recorder.serve_dump_requests(flight_dir, dist.get_rank())
     _current = World(
         rank=dist.get_rank(),
         local_rank=layout.local_rank,
@@ -189,6 +205,16 @@ def init(
     return _current
 
 
+def _instrument(comm: Communicator, debug: bool | None, capacity: int) -> InstrumentedCommunicator:
+    """Wrap the data-plane communicator with the flight recorder and, in debug mode, the checker."""
+    if debug is None:
+        debug = os.environ.get(DEBUG_ENV) == "1"
+    checker = None
+    if debug:
+        checker = DebugChecker(default_store(), "meshwise-debug", comm.rank, comm.world_size, comm.timeout)
+    return InstrumentedCommunicator(comm, capacity=capacity, checker=checker)
+
+
 def current_world() -> World:
     """The World of the last :func:`init` (raises if there was none)."""
     if _current is None:
@@ -198,10 +224,15 @@ def current_world() -> World:
 
 def shutdown() -> None:
     """Close the data-plane Communicator and, if meshwise created it, the process group."""
-    global _current, _owns_process_group
-    if _current is not None:
-        _current.comm.close()
-        _current = None
-    if _owns_process_group and dist.is_initialized():
-        dist.destroy_process_group()
-    _owns_process_group = False
+    global _current, _owns_process_group, _stop_dump_thread
+    if _stop_dump_thread is not None:
+        _stop_dump_thread.set()
+        _stop_dump_thread = None
+    try:
+        if _current is not None:
+            comm, _current = _current.comm, None
+            comm.close()  # in debug mode this checks that every rank is closing (may raise)
+    finally:
+        if _owns_process_group and dist.is_initialized():
+            dist.destroy_process_group()
+        _owns_process_group = False

@@ -2,6 +2,7 @@
 
 meshwise run -np 4 train.py --epochs 3          # 4 local workers, output prefixed [rank N]
 meshwise run -n 2 --max-restarts 2 train.py      # restart the whole group up to twice
+meshwise run -np 4 --debug train.py              # check every collective across ranks (mismatches)
 meshwise run --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 -np 4 train.py   # on each node
 meshwise run --print-sbatch --nnodes 2 -np 4 --gpus-per-node 4 train.py > job.sbatch
 """
@@ -61,6 +62,17 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str, help_text: str
     )
     parser.add_argument(
         "--timeout", type=float, help="terminate the workers after this many seconds (exit 124)"
+    )
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        help="debug mode: check every collective across ranks before it runs (meshwise.init(debug=True))",
+    )
+    parser.add_argument(
+        "--flight-dir",
+        metavar="DIR",
+        help="where ranks dump their flight records and the merged hang report goes "
+        "(default: a temporary directory, kept only when a report was written)",
     )
     parser.add_argument("-m", "--module", action="store_true", help="SCRIPT is a module name (python -m)")
     parser.add_argument("--no-python", action="store_true", help="SCRIPT is an executable, not Python")
@@ -126,6 +138,8 @@ def handle(args: argparse.Namespace) -> int:
             max_restarts=args.max_restarts,
             timeout=args.timeout,
             prefix_output=not args.no_prefix,
+            debug=args.debug,
+            flight_dir=args.flight_dir,
         )
     except ValueError as exc:  # LaunchConfigError included: refused before anything started
         print(f"meshwise run: error: {exc}", file=sys.stderr)

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import IO
 
 from meshwise.runtime.cores import threads_per_rank
+from meshwise.runtime.flight_dumps import DEBUG_ENV, FLIGHT_DIR_ENV, FlightCollector
 from meshwise.runtime.reaper import Reaper
 from meshwise.runtime.spawn import free_port
 from meshwise.runtime.worker import PrefixedOutput, WorkerExit, WorkerProcess
@@ -132,9 +133,14 @@ class _Group:
     """One attempt: start the workers, supervise them, and always tear every one of them down."""
 
     def __init__(
-        self, plan: LaunchPlan, env: Mapping[str, str], output: PrefixedOutput, reaper: Reaper
+        self,
+        plan: LaunchPlan,
+        env: Mapping[str, str],
+        output: PrefixedOutput,
+        reaper: Reaper,
+        flight: FlightCollector,
     ) -> None:
-        self.plan, self.env, self.output, self.reaper = plan, env, output, reaper
+        self.plan, self.env, self.output, self.reaper, self.flight = plan, env, output, reaper, flight
         self.workers: list[WorkerProcess] = []
         self.exits: queue.Queue[WorkerExit] = queue.Queue()
 
@@ -142,6 +148,7 @@ class _Group:
         """(exit status, whether the launcher itself was interrupted)."""
         plan = self.plan
         port = plan.port()
+        self.flight.reset()
         with _recorded_signals() as stop:
             try:
                 for local in range(plan.nprocs):
@@ -157,6 +164,7 @@ class _Group:
                     return status, False
                 name = signal.Signals(stop[0]).name
                 self.output.write(f"meshwise run: {name} received, stopping all workers\n", to_err=True)
+                self._flight_report(f"the launcher received {name}")
                 return 128 + stop[0], True
             finally:
                 self._terminate()
@@ -176,6 +184,7 @@ class _Group:
             if wait <= 0:
                 message = f"meshwise run: workers still running after {timeout:g} s; terminating them\n"
                 self.output.write(message, to_err=True)
+                self._flight_report(f"workers still running after the {timeout:g} s deadline")
                 return TIMEOUT_EXIT
             try:
                 ended = self.exits.get(timeout=wait)
@@ -187,7 +196,17 @@ class _Group:
                 return ended.exit_status
         return 0
 
+    def _flight_report(self, reason: str) -> None:
+        """Collect the live ranks' flight records before anyone is terminated, and print the summary."""
+        first = self.plan.first_rank
+        summary = self.flight.collect(
+            reason, lambda: [first + w.rank for w in self.workers if w.proc.poll() is None]
+        )
+        if summary:
+            self.output.write(summary, to_err=True)
+
     def _report(self, failed: WorkerExit) -> None:
+        self._flight_report(f"rank {self.plan.first_rank + failed.rank} failed ({failed.describe()})")
         others = [w for w in self.workers if w.rank != failed.rank and w.proc.poll() is None]
         for worker in others:
             worker.signal_group(signal.SIGTERM)
@@ -256,6 +275,8 @@ def launch(
     prefix_output: bool = True,
     stdout: IO[str] | None = None,
     stderr: IO[str] | None = None,
+    debug: bool = False,
+    flight_dir: str | None = None,
 ) -> int:
     """Run ``cmd`` as ``nprocs`` local workers of an ``nnodes``-node job; return the exit status.
 
@@ -264,6 +285,11 @@ def launch(
     and the tail of its stderr. ``max_restarts`` relaunches the whole local group that many times
     (TORCHELASTIC_RESTART_COUNT counts them); ``timeout`` bounds each attempt's wall time (exit 124).
     ``env`` adds variables on top of this process's environment.
+
+    Every rank that calls ``meshwise.init()`` records its operations; on a failure, the deadline or an
+    interrupt their records are merged into a flight report (in ``flight_dir``, default a temporary
+    directory kept only when a report was written). ``debug`` makes ``meshwise.init()`` default to
+    debug mode (every collective checked across ranks).
     """
     plan = LaunchPlan(
         tuple(cmd), nprocs, nnodes, node_rank, master_addr, master_port, max_restarts, timeout, prefix_output
@@ -273,12 +299,16 @@ def launch(
     base_env = {**os.environ, **(env or {})}
     base_env.setdefault("OMP_NUM_THREADS", str(threads_per_rank(nprocs)))  # torchrun's 1 starves CPU ranks
     base_env["PYTHONUNBUFFERED"] = "1"
+    flight = FlightCollector(flight_dir, range(plan.first_rank, plan.first_rank + nprocs))
+    base_env[FLIGHT_DIR_ENV] = str(flight.directory)
+    if debug:
+        base_env[DEBUG_ENV] = "1"
     run_id = f"meshwise-{os.getpid()}-{int(time.time())}"
     reaper = Reaper()
     try:
         attempt = 0
         while True:
-            status, interrupted = _Group(plan, base_env, output, reaper).run(attempt, run_id)
+            status, interrupted = _Group(plan, base_env, output, reaper, flight).run(attempt, run_id)
             if status == 0 or interrupted or attempt == max_restarts:
                 return status
             attempt += 1
@@ -286,6 +316,7 @@ def launch(
             output.write(message, to_err=True)
     finally:
         reaper.close()
+        flight.close()
 
 
 def python_command(script: str, args: Sequence[str], *, module: bool = False) -> list[str]:

@@ -1,0 +1,210 @@
+"""A Communicator that records every operation (flight recorder) and, in debug mode, checks collectives.
+
+``meshwise.init()`` wraps the data-plane communicator in one of these, so the rest of the library (DDP,
+benchmarks, user scripts) is instrumented without knowing it. The base class has already validated and
+normalised the arguments; each primitive here numbers the collective, fingerprints it, records it,
+checks it across ranks when a :class:`~meshwise.comm.debug.DebugChecker` is given, and only then hands
+it to the wrapped backend. Any :class:`CommError` — raised at issue or at ``wait`` — marks the record
+failed and dumps the process's recorders before it propagates.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import torch
+
+from meshwise.comm import flight_recorder
+from meshwise.comm.api import CommError, Communicator, CompletedWork, ReduceOp, Work
+from meshwise.comm.debug import DebugChecker
+from meshwise.comm.fingerprint import Fingerprint
+from meshwise.comm.flight_recorder import FlightRecorder, OpRecord
+
+
+class RecordedWork(Work):
+    """The wrapped backend's work; its completion or failure is written into the record."""
+
+    def __init__(self, inner: Work, record: OpRecord) -> None:
+        self._inner, self._record = inner, record
+
+    def wait(self, timeout: float | None = None) -> None:
+        try:
+            self._inner.wait(timeout)
+        except CommError as exc:
+            _failed(self._record, exc)
+            raise
+        if self._record.state == "started":
+            FlightRecorder.complete(self._record)
+
+    def is_completed(self) -> bool:
+        return self._inner.is_completed()
+
+
+def _failed(record: OpRecord, exc: CommError) -> None:
+    FlightRecorder.fail(record, exc)
+    flight_recorder.dump(f"{type(exc).__name__}: {exc}")
+
+
+class InstrumentedCommunicator(Communicator):
+    """``inner`` with a flight recorder (``capacity`` operations) and an optional cross-rank check."""
+
+    def __init__(
+        self,
+        inner: Communicator,
+        *,
+        group: str = "world",
+        capacity: int = flight_recorder.DEFAULT_CAPACITY,
+        checker: DebugChecker | None = None,
+    ) -> None:
+        super().__init__(inner.rank, inner.world_size, inner.timeout)
+        self.inner, self.checker = inner, checker
+        self.backend = inner.backend
+        self.recorder = FlightRecorder(group, inner.rank, inner.world_size, capacity)
+        self._seq = 0
+        self._splits = 0
+        self._lock = threading.Lock()  # DDP hooks may issue collectives from autograd threads
+
+    @property
+    def debug(self) -> bool:
+        return self.checker is not None
+
+    def __getattr__(self, name: str):  # backend extras (e.g. ``group``) stay reachable
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    # ------------------------------------------------------------------ the one path every op takes
+    def _run(
+        self, make: Callable[[int], Fingerprint], issue: Callable[[], Work], *, check: bool = True
+    ) -> Work:
+        with self._lock:
+            if check:
+                self._seq += 1
+            fp = make(self._seq if check else 0)
+            record = self.recorder.start(fp)
+            try:
+                if check and self.checker is not None:
+                    self.checker.check(fp)
+                work = issue()
+            except CommError as exc:
+                _failed(record, exc)
+                raise
+        return RecordedWork(work, record)
+
+    def _algo(self) -> str | None:
+        return getattr(self.inner, "algo", None)
+
+    # ------------------------------------------------------------------ point to point (recorded only)
+    def _isend(self, tensor: torch.Tensor, dst: int, tag: int) -> Work:
+        return self._run(
+            lambda s: Fingerprint.of(s, "send", tensor, root=dst),
+            lambda: self.inner._isend(tensor, dst, tag),
+            check=False,
+        )
+
+    def _irecv(self, tensor: torch.Tensor, src: int, tag: int) -> Work:
+        return self._run(
+            lambda s: Fingerprint.of(s, "recv", tensor, root=src),
+            lambda: self.inner._irecv(tensor, src, tag),
+            check=False,
+        )
+
+    # ------------------------------------------------------------------ collectives
+    def _broadcast(self, tensor: torch.Tensor, root: int) -> Work:
+        return self._run(
+            lambda s: Fingerprint.of(s, "broadcast", tensor, root=root, algorithm=self._algo()),
+            lambda: self.inner._broadcast(tensor, root),
+        )
+
+    def _reduce(self, tensor: torch.Tensor, root: int, op: ReduceOp) -> Work:
+        return self._run(
+            lambda s: Fingerprint.of(
+                s, "reduce", tensor, root=root, reduce_op=op.value, algorithm=self._algo()
+            ),
+            lambda: self.inner._reduce(tensor, root, op),
+        )
+
+    def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> Work:
+        return self._run(
+            lambda s: Fingerprint.of(s, "all_reduce", tensor, reduce_op=op.value, algorithm=self._algo()),
+            lambda: self.inner._all_reduce(tensor, op),
+        )
+
+    def _all_reduce_into(self, source: torch.Tensor, output: torch.Tensor, op: ReduceOp) -> Work:
+        return self._run(
+            lambda s: Fingerprint.of(s, "all_reduce", source, reduce_op=op.value, algorithm=self._algo()),
+            lambda: self.inner._all_reduce_into(source, output, op),
+        )
+
+    def _all_gather(self, outputs: list[torch.Tensor], input: torch.Tensor) -> Work:
+        return self._run(
+            lambda s: Fingerprint.of(s, "all_gather", input, slots_out=outputs, algorithm=self._algo()),
+            lambda: self.inner._all_gather(outputs, input),
+        )
+
+    def _reduce_scatter(self, output: torch.Tensor, inputs: list[torch.Tensor], op: ReduceOp) -> Work:
+        return self._run(
+            lambda s: Fingerprint.of(
+                s, "reduce_scatter", output, slots_in=inputs, reduce_op=op.value, algorithm=self._algo()
+            ),
+            lambda: self.inner._reduce_scatter(output, inputs, op),
+        )
+
+    def _all_to_all(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> Work:
+        return self._run(
+            lambda s: Fingerprint.of(
+                s, "all_to_all", slots_in=inputs, slots_out=outputs, algorithm=self._algo()
+            ),
+            lambda: self.inner._all_to_all(outputs, inputs),
+        )
+
+    def _scatter(self, output: torch.Tensor, inputs: list[torch.Tensor] | None, root: int) -> Work:
+        return self._run(
+            lambda s: Fingerprint.of(
+                s, "scatter", output, slots_in=inputs, root=root, algorithm=self._algo()
+            ),
+            lambda: self.inner._scatter(output, inputs, root),
+        )
+
+    def _gather(self, input: torch.Tensor, outputs: list[torch.Tensor] | None, root: int) -> Work:
+        return self._run(
+            lambda s: Fingerprint.of(
+                s, "gather", input, slots_out=outputs, root=root, algorithm=self._algo()
+            ),
+            lambda: self.inner._gather(input, outputs, root),
+        )
+
+    def _barrier(self) -> Work:
+        return self._run(lambda s: Fingerprint.of(s, "barrier"), self.inner._barrier)
+
+    def _split(self, ranks: list[int]) -> Communicator | None:
+        inner: list[Communicator | None] = []
+
+        def issue() -> Work:
+            inner.append(self.inner._split(ranks))
+            return CompletedWork()
+
+        self._run(lambda s: Fingerprint.of(s, "split", ranks=ranks), issue).wait()
+        self._splits += 1
+        child = inner[0]
+        if child is None:
+            return None
+        name = f"{self.recorder.group}/split{self._splits}"
+        checker = (
+            None
+            if self.checker is None
+            else self.checker.child(f"split{self._splits}", child.rank, child.world_size)
+        )
+        return InstrumentedCommunicator(
+            child, group=name, capacity=self.recorder.records.maxlen or 1, checker=checker
+        )
+
+    def close(self) -> None:
+        """Close the backend; in debug mode first check that every rank is closing too (a rank that
+        skipped a collective, or called an extra one, meets ``close`` here and is reported)."""
+        try:
+            if self.checker is not None and not self.checker.broken:
+                self._run(lambda s: Fingerprint.of(s, "close"), CompletedWork).wait()
+        finally:
+            self.inner.close()

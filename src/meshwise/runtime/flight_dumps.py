@@ -1,0 +1,115 @@
+"""The launcher's half of the flight recorder: where the ranks write their dumps, and asking for them.
+
+``meshwise run`` gives every worker a dump directory (``MESHWISE_FLIGHT_DIR``, launcher-to-worker
+plumbing like ``MASTER_ADDR``); ``meshwise.init()`` there starts a thread that dumps the rank's records
+and stacks when the file ``REQUEST`` appears. When a run fails, runs past its deadline or the launcher
+is interrupted, the launcher creates that file, waits a few seconds for the live ranks' dumps, and
+merges them (:mod:`meshwise.runtime.hang_report`) before it terminates anyone.
+
+This module knows only file names and JSON, never the comm layer (runtime/ sits below it).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from meshwise.runtime.hang_report import render, summarize
+
+#: the worker variable naming the dump directory.
+FLIGHT_DIR_ENV = "MESHWISE_FLIGHT_DIR"
+#: the worker variable by which ``meshwise run --debug`` turns on ``meshwise.init(debug=...)``'s default.
+DEBUG_ENV = "MESHWISE_DEBUG"
+#: the request file; must equal ``meshwise.comm.flight_recorder.REQUEST_FILE``.
+REQUEST_FILE = "REQUEST"
+#: the merged report, written next to the dumps.
+REPORT_FILE = "report.txt"
+#: how long the launcher waits for the live ranks' dumps.
+DUMP_WAIT_SECONDS = 5.0
+
+
+def dump_path(directory: Path, rank: int) -> Path:
+    return directory / f"rank{rank}.json"
+
+
+def request_dumps(
+    directory: Path, alive: Callable[[], list[int]], reason: str, wait: float = DUMP_WAIT_SECONDS
+) -> None:
+    """Ask every rank for its dump; wait until each rank still ``alive()`` answered, at most ``wait`` s.
+
+    Only dumps written after the request count for a live rank (an older one may predate its hang);
+    ranks that answer nothing in time are reported as silent, with whatever they wrote before.
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    asked = time.time()
+    (directory / REQUEST_FILE).write_text(reason)
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        if all(_newer(dump_path(directory, r), asked) for r in alive()):
+            return
+        time.sleep(0.05)
+
+
+def _newer(path: Path, since: float) -> bool:
+    try:
+        return path.stat().st_mtime >= since
+    except FileNotFoundError:
+        return False
+
+
+def load_dumps(directory: Path, ranks: range) -> dict[int, dict]:
+    """rank → its dump (with its stacks text under ``"stacks"``), for the ranks that wrote one."""
+    dumps: dict[int, dict] = {}
+    for rank in ranks:
+        path = dump_path(directory, rank)
+        try:
+            body = json.loads(path.read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            continue
+        stacks = path.with_suffix(".stacks")
+        body["stacks"] = stacks.read_text() if stacks.exists() else ""
+        dumps[rank] = body
+    return dumps
+
+
+class FlightCollector:
+    """One launch's dump directory: reset per attempt, collected into a report on failure.
+
+    ``keep`` (a directory the user named) is never deleted; a temporary one is removed after a run
+    that needed no report.
+    """
+
+    def __init__(self, directory: str | None, ranks: range) -> None:
+        self.keep = directory is not None
+        self.directory = Path(directory) if directory else Path(tempfile.mkdtemp(prefix="meshwise-flight-"))
+        self.ranks = ranks
+        self.reported = False
+
+    def reset(self) -> None:
+        """Forget the previous attempt's dumps and request."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        for stale in [*self.directory.glob("rank*"), self.directory / REQUEST_FILE]:
+            stale.unlink(missing_ok=True)
+
+    def collect(self, reason: str, alive: Callable[[], list[int]]) -> str | None:
+        """Ask the live ranks for their records, merge all dumps into ``report.txt``; return the few
+        lines for the terminal, or None when no rank recorded anything (it never called init)."""
+        request_dumps(self.directory, alive, reason)
+        dumps = load_dumps(self.directory, self.ranks)
+        if not dumps:
+            return None
+        report = self.directory / REPORT_FILE
+        report.write_text(render(dumps, self.ranks, reason))
+        self.reported = True
+        lines = [f"meshwise run: flight report ({reason}):"]
+        lines += [f"  {line}" for line in summarize(dumps, self.ranks)]
+        lines.append(f"  full report with every rank's recent ops and Python stacks: {report}")
+        return "\n".join(lines) + "\n"
+
+    def close(self) -> None:
+        if not self.keep and not self.reported:
+            shutil.rmtree(self.directory, ignore_errors=True)
