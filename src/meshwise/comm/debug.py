@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch.distributed as dist
 
 from meshwise.comm.api import CollectiveMismatchError, CommTimeoutError
-from meshwise.comm.fingerprint import Fingerprint, find_mismatch
+from meshwise.comm.fingerprint import Fingerprint, find_mismatch, rank_list
 
 
 def default_store() -> dist.Store:
@@ -81,6 +81,6 @@ class DebugChecker:
             for r in missing
         )
         return (
-            f"debug mode: ranks {','.join(map(str, missing))} did not reach collective #{fp.seq} "
+            f"debug mode: {rank_list(missing)} did not reach collective #{fp.seq} "
             f"({fp.describe()} at {fp.site}) within {self.timeout:g} s; {where}"
         )

@@ -151,7 +151,8 @@ class Fingerprint:
         return cls(**{k: tuple(v) if k in tuples and v is not None else v for k, v in data.items()})
 
 
-def _ranks(ranks: Sequence[int]) -> str:
+def rank_list(ranks: Sequence[int]) -> str:
+    """``rank 1`` or ``ranks 0,2,3``."""
     return ("rank " if len(ranks) == 1 else "ranks ") + ",".join(map(str, ranks))
 
 
@@ -163,7 +164,7 @@ def find_mismatch(prints: Sequence[Fingerprint]) -> str | None:
     seq = prints[0].seq
     if len(groups) > 1:
         ordered = sorted(groups.values(), key=lambda ranks: (len(ranks), ranks))
-        parts = [f"{_ranks(r)} called {prints[r[0]].describe()} at {prints[r[0]].site}" for r in ordered]
+        parts = [f"{rank_list(r)} called {prints[r[0]].describe()} at {prints[r[0]].site}" for r in ordered]
         return f"{parts[0]} while " + " and ".join(parts[1:]) + f" (collective #{seq})"
     return _peer_mismatch(prints)
 

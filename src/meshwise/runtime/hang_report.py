@@ -8,12 +8,14 @@ data (runtime/ sits below comm/), so it is testable from dictionaries alone.
 
 from __future__ import annotations
 
+import os
+import re
 from collections.abc import Mapping, Sequence
 
 #: operations of each rank shown in the detailed part of the report.
 RECENT_OPS = 6
 
-_VERB = {"started": "wait in", "failed": "failed in", "completed": "completed"}
+_VERB = {"started": ("waits in", "wait in"), "failed": ("failed in",) * 2, "completed": ("completed",) * 2}
 
 
 def _ranks(ranks: Sequence[int]) -> str:
@@ -52,9 +54,12 @@ def summarize(dumps: Mapping[int, Mapping], ranks: Sequence[int]) -> list[str]:
                 at_front.setdefault((rec["state"], rec["call"]), []).append(rank)
         for (state, _call), ranks in sorted(at_front.items(), key=lambda kv: kv[1]):
             rec = last[ranks[0]]
-            line = f"{_ranks(ranks)} {_VERB.get(state, state)} {_op(rec)}"
+            verb = _VERB.get(state, (state, state))[len(ranks) > 1]
+            line = f"{_ranks(ranks)} {verb} {_op(rec)}"
+            if state == "started" and "time" in dumps[ranks[0]]:
+                line += f" (for {dumps[ranks[0]]['time'] - rec['started']:.1f} s)"
             if state == "failed" and rec.get("error"):
-                line += f" ({rec['error']})"
+                line += f" ({rec['error'].split('] ', 1)[-1]})"
             lines.append(line)
         if len(at_front) > 1 and len({call for _, call in at_front}) > 1:
             lines.append(f"the ranks called different operations as collective #{front}: a mismatch")
@@ -62,9 +67,9 @@ def summarize(dumps: Mapping[int, Mapping], ranks: Sequence[int]) -> list[str]:
             rec = last[rank]
             if rec["seq"] < front:
                 state = "completed" if rec["state"] == "completed" else rec["state"]
-                lines.append(
-                    f"rank {rank} never entered collective #{front}: its last op was {_op(rec)} ({state})"
-                )
+                line = f"rank {rank} never entered collective #{front}: its last op was {_op(rec)} ({state})"
+                where = main_thread_line(dumps[rank].get("stacks", ""))
+                lines.append(line + (f"; it is now at {where}" if where else ""))
     if idle:
         lines.append(f"{_ranks(idle)} recorded no collective yet")
     if silent:
@@ -96,3 +101,17 @@ def render(dumps: Mapping[int, Mapping], ranks: Sequence[int], reason: str) -> s
             out.append("   stacks:")
             out += [f"     {line}" for line in stacks.splitlines()]
     return "\n".join(out) + "\n"
+
+
+def main_thread_line(stacks: str) -> str | None:
+    """``x.py:5 in f``: the innermost frame of the thread that runs ``<module>``.
+
+    faulthandler writes one block per thread, innermost frame first; the main thread's block ends in
+    the script's ``<module>`` frame.
+    """
+    for block in stacks.split("\n\n"):
+        frames = re.findall(r'File "(.+)", line (\d+) in (\S+)', block)
+        if frames and frames[-1][2] == "<module>":
+            path, line, function = frames[0]
+            return f"{os.path.basename(path)}:{line} in {function}"
+    return None
