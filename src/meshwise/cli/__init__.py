@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "pi": ("pi", "compute π by the midpoint rule or Monte Carlo on N ranks (the seeds' exercises)"),
     "scale": ("scale", "strong/weak scaling study of a workload or command: speedup, efficiency, causes"),
     "train": ("train", "data-parallel training of the reference models: progress, validation, checkpoints"),
+    "doctor": ("doctor", "check this machine for what breaks distributed jobs: pass/warn/fail with the fix"),
 }
 
 

@@ -1,0 +1,121 @@
+"""Network facts a rendezvous depends on: loopback, a free port, interface names, MASTER_ADDR."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Mapping, Sequence
+
+from meshwise.doctor.checks import Check
+from meshwise.runtime.env import LaunchEnvError, resolve_ipv4
+
+_TIMEOUT = 5.0
+
+
+def check_loopback() -> list[Check]:
+    """A port can be bound on 127.0.0.1 and bytes go round through it (what a one-node rendezvous does)."""
+    try:
+        with socket.create_server(("127.0.0.1", 0)) as server:
+            port = server.getsockname()[1]
+            with socket.create_connection(("127.0.0.1", port), timeout=_TIMEOUT) as client:
+                peer, _ = server.accept()
+                with peer:
+                    client.sendall(b"meshwise")
+                    peer.settimeout(_TIMEOUT)
+                    echoed = peer.recv(8)
+    except OSError as exc:
+        return [
+            Check(
+                "loopback",
+                "fail",
+                f"cannot open and reach a TCP port on 127.0.0.1 ({exc})",
+                "allow local TCP (firewall rules, sandbox network policy) or bring up the lo interface",
+            )
+        ]
+    if echoed != b"meshwise":
+        return [
+            Check(
+                "loopback", "fail", "a loopback connection lost data", "check the lo interface and firewall"
+            )
+        ]
+    return [Check("loopback", "pass", f"free port {port} bound and reached on 127.0.0.1")]
+
+
+def nccl_matches(spec: str, names: Sequence[str]) -> list[str]:
+    """Interfaces NCCL_SOCKET_IFNAME selects: comma-separated prefixes; ``=`` exact; ``^`` excludes."""
+    exclude = spec.startswith("^")
+    body = spec[1:] if exclude else spec
+    exact = body.startswith("=")
+    body = body[1:] if exact else body
+    parts = [p for p in body.split(",") if p]
+
+    def hit(name: str) -> bool:
+        return any(name == p if exact else name.startswith(p) for p in parts)
+
+    return [n for n in names if hit(n) != exclude]
+
+
+def check_interfaces(env: Mapping[str, str], names: Sequence[str] | None = None) -> list[Check]:
+    """GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME name interfaces that exist."""
+    names = [n for _, n in socket.if_nameindex()] if names is None else list(names)
+    present = ", ".join(names)
+    found: list[Check] = []
+    gloo = env.get("GLOO_SOCKET_IFNAME")
+    if gloo:
+        missing = [n for n in gloo.split(",") if n not in names]
+        if missing:
+            found.append(
+                Check(
+                    "GLOO_SOCKET_IFNAME",
+                    "fail",
+                    f"{gloo!r} names {', '.join(missing)}, which this "
+                    f"machine does not have (it has {present})",
+                    f"export GLOO_SOCKET_IFNAME=<one of {present}> or unset it",
+                )
+            )
+        else:
+            found.append(Check("GLOO_SOCKET_IFNAME", "pass", f"{gloo} present"))
+    nccl = env.get("NCCL_SOCKET_IFNAME")
+    if nccl:
+        chosen = nccl_matches(nccl, names)
+        if not chosen:
+            found.append(
+                Check(
+                    "NCCL_SOCKET_IFNAME",
+                    "fail",
+                    f"{nccl!r} selects none of this machine's "
+                    f"interfaces ({present}): NCCL will fail to bootstrap",
+                    f"export NCCL_SOCKET_IFNAME=<prefix of one of {present}> or unset it",
+                )
+            )
+        else:
+            found.append(Check("NCCL_SOCKET_IFNAME", "pass", f"{nccl} selects {', '.join(chosen)}"))
+    if not found:
+        found.append(
+            Check("interfaces", "pass", f"{present}; no GLOO/NCCL_SOCKET_IFNAME set (auto-detected)")
+        )
+    return found
+
+
+def check_master_addr(env: Mapping[str, str]) -> list[Check]:
+    """A MASTER_ADDR set in the environment resolves, and MASTER_PORT is a port."""
+    addr, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT")
+    if not addr:
+        return [
+            Check("MASTER_ADDR", "pass", "not set (meshwise run uses 127.0.0.1 and a free port on one node)")
+        ]
+    try:
+        ip = resolve_ipv4(addr)
+    except (LaunchEnvError, OSError) as exc:
+        return [
+            Check(
+                "MASTER_ADDR",
+                "fail",
+                f"{addr!r} does not resolve ({exc})",
+                "set MASTER_ADDR to node 0's address or a host name every node resolves",
+            )
+        ]
+    if port is not None and not (port.isdigit() and 0 < int(port) < 65536):
+        return [
+            Check("MASTER_PORT", "fail", f"{port!r} is not a port", "set MASTER_PORT to a number in 1..65535")
+        ]
+    return [Check("MASTER_ADDR", "pass", f"{addr} resolves to {ip}")]
