@@ -49,6 +49,18 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str, help_text: str
         "--resume", action="store_true", help="continue the run checkpointed in --checkpoint DIR"
     )
     parser.add_argument("--json", default=None, metavar="FILE", help="write the run's metrics as JSON")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="time each step (data, forward, backward, exposed/hidden communication, optimizer) and print "
+        "the breakdown with a verdict",
+    )
+    parser.add_argument(
+        "--trace", default=None, metavar="FILE", help="also write a Chrome/Perfetto trace (implies --profile)"
+    )
+    parser.add_argument(
+        "--debug", action="store_true", help="check every collective across ranks before it runs"
+    )
     parser.add_argument("--timeout", type=float, default=3600.0, help="deadline for the whole job, seconds")
     parser.set_defaults(func=handler)
 
@@ -68,6 +80,9 @@ def handler(args: argparse.Namespace) -> int:
         resume=args.resume,
         data_dir=args.data_dir,
         timeout=args.timeout,
+        profile=args.profile,
+        trace=args.trace,
+        debug=args.debug,
     )
     try:
         result = run_training(config)

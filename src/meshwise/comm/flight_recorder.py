@@ -41,7 +41,9 @@ class OpRecord:
 
     fingerprint: Fingerprint
     started: float
+    issued: float | None = None  # when the call returned to the caller (the whole op, if synchronous)
     ended: float | None = None
+    waited: float = 0.0  # seconds the caller was blocked in ``wait`` (exposed communication)
     state: str = "started"
     error: str | None = None
 
@@ -50,7 +52,9 @@ class OpRecord:
             **self.fingerprint.to_json(),
             "call": self.fingerprint.describe(),
             "started": self.started,
+            "issued": self.issued,
             "ended": self.ended,
+            "waited": self.waited,
             "state": self.state,
             "error": self.error,
         }
@@ -135,7 +139,8 @@ def dump(reason: str) -> Path | None:
 
 
 def serve_dump_requests(directory: str | os.PathLike, rank: int) -> threading.Event:
-    """Configure dumps and start a thread that dumps once the launcher creates ``REQUEST``.
+    """Configure dumps, tell the launcher (``rank{rank}.ready``), and start a thread that dumps once the
+    launcher creates ``REQUEST``.
 
     A thread, not a signal handler: a rank blocked inside a transport's wait never runs Python signal
     handlers on its main thread, and that rank is exactly the one whose records are needed. Set the
@@ -143,6 +148,7 @@ def serve_dump_requests(directory: str | os.PathLike, rank: int) -> threading.Ev
     """
     configure_dumps(directory, rank)
     request = Path(directory) / REQUEST_FILE
+    (Path(directory) / f"rank{rank}.ready").touch()  # the launcher waits only for ranks that can answer
     stop = threading.Event()
 
     def watch() -> None:

@@ -11,6 +11,7 @@ failed and dumps the process's recorders before it propagates.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 
 import torch
@@ -29,6 +30,7 @@ class RecordedWork(Work):
         self._inner, self._record = inner, record
 
     def wait(self, timeout: float | None = None) -> None:
+        began = time.time()
         try:
             self._inner.wait(timeout)
         except CommError as exc:
@@ -36,6 +38,7 @@ class RecordedWork(Work):
             raise
         if self._record.state == "started":
             FlightRecorder.complete(self._record)
+            self._record.waited = self._record.ended - began  # type: ignore[operator]
 
     def is_completed(self) -> bool:
         return self._inner.is_completed()
@@ -90,6 +93,7 @@ class InstrumentedCommunicator(Communicator):
             except CommError as exc:
                 _failed(record, exc)
                 raise
+            record.issued = time.time()
         return RecordedWork(work, record)
 
     def _algo(self) -> str | None:

@@ -41,15 +41,17 @@ def request_dumps(
 ) -> None:
     """Ask every rank for its dump; wait until each rank still ``alive()`` answered, at most ``wait`` s.
 
-    Only dumps written after the request count for a live rank (an older one may predate its hang);
-    ranks that answer nothing in time are reported as silent, with whatever they wrote before.
+    Only ranks that announced a dump thread (``rank{r}.ready``, written by ``meshwise.init``) are waited
+    for, so a script that never calls it costs the launcher nothing. Only dumps written after the
+    request count for a live rank (an older one may predate its hang).
     """
     directory.mkdir(parents=True, exist_ok=True)
     asked = time.time()
     (directory / REQUEST_FILE).write_text(reason)
     deadline = time.monotonic() + wait
     while time.monotonic() < deadline:
-        if all(_newer(dump_path(directory, r), asked) for r in alive()):
+        answering = [r for r in alive() if (directory / f"rank{r}.ready").exists()]
+        if all(_newer(dump_path(directory, r), asked) for r in answering):
             return
         time.sleep(0.05)
 

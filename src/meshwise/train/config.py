@@ -35,6 +35,9 @@ class TrainConfig:
     resume: bool = False
     data_dir: str | None = None
     timeout: float = 3600.0
+    profile: bool = False  # time each step's phases and print the breakdown with a verdict
+    trace: str | None = None  # write a Chrome/Perfetto trace of the profiled steps (implies profile)
+    debug: bool = False  # check every collective across ranks (meshwise.init(debug=True))
 
     @property
     def workload(self) -> Workload:
@@ -84,6 +87,10 @@ class TrainConfig:
             if not self.workload.accepts_data_dir:
                 raise ValueError(f"model {self.model!r} trains on synthetic data; --data is only for cnn")
             find_mnist_files(self.data_dir)  # the four files exist, before any rank starts
+        if self.trace is not None:
+            parent = Path(self.trace).resolve().parent
+            if not parent.is_dir():
+                raise FileNotFoundError(f"--trace {self.trace}: directory {parent} does not exist")
         self._check_checkpoint()
         return self
 

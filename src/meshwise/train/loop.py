@@ -8,12 +8,14 @@ restores model, optimizer, sampler and generator so it continues exactly where t
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import asdict
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from torch import nn
@@ -23,6 +25,7 @@ from meshwise.data import DistributedSampler, Splits
 from meshwise.parallel import DataParallel
 from meshwise.train.checkpoint import read_checkpoint, save_checkpoint
 from meshwise.train.config import TrainConfig
+from meshwise.train.profile import Breakdown, StepProfiler, write_trace
 from meshwise.train.report import EpochStats, TrainResult, header_line
 from meshwise.world import World, init, shutdown
 
@@ -31,7 +34,8 @@ _EVAL_BATCH = 1024
 
 def train_rank_main(config: TrainConfig) -> TrainResult | None:
     """Join the job, train, leave; rank 0 returns the result (the others None)."""
-    world = init(config.backend, device=config.device, timeout=config.comm_timeout)
+    debug = config.debug or None  # None: as `meshwise run --debug` says
+    world = init(config.backend, device=config.device, timeout=config.comm_timeout, debug=debug)
     try:
         result = Trainer(world, config).run()
     finally:
@@ -65,6 +69,8 @@ class Trainer:
             self._restore(model, read_checkpoint(config.checkpoint, map_location=world.device))
         self.model = DataParallel(model, world.comm)
         self.console = Console(soft_wrap=True)
+        profiling = config.profile or config.trace is not None
+        self.profiler = StepProfiler(getattr(world.comm, "recorder", None)) if profiling else None
 
     # ------------------------------------------------------------------ checkpoints
     def _restore(self, model: nn.Module, state: dict[str, Any]) -> None:
@@ -126,15 +132,21 @@ class Trainer:
         )
         self.model.train()
         for step in range(self.steps_per_epoch):
-            chunk = indices[step * batch : (step + 1) * batch]
-            inputs, targets = data.inputs[chunk].to(device), data.targets[chunk].to(device)
-            for group in self.optimizer.param_groups:
-                group["lr"] = self._lr_at(epoch * self.steps_per_epoch + step)
-            logits = self.model(inputs)
-            loss = nn.functional.cross_entropy(logits, targets)
-            self.optimizer.zero_grad()
-            loss.backward()  # returns with gradients averaged over the ranks
-            self.optimizer.step()
+            with self._step():
+                with self._phase("data"):
+                    chunk = indices[step * batch : (step + 1) * batch]
+                    inputs, targets = data.inputs[chunk].to(device), data.targets[chunk].to(device)
+                for group in self.optimizer.param_groups:
+                    group["lr"] = self._lr_at(epoch * self.steps_per_epoch + step)
+                with self._phase("forward"):
+                    logits = self.model(inputs)
+                    loss = nn.functional.cross_entropy(logits, targets)
+                with self._phase("optimizer"):
+                    self.optimizer.zero_grad()
+                with self._phase("backward"):
+                    loss.backward()  # returns with gradients averaged over the ranks
+                with self._phase("optimizer"):
+                    self.optimizer.step()
             with torch.no_grad():
                 totals += torch.stack(
                     [
@@ -148,6 +160,25 @@ class Trainer:
         if progress is not None and task is not None:  # (both or neither)
             progress.remove_task(task)
         return totals
+
+    def _step(self) -> contextlib.AbstractContextManager:
+        return self.profiler.step() if self.profiler is not None else contextlib.nullcontext()
+
+    def _phase(self, name: str) -> contextlib.AbstractContextManager:
+        return self.profiler.phase(name) if self.profiler is not None else contextlib.nullcontext()
+
+    def _profile_result(self) -> dict | None:
+        """Rank 0's breakdown (and the trace of every rank, gathered on the control plane)."""
+        if self.profiler is None or not self.profiler.steps:
+            return None
+        if self.config.trace is not None:
+            events = self.profiler.events(self.world.rank)
+            gathered: list = [None] * self.world.world_size if self.world.is_main else []
+            dist.gather_object(events, gathered if self.world.is_main else None, dst=0)
+            if self.world.is_main:
+                write_trace(self.config.trace, [e for rank_events in gathered for e in rank_events])
+        per_step = self.profiler.parts()
+        return Breakdown.of(per_step).to_json() | {"total_step_seconds": sum(p["step"] for p in per_step)}
 
     @torch.no_grad()
     def _evaluate(self) -> torch.Tensor:
@@ -224,4 +255,5 @@ class Trainer:
             history=tuple(self.history),
             wall_seconds=time.perf_counter() - started,
             checkpoint=self.checkpoint,
+            profile=self._profile_result(),
         )

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from meshwise.train.profile import Breakdown, table
+
 
 @dataclass(frozen=True)
 class EpochStats:
@@ -49,6 +51,7 @@ class TrainResult:
     history: tuple[EpochStats, ...]
     wall_seconds: float  # this invocation, from the first step to the last validation
     checkpoint: str | None
+    profile: dict | None = None  # rank 0's step breakdown (Breakdown.to_json) with --profile
 
     @property
     def final(self) -> EpochStats:
@@ -80,6 +83,8 @@ class TrainResult:
         lines.append(f"Wall time           = {self.wall_seconds:.3f} s")
         if self.checkpoint:
             lines.append(f"Checkpoint          = {self.checkpoint}")
+        if self.profile is not None:
+            lines += ["", table(Breakdown.from_json(self.profile))]
         return "\n".join(lines)
 
     def to_json(self) -> dict[str, Any]:
