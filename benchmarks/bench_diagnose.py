@@ -9,7 +9,10 @@ Three communicators over the same transport, in the same 2 processes: ``bare`` (
   one DataParallel replica per communicator, rounds rotating the order (bench_ddp.py's method);
 - single small all_reduces (``--small-bytes``), the per-collective price in microseconds.
 
-The table gives medians over rounds and the median of per-round ratios to ``bare``.
+The table gives medians over rounds and the median of per-round ratios to ``bare``. On a crowded machine
+those ratios swing by more than the 1 % being judged, so the recorder is also priced directly: the same
+calls on a transport that does nothing (one process, best of ``--repeats``), times the number of
+collectives one DDP step issues, as a share of the bare step.
 
     python benchmarks/bench_diagnose.py --json benchmarks/results/diagnose.json
 """
@@ -27,7 +30,7 @@ import torch.distributed as dist
 from bench_ddp import _medians, _paired_ratios, _replica, _stepper, _time_rounds
 
 import meshwise
-from meshwise.comm.api import Communicator
+from meshwise.comm.api import Communicator, CompletedWork, Work
 from meshwise.comm.debug import DebugChecker, default_store
 from meshwise.comm.factory import create_communicator
 from meshwise.comm.instrumented import InstrumentedCommunicator
@@ -48,6 +51,37 @@ def _communicators(backend: str) -> dict[str, Communicator]:
     }
 
 
+class NullCommunicator(Communicator):
+    """Two ranks that never move a byte: what remains of a call is the library's own work."""
+
+    backend = "null"
+
+    def __init__(self) -> None:
+        super().__init__(0, 2, 10.0)
+
+    def _done(self, *args: object) -> Work:
+        return CompletedWork()
+
+    _isend = _irecv = _broadcast = _reduce = _all_reduce = _all_gather = _done
+    _reduce_scatter = _all_to_all = _scatter = _gather = _barrier = _done
+
+    def _split(self, ranks: list[int]) -> Communicator | None:
+        return None
+
+
+def _null_cost(calls: int, repeats: int) -> dict[str, float]:
+    """Best-of-``repeats`` seconds per all_reduce call, bare and recorded, on the null transport."""
+    comms = {"bare": NullCommunicator(), "recorder": InstrumentedCommunicator(NullCommunicator())}
+    best = dict.fromkeys(comms, float("inf"))
+    for _ in range(repeats):
+        for mode, comm in comms.items():
+            run = _small_caller(comm, 4096, calls)
+            start = time.perf_counter()
+            run()
+            best[mode] = min(best[mode], (time.perf_counter() - start) / calls)
+    return best
+
+
 def _small_caller(comm: Communicator, nbytes: int, calls: int) -> Callable[[], None]:
     tensor = torch.ones(max(1, nbytes // 4))
 
@@ -65,6 +99,10 @@ def _two_ranks(backend: str, batch: int, rounds: int, steps: int, small_bytes: i
     steppers = {
         m: _stepper(DataParallel(_replica(0, torch.device("cpu")), c), 1e-3, x) for m, c in comms.items()
     }
+    recorded = comms["recorder"].recorder.records  # type: ignore[attr-defined]
+    before = len(recorded)
+    steppers["recorder"]()
+    per_step = len(recorded) - before  # collectives one DDP step issues
     ddp = _time_rounds(steppers, rounds, steps, 2, dist.barrier)
     small = _time_rounds(
         {m: _small_caller(c, small_bytes, calls) for m, c in comms.items()}, rounds, 1, 1, dist.barrier
@@ -72,7 +110,8 @@ def _two_ranks(backend: str, batch: int, rounds: int, steps: int, small_bytes: i
     for comm in comms.values():
         comm.close()
     meshwise.shutdown()
-    return {"ddp_step": ddp, "small_all_reduce": {m: [t / calls for t in v] for m, v in small.items()}}
+    small_per_call = {m: [t / calls for t in v] for m, v in small.items()}
+    return {"ddp_step": ddp, "small_all_reduce": small_per_call, "collectives_per_step": per_step}
 
 
 def main() -> None:
@@ -83,9 +122,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="DDP steps per round (default 3)")
     parser.add_argument("--small-bytes", type=int, default=4096, help="small all_reduce size (default 4096)")
     parser.add_argument("--calls", type=int, default=50, help="small all_reduces per round (default 50)")
+    parser.add_argument("--repeats", type=int, default=50, help="null-transport repeats (default 50)")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     args = parser.parse_args()
     started = time.time()
+    null = _null_cost(1000, args.repeats)
     results = {}
     for backend in args.backends.split(","):
         job = (backend, args.batch, args.rounds, args.steps, args.small_bytes, args.calls)
@@ -112,10 +153,23 @@ def main() -> None:
                 f"{backend:<8}{mode:<10}{1e3 * step_ms[mode]:>12.2f}{step_ratio[mode]:>8.3f}  "
                 f"{1e6 * call_us[mode]:>14.1f}{call_ratio[mode]:>8.2f}  {goal}"
             )
+    added = null["recorder"] - null["bare"]
+    print(
+        f"recorder on a null transport: {1e6 * null['bare']:.2f} µs bare, {1e6 * null['recorder']:.2f} µs "
+        f"recorded per all_reduce (best of {args.repeats}): +{1e6 * added:.2f} µs per collective"
+    )
+    for backend, res in results.items():
+        step = _medians(res["ddp_step"])["bare"]
+        share = res["collectives_per_step"] * added / step
+        summary[backend]["recorder_share_of_step"] = share
+        print(
+            f"  {backend}: {res['collectives_per_step']} collectives per DDP step → {100 * share:.3f} % of "
+            f"the bare step ({1e3 * step:.1f} ms)"
+        )
     print(f"({time.time() - started:.0f} s)")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        body = {"args": vars(args), "ratios": summary, "samples": results}
+        body = {"args": vars(args), "ratios": summary, "null_transport_seconds": null, "samples": results}
         Path(args.json).write_text(json.dumps(body, indent=2))
         print(f"wrote {args.json}")
 

@@ -142,7 +142,23 @@ def crash() -> None:
         report({"rank": 0, "error": str(exc)})
 
 
+def debug() -> None:
+    """Debug mode on the mpi backend: rank 1 broadcasts while rank 0 all-reduces; both must say so."""
+    world = meshwise.init("mpi", timeout=30, debug=True)
+    start = time.monotonic()
+    try:
+        if world.rank == 1:
+            world.comm.broadcast(torch.ones(3), root=0)
+        else:
+            world.comm.all_reduce(torch.ones(3))
+        message = "no error"
+    except CollectiveMismatchError as exc:
+        message = str(exc)
+    report({"rank": world.rank, "error": message, "waited": time.monotonic() - start})
+    meshwise.shutdown()
+
+
 if __name__ == "__main__":
-    {"matrix": matrix, "extras": extras, "bootstrap": bootstrap, "early_exit": early_exit, "crash": crash}[
-        sys.argv[1]
-    ]()
+    scenarios = {"matrix": matrix, "extras": extras, "bootstrap": bootstrap, "early_exit": early_exit}
+    scenarios |= {"crash": crash, "debug": debug}
+    scenarios[sys.argv[1]]()

@@ -174,6 +174,21 @@ def test_rank_leaving_early_is_a_timeout_naming_rank_and_operation():
 
 @needs_mpi
 @pytest.mark.slow
+def test_debug_mode_names_a_mismatch_on_the_mpi_backend():
+    code, output, _ = mpirun(2, JOB, "debug")
+    results = verdicts(output)
+    assert code == 0 and sorted(results) == [0, 1], output[-3000:]
+    for result in results.values():
+        assert re.search(
+            r"rank 0 called all_reduce\(float32\[3\], sum\) at \S*mpi_job.py:\d+ while rank 1 called "
+            r"broadcast\(float32\[3\], root=0\) at \S*mpi_job.py:\d+ \(collective #1\)",
+            result["error"],
+        ), result["error"]
+        assert result["waited"] < 10
+
+
+@needs_mpi
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["raise", "exit"])
 def test_failing_rank_ends_the_whole_job_at_once(how):
     code, output, elapsed = mpirun(2, JOB, "crash", how)

@@ -30,36 +30,58 @@ _COMM_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _SAME_COUNT = ("broadcast", "reduce", "all_reduce")
 
 
+#: file name -> whether it is plumbing (inside meshwise or torch), and -> how it is shown.
+_plumbing: dict[str, bool] = {}
+_comm: dict[str, bool] = {}
+_shown: dict[str, str] = {}
+
+
 def call_site() -> str:
     """``file:line`` of the user's code that led to this call.
 
     The first frame outside meshwise and torch (so a DDP gradient hook reports the line of
     ``loss.backward()``), else the first frame outside ``meshwise/comm`` (meshwise's own callers).
+    Every collective pays for this walk, so each file's verdict is looked up, not recomputed.
     """
     frame = sys._getframe(1)
     fallback = None
     while frame is not None:
         name = frame.f_code.co_filename
-        if not name.startswith(_PLUMBING):
-            return _short(name, frame.f_lineno)
-        if fallback is None and not name.startswith(_COMM_DIR):
-            fallback = _short(name, frame.f_lineno)
+        plumbing = _plumbing.get(name)
+        if plumbing is None:
+            plumbing = _plumbing[name] = name.startswith(_PLUMBING)
+            _comm[name] = name.startswith(_COMM_DIR)
+        if not plumbing:
+            return f"{_short(name)}:{frame.f_lineno}"
+        if fallback is None and not _comm[name]:
+            fallback = f"{_short(name)}:{frame.f_lineno}"
         frame = frame.f_back
     return fallback or "<unknown>"
 
 
-def _short(filename: str, line: int) -> str:
-    """A path relative to the working directory when it is below it, else the file name."""
-    cwd = os.getcwd() + os.sep
-    name = filename[len(cwd) :] if filename.startswith(cwd) else os.path.basename(filename)
-    return f"{name}:{line}"
+def _short(filename: str) -> str:
+    """A path relative to the working directory (when the file was first seen) if below it, else the
+    file name."""
+    shown = _shown.get(filename)
+    if shown is None:
+        cwd = os.getcwd() + os.sep
+        shown = _shown[filename] = (
+            filename[len(cwd) :] if filename.startswith(cwd) else os.path.basename(filename)
+        )
+    return shown
+
+
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:  # str(dtype) costs microseconds: once per dtype
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Fingerprint:
     """One rank's view of collective number ``seq`` of a group."""
 
@@ -143,7 +165,8 @@ class Fingerprint:
         return f"{self.op}({', '.join(args)})"
 
     def to_json(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if v is not None}
+        values = ((name, getattr(self, name)) for name in self.__slots__)  # type: ignore[attr-defined]
+        return {name: value for name, value in values if value is not None}
 
     @classmethod
     def from_json(cls, data: dict) -> Fingerprint:

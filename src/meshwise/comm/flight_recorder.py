@@ -35,7 +35,7 @@ REQUEST_FILE = "REQUEST"
 _POLL_SECONDS = 0.1
 
 
-@dataclass
+@dataclass(slots=True)
 class OpRecord:
     """One operation: ``state`` goes started → completed, or failed with the error's first line."""
 

@@ -64,6 +64,7 @@ class InstrumentedCommunicator(Communicator):
         self.inner, self.checker = inner, checker
         self.backend = inner.backend
         self.recorder = FlightRecorder(group, inner.rank, inner.world_size, capacity)
+        self._algorithm: str | None = getattr(inner, "algo", None)
         self._seq = 0
         self._splits = 0
         self._lock = threading.Lock()  # DDP hooks may issue collectives from autograd threads
@@ -97,7 +98,7 @@ class InstrumentedCommunicator(Communicator):
         return RecordedWork(work, record)
 
     def _algo(self) -> str | None:
-        return getattr(self.inner, "algo", None)
+        return self._algorithm
 
     # ------------------------------------------------------------------ point to point (recorded only)
     def _isend(self, tensor: torch.Tensor, dst: int, tag: int) -> Work:
