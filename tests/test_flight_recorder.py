@@ -8,9 +8,15 @@ import textwrap
 import time
 from pathlib import Path
 
+from meshwise.comm import flight_recorder
 from meshwise.comm.fingerprint import Fingerprint
 from meshwise.comm.flight_recorder import FlightRecorder
+from meshwise.runtime import flight_dumps
 from meshwise.runtime.hang_report import main_thread_line, render, summarize
+
+
+def test_launcher_and_ranks_agree_on_the_request_file():
+    assert flight_dumps.REQUEST_FILE == flight_recorder.REQUEST_FILE  # runtime/ cannot import comm/
 
 
 def test_the_ring_keeps_the_last_operations_only():
