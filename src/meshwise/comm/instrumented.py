@@ -82,19 +82,25 @@ class InstrumentedCommunicator(Communicator):
     def _run(
         self, make: Callable[[int], Fingerprint], issue: Callable[[], Work], *, check: bool = True
     ) -> Work:
+        """Number (collectives only), record, check in debug mode, issue. Collectives are numbered and
+        issued under a lock so that their numbers follow the order the backend sees; point-to-point
+        operations are not numbered and never wait for it."""
+        if not check:
+            return self._issue(make(0), issue, None)
         with self._lock:
-            if check:
-                self._seq += 1
-            fp = make(self._seq if check else 0)
-            record = self.recorder.start(fp)
-            try:
-                if check and self.checker is not None:
-                    self.checker.check(fp)
-                work = issue()
-            except CommError as exc:
-                _failed(record, exc)
-                raise
-            record.issued = time.time()
+            self._seq += 1
+            return self._issue(make(self._seq), issue, self.checker)
+
+    def _issue(self, fp: Fingerprint, issue: Callable[[], Work], checker: DebugChecker | None) -> Work:
+        record = self.recorder.start(fp)
+        try:
+            if checker is not None:
+                checker.check(fp)
+            work = issue()
+        except CommError as exc:
+            _failed(record, exc)
+            raise
+        record.issued = time.time()
         return RecordedWork(work, record)
 
     def _algo(self) -> str | None:
