@@ -11,7 +11,6 @@ from __future__ import annotations
 import datetime
 import os
 import socket
-import threading
 from dataclasses import dataclass
 
 import torch
@@ -56,7 +55,7 @@ class World:
 
 _current: World | None = None
 _owns_process_group = False
-_stop_dump_thread: threading.Event | None = None
+_dump_server: flight_recorder.DumpServer | None = None
 
 
 def pick_device(layout: LaunchEnv, requested: str | torch.device | None = None) -> torch.device:
@@ -153,7 +152,7 @@ def init(
     ``meshwise run`` into a hang report). ``debug=True`` checks every collective's fingerprint across
     ranks before it runs and raises on a mismatch; ``None`` follows ``meshwise run --debug``.
     """
-    global _current, _owns_process_group, _stop_dump_thread
+    global _current, _owns_process_group, _dump_server
     if _current is not None:
         return _current
     layout = detect_launch_env()
@@ -190,7 +189,7 @@ def init(
     comm = _instrument(create_communicator(name, timeout=timeout), debug, flight_recorder_ops)
     flight_dir = os.environ.get(FLIGHT_DIR_ENV)
     if flight_dir:
-        _stop_dump_thread = flight_recorder.serve_dump_requests(flight_dir, dist.get_rank())
+        _dump_server = flight_recorder.serve_dump_requests(flight_dir, dist.get_rank())
     _current = World(
         rank=dist.get_rank(),
         local_rank=layout.local_rank,
@@ -224,10 +223,10 @@ def current_world() -> World:
 
 def shutdown() -> None:
     """Close the data-plane Communicator and, if meshwise created it, the process group."""
-    global _current, _owns_process_group, _stop_dump_thread
-    if _stop_dump_thread is not None:
-        _stop_dump_thread.set()
-        _stop_dump_thread = None
+    global _current, _owns_process_group, _dump_server
+    if _dump_server is not None:
+        _dump_server.stop()
+        _dump_server = None
     try:
         if _current is not None:
             comm, _current = _current.comm, None

@@ -138,25 +138,35 @@ def dump(reason: str) -> Path | None:
         return path
 
 
-def serve_dump_requests(directory: str | os.PathLike, rank: int) -> threading.Event:
+def serve_dump_requests(directory: str | os.PathLike, rank: int) -> DumpServer:
     """Configure dumps, tell the launcher (``rank{rank}.ready``), and start a thread that dumps once the
     launcher creates ``REQUEST``.
 
     A thread, not a signal handler: a rank blocked inside a transport's wait never runs Python signal
-    handlers on its main thread, and that rank is exactly the one whose records are needed. Set the
-    returned event to stop the thread.
+    handlers on its main thread, and that rank is exactly the one whose records are needed.
     """
     configure_dumps(directory, rank)
-    request = Path(directory) / REQUEST_FILE
-    (Path(directory) / f"rank{rank}.ready").touch()  # the launcher waits only for ranks that can answer
-    stop = threading.Event()
+    return DumpServer(Path(directory), rank)
 
-    def watch() -> None:
-        while not stop.wait(_POLL_SECONDS):
-            if request.exists():
+
+class DumpServer:
+    """The thread answering the launcher's dump request; :meth:`stop` when the communicator is gone."""
+
+    def __init__(self, directory: Path, rank: int) -> None:
+        self.ready = directory / f"rank{rank}.ready"
+        self.ready.touch()  # the launcher waits only for ranks that can answer
+        self._request = directory / REQUEST_FILE
+        self._stop = threading.Event()
+        threading.Thread(target=self._watch, name="meshwise-flight-dump", daemon=True).start()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(_POLL_SECONDS):
+            if self._request.exists():
                 with contextlib.suppress(OSError):
-                    dump(request.read_text().strip() or "requested by the launcher")
+                    dump(self._request.read_text().strip() or "requested by the launcher")
                 return
 
-    threading.Thread(target=watch, name="meshwise-flight-dump", daemon=True).start()
-    return stop
+    def stop(self) -> None:
+        """Stop answering; the launcher then no longer waits for this rank."""
+        self._stop.set()
+        self.ready.unlink(missing_ok=True)
