@@ -18,7 +18,7 @@ from torch import nn
 import meshwise
 from meshwise.comm.shm import ShmCommunicator
 from meshwise.parallel import DataParallel
-from meshwise.parallel.buckets import MIB
+from meshwise.parallel.data_parallel.buckets import MIB
 from meshwise.runtime.spawn import spawn
 
 STEPS = 5

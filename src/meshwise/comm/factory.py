@@ -18,7 +18,7 @@ BACKENDS = {
     "gloo": "meshwise.comm.native:NativeCommunicator",
     "nccl": "meshwise.comm.native:NativeCommunicator",
     "shm": "meshwise.comm.shm:ShmCommunicator",
-    "mpi": "meshwise.comm.mpi:MpiCommunicator",
+    "mpi": "meshwise.comm.mpi.communicator:MpiCommunicator",
 }
 
 

@@ -33,8 +33,8 @@ from meshwise.comm.api import (
     Work,
     overlap,
 )
-from meshwise.comm.mpi_buffers import adjacent_span, joined, same_memory, scatter_back
-from meshwise.comm.mpi_work import MpiWork, translate_mpi_error
+from meshwise.comm.mpi.buffers import adjacent_span, joined, same_memory, scatter_back
+from meshwise.comm.mpi.work import MpiWork, translate_mpi_error
 from meshwise.runtime.mpi_wait import import_mpi
 
 #: dtypes NumPy (or MPI) cannot describe move as their bit patterns; they never reach an MPI reduction.
