@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import datetime
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -106,6 +106,15 @@ def _on_one_host() -> bool:
     return len(set(names)) == 1
 
 
+def adopt_group_layout(layout: LaunchEnv, rank: int, world_size: int) -> LaunchEnv:
+    """The launcher's layout corrected to a process group the script created itself: when its size
+    differs, the group's rank and size win, and everything else the launcher said (job id, restart count,
+    node count, whether the local layout is known) is kept rather than reset to defaults."""
+    if world_size == layout.world_size:
+        return layout
+    return replace(layout, rank=rank, world_size=world_size)
+
+
 def _init_process_group(layout: LaunchEnv, device: torch.device, timeout: float) -> None:
     backend = _control_backend(device)
     delta = datetime.timedelta(seconds=timeout)
@@ -150,18 +159,7 @@ def init(
 
         layout = bootstrap_rendezvous(layout, timeout=timeout)
     if dist.is_initialized():
-        world_size = dist.get_world_size()
-        if world_size != layout.world_size:
-            layout = LaunchEnv(
-                layout.launcher,
-                dist.get_rank(),
-                layout.local_rank,
-                world_size,
-                layout.local_world_size,
-                layout.node_rank,
-                layout.master_addr,
-                layout.master_port,
-            )
+        layout = adopt_group_layout(layout, dist.get_rank(), dist.get_world_size())
         chosen_device = pick_device(layout, device)
         _owns_process_group = False
     else:
