@@ -15,8 +15,8 @@ import pytest
 from meshwise.comm.algorithms import Send, build_plan
 from meshwise.comm.algorithms import tree as tree_mod
 from meshwise.comm.algorithms.plan import even_bounds, prefix
+from meshwise.comm.algorithms.registry import REGISTRY, coefficients
 from meshwise.comm.algorithms.simulate import one_hot, simulate, unknown
-from meshwise.comm.cost import COVERAGE, coefficients
 
 WORLDS = range(1, 10)
 
@@ -185,10 +185,10 @@ def test_step_counts_match_textbook_and_cost_model():
 def test_exchange_steps_match_the_cost_models_sigma_coefficient():
     # σ counts the rounds where a rank both sends and receives; trees and rooted plans are one-way
     for p in range(2, 10):
-        for algo, collectives in COVERAGE.items():
+        for algo, entry in REGISTRY.items():
             if algo in ("native", "hierarchical"):
                 continue
-            for collective in collectives:
+            for collective in entry.implements:
                 sizes = (16,) if collective in ("all_reduce", "broadcast", "reduce") else (4,) * p
                 if collective == "all_to_all":
                     sizes = (4,) * 2 * p

@@ -7,6 +7,7 @@ import pytest
 import torch.distributed as dist
 
 import meshwise
+from conftest import joined
 from meshwise.runtime.env import LaunchEnvError
 from meshwise.runtime.spawn import spawn
 
@@ -104,12 +105,11 @@ def _torch_ddp_then_shutdown():
     import torch
     from torch import nn
 
-    meshwise.init("gloo", timeout=20)
-    model = nn.parallel.DistributedDataParallel(nn.Linear(2, 2))  # imports torch.distributed.nn lazily
-    model(torch.ones(3, 2)).sum().backward()
-    del model
-    during = _gloo_threads()
-    meshwise.shutdown()
+    with joined("gloo", timeout=20):
+        model = nn.parallel.DistributedDataParallel(nn.Linear(2, 2))  # imports torch.distributed.nn lazily
+        model(torch.ones(3, 2)).sum().backward()
+        del model
+        during = _gloo_threads()
     return during, _gloo_threads()
 
 

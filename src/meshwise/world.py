@@ -22,11 +22,10 @@ import torch.distributed as dist
 import torch.distributed.nn
 
 from meshwise.comm.api import CommError, Communicator
-from meshwise.comm.factory import BACKENDS, create_communicator
+from meshwise.comm.factory import check_backend, create_communicator
 from meshwise.comm.shm.segment import check_memory_model
 from meshwise.runtime.env import LaunchEnv, detect_launch_env, resolve_ipv4
-
-DEFAULT_TIMEOUT_SECONDS = 300.0
+from meshwise.runtime.timeouts import DEFAULT_TIMEOUT_S
 
 
 @dataclass(frozen=True)
@@ -79,8 +78,7 @@ def resolve_backend(
 ) -> str:
     """What ``auto`` means: nccl on GPUs, shm for several CPU ranks on one x86-64 host, gloo otherwise."""
     if requested != "auto":
-        if requested not in BACKENDS:
-            raise ValueError(f"unknown backend {requested!r}; choose auto or one of {sorted(BACKENDS)}")
+        check_backend(requested)
         if requested == "nccl" and device.type != "cuda":
             raise ValueError("backend 'nccl' needs CUDA devices; use 'gloo' or 'shm' on CPU")
         return requested
@@ -142,7 +140,7 @@ def init(
     backend: str = "auto",
     *,
     device: str | torch.device | None = None,
-    timeout: float = DEFAULT_TIMEOUT_SECONDS,
+    timeout: float = DEFAULT_TIMEOUT_S,
 ) -> World:
     """Join the job described by the environment and return this rank's :class:`World`.
 

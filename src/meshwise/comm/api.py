@@ -36,6 +36,17 @@ SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16,
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
+def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What a reduction of ``dtype`` accumulates in, on every backend: float32 for the half types (so the
+    result is rounded once, at the end, whatever the order of the ranks), ``dtype`` itself otherwise."""
+    return torch.float32 if dtype in HALF_DTYPES else dtype
+
+
+def accumulator(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` in its :func:`accumulator_dtype`: a float32 copy of a half tensor, else itself."""
+    return tensor.to(accumulator_dtype(tensor.dtype))
+
+
 class ReduceOp(str, enum.Enum):
     """Element-wise reduction applied by reduce, all_reduce and reduce_scatter."""
 
@@ -44,6 +55,39 @@ class ReduceOp(str, enum.Enum):
     MAX = "max"
     MIN = "min"
     PROD = "prod"
+
+
+class Collective(str, enum.Enum):
+    """The data-moving collectives of a Communicator (barrier moves none), in one canonical order.
+
+    The algorithm registry, the cost model, the consistency check, the shm signatures and the benchmark
+    all read this list, so a new collective is added here once. Members compare equal to their names
+    (``Collective.ALL_REDUCE == "all_reduce"``); :meth:`parse` turns a user's name into a member.
+    """
+
+    ALL_REDUCE = "all_reduce"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_GATHER = "all_gather"
+    BROADCAST = "broadcast"
+    REDUCE = "reduce"
+    SCATTER = "scatter"
+    GATHER = "gather"
+    ALL_TO_ALL = "all_to_all"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __hash__(self) -> int:  # as its name hashes, so a table keyed by members answers plain names too
+        return str.__hash__(self)
+
+    @classmethod
+    def parse(cls, name: str) -> Collective:
+        """The member called ``name``, or a ValueError listing the names there are."""
+        try:
+            return cls(name)
+        except ValueError:
+            names = ", ".join(c.value for c in cls)
+            raise ValueError(f"unknown collective {name!r}; choose one of {names}") from None
 
 
 class CommError(RuntimeError):

@@ -14,8 +14,8 @@ from collections.abc import Callable
 import torch
 
 from meshwise.comm.algorithms import tree
-from meshwise.comm.algorithms.catalog import build_plan
 from meshwise.comm.algorithms.plan import Plan
+from meshwise.comm.algorithms.registry import build_plan
 from meshwise.comm.api import CollectiveMismatchError
 
 Runner = Callable[[Plan, dict[str, torch.Tensor]], None]
