@@ -31,6 +31,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 
 import torch
+from torch import Tensor
 
 SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int32, torch.int64)
 HALF_DTYPES = (torch.bfloat16, torch.float16)
@@ -383,42 +384,39 @@ class Communicator(ABC):
         return self._finish(self._all_to_all(outputs, inputs), async_op)
 
     def scatter(
-        self,
-        output: torch.Tensor,
-        input: TensorOrList | None = None,
-        root: int = 0,
-        *,
-        async_op: bool = False,
+        self, output: Tensor, input: TensorOrList | None = None, root: int = 0, *, async_op: bool = False
     ) -> Work | None:
         """Root's slot i lands in rank i's ``output``; ``input`` is only read (and required) on root."""
-        self._check(output, "output", "scatter")
-        self._check_peer(root, "root", "scatter")
-        slots = None
-        if self.rank == root:
-            if input is None:
-                raise ValueError(f"[rank {self.rank} · scatter] the root must pass the tensors to scatter")
-            slots = self._slots(input, "input", "scatter")
-            self._same_dtype([output, *slots], "scatter")
+        slots = self._rooted_slots(output, "output", input, "input", root, "scatter")
         return self._finish(self._scatter(output, slots, root), async_op)
 
     def gather(
-        self,
-        input: torch.Tensor,
-        output: TensorOrList | None = None,
-        root: int = 0,
-        *,
-        async_op: bool = False,
+        self, input: Tensor, output: TensorOrList | None = None, root: int = 0, *, async_op: bool = False
     ) -> Work | None:
         """Rank i's ``input`` lands in root's slot i; ``output`` is only written (and required) on root."""
-        self._check(input, "input", "gather")
-        self._check_peer(root, "root", "gather")
-        slots = None
-        if self.rank == root:
-            if output is None:
-                raise ValueError(f"[rank {self.rank} · gather] the root must pass the output tensors")
-            slots = self._slots(output, "output", "gather")
-            self._same_dtype([input, *slots], "gather")
+        slots = self._rooted_slots(input, "input", output, "output", root, "gather")
         return self._finish(self._gather(input, slots, root), async_op)
+
+    def _rooted_slots(
+        self,
+        mine: torch.Tensor,
+        mine_name: str,
+        slots: TensorOrList | None,
+        slots_name: str,
+        root: int,
+        op: str,
+    ) -> list[torch.Tensor] | None:
+        """Check a scatter's or gather's arguments: this rank's tensor, the root, and the root's slots
+        (required on the root, ignored elsewhere); the root's normalised slots, None on the others."""
+        self._check(mine, mine_name, op)
+        self._check_peer(root, "root", op)
+        if self.rank != root:
+            return None
+        if slots is None:
+            raise ValueError(f"[rank {self.rank} · {op}] the root must pass the {slots_name} tensors")
+        normalised = self._slots(slots, slots_name, op)
+        self._same_dtype([mine, *normalised], op)
+        return normalised
 
     def barrier(self, *, async_op: bool = False) -> Work | None:
         return self._finish(self._barrier(), async_op)

@@ -65,7 +65,28 @@ class Algorithm:
     implements: Mapping[Collective, Implementation]
 
 
-def _all_to_all(pairwise: bool) -> Callable[[PlanRequest], Plan]:
+Build = Callable[[PlanRequest], Plan]
+
+
+# Adapters from the plan modules' signatures to a PlanRequest: a whole vector or per-slot counts, with
+# or without a root, with or without ring pipelining.
+def _vector(fn: Callable[[int, int, int], Plan]) -> Build:
+    return lambda q: fn(q.rank, q.world_size, q.count)
+
+
+def _slots(fn: Callable[[int, int, list[int]], Plan]) -> Build:
+    return lambda q: fn(q.rank, q.world_size, q.slots)
+
+
+def _rooted(fn: Callable[[int, int, int, int], Plan]) -> Build:
+    return lambda q: fn(q.rank, q.world_size, q.root, q.count)
+
+
+def _rooted_slots(fn: Callable[[int, int, int, list[int]], Plan]) -> Build:
+    return lambda q: fn(q.rank, q.world_size, q.root, q.slots)
+
+
+def _all_to_all(pairwise: bool) -> Build:
     def build(q: PlanRequest) -> Plan:
         half = len(q.counts) // 2
         sends, recvs = list(q.counts[:half]), list(q.counts[half:])
@@ -74,114 +95,66 @@ def _all_to_all(pairwise: bool) -> Callable[[PlanRequest], Plan]:
     return build
 
 
+Impl = Implementation
 _RING = {
-    C.ALL_REDUCE: Implementation(
-        lambda q: ring.all_reduce(q.rank, q.world_size, q.count, q.pieces), f.ring_all_reduce
-    ),
-    C.REDUCE_SCATTER: Implementation(
+    C.ALL_REDUCE: Impl(lambda q: ring.all_reduce(q.rank, q.world_size, q.count, q.pieces), f.ring_all_reduce),
+    C.REDUCE_SCATTER: Impl(
         lambda q: ring.reduce_scatter(q.rank, q.world_size, q.slots, q.pieces), f.ring_reduce_scatter
     ),
-    C.ALL_GATHER: Implementation(
-        lambda q: ring.all_gather(q.rank, q.world_size, q.slots, q.pieces), f.ring_all_gather
-    ),
+    C.ALL_GATHER: Impl(lambda q: ring.all_gather(q.rank, q.world_size, q.slots, q.pieces), f.ring_all_gather),
 }
 _TREE = {
-    C.ALL_REDUCE: Implementation(lambda q: tree.all_reduce(q.rank, q.world_size, q.count), f.tree_all_reduce),
-    C.BROADCAST: Implementation(
-        lambda q: tree.broadcast(q.rank, q.world_size, q.root, q.count), f.tree_broadcast
-    ),
-    C.REDUCE: Implementation(lambda q: tree.reduce(q.rank, q.world_size, q.root, q.count), f.tree_reduce),
-    C.SCATTER: Implementation(
-        lambda q: tree.scatter(q.rank, q.world_size, q.root, q.slots), f.tree_scatter_or_gather
-    ),
-    C.GATHER: Implementation(
-        lambda q: tree.gather(q.rank, q.world_size, q.root, q.slots), f.tree_scatter_or_gather
-    ),
+    C.ALL_REDUCE: Impl(_vector(tree.all_reduce), f.tree_all_reduce),
+    C.BROADCAST: Impl(_rooted(tree.broadcast), f.tree_broadcast),
+    C.REDUCE: Impl(_rooted(tree.reduce), f.tree_reduce),
+    C.SCATTER: Impl(_rooted_slots(tree.scatter), f.tree_scatter_or_gather),
+    C.GATHER: Impl(_rooted_slots(tree.gather), f.tree_scatter_or_gather),
 }
-_PAIRWISE = {C.ALL_TO_ALL: Implementation(_all_to_all(pairwise=True), f.pairwise_all_to_all)}
+_RD = {
+    C.ALL_REDUCE: Impl(_vector(doubling.rd_all_reduce), f.rd_all_reduce),
+    C.ALL_GATHER: Impl(_slots(doubling.rd_all_gather), f.rd_all_gather),
+}
+_RHD = {
+    C.ALL_REDUCE: Impl(_vector(doubling.rhd_all_reduce), f.rhd_all_reduce),
+    C.REDUCE_SCATTER: Impl(_slots(doubling.rhd_reduce_scatter), f.rhd_reduce_scatter),
+}
+_PAIRWISE = {C.ALL_TO_ALL: Impl(_all_to_all(pairwise=True), f.pairwise_all_to_all)}
+_LINEAR = {
+    C.ALL_REDUCE: Impl(_vector(direct.all_reduce), f.linear_all_reduce),
+    C.REDUCE_SCATTER: Impl(_slots(direct.reduce_scatter), f.linear_reduce_scatter),
+    C.ALL_GATHER: Impl(_slots(direct.all_gather), f.linear_slotted_exchange),
+    C.BROADCAST: Impl(_rooted(direct.broadcast), f.linear_broadcast),
+    C.REDUCE: Impl(_rooted(direct.reduce), f.linear_reduce),
+    C.SCATTER: Impl(_rooted_slots(direct.scatter), f.linear_scatter_or_gather),
+    C.GATHER: Impl(_rooted_slots(direct.gather), f.linear_scatter_or_gather),
+    C.ALL_TO_ALL: Impl(_all_to_all(pairwise=False), f.linear_slotted_exchange),
+}
 
-#: the backend's own collectives behave like these (gloo and NCCL: rings for the bulk ones)
-_NATIVE_SHAPE = {
-    C.ALL_REDUCE: _RING[C.ALL_REDUCE],
-    C.REDUCE_SCATTER: _RING[C.REDUCE_SCATTER],
-    C.ALL_GATHER: _RING[C.ALL_GATHER],
-    C.BROADCAST: _TREE[C.BROADCAST],
-    C.REDUCE: _TREE[C.REDUCE],
-    C.SCATTER: Implementation(None, f.linear_scatter_or_gather),
-    C.GATHER: Implementation(None, f.linear_scatter_or_gather),
-    C.ALL_TO_ALL: _PAIRWISE[C.ALL_TO_ALL],
+#: the backend's own collectives behave like these (gloo and NCCL: rings for the bulk ones); no plan
+_NATIVE = {
+    C.ALL_REDUCE: Impl(None, f.ring_all_reduce),
+    C.REDUCE_SCATTER: Impl(None, f.ring_reduce_scatter),
+    C.ALL_GATHER: Impl(None, f.ring_all_gather),
+    C.BROADCAST: Impl(None, f.tree_broadcast),
+    C.REDUCE: Impl(None, f.tree_reduce),
+    C.SCATTER: Impl(None, f.linear_scatter_or_gather),
+    C.GATHER: Impl(None, f.linear_scatter_or_gather),
+    C.ALL_TO_ALL: Impl(None, f.pairwise_all_to_all),
 }
 
 _ENTRIES = (
-    Algorithm(
-        "native",
-        "the base communicator's own collectives (priced like ring/tree/linear/pairwise)",
-        "-",
-        {c: Implementation(None, impl.cost) for c, impl in _NATIVE_SHAPE.items()},
-    ),
+    Algorithm("native", "the base communicator's own collectives, priced by their shape", "-", _NATIVE),
     Algorithm("ring", "all_reduce = pipelined reduce-scatter + all-gather", "2(p-1), p-1, p-1", _RING),
     Algorithm("tree", "binomial trees; all_reduce = reduce + broadcast", "ceil(lg p) (x2 all_reduce)", _TREE),
-    Algorithm(
-        "rd",
-        "recursive doubling",
-        "lg p (+2 folding)",
-        {
-            C.ALL_REDUCE: Implementation(
-                lambda q: doubling.rd_all_reduce(q.rank, q.world_size, q.count), f.rd_all_reduce
-            ),
-            C.ALL_GATHER: Implementation(
-                lambda q: doubling.rd_all_gather(q.rank, q.world_size, q.slots), f.rd_all_gather
-            ),
-        },
-    ),
-    Algorithm(
-        "rhd",
-        "Rabenseifner: recursive halving reduce-scatter (+ doubling all-gather)",
-        "2 lg p, lg p (+2 folding)",
-        {
-            C.ALL_REDUCE: Implementation(
-                lambda q: doubling.rhd_all_reduce(q.rank, q.world_size, q.count), f.rhd_all_reduce
-            ),
-            C.REDUCE_SCATTER: Implementation(
-                lambda q: doubling.rhd_reduce_scatter(q.rank, q.world_size, q.slots), f.rhd_reduce_scatter
-            ),
-        },
-    ),
+    Algorithm("rd", "recursive doubling", "lg p (+2 folding)", _RD),
+    Algorithm("rhd", "Rabenseifner: recursive halving, then doubling", "2 lg p, lg p (+2 folding)", _RHD),
     Algorithm("pairwise", "p-1 rounds of pairwise exchange", "p-1", _PAIRWISE),
-    Algorithm(
-        "linear",
-        "every message posted at once",
-        "1 round, p-1 messages",
-        {
-            C.ALL_REDUCE: Implementation(
-                lambda q: direct.all_reduce(q.rank, q.world_size, q.count), f.linear_all_reduce
-            ),
-            C.REDUCE_SCATTER: Implementation(
-                lambda q: direct.reduce_scatter(q.rank, q.world_size, q.slots), f.linear_reduce_scatter
-            ),
-            C.ALL_GATHER: Implementation(
-                lambda q: direct.all_gather(q.rank, q.world_size, q.slots), f.linear_slotted_exchange
-            ),
-            C.BROADCAST: Implementation(
-                lambda q: direct.broadcast(q.rank, q.world_size, q.root, q.count), f.linear_broadcast
-            ),
-            C.REDUCE: Implementation(
-                lambda q: direct.reduce(q.rank, q.world_size, q.root, q.count), f.linear_reduce
-            ),
-            C.SCATTER: Implementation(
-                lambda q: direct.scatter(q.rank, q.world_size, q.root, q.slots), f.linear_scatter_or_gather
-            ),
-            C.GATHER: Implementation(
-                lambda q: direct.gather(q.rank, q.world_size, q.root, q.slots), f.linear_scatter_or_gather
-            ),
-            C.ALL_TO_ALL: Implementation(_all_to_all(pairwise=False), f.linear_slotted_exchange),
-        },
-    ),
+    Algorithm("linear", "every message posted at once", "1 round, p-1 messages", _LINEAR),
     Algorithm(
         "hierarchical",
-        "intra-node reduce-scatter, inter-node all_reduce, intra-node all-gather",
+        "node reduce-scatter, cross-node all_reduce, node all-gather",
         "see formulas",
-        {C.ALL_REDUCE: Implementation(None, None)},
+        {C.ALL_REDUCE: Impl(None, None)},  # composed of per-node communicators; priced over two links
     ),
 )
 
