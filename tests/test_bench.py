@@ -452,3 +452,15 @@ def test_calibrate_splits_intra_and_inter_links_on_a_two_node_layout(tmp_path):
     # 4 plans (3 for native) × 3 sizes each; intra and inter run on 2-rank groups, native on all 4 ranks
     assert links == [("intra", 12, True), ("inter", 12, True), ("native", 9, True)]
     assert saved == path and Calibration.load(path).inter.alpha >= 0
+
+
+def test_algorithms_take_their_long_names_and_the_calibration_is_named_not_found(tmp_path, monkeypatch):
+    job = build_job(_args("all_reduce", "--algo", "rabenseifner,recursive-doubling,rhd"))[0]
+    assert job.algorithms == ("rhd", "rd") and job.pricing_file is None  # built-in unless a file is named
+    monkeypatch.setenv("HOME", str(tmp_path))
+    Calibration(LinkParams(1e-5, 1e-9, 0.0), LinkParams(1e-5, 1e-9, 0.0)).save(
+        tmp_path / ".cache/meshwise/calibration.json"
+    )
+    assert build_job(_args("all_reduce", "--algo", "auto"))[0].pricing_file is None  # the cache is not read
+    named = str(tmp_path / ".cache/meshwise/calibration.json")
+    assert build_job(_args("all_reduce", "--calibration-file", named))[0].pricing_file == named

@@ -213,6 +213,7 @@ def format_outcome(outcome: CalibrationOutcome) -> str:
         elif fit.samples:
             line += f"  ({fit.samples} samples)"
         lines.append(line)
+    lines.append(f"# auto prices with it when named: --calibration-file {outcome.path}")
     return "\n".join(lines)
 
 
