@@ -11,7 +11,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -25,13 +25,12 @@ import torch.distributed.nn
 from meshwise.comm import flight_recorder
 from meshwise.comm.api import CommError, Communicator
 from meshwise.comm.debug import DebugChecker, default_store
-from meshwise.comm.factory import BACKENDS, create_communicator
+from meshwise.comm.factory import check_backend, create_communicator
 from meshwise.comm.instrumented import InstrumentedCommunicator
 from meshwise.comm.shm.segment import check_memory_model
 from meshwise.runtime.env import LaunchEnv, detect_launch_env, resolve_ipv4
 from meshwise.runtime.flight_dumps import DEBUG_ENV, FLIGHT_DIR_ENV
-
-DEFAULT_TIMEOUT_SECONDS = 300.0
+from meshwise.runtime.timeouts import DEFAULT_TIMEOUT_S
 
 
 @dataclass(frozen=True)
@@ -85,8 +84,7 @@ def resolve_backend(
 ) -> str:
     """What ``auto`` means: nccl on GPUs, shm for several CPU ranks on one x86-64 host, gloo otherwise."""
     if requested != "auto":
-        if requested not in BACKENDS:
-            raise ValueError(f"unknown backend {requested!r}; choose auto or one of {sorted(BACKENDS)}")
+        check_backend(requested)
         if requested == "nccl" and device.type != "cuda":
             raise ValueError("backend 'nccl' needs CUDA devices; use 'gloo' or 'shm' on CPU")
         return requested
@@ -110,6 +108,15 @@ def _on_one_host() -> bool:
     names: list = [None] * dist.get_world_size()
     dist.all_gather_object(names, socket.gethostname())
     return len(set(names)) == 1
+
+
+def adopt_group_layout(layout: LaunchEnv, rank: int, world_size: int) -> LaunchEnv:
+    """The launcher's layout corrected to a process group the script created itself: when its size
+    differs, the group's rank and size win, and everything else the launcher said (job id, restart count,
+    node count, whether the local layout is known) is kept rather than reset to defaults."""
+    if world_size == layout.world_size:
+        return layout
+    return replace(layout, rank=rank, world_size=world_size)
 
 
 def _init_process_group(layout: LaunchEnv, device: torch.device, timeout: float) -> None:
@@ -139,7 +146,7 @@ def init(
     backend: str = "auto",
     *,
     device: str | torch.device | None = None,
-    timeout: float = DEFAULT_TIMEOUT_SECONDS,
+    timeout: float = DEFAULT_TIMEOUT_S,
     debug: bool | None = None,
     flight_recorder_ops: int = flight_recorder.DEFAULT_CAPACITY,
 ) -> World:
@@ -162,18 +169,7 @@ def init(
 
         layout = bootstrap_rendezvous(layout, timeout=timeout)
     if dist.is_initialized():
-        world_size = dist.get_world_size()
-        if world_size != layout.world_size:
-            layout = LaunchEnv(
-                layout.launcher,
-                dist.get_rank(),
-                layout.local_rank,
-                world_size,
-                layout.local_world_size,
-                layout.node_rank,
-                layout.master_addr,
-                layout.master_port,
-            )
+        layout = adopt_group_layout(layout, dist.get_rank(), dist.get_world_size())
         chosen_device = pick_device(layout, device)
         _owns_process_group = False
     else:

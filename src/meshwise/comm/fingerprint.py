@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from meshwise.comm.api import Collective
+
 #: Frames inside these directories are library plumbing; the call site is the first frame outside.
 _PLUMBING = (
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,  # meshwise/
@@ -27,7 +29,7 @@ _PLUMBING = (
 )
 _COMM_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 #: Collectives whose single tensor holds the same number of elements on every rank.
-_SAME_COUNT = ("broadcast", "reduce", "all_reduce")
+_SAME_COUNT = (Collective.BROADCAST, Collective.REDUCE, Collective.ALL_REDUCE)
 
 
 #: file name -> whether it is plumbing (inside meshwise or torch), and -> how it is shown.
@@ -86,7 +88,7 @@ class Fingerprint:
     """One rank's view of collective number ``seq`` of a group."""
 
     seq: int
-    op: str
+    op: str  # a Collective, or barrier / split / close / send / recv
     dtype: str | None = None
     shape: tuple[int, ...] | None = None  # the main tensor, for the message
     count: int | None = None  # elements of the main tensor
@@ -133,8 +135,8 @@ class Fingerprint:
 
     def agreement(self) -> tuple:
         """What every rank must have in common; per-peer slot counts are matched by :func:`find_mismatch`."""
-        shared_slots = self.slots_out if self.op == "all_gather" else None
-        if self.op == "reduce_scatter":
+        shared_slots = self.slots_out if self.op == Collective.ALL_GATHER else None
+        if self.op == Collective.REDUCE_SCATTER:
             shared_slots = self.slots_in
         count = self.count if self.op in _SAME_COUNT else None
         return (
@@ -197,11 +199,11 @@ def _peer_mismatch(prints: Sequence[Fingerprint]) -> str | None:
     op, seq = prints[0].op, prints[0].seq
     for i, sender in enumerate(prints):
         for j, receiver in enumerate(prints):
-            if op == "all_to_all":
+            if op == Collective.ALL_TO_ALL:
                 sent, expected = sender.slots_in[j], receiver.slots_out[i]  # type: ignore[index]
-            elif op == "scatter" and i == sender.root and j != i:
+            elif op == Collective.SCATTER and i == sender.root and j != i:
                 sent, expected = sender.slots_in[j], receiver.count  # type: ignore[index]
-            elif op == "gather" and j == receiver.root and i != j:
+            elif op == Collective.GATHER and j == receiver.root and i != j:
                 sent, expected = sender.count, receiver.slots_out[i]  # type: ignore[index]
             else:
                 continue

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 
 from meshwise.comm import flight_recorder
-from meshwise.comm.api import CommError, Communicator, CompletedWork, ReduceOp, Work
+from meshwise.comm.api import Collective, CommError, Communicator, CompletedWork, ReduceOp, Work
 from meshwise.comm.debug import DebugChecker
 from meshwise.comm.fingerprint import Fingerprint
 from meshwise.comm.flight_recorder import FlightRecorder, OpRecord
@@ -124,40 +124,51 @@ class InstrumentedCommunicator(Communicator):
     # ------------------------------------------------------------------ collectives
     def _broadcast(self, tensor: torch.Tensor, root: int) -> Work:
         return self._run(
-            lambda s: Fingerprint.of(s, "broadcast", tensor, root=root, algorithm=self._algo()),
+            lambda s: Fingerprint.of(s, Collective.BROADCAST, tensor, root=root, algorithm=self._algo()),
             lambda: self.inner._broadcast(tensor, root),
         )
 
     def _reduce(self, tensor: torch.Tensor, root: int, op: ReduceOp) -> Work:
         return self._run(
             lambda s: Fingerprint.of(
-                s, "reduce", tensor, root=root, reduce_op=op.value, algorithm=self._algo()
+                s, Collective.REDUCE, tensor, root=root, reduce_op=op.value, algorithm=self._algo()
             ),
             lambda: self.inner._reduce(tensor, root, op),
         )
 
     def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> Work:
         return self._run(
-            lambda s: Fingerprint.of(s, "all_reduce", tensor, reduce_op=op.value, algorithm=self._algo()),
+            lambda s: Fingerprint.of(
+                s, Collective.ALL_REDUCE, tensor, reduce_op=op.value, algorithm=self._algo()
+            ),
             lambda: self.inner._all_reduce(tensor, op),
         )
 
     def _all_reduce_into(self, source: torch.Tensor, output: torch.Tensor, op: ReduceOp) -> Work:
         return self._run(
-            lambda s: Fingerprint.of(s, "all_reduce", source, reduce_op=op.value, algorithm=self._algo()),
+            lambda s: Fingerprint.of(
+                s, Collective.ALL_REDUCE, source, reduce_op=op.value, algorithm=self._algo()
+            ),
             lambda: self.inner._all_reduce_into(source, output, op),
         )
 
     def _all_gather(self, outputs: list[torch.Tensor], input: torch.Tensor) -> Work:
         return self._run(
-            lambda s: Fingerprint.of(s, "all_gather", input, slots_out=outputs, algorithm=self._algo()),
+            lambda s: Fingerprint.of(
+                s, Collective.ALL_GATHER, input, slots_out=outputs, algorithm=self._algo()
+            ),
             lambda: self.inner._all_gather(outputs, input),
         )
 
     def _reduce_scatter(self, output: torch.Tensor, inputs: list[torch.Tensor], op: ReduceOp) -> Work:
         return self._run(
             lambda s: Fingerprint.of(
-                s, "reduce_scatter", output, slots_in=inputs, reduce_op=op.value, algorithm=self._algo()
+                s,
+                Collective.REDUCE_SCATTER,
+                output,
+                slots_in=inputs,
+                reduce_op=op.value,
+                algorithm=self._algo(),
             ),
             lambda: self.inner._reduce_scatter(output, inputs, op),
         )
@@ -165,7 +176,7 @@ class InstrumentedCommunicator(Communicator):
     def _all_to_all(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> Work:
         return self._run(
             lambda s: Fingerprint.of(
-                s, "all_to_all", slots_in=inputs, slots_out=outputs, algorithm=self._algo()
+                s, Collective.ALL_TO_ALL, slots_in=inputs, slots_out=outputs, algorithm=self._algo()
             ),
             lambda: self.inner._all_to_all(outputs, inputs),
         )
@@ -173,7 +184,7 @@ class InstrumentedCommunicator(Communicator):
     def _scatter(self, output: torch.Tensor, inputs: list[torch.Tensor] | None, root: int) -> Work:
         return self._run(
             lambda s: Fingerprint.of(
-                s, "scatter", output, slots_in=inputs, root=root, algorithm=self._algo()
+                s, Collective.SCATTER, output, slots_in=inputs, root=root, algorithm=self._algo()
             ),
             lambda: self.inner._scatter(output, inputs, root),
         )
@@ -181,7 +192,7 @@ class InstrumentedCommunicator(Communicator):
     def _gather(self, input: torch.Tensor, outputs: list[torch.Tensor] | None, root: int) -> Work:
         return self._run(
             lambda s: Fingerprint.of(
-                s, "gather", input, slots_out=outputs, root=root, algorithm=self._algo()
+                s, Collective.GATHER, input, slots_out=outputs, root=root, algorithm=self._algo()
             ),
             lambda: self.inner._gather(input, outputs, root),
         )
