@@ -68,3 +68,13 @@ def test_devices_limits_and_nccl_variables():
     assert [c.name for c in disabled] == ["NCCL_IB_DISABLE", "NCCL_ALGO"]
     (addr,) = network.check_master_addr({"MASTER_ADDR": "no-such-host.invalid"})
     assert addr.status == "fail"
+
+
+def test_a_probe_that_breaks_is_a_finding_not_a_crash(capsys, monkeypatch):
+    def broken(ranks):
+        raise OSError("no /proc here")
+
+    monkeypatch.setattr(system, "check_cores", broken)
+    code, report = _doctor(capsys, "-np", "2")
+    cores = next(c for c in report["checks"] if c["name"] == "cores")
+    assert code == 0 and cores["status"] == "warn" and "no /proc here" in cores["detail"]

@@ -7,6 +7,7 @@ A check never raises: a probe that fails is itself a finding.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 
@@ -29,30 +30,26 @@ class Check:
 
 def run_checks(ranks: int, env: Mapping[str, str] | None = None) -> list[Check]:
     """Every check for a job of ``ranks`` local ranks, under ``env`` (default: this process's)."""
-    import os
-
-    from meshwise.doctor import network, software, system
+    from meshwise.doctor import network, software, system  # they import Check from here
 
     env = dict(os.environ if env is None else env)
-    probes: list[Callable[[], list[Check]]] = [
-        lambda: system.check_shm(ranks),
-        lambda: system.check_open_files(ranks),
-        lambda: system.check_locked_memory(),
-        lambda: system.check_cores(ranks),
-        lambda: network.check_loopback(),
-        lambda: network.check_interfaces(env),
-        lambda: network.check_master_addr(env),
-        lambda: software.check_devices(ranks, env),
-        lambda: software.check_nccl_env(env),
-        lambda: software.check_mpi(ranks),
-        lambda: software.check_versions(),
-    ]
+    probes: dict[str, Callable[[], list[Check]]] = {
+        "/dev/shm": lambda: system.check_shm(ranks),
+        "open files": lambda: system.check_open_files(ranks),
+        "locked memory": system.check_locked_memory,
+        "cores": lambda: system.check_cores(ranks),
+        "loopback": network.check_loopback,
+        "interfaces": lambda: network.check_interfaces(env),
+        "MASTER_ADDR": lambda: network.check_master_addr(env),
+        "devices": lambda: software.check_devices(ranks, env),
+        "NCCL environment": lambda: software.check_nccl_env(env),
+        "MPI": lambda: software.check_mpi(ranks),
+        "versions": software.check_versions,
+    }
     found: list[Check] = []
-    for probe in probes:
+    for name, probe in probes.items():
         try:
             found.extend(probe())
         except Exception as exc:  # a broken probe is a finding, never a crash of the doctor
-            found.append(
-                Check(getattr(probe, "__name__", "check"), "warn", f"the check itself failed: {exc}")
-            )
+            found.append(Check(name, "warn", f"the check itself failed: {exc}", "report this as a bug"))
     return found
