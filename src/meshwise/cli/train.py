@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from meshwise.runtime.spawn import SpawnError
-from meshwise.train import WORKLOADS, TrainConfig, run_training
+from meshwise.train import WORKLOADS, TrainConfig, TrainingError, run_training
 
 
 def add_parser(subparsers: argparse._SubParsersAction, name: str, help_text: str) -> None:
@@ -74,6 +74,9 @@ def handler(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"meshwise train: error: {exc}", file=sys.stderr)
         return 2
+    except TrainingError as exc:
+        print(f"meshwise train: error: {exc}", file=sys.stderr)
+        return exc.exit_code
     except SpawnError as exc:
         print(f"meshwise train: {exc}", file=sys.stderr)
         return 1

@@ -10,7 +10,7 @@ import torch
 
 from meshwise.comm.factory import BACKENDS
 from meshwise.data.mnist import find_mnist_files
-from meshwise.train.checkpoint import checkpoint_file, read_checkpoint
+from meshwise.train.checkpoint import check_writable, checkpoint_file, read_checkpoint
 from meshwise.train.workloads import WORKLOADS, Workload
 
 #: The Communicator timeout never exceeds this; ``timeout`` bounds the whole job.
@@ -102,10 +102,12 @@ class TrainConfig:
                     f"{path} already exists; pass --resume to continue that run, "
                     "or choose another --checkpoint"
                 )
+            check_writable(directory)
             return
         if not directory.is_dir():
             raise FileNotFoundError(f"--resume: checkpoint directory {directory} does not exist")
         state = read_checkpoint(directory)
+        check_writable(directory)
         if state["model"] != self.model:
             raise ValueError(f"{path} holds a {state['model']!r} run, not {self.model!r}")
         if state["epoch"] >= self.total_epochs:
