@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import multiprocessing
 import sys
 import time
 from dataclasses import replace
@@ -20,9 +21,11 @@ from meshwise.bench.busbw import COLLECTIVES, REDUCING, min_size_bytes
 from meshwise.bench.calibrate import calibration_path, format_outcome, read_calibration
 from meshwise.bench.job import BenchJob, JobResult, bench_rank_main
 from meshwise.bench.jsonio import BenchRecord, write_json
+from meshwise.bench.live import LiveReport, Sink, emitter, pump
 from meshwise.bench.report import output_console, print_runs
-from meshwise.bench.runner import DTYPES, SweepConfig, sizes_with_elements
+from meshwise.bench.runner import DTYPES, RunResult, SweepConfig, sizes_with_elements
 from meshwise.bench.sizes import format_size, parse_size, size_sweep
+from meshwise.cli.outputs import check_output, check_plot, write_outputs
 from meshwise.comm.algorithms import ALGORITHMS
 from meshwise.comm.api import CommError, ReduceOp
 from meshwise.comm.cost import DEFAULT_PATH, Calibration
@@ -32,6 +35,7 @@ from meshwise.runtime.spawn import SpawnError, spawn
 
 _COMM_TIMEOUT_CAP = 300.0
 _MPI_LAUNCHERS = ("openmpi", "pmi")
+_DRAIN_SECONDS = 5.0  # the last events are read after the ranks exit: bounded, never a hang
 
 
 def _names(text: str, allowed: tuple[str, ...] | list[str], what: str, option: str) -> tuple[str, ...]:
@@ -136,8 +140,8 @@ def build_job(args: argparse.Namespace) -> tuple[BenchJob, int, str]:
         raise ValueError(f"--ceiling must be a positive bandwidth in GB/s, got {args.ceiling}")
     if args.timeout <= 0:
         raise ValueError(f"--timeout must be positive seconds, got {args.timeout}")
-    if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
-        raise ValueError("--plot needs matplotlib: pip install 'meshwise[plot]'")
+    check_output("--json", args.json)
+    check_plot("--plot", args.plot)
     default_backend = "nccl" if torch.cuda.is_available() else "gloo"
     backends = _names(args.backend or default_backend, list(BACKENDS), "backend", "--backend")
     _check_backends(backends, launcher)
@@ -165,16 +169,23 @@ def build_job(args: argparse.Namespace) -> tuple[BenchJob, int, str]:
         timeout=min(args.timeout, _COMM_TIMEOUT_CAP),
         calibrate=args.calibrate,
         calibration_file=args.calibration_file,
-        progress=sys.stderr.isatty(),
     )
     return job, world_size, launcher
 
 
-def run_job(job: BenchJob, world_size: int, launcher: str, timeout: float) -> JobResult | None:
-    """Run on the launcher's ranks, in this process (one rank), or on spawned local ranks."""
+def run_job(job: BenchJob, world_size: int, launcher: str, timeout: float, sink: Sink) -> JobResult | None:
+    """Run on the launcher's ranks, in this process (one rank), or on spawned local ranks; rank 0's
+    events reach ``sink`` as they happen (through a pipe from a spawned rank 0)."""
     if launcher != "local" or world_size == 1:
-        return bench_rank_main(job)
-    result = spawn(bench_rank_main, world_size, (job,), timeout=timeout)[0]
+        return bench_rank_main(job, sink)
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    thread = pump(reader, emitter(sink))
+    try:
+        result = spawn(bench_rank_main, world_size, (job, writer), timeout=timeout)[0]
+    finally:  # the ranks are gone (spawn stops them): the pipe ends once this last writer closes
+        writer.close()
+        thread.join(_DRAIN_SECONDS)
+        reader.close()
     return replace(result, launcher="local")  # the children only see the torchrun-style variables
 
 
@@ -203,18 +214,64 @@ def replay_command(
     return tuple(words)
 
 
-def _report(args: argparse.Namespace, job: BenchJob, result: JobResult, seconds: float) -> int:
-    from meshwise.bench.plot import plot_runs
-
-    console = output_console()
+def _header(job: BenchJob, world_size: int, launcher: str) -> str:
     sweep = job.sweep
-    console.print(
-        f"# meshwise bench · {result.world_size} ranks ({result.launcher}) · {sweep.dtype} · "
+    return (
+        f"# meshwise bench · {world_size} ranks ({launcher}) · {sweep.dtype} · "
         f"iters {sweep.iters} · warmup {sweep.warmup} · checks {sweep.checks}\n"
         "# time = mean over iterations of the max over ranks (ranks start each iteration together)"
     )
-    console.print()
-    print_runs(result.runs, console, checked=sweep.checks > 0)
+
+
+def _write_outputs(
+    args: argparse.Namespace,
+    job: BenchJob,
+    runs: list[RunResult],
+    world_size: int,
+    launcher: str,
+    incomplete: str | None = None,
+) -> bool:
+    """The JSON and the plot of ``runs`` (all of them, or those that finished before ``incomplete``)."""
+    from meshwise.bench.plot import plot_runs
+
+    sweep = job.sweep
+    record = BenchRecord(
+        launcher=launcher,
+        world_size=world_size,
+        config={
+            "dtype": sweep.dtype,
+            "op": sweep.op,
+            "root": sweep.root,
+            "iters": sweep.iters,
+            "warmup": sweep.warmup,
+            "checks": sweep.checks,
+        },
+        runs=tuple(runs),
+        command=replay_command(args, job, world_size, launcher),
+        incomplete=incomplete,
+    )
+    rows = sum(len(run.rows) for run in runs)
+    finished = f" of the {rows} finished rows" if incomplete else ""
+    writers = []
+    if args.json:
+        writers.append((f"JSON{finished}", args.json, lambda: write_json(args.json, record)))
+    if args.plot and rows:
+        title = f"meshwise bench · {world_size} ranks · {sweep.dtype}"
+        calibration = _plot_calibration(args)
+
+        def draw() -> None:
+            plot_runs(runs, args.plot, ceiling_gbps=args.ceiling, calibration=calibration, title=title)
+
+        writers.append((f"plot{finished}", args.plot, draw))
+    return write_outputs("bench", writers)
+
+
+def _report(
+    args: argparse.Namespace, job: BenchJob, result: JobResult, live: LiveReport, seconds: float
+) -> int:
+    console = output_console()
+    sweep = job.sweep
+    live.print_header()
     runs = list(result.runs)
     if result.calibration is not None:
         print_runs(result.calibration.runs, console, checked=False)
@@ -222,29 +279,7 @@ def _report(args: argparse.Namespace, job: BenchJob, result: JobResult, seconds:
         runs = runs or list(result.calibration.runs)
     for note in result.notes:
         console.print(f"# note: {note}")
-    if args.json:
-        record = BenchRecord(
-            launcher=result.launcher,
-            world_size=result.world_size,
-            config={
-                "dtype": sweep.dtype,
-                "op": sweep.op,
-                "root": sweep.root,
-                "iters": sweep.iters,
-                "warmup": sweep.warmup,
-                "checks": sweep.checks,
-            },
-            runs=tuple(runs),
-            command=replay_command(args, job, result.world_size, result.launcher),
-        )
-        write_json(args.json, record)
-        console.print(f"# JSON written to {args.json}")
-    if args.plot:
-        title = f"meshwise bench · {result.world_size} ranks · {sweep.dtype}"
-        plot_runs(
-            runs, args.plot, ceiling_gbps=args.ceiling, calibration=_plot_calibration(args), title=title
-        )
-        console.print(f"# plot written to {args.plot}")
+    written = _write_outputs(args, job, runs, result.world_size, result.launcher)
     console.print(f"Wall time = {seconds:.3f} s")
     failed = [run for run in result.runs if not run.ok]
     if failed and sweep.checks > 0:
@@ -255,7 +290,7 @@ def _report(args: argparse.Namespace, job: BenchJob, result: JobResult, seconds:
                 file=sys.stderr,
             )
         return 1
-    return 0
+    return 0 if written else 1
 
 
 def handler(args: argparse.Namespace) -> int:
@@ -265,14 +300,32 @@ def handler(args: argparse.Namespace) -> int:
         print(f"meshwise bench: error: {exc}", file=sys.stderr)
         return 2
     start = time.perf_counter()
+    live = LiveReport(
+        _header(job, world_size, launcher), checked=job.sweep.checks > 0, progress=sys.stderr.isatty()
+    )
     try:
-        result = run_job(job, world_size, launcher, args.timeout)
+        with live:
+            result = run_job(job, world_size, launcher, args.timeout, live.handle)
     except ValueError as exc:
         print(f"meshwise bench: error: {exc}", file=sys.stderr)
         return 2
     except (SpawnError, CommError) as exc:
         print(f"meshwise bench: {exc}", file=sys.stderr)
+        _keep_finished(args, job, live, world_size, launcher, str(exc).splitlines()[0])
         return 1
+    except KeyboardInterrupt:
+        print("meshwise bench: SIGINT received, stopped", file=sys.stderr)
+        _keep_finished(args, job, live, world_size, launcher, "interrupted (SIGINT)")
+        return 130
     if result is None:  # not rank 0 of a launched job: rank 0 reports
         return 0
-    return _report(args, job, result, time.perf_counter() - start)
+    return _report(args, job, result, live, time.perf_counter() - start)
+
+
+def _keep_finished(
+    args: argparse.Namespace, job: BenchJob, live: LiveReport, world_size: int, launcher: str, why: str
+) -> None:
+    """After a failure: write what finished, marked ``incomplete`` with the reason (only the process
+    that received rank 0's rows has any)."""
+    if live.finished_rows:
+        _write_outputs(args, job, live.runs, world_size, launcher, incomplete=why)
