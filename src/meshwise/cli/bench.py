@@ -30,11 +30,10 @@ from meshwise.comm.algorithms import ALGORITHMS
 from meshwise.comm.api import CommError, ReduceOp
 from meshwise.comm.cost import DEFAULT_PATH, Calibration
 from meshwise.comm.factory import BACKENDS
-from meshwise.runtime.env import plan_ranks
+from meshwise.runtime.env import check_mpi_launch, plan_ranks
 from meshwise.runtime.spawn import SpawnError, spawn
 
 _COMM_TIMEOUT_CAP = 300.0
-_MPI_LAUNCHERS = ("openmpi", "pmi")
 _DRAIN_SECONDS = 5.0  # the last events are read after the ranks exit: bounded, never a hang
 
 
@@ -95,11 +94,8 @@ def _check_backends(backends: tuple[str, ...], launcher: str) -> None:
             raise ValueError(
                 "backend nccl needs CUDA GPUs, and none is visible here; use --backend gloo or shm"
             )
-        if backend == "mpi" and launcher not in _MPI_LAUNCHERS:
-            raise ValueError(
-                "backend mpi needs ranks started by an MPI launcher, e.g. "
-                "`mpirun -np 4 meshwise bench all_reduce --backend mpi`"
-            )
+        if backend == "mpi":
+            check_mpi_launch("bench all_reduce")
         module = BACKENDS[backend].split(":")[0]
         if importlib.util.find_spec(module) is None:
             raise ValueError(f"backend {backend} is not available in this installation ({module} is missing)")

@@ -13,7 +13,7 @@ from decimal import Decimal, InvalidOperation
 import torch
 
 from meshwise.comm.factory import BACKENDS
-from meshwise.runtime.env import plan_ranks
+from meshwise.runtime.env import check_mpi_launch, plan_ranks
 from meshwise.runtime.spawn import SpawnError, spawn
 from meshwise.workloads.pi import METHODS, check_work
 from meshwise.workloads.pi_job import KERNELS, PiReport, pi_rank_main
@@ -33,12 +33,14 @@ def parse_count(text: str) -> int:
     return check_work(int(value))
 
 
-def check_backend(name: str) -> str:
-    """Refuse an unknown backend name before any rank starts."""
+def check_backend(name: str, command: str = "pi midpoint 1e6") -> str:
+    """Refuse an unknown backend name, or mpi outside an MPI launcher, before any rank starts."""
     if name != "auto" and name not in BACKENDS:
         raise ValueError(
             f"--backend {name!r} is unknown; choose auto or one of {', '.join(sorted(BACKENDS))}"
         )
+    if name == "mpi":
+        check_mpi_launch(command)
     return name
 
 

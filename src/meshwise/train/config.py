@@ -10,6 +10,7 @@ import torch
 
 from meshwise.comm.factory import BACKENDS
 from meshwise.data.mnist import find_mnist_files
+from meshwise.runtime.env import check_mpi_launch
 from meshwise.train.checkpoint import check_writable, checkpoint_file, read_checkpoint
 from meshwise.train.workloads import WORKLOADS, Workload
 
@@ -78,6 +79,8 @@ class TrainConfig:
             raise ValueError(
                 f"--backend {self.backend!r} is unknown; choose auto or one of {', '.join(sorted(BACKENDS))}"
             )
+        if self.backend == "mpi":
+            check_mpi_launch(f"train {self.model}")
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda was asked for but CUDA is not available here; use --device cpu")
         if self.data_dir is not None:
