@@ -17,8 +17,9 @@ from dataclasses import replace
 
 import torch
 
-from meshwise.bench.busbw import COLLECTIVES, REDUCING, min_size_bytes
+from meshwise.bench.busbw import COLLECTIVES, REDUCING, layout_for, min_size_bytes
 from meshwise.bench.calibrate import calibration_path, format_outcome, read_calibration
+from meshwise.bench.cases import buffer_bytes
 from meshwise.bench.job import BenchJob, JobResult, bench_rank_main
 from meshwise.bench.jsonio import BenchRecord, write_json
 from meshwise.bench.live import LiveReport, Sink, emitter, pump
@@ -31,6 +32,7 @@ from meshwise.comm.api import CommError, ReduceOp
 from meshwise.comm.cost import DEFAULT_PATH, Calibration
 from meshwise.comm.factory import BACKENDS
 from meshwise.runtime.env import check_mpi_launch, plan_ranks
+from meshwise.runtime.memory import check_memory
 from meshwise.runtime.spawn import SpawnError, spawn
 
 _COMM_TIMEOUT_CAP = 300.0
@@ -83,9 +85,30 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str, help_text: str
     parser.set_defaults(func=handler)
 
 
-def _world_size(args: argparse.Namespace) -> tuple[int, str]:
+def _world_size(args: argparse.Namespace) -> tuple[int, str, int]:
+    """World size, launcher, and how many of the ranks run on this machine."""
     plan = plan_ranks(args.np, default=2)
-    return plan.world_size, plan.layout.launcher if plan.launched else "local"
+    if plan.launched:
+        return plan.world_size, plan.layout.launcher, plan.layout.local_world_size
+    return plan.world_size, "local", plan.world_size
+
+
+def _check_memory(
+    collectives: tuple[str, ...], largest: int, world_size: int, local_ranks: int, args: argparse.Namespace
+) -> None:
+    """Refuse a sweep whose largest size cannot fit in this machine's memory: per rank, the buffers the
+    check-and-time case allocates plus one working copy of S for the transport (gloo's and our
+    algorithms' temporaries), times the ranks on this machine. nccl's buffers live on the GPUs."""
+    itemsize = DTYPES[args.dtype].itemsize
+    per_rank = 0
+    for collective in collectives or ("all_reduce",):  # --calibrate alone sweeps all_reduce-sized buffers
+        layout = layout_for(collective, largest, world_size, itemsize)
+        per_rank = max(per_rank, buffer_bytes(layout, rank=args.root, root=args.root) + layout.nbytes)
+    check_memory(
+        per_rank * local_ranks,
+        f"-e {args.maxbytes} on {local_ranks} rank{'s' if local_ranks > 1 else ''}",
+        "lower -e (or -np)",
+    )
 
 
 def _check_backends(backends: tuple[str, ...], launcher: str) -> None:
@@ -105,7 +128,7 @@ def build_job(args: argparse.Namespace) -> tuple[BenchJob, int, str]:
     """The validated job, its world size and launcher; ValueError says which option to change."""
     if args.collective is None and not args.calibrate:
         raise ValueError("name a COLLECTIVE (or all), or pass --calibrate")
-    world_size, launcher = _world_size(args)
+    world_size, launcher, local_ranks = _world_size(args)
     collectives = (
         () if args.collective is None else COLLECTIVES if args.collective == "all" else (args.collective,)
     )
@@ -141,6 +164,8 @@ def build_job(args: argparse.Namespace) -> tuple[BenchJob, int, str]:
     default_backend = "nccl" if torch.cuda.is_available() else "gloo"
     backends = _names(args.backend or default_backend, list(BACKENDS), "backend", "--backend")
     _check_backends(backends, launcher)
+    if set(backends) - {"nccl"}:
+        _check_memory(collectives, sizes[-1], world_size, local_ranks, args)
     algorithms = _names(args.algo, ALGORITHMS, "algorithm", "--algo")
     file = calibration_path(args.calibration_file)
     if args.calibration_file is not None and not args.calibrate and not file.exists():

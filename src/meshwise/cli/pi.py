@@ -14,23 +14,24 @@ import torch
 
 from meshwise.comm.factory import BACKENDS
 from meshwise.runtime.env import check_mpi_launch, plan_ranks
+from meshwise.runtime.memory import check_memory
 from meshwise.runtime.spawn import SpawnError, spawn
-from meshwise.workloads.pi import METHODS, check_work
-from meshwise.workloads.pi_job import KERNELS, PiReport, pi_rank_main
+from meshwise.workloads.pi import EAGER_BYTES_PER_ITEM, METHODS, check_work, default_chunk
+from meshwise.workloads.pi_job import KERNELS, PiReport, pi_rank_main, resolve_kernel
 
 #: The Communicator timeout never exceeds this; the job deadline (--timeout) bounds the whole run.
 _COMM_TIMEOUT_CAP = 300.0
 
 
-def parse_count(text: str) -> int:
+def parse_count(text: str, what: str = "N") -> int:
     """An exact integer from ``10000``, ``10_000`` or ``1e13`` (refusing fractions like ``1.5``)."""
     try:
         value = Decimal(text.replace("_", ""))
     except InvalidOperation:
-        raise ValueError(f"N={text!r} is not a number; pass an integer such as 10000 or 1e13") from None
+        raise ValueError(f"{what}={text!r} is not a number; pass an integer such as 10000 or 1e13") from None
     if not value.is_finite() or value != value.to_integral_value():
-        raise ValueError(f"N={text!r} is not a whole number of samples/bins")
-    return check_work(int(value))
+        raise ValueError(f"{what}={text!r} is not a whole number of samples/bins")
+    return check_work(int(value), what)
 
 
 def check_backend(name: str, command: str = "pi midpoint 1e6") -> str:
@@ -52,7 +53,7 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str, help_text: str
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if present")
     parser.add_argument("--seed", type=int, default=0, help="Monte Carlo stream (default 0)")
     parser.add_argument("--backend", default="auto", help="communicator backend (auto, gloo, nccl, shm, mpi)")
-    parser.add_argument("--chunk", type=int, default=None, help="items per kernel call (bounds memory)")
+    parser.add_argument("--chunk", default=None, help="items per kernel call, e.g. 65536 or 1e6")
     parser.add_argument(
         "--kernel",
         choices=KERNELS,
@@ -70,13 +71,32 @@ def _validate(args: argparse.Namespace) -> int:
     if not 0 <= args.seed < 2**64:
         raise ValueError(f"--seed must be in 0 .. 2**64-1, got {args.seed}")
     check_backend(args.backend)
-    if args.chunk is not None and args.chunk < 1:
-        raise ValueError(f"--chunk must be a positive number of items, got {args.chunk}")
+    if args.chunk is not None:
+        args.chunk = parse_count(str(args.chunk), "--chunk")
     if args.timeout <= 0:
         raise ValueError(f"--timeout must be positive seconds, got {args.timeout}")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda was asked for but CUDA is not available here; use --device cpu")
+    _check_memory(args, n)
     return n
+
+
+def _check_memory(args: argparse.Namespace, n: int) -> None:
+    """Refuse an eager chunk that the CPU ranks on this machine cannot hold together (the fused kernel
+    stores nothing per item; GPU ranks allocate on their devices)."""
+    if args.device == "cuda" or (args.device is None and torch.cuda.is_available()):
+        return
+    plan = plan_ranks(args.np, default=1)
+    share = -(-n // plan.world_size)
+    if resolve_kernel(args.kernel, share) != "eager":
+        return
+    ranks = plan.layout.local_world_size if plan.launched else plan.world_size
+    items = min(args.chunk or default_chunk(torch.device("cpu")), share)
+    check_memory(
+        EAGER_BYTES_PER_ITEM[args.method] * items * ranks,
+        f"the eager kernel with chunks of {items:,} items on {ranks} rank{'s' if ranks > 1 else ''}",
+        "lower --chunk (or use --kernel fused)",
+    )
 
 
 def run_job(args: argparse.Namespace, n: int, repeat: int = 1) -> list[PiReport] | None:
