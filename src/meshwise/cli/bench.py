@@ -31,7 +31,7 @@ from meshwise.comm.algorithms import ALGORITHMS
 from meshwise.comm.api import CommError, ReduceOp
 from meshwise.comm.cost import DEFAULT_PATH, Calibration
 from meshwise.comm.factory import BACKENDS
-from meshwise.runtime.env import check_mpi_launch, plan_ranks
+from meshwise.runtime.env import check_mpi_launch, detect_launch_env, plan_ranks
 from meshwise.runtime.memory import check_memory
 from meshwise.runtime.spawn import SpawnError, spawn
 
@@ -321,9 +321,8 @@ def handler(args: argparse.Namespace) -> int:
         print(f"meshwise bench: error: {exc}", file=sys.stderr)
         return 2
     start = time.perf_counter()
-    live = LiveReport(
-        _header(job, world_size, launcher), checked=job.sweep.checks > 0, progress=sys.stderr.isatty()
-    )
+    bar = sys.stderr.isatty() and detect_launch_env().rank == 0  # one bar per job, not one per rank
+    live = LiveReport(_header(job, world_size, launcher), checked=job.sweep.checks > 0, progress=bar)
     try:
         with live:
             result = run_job(job, world_size, launcher, args.timeout, live.handle)
