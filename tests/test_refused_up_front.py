@@ -11,7 +11,7 @@ from meshwise.bench.busbw import layout_for
 from meshwise.bench.cases import buffer_bytes
 from meshwise.cli import build_parser, main
 from meshwise.cli.bench import build_job
-from meshwise.cli.pi import _validate as pi_validate
+from meshwise.cli.pi import build_job as pi_build_job
 from meshwise.runtime import memory
 from meshwise.runtime.env import check_mpi_launch
 
@@ -111,4 +111,4 @@ def test_work_that_fits_passes_the_memory_check(eight_gib):
     args = build_parser("pi").parse_args(
         ["pi", "montecarlo", "1e11", "--chunk", "1e6", "--kernel", "eager", "-np", "2"]
     )
-    pi_validate(args)
+    pi_build_job(args)
