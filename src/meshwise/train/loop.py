@@ -189,16 +189,16 @@ class Trainer:
                     loss.backward()  # returns with gradients averaged over the ranks
                 with self._phase("optimizer"):
                     self.optimizer.step()
-            with torch.no_grad():
-                totals += torch.stack(
-                    [
-                        loss.double() * len(chunk),
-                        totals.new_tensor(len(chunk)),
-                        (logits.argmax(1) == targets).sum(),
-                    ]
-                )
-            if progress is not None and task is not None:
-                progress.update(task, advance=1)
+                with torch.no_grad():  # metric bookkeeping: the profile's "other"
+                    totals += torch.stack(
+                        [
+                            loss.double() * len(chunk),
+                            totals.new_tensor(len(chunk)),
+                            (logits.argmax(1) == targets).sum(),
+                        ]
+                    )
+                if progress is not None and task is not None:
+                    progress.update(task, advance=1)
         if progress is not None and task is not None:  # (both or neither)
             progress.remove_task(task)
         return totals
