@@ -92,8 +92,12 @@ def _failure(comm) -> dict[str, object]:
     try:
         executor.step(micro_batches_of(x, 4), micro_batches_of(y, 4))
     except PipelineFailure as failure:
-        return {"message": str(failure), "seconds": time.monotonic() - start, "stage": failure.stage,
-                "micro_batch": failure.micro_batch}
+        return {
+            "message": str(failure),
+            "seconds": time.monotonic() - start,
+            "stage": failure.stage,
+            "micro_batch": failure.micro_batch,
+        }
     return {"message": "no failure", "seconds": time.monotonic() - start}
 
 
