@@ -35,7 +35,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 import meshwise
 from meshwise.comm.shm import ShmCommunicator
 from meshwise.models.gpt import GPT, GPTConfig
-from meshwise.parallel.pipeline_parallel import partition, theoretical_bubble
+from meshwise.parallel.pipeline_parallel import chunk_parameters, partition, theoretical_bubble
 from meshwise.parallel.pipeline_parallel.builder import micro_batches_of, pipeline_gpt
 from meshwise.parallel.pipeline_parallel.timeline import draw, gather_events, measured_bubble, write_trace
 from meshwise.runtime.spawn import spawn
@@ -99,7 +99,7 @@ def _contenders(rank: int, m: int, schedule: str, shm: ShmCommunicator, gloo) ->
     for name, comm in (("meshwise/gloo", gloo), ("meshwise/shm", shm)):
         executor, chunks = pipeline_gpt(model, comm, schedule=schedule, micro_batches=m)
         meter = _measured(chunks[0])
-        opt = torch.optim.SGD([p for c in chunks for p in c.parameters()], lr=0.01)
+        opt = torch.optim.SGD(chunk_parameters(chunks), lr=0.01)
         inputs, targets = micro_batches_of(x, m), micro_batches_of(y, m)
 
         def ours(executor=executor, opt=opt, inputs=inputs, targets=targets) -> list:

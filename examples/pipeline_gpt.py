@@ -21,7 +21,7 @@ import torch
 import meshwise
 from meshwise.comm.mesh import Mesh, MeshShape
 from meshwise.models.gpt import GPT, gpt_config
-from meshwise.parallel.pipeline_parallel import SCHEDULES, theoretical_bubble
+from meshwise.parallel.pipeline_parallel import SCHEDULES, chunk_parameters, theoretical_bubble
 from meshwise.parallel.pipeline_parallel.builder import micro_batches_of, pipeline_gpt, validate_pipeline
 from meshwise.parallel.pipeline_parallel.timeline import draw, gather_events, measured_bubble, write_trace
 
@@ -56,7 +56,7 @@ def main() -> None:
         virtual_stages=args.virtual_stages,
         dp=mesh.dp,
     )
-    optimizer = torch.optim.AdamW([p for c in chunks for p in c.parameters()], lr=args.lr)
+    optimizer = torch.optim.AdamW(chunk_parameters(chunks), lr=args.lr)
     text = torch.frombuffer(bytearray(Path(__file__).read_bytes()), dtype=torch.uint8).long()
     per_replica = args.micro_batch_size * args.micro_batches
     generator = torch.Generator().manual_seed(1234)

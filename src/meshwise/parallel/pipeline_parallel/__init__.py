@@ -10,7 +10,13 @@
 """
 
 from meshwise.parallel.pipeline_parallel.executor import Event, PipelineExecutor, PipelineFailure, StepResult
-from meshwise.parallel.pipeline_parallel.partition import GPTChunk, chunks_of_rank, partition, tied_parameters
+from meshwise.parallel.pipeline_parallel.partition import (
+    GPTChunk,
+    chunk_parameters,
+    chunks_of_rank,
+    partition,
+    tied_parameters,
+)
 from meshwise.parallel.pipeline_parallel.schedules import SCHEDULES, Instruction, Op, Schedule, build_schedule
 from meshwise.parallel.pipeline_parallel.simulator import ScheduleError, simulate, theoretical_bubble
 
@@ -26,6 +32,7 @@ __all__ = [
     "ScheduleError",
     "StepResult",
     "build_schedule",
+    "chunk_parameters",
     "chunks_of_rank",
     "partition",
     "simulate",

@@ -98,7 +98,7 @@ class PipelineExecutor:
         self._split = SplitBackward(chunks) if schedule.split_backward else None
         self._shapes: dict[int, torch.Size] = {}  # chunk → shape of its output (hidden states)
         self._input_shape: torch.Size | None = None
-        self._params = [p for c in chunks for p in c.parameters()]
+        self._params = list({id(p): p for c in chunks for p in c.parameters()}.values())
 
     # ------------------------------------------------------------------ public
     def step(

@@ -149,6 +149,12 @@ def chunks_of_rank(chunks: Sequence[GPTChunk], rank: int, stages: int) -> list[G
     return list(chunks[rank::stages])
 
 
+def chunk_parameters(chunks: Sequence[nn.Module]) -> list[nn.Parameter]:
+    """The distinct parameters of a rank's chunks, for its optimizer: with one stage the head of the last
+    chunk *is* the embedding of the first, and an optimizer given it twice would step it twice."""
+    return list({id(p): p for c in chunks for p in c.parameters()}.values())
+
+
 def tied_parameters(local: Sequence[GPTChunk]) -> list[nn.Parameter]:
     """This rank's copies of the embedding/head matrix when the two ends are on different ranks."""
     firsts = [c for c in local if c.first]
