@@ -140,17 +140,24 @@ def _time(step: Callable[[], list], steps: int) -> tuple[list[float], list[list]
     return times, events
 
 
-def _worker(micro_batches: list[int], rounds: int, steps: int, timeline_dir: str | None) -> list[dict]:
+def _worker(
+    micro_batches: list[int],
+    schedules: list[str],
+    rounds: int,
+    steps: int,
+    warmup: int,
+    timeline_dir: str | None,
+) -> list[dict]:
     world = meshwise.init(backend="gloo")
     shm = ShmCommunicator(None)
     rows = []
     try:
         for m in micro_batches:
-            for schedule in TORCH_SCHEDULES:
+            for schedule in schedules:
                 contenders = _contenders(world.rank, m, schedule, shm, world.comm)
                 names = list(contenders)
                 for name in names:  # warm-up: shapes, allocator, first-call costs
-                    _time(contenders[name][0], 2)
+                    _time(contenders[name][0], warmup)
                 per_round: dict[str, list[float]] = {n: [] for n in names}
                 bubbles: list[float] = []
                 for r in range(rounds):
@@ -221,6 +228,8 @@ def _table(rows: list[dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--micro-batches", default="4,8", help="comma-separated m values (default 4,8)")
+    parser.add_argument("--schedules", default="gpipe,1f1b", help="comma-separated, of gpipe,1f1b")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per contender (default 2)")
     parser.add_argument("--rounds", type=int, default=5, help="rounds of every contender (default 5)")
     parser.add_argument(
         "--steps", type=int, default=3, help="timed steps per contender per round (default 3)"
@@ -229,7 +238,14 @@ def main() -> None:
     parser.add_argument("--timeline-dir", default=None, help="write pipeline_<schedule>_m<m>.{json,png} here")
     args = parser.parse_args()
     ms = [int(v) for v in args.micro_batches.split(",")]
-    rows = spawn(_worker, 2, args=(ms, args.rounds, args.steps, args.timeline_dir), timeout=1800)[0]
+    schedules = args.schedules.split(",")
+    unknown = set(schedules) - set(TORCH_SCHEDULES)
+    if unknown:
+        parser.error(
+            f"--schedules: {sorted(unknown)} not comparable; choose from {', '.join(TORCH_SCHEDULES)}"
+        )
+    work = (ms, schedules, args.rounds, args.steps, args.warmup, args.timeline_dir)
+    rows = spawn(_worker, 2, args=work, timeout=1800)[0]
     print(_table(rows))
     if args.json:
         Path(args.json).write_text(
