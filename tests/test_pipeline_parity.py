@@ -102,6 +102,19 @@ def _failure(comm) -> dict[str, object]:
     return {"message": "no failure", "seconds": time.monotonic() - start}
 
 
+def _bad_batch(comm, who: int, what: str) -> dict[str, object]:
+    """Rank ``who`` passes a bad batch on the first step: every rank must stop with the reason."""
+    executor, _ = pipeline_gpt(_reference(), comm, schedule="1f1b", micro_batches=4)
+    x, y = (micro_batches_of(t, 4) for t in _batch(0, MICRO * 4))
+    if comm.rank == who:
+        x, y = (None, y) if what == "inputs" else (x, y[:3])
+    try:
+        executor.step(x, y)
+    except PipelineFailure as failure:
+        return {"message": str(failure), "stage": failure.stage}
+    return {"message": "no failure", "stage": None}
+
+
 def _run(world: int) -> dict[str, object]:
     w = meshwise.init(backend="gloo", timeout=60)
     try:
@@ -118,8 +131,12 @@ def _run(world: int) -> dict[str, object]:
                 out[f"pp2xdp2-{schedule}"] = _compare(
                     mesh.pp, mesh.dp, schedule, 4, 1, dp_size=2, dp_rank=mesh.coordinates["dp"]
                 )
+        if world == 2:  # last: after a failure the pairs may hold messages nobody received
+            out["bad-targets"] = _bad_batch(w.comm, 1, "targets")
         if world == 3:
             out["failure"] = _failure(w.comm)
+        if world == 4:
+            out["bad-inputs"] = _bad_batch(w.comm, 0, "inputs")
         return out
     finally:
         meshwise.shutdown()
@@ -136,6 +153,13 @@ def test_pipeline_matches_one_process(world: int) -> None:
         # GPipe holds all m = 2p micro-batches' activations; 1F1B at most p − rank
         assert one_f["peak_bytes"] * 2 * world == gpipe["peak_bytes"] * (world - rank), (rank, one_f, gpipe)
         for name, worst in per_rank.items():
+            if name.startswith("bad-"):
+                assert worst["stage"] == (world - 1 if name == "bad-targets" else 0), (rank, worst)
+                if rank == worst["stage"]:
+                    assert ("needs 4 micro-batch targets, got 3" in worst["message"]) or (
+                        "needs 4 micro-batch inputs, got none" in worst["message"]
+                    ), worst
+                continue
             if name == "failure":
                 assert worst["stage"] == 1 and worst["micro_batch"] == 2, (rank, worst)
                 assert "stage 1 (chunk 1) failed on micro-batch 2" in worst["message"], worst

@@ -16,7 +16,9 @@ micro-batch where a failure started. A rank whose compute raises sends such a *p
 neighbours instead of the data they wait for; a rank that receives one forwards it and stops. Ranks past
 their last receive learn of it from a small status all-reduce (MAX over pp, then dp) that every rank joins
 at the end of each step. So every rank raises :class:`PipelineFailure` naming the stage and micro-batch
-within one message latency, and nobody sits in a receive until the timeout.
+within one message latency, and nobody sits in a receive until the timeout. Bad batches (a missing or
+short list of micro-batches, a new shape) fail the same way, on every rank. After a failure the pairs
+may still hold messages nobody received: build a new communicator (restart the job) before training on.
 """
 
 from __future__ import annotations
@@ -99,6 +101,7 @@ class PipelineExecutor:
         self._shapes: dict[int, torch.Size] = {}  # chunk → shape of its output (hidden states)
         self._input_shape: torch.Size | None = None
         self._params = list({id(p): p for c in chunks for p in c.parameters()}.values())
+        self._neighbours = {i.peer for i in schedule.ranks[self.rank] if i.peer is not None}
 
     # ------------------------------------------------------------------ public
     def step(
@@ -106,15 +109,11 @@ class PipelineExecutor:
     ) -> StepResult:
         """One optimizer step's forward and backward over ``m`` micro-batches; gradients accumulate in
         ``.grad``. ``inputs`` is needed on the rank of chunk 0, ``targets`` on the rank of the last chunk."""
-        m, last = self.schedule.micro_batches, self.schedule.chunks - 1
-        if 0 in self.chunks:
-            self._check_micro_batches("inputs", inputs, m)
-        if last in self.chunks:
-            self._check_micro_batches("targets", targets, m)
-        self._exchange_shapes(inputs[0].shape if 0 in self.chunks else None)  # type: ignore[index]
         run = _StepState(inputs, targets)
+        run.current = (min(self.chunks), 0)
         failure: PipelineFailure | None = None
         try:
+            self._check_step(inputs, targets)
             self._run(run)
         except PipelineFailure as remote:
             failure = remote
@@ -243,9 +242,8 @@ class PipelineExecutor:
         """Send every neighbour a message that says where the failure started."""
         if not self._shapes:
             return  # failed before any activation shape was known: the status all-reduce tells everyone
-        p = self.schedule.stages
         size = next(iter(self._shapes.values())).numel() + _HEADER  # every boundary has one shape
-        for peer in {(self.rank - 1) % p, (self.rank + 1) % p} - {self.rank, skip}:
+        for peer in self._neighbours - {skip}:
             buffer = torch.zeros(size, dtype=self.dtype)
             buffer[-_HEADER:] = torch.tensor([1.0, chunk, k], dtype=self.dtype)
             run.sends.append((self.pp.isend(buffer, peer), buffer))
@@ -293,41 +291,59 @@ class PipelineExecutor:
             loss = float(flat[-1].item())
         return loss
 
+    def _check_step(
+        self, inputs: Sequence[torch.Tensor] | None, targets: Sequence[torch.Tensor] | None
+    ) -> None:
+        """Inputs where chunk 0 lives, targets where the last chunk lives, one shape for every step.
+
+        Runs inside the failure protocol, so a bad batch on one rank stops every rank with its message.
+        """
+        m = self.schedule.micro_batches
+        problem = None
+        if 0 in self.chunks:
+            problem = _micro_batch_problem("inputs", inputs, m)
+        if problem is None and self.schedule.chunks - 1 in self.chunks:
+            problem = _micro_batch_problem("targets", targets, m)
+        shape = inputs[0].shape if 0 in self.chunks and problem is None else None  # type: ignore[index]
+        if not self._shapes:
+            self._exchange_shapes(shape)
+        elif problem is None and shape is not None and shape != self._input_shape:
+            problem = (
+                f"micro-batch shape changed from {tuple(self._input_shape or ())} to {tuple(shape)}; "
+                "build a new executor for a new shape"
+            )
+        if problem is not None:
+            raise ValueError(f"rank {self.rank}: {problem}")
+
     def _exchange_shapes(self, input_shape: torch.Size | None) -> None:
-        """Once: the output shape of every chunk, passed down the chain of chunks."""
-        if self._shapes:
-            if input_shape is not None and input_shape != self._input_shape:
-                raise ValueError(
-                    f"micro-batch shape changed from {tuple(self._input_shape or ())} to "
-                    f"{tuple(input_shape)}; build a new executor for a new shape"
-                )
-            return
+        """Once: the output shape of every chunk, passed down the chain of chunks.
+
+        A rank that cannot compute its shape sends ``ndim = −1`` instead and every rank downstream passes
+        it on, so all ranks finish the chain and then stop together (the status all-reduce).
+        """
         self._input_shape = input_shape
-        shape = input_shape
+        shape, broken = input_shape, 0 in self.chunks and input_shape is None  # chunk 0 got no inputs
         for c in range(self.schedule.chunks - 1):
             owner, receiver = self.schedule.owner(c), self.schedule.owner(c + 1)
             if owner == self.rank:
-                shape = self.chunks[c].output_shape(shape)  # type: ignore[operator]
-                self._shapes[c] = shape
+                shape = None if broken else self.chunks[c].output_shape(shape)  # type: ignore[operator]
                 if receiver != self.rank:
                     self.pp.send(_shape_tensor(shape), receiver)
             if receiver == self.rank and owner != self.rank:
                 meta = torch.empty(_MAX_DIMS + 1, dtype=torch.int64)
                 self.pp.recv(meta, owner)
-                shape = torch.Size(meta[1 : 1 + int(meta[0])].tolist())
+                broken = broken or int(meta[0]) < 0
+                shape = None if broken else torch.Size(meta[1 : 1 + int(meta[0])].tolist())
+            if shape is not None and self.rank in (owner, receiver):
                 self._shapes[c] = shape
+        if broken:  # every rank knows: no poison needed, and the next step exchanges again
+            self._shapes.clear()
+            if 0 not in self.chunks:
+                raise PipelineFailure(0, 0, 0, "the rank of chunk 0 could not start this step")
         if len(set(self._shapes.values())) > 1:
             raise ValueError(
                 f"pipeline chunks hand over different shapes {sorted(set(self._shapes.values()))}; "
                 "the executor needs one activation shape at every boundary"
-            )
-
-    def _check_micro_batches(self, what: str, values: Sequence[torch.Tensor] | None, m: int) -> None:
-        if values is None or len(values) != m:
-            got = "none" if values is None else len(values)
-            raise ValueError(
-                f"rank {self.rank} holds chunk 0 or the last chunk and needs {m} micro-batch "
-                f"{what}, got {got}"
             )
 
 
@@ -357,10 +373,21 @@ def _pack(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return buffer
 
 
-def _shape_tensor(shape: torch.Size) -> torch.Tensor:
+def _micro_batch_problem(what: str, values: Sequence[torch.Tensor] | None, m: int) -> str | None:
+    if values is None or len(values) != m:
+        got = "none" if values is None else len(values)
+        return f"this rank holds chunk 0 or the last chunk and needs {m} micro-batch {what}, got {got}"
+    return None
+
+
+def _shape_tensor(shape: torch.Size | None) -> torch.Tensor:
+    """``[ndim, d0, d1, …]``; ``ndim = −1`` says the sender could not start the step."""
+    meta = torch.zeros(_MAX_DIMS + 1, dtype=torch.int64)
+    if shape is None:
+        meta[0] = -1
+        return meta
     if len(shape) > _MAX_DIMS:
         raise ValueError(f"pipeline activations of {len(shape)} dims are not supported (at most {_MAX_DIMS})")
-    meta = torch.zeros(_MAX_DIMS + 1, dtype=torch.int64)
     meta[0] = len(shape)
     meta[1 : 1 + len(shape)] = torch.tensor(list(shape))
     return meta
