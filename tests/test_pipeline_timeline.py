@@ -48,9 +48,12 @@ def test_measured_bubble_of_unit_time_events_matches_simulator(name: str, p: int
 
 def test_chrome_trace_and_diagram(tmp_path) -> None:
     events = _unit_time_events("zb", 2, 3)
+    bubble = measured_bubble(events)
+    events.append(Event(1, "wait", 0, 1, 0.0, 1.0))  # rank 1 waits for F0's activation: still idle time
+    assert measured_bubble(events) == bubble
     trace = json.loads(json.dumps(chrome_trace(events)))
     boxes = [e for e in trace["traceEvents"] if e["ph"] == "X"]
-    assert len(boxes) == 2 * 3 * 3  # F, B, W of 3 micro-batches on 2 ranks
+    assert len(boxes) == 2 * 3 * 3 + 1  # F, B, W of 3 micro-batches on 2 ranks, and the wait
     assert {e["tid"] for e in boxes} == {0, 1}
     first = min(boxes, key=lambda e: e["ts"])
     assert (first["name"], first["ts"], first["dur"]) == ("F0", 0.0, 1e6)

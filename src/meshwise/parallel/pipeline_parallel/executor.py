@@ -36,6 +36,7 @@ from meshwise.parallel.pipeline_parallel.split_backward import SplitBackward, Sp
 
 _HEADER = 3  # status, chunk, micro-batch
 _MAX_DIMS = 8
+_WAIT_WORTH_RECORDING = 20e-6  # seconds; shorter receive waits would only clutter the trace
 
 
 class PipelineFailure(RuntimeError):
@@ -49,7 +50,8 @@ class PipelineFailure(RuntimeError):
 
 @dataclass(frozen=True)
 class Event:
-    """One compute instruction as it ran: seconds since the step started on this rank."""
+    """One compute instruction (F, B, W) or a wait for a receive ("wait") as it ran: seconds since the
+    step started on this rank."""
 
     rank: int
     op: str
@@ -224,7 +226,13 @@ class PipelineExecutor:
                 recvs.append((ins, buffer, self.pp.irecv(buffer, ins.peer)))  # type: ignore[arg-type]
         for ins, buffer, work in recvs:
             run.current = (ins.chunk, ins.micro_batch)
+            start = time.perf_counter()
             work.wait()
+            end = time.perf_counter()
+            if end - start > _WAIT_WORTH_RECORDING:
+                run.events.append(
+                    Event(self.rank, "wait", ins.micro_batch, ins.chunk, start - run.t0, end - run.t0)
+                )
             status, chunk, k = buffer[-_HEADER:].tolist()
             if status:
                 run.poison_from = ins.peer

@@ -1,5 +1,8 @@
 """Where a pipeline step's time went: Chrome/Perfetto trace, the classic diagram, the measured bubble.
 
+The trace shows compute (F, B, W) and the receive waits longer than 20 µs, so a stage stalled by its
+neighbour is told apart from one with nothing scheduled.
+
 Events are the executor's per-instruction timestamps (seconds since each rank entered the step; the step
 before ends in an all-reduce, so the ranks' origins agree to within a message latency on one host). The
 measured bubble is the idle share of the step, 1 − mean(busy)/span, where span runs from the first
@@ -17,11 +20,14 @@ import torch
 from meshwise.comm.api import Communicator
 from meshwise.parallel.pipeline_parallel.executor import Event
 
-_OPS = ("F", "B", "W")
+_OPS = ("F", "B", "W", "wait")
+COMPUTE_OPS = ("F", "B", "W")
 
 
 def measured_bubble(events: Sequence[Event]) -> float:
-    """Idle fraction of the step averaged over the ranks that appear in ``events``."""
+    """Idle fraction of the step averaged over the ranks that appear in ``events`` (waiting for a
+    receive counts as idle)."""
+    events = [e for e in events if e.op in COMPUTE_OPS]
     if not events:
         return 0.0
     span = max(e.end for e in events) - min(e.start for e in events)
@@ -57,7 +63,8 @@ def write_trace(events: Sequence[Event], path: str | Path) -> None:
 
 
 def draw(events: Sequence[Event], path: str | Path, *, title: str, theory: float | None = None) -> None:
-    """One row per rank, F/B/W boxes coloured by micro-batch (B hatched, W pale), idle time left blank."""
+    """One row per rank, F/B/W boxes coloured by micro-batch (B hatched, W pale), idle time left blank
+    (receive waits as a thin grey line under the row)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -69,6 +76,11 @@ def draw(events: Sequence[Event], path: str | Path, *, title: str, theory: float
     fig, ax = plt.subplots(figsize=(12, 0.6 * len(ranks) + 1.6))
     origin = min((e.start for e in events), default=0.0)
     for e in events:
+        if e.op == "wait":
+            ax.plot(
+                [(e.start - origin) * 1e3, (e.end - origin) * 1e3], [e.rank + 0.45] * 2, color="grey", lw=2
+            )
+            continue
         style = {"F": {}, "B": {"hatch": "//"}, "W": {"alpha": 0.45}}[e.op]
         left, width = (e.start - origin) * 1e3, (e.end - e.start) * 1e3
         ax.barh(
