@@ -50,8 +50,8 @@ class PipelineFailure(RuntimeError):
 
 @dataclass(frozen=True)
 class Event:
-    """One compute instruction (F, B, W) or a wait for a receive ("wait") as it ran: seconds since the
-    step started on this rank."""
+    """One compute instruction (F, B, W) or a wait for a receive ("wait") as it ran, in wall-clock
+    seconds (so ranks line up: exactly on one host, to NTP's precision across hosts)."""
 
     rank: int
     op: str
@@ -139,7 +139,7 @@ class PipelineExecutor:
     # ------------------------------------------------------------------ schedule
     def _run(self, run: _StepState) -> None:
         program = self.schedule.ranks[self.rank]
-        run.t0 = time.perf_counter()
+        run.t0 = time.perf_counter() - time.time()  # perf_counter() - t0: wall clock, perf_counter resolution
         i = 0
         while i < len(program):
             j = i

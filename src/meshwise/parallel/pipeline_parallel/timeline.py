@@ -3,8 +3,8 @@
 The trace shows compute (F, B, W) and the receive waits longer than 20 µs, so a stage stalled by its
 neighbour is told apart from one with nothing scheduled.
 
-Events are the executor's per-instruction timestamps (seconds since each rank entered the step; the step
-before ends in an all-reduce, so the ranks' origins agree to within a message latency on one host). The
+Events are the executor's per-instruction timestamps in wall-clock seconds (monotonic-clock resolution),
+so every rank's row shares one time axis: exactly on one host, to NTP's precision across hosts. The
 measured bubble is the idle share of the step, 1 − mean(busy)/span, where span runs from the first
 instruction on any rank to the last: the same quantity the simulator's unit-time bubble predicts.
 """
@@ -42,6 +42,7 @@ def chrome_trace(events: Sequence[Event]) -> dict:
         {"name": "thread_name", "ph": "M", "pid": 0, "tid": rank, "args": {"name": f"pp rank {rank}"}}
         for rank in sorted({e.rank for e in events})
     ]
+    origin = min((e.start for e in events), default=0.0)
     for e in events:
         trace.append(
             {
@@ -50,7 +51,7 @@ def chrome_trace(events: Sequence[Event]) -> dict:
                 "ph": "X",
                 "pid": 0,
                 "tid": e.rank,
-                "ts": e.start * 1e6,
+                "ts": (e.start - origin) * 1e6,
                 "dur": (e.end - e.start) * 1e6,
                 "args": {"micro_batch": e.micro_batch, "chunk": e.chunk},
             }
