@@ -11,8 +11,11 @@ processes hold:
 Each round times ``--steps`` training steps (zero_grad, pipeline step, SGD) of every contender in turn,
 the order rotating each round; a step's time is the slower rank's. Reported: median step time, the median
 of per-round ratios to torch with the same schedule and m, our measured bubble (median over the steps of
-the last round) next to the theory (p−1)/(m+p−1), and the peak bytes of activations autograd holds on
-stage 0 (tensors saved for backward, parameters excluded; same accounting for both libraries).
+the last round) next to the theory (p−1)/(m+p−1) and to the *replayed* bubble (the schedule re-run in
+the simulator with the measured op times and free messages: measured − replay is what messages,
+overheads and a busy machine cost; replay − theory is what uneven op times cost), and the peak bytes
+of activations autograd holds on stage 0 (tensors saved for backward, parameters excluded; same
+accounting for both libraries).
 
     python benchmarks/bench_pipeline.py --json benchmarks/results/pipeline.json \
         --timeline-dir benchmarks/results
@@ -37,7 +40,13 @@ from meshwise.comm.shm import ShmCommunicator
 from meshwise.models.gpt import GPT, GPTConfig
 from meshwise.parallel.pipeline_parallel import chunk_parameters, partition, theoretical_bubble
 from meshwise.parallel.pipeline_parallel.builder import micro_batches_of, pipeline_gpt
-from meshwise.parallel.pipeline_parallel.timeline import draw, gather_events, measured_bubble, write_trace
+from meshwise.parallel.pipeline_parallel.timeline import (
+    draw,
+    gather_events,
+    measured_bubble,
+    replay_bubble,
+    write_trace,
+)
 from meshwise.runtime.spawn import spawn
 
 CONFIG = GPTConfig(layers=4, hidden=64, heads=4, seq_len=64, vocab=256)  # gpt-tiny
@@ -160,6 +169,7 @@ def _worker(
                     _time(contenders[name][0], warmup)
                 per_round: dict[str, list[float]] = {n: [] for n in names}
                 bubbles: list[float] = []
+                replays: list[float] = []
                 for r in range(rounds):
                     for name in names[r % len(names) :] + names[: r % len(names)]:
                         times, events = _time(contenders[name][0], steps)
@@ -168,6 +178,8 @@ def _worker(
                             gathered = [gather_events(world.comm, e) for e in events]
                             if world.rank == 0:
                                 bubbles = [measured_bubble(g) for g in gathered]  # type: ignore[arg-type]
+                                plan = contenders[name][2].schedule
+                                replays = [replay_bubble(plan, g) for g in gathered]  # type: ignore[arg-type]
                                 _save_timeline(timeline_dir, schedule, m, gathered[-1])  # type: ignore[arg-type]
                 for name in names:
                     base = per_round["torch/gloo"]
@@ -181,9 +193,8 @@ def _worker(
                                 a / b for a, b in zip(per_round[name], base, strict=True)
                             ),
                             "stage0_peak_activation_bytes": contenders[name][1].peak,
-                            "bubble_measured": statistics.median(bubbles)
-                            if bubbles and name == "meshwise/gloo"
-                            else None,
+                            "bubble_measured": _median_if(bubbles, name == "meshwise/gloo"),
+                            "bubble_replayed": _median_if(replays, name == "meshwise/gloo"),
                             "bubble_theory": theoretical_bubble(2, m),
                         }
                     )
@@ -209,18 +220,26 @@ def _save_timeline(directory: str | None, schedule: str, m: int, events: list) -
     )
 
 
+def _median_if(values: list[float], wanted: bool) -> float | None:
+    return statistics.median(values) if values and wanted else None
+
+
+def _percent(value: float | None) -> str:
+    return "" if value is None else f"{value:.1%}"
+
+
 def _table(rows: list[dict]) -> str:
     lines = [
         f"{'schedule':>8} {'m':>3} {'contender':>14} {'step ms':>9} {'vs torch':>9} {'target':>7} "
-        f"{'stage0 act MiB':>15} {'bubble':>7} {'theory':>7}"
+        f"{'stage0 act MiB':>15} {'bubble':>7} {'replay':>7} {'theory':>7}"
     ]
     for r in rows:
         target = TARGETS.get(r["contender"])
-        bubble = "" if r["bubble_measured"] is None else f"{r['bubble_measured']:.1%}"
         lines.append(
             f"{r['schedule']:>8} {r['micro_batches']:>3} {r['contender']:>14} {r['step_ms']:>9.1f} "
             f"{r['ratio_vs_torch']:>8.2f}x {('≤' + format(target, '.1f')) if target else '':>7} "
-            f"{r['stage0_peak_activation_bytes'] / 2**20:>15.2f} {bubble:>7} {r['bubble_theory']:>7.1%}"
+            f"{r['stage0_peak_activation_bytes'] / 2**20:>15.2f} {_percent(r['bubble_measured']):>7} "
+            f"{_percent(r['bubble_replayed']):>7} {r['bubble_theory']:>7.1%}"
         )
     return "\n".join(lines)
 

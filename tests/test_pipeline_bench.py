@@ -25,5 +25,6 @@ def test_bench_pipeline_writes_every_contender(tmp_path):
     assert all(r["step_ms"] > 0 and r["stage0_peak_activation_bytes"] > 0 for r in rows)
     ours = [r for r in rows if r["contender"] == "meshwise/gloo"]
     assert all(0 <= r["bubble_measured"] < 1 and r["bubble_theory"] == 1 / 3 for r in ours)
+    assert all(0 <= r["bubble_replayed"] <= r["bubble_measured"] + 1e-9 for r in ours)
     assert (tmp_path / "pipeline_1f1b_m2.png").exists() and (tmp_path / "pipeline_1f1b_m2.json").exists()
     assert "torch/gloo" in done.stdout

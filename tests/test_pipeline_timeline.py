@@ -9,7 +9,7 @@ import pytest
 from meshwise.parallel.pipeline_parallel import Event, build_schedule, simulate, theoretical_bubble
 from meshwise.parallel.pipeline_parallel.schedules import COMPUTE, Op
 from meshwise.parallel.pipeline_parallel.simulator import cost
-from meshwise.parallel.pipeline_parallel.timeline import chrome_trace, draw, measured_bubble
+from meshwise.parallel.pipeline_parallel.timeline import chrome_trace, draw, measured_bubble, replay_bubble
 
 
 def _unit_time_events(name: str, p: int, m: int) -> list[Event]:
@@ -44,6 +44,12 @@ def test_measured_bubble_of_unit_time_events_matches_simulator(name: str, p: int
     assert measured_bubble(events) == pytest.approx(simulate(build_schedule(name, p, m)).bubble)
     if name != "zb":
         assert measured_bubble(events) == pytest.approx(theoretical_bubble(p, m))
+    # replaying the measured op times through the schedule reproduces a perfect run
+    assert replay_bubble(build_schedule(name, p, m), events) == pytest.approx(measured_bubble(events))
+    # the same run with rank 0 descheduled for 5 units before its first forward: a loss replay excludes
+    late = [Event(e.rank, e.op, e.micro_batch, e.chunk, e.start + 5, e.end + 5) for e in events]
+    late[0] = Event(0, "F", 0, 0, 0.0, 1.0)  # F0 itself ran on time; everything after it slipped by 5
+    assert measured_bubble(late) > replay_bubble(build_schedule(name, p, m), late)
 
 
 def test_chrome_trace_and_diagram(tmp_path) -> None:

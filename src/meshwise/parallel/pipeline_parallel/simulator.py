@@ -50,9 +50,22 @@ def cost(op: Op, split_backward: bool) -> float:
     return 1.0 if op in COMPUTE else 0.0
 
 
-def simulate(schedule: Schedule) -> Simulation:
-    """Execute ``schedule`` in unit time; raise :class:`ScheduleError` when it is not sound."""
+Durations = dict[tuple[str, int, int], float]  # (op letter, micro-batch, chunk) → seconds
+
+
+def simulate(schedule: Schedule, durations: Durations | None = None) -> Simulation:
+    """Execute ``schedule`` in unit time; raise :class:`ScheduleError` when it is not sound.
+
+    With ``durations`` (e.g. measured ones, see :func:`timeline.replay_bubble`) each compute takes its
+    own time instead: the makespan a perfect executor with free messages would reach on those ops.
+    """
     _check_complete(schedule)
+
+    def duration(ins: Instruction) -> float:
+        if durations is None or ins.op not in COMPUTE:
+            return cost(ins.op, schedule.split_backward)
+        return durations[(ins.op.value, ins.micro_batch, ins.chunk)]
+
     p = schedule.stages
     clock = [0.0] * p
     position = [0] * p
@@ -79,7 +92,7 @@ def simulate(schedule: Schedule) -> Simulation:
                     arrived.add((ins.op, ins.micro_batch, ins.chunk))
                 else:
                     start = max(clock[r], _ready_at(schedule, ins, finished, arrived, r))
-                    clock[r] = start + cost(ins.op, schedule.split_backward)
+                    clock[r] = start + duration(ins)
                     finished[(ins.op, ins.micro_batch, ins.chunk)] = clock[r]
                     releases = Op.WEIGHT if schedule.split_backward else Op.BACKWARD
                     held[r] += ins.op is Op.FORWARD
@@ -91,7 +104,7 @@ def simulate(schedule: Schedule) -> Simulation:
     if blocked:
         waits = ", ".join(f"rank {r} at {schedule.ranks[r][position[r]]}" for r in blocked)
         raise ScheduleError(f"{schedule.name}: deadlock, every remaining rank waits on a receive: {waits}")
-    busy = tuple(sum(cost(i.op, schedule.split_backward) for i in program) for program in schedule.ranks)
+    busy = tuple(sum(duration(i) for i in program) for program in schedule.ranks)
     return Simulation(max(clock), busy, tuple(peak))
 
 

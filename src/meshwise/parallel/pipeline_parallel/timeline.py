@@ -1,7 +1,8 @@
 """Where a pipeline step's time went: Chrome/Perfetto trace, the classic diagram, the measured bubble.
 
 The trace shows compute (F, B, W) and the receive waits longer than 20 µs, so a stage stalled by its
-neighbour is told apart from one with nothing scheduled.
+neighbour is told apart from one with nothing scheduled; :func:`replay_bubble` splits the gap between the
+measured and the theoretical bubble into what uneven op times cost and what messages and overheads cost.
 
 Events are the executor's per-instruction timestamps in wall-clock seconds (monotonic-clock resolution),
 so every rank's row shares one time axis: exactly on one host, to NTP's precision across hosts. The
@@ -19,6 +20,8 @@ import torch
 
 from meshwise.comm.api import Communicator
 from meshwise.parallel.pipeline_parallel.executor import Event
+from meshwise.parallel.pipeline_parallel.schedules import Schedule
+from meshwise.parallel.pipeline_parallel.simulator import simulate
 
 _OPS = ("F", "B", "W", "wait")
 COMPUTE_OPS = ("F", "B", "W")
@@ -34,6 +37,17 @@ def measured_bubble(events: Sequence[Event]) -> float:
     ranks = {e.rank for e in events}
     busy = sum(e.end - e.start for e in events)
     return 1.0 - busy / (len(ranks) * span) if span > 0 else 0.0
+
+
+def replay_bubble(schedule: Schedule, events: Sequence[Event]) -> float:
+    """The bubble a perfect executor would leave with these measured op times and free messages.
+
+    Measured minus replayed is what the run lost to messages and to time spent outside the schedule
+    (overheads, or a busy machine descheduling a rank); replayed minus theory is what uneven op times
+    (unbalanced stages, B ≠ 2F) cost.
+    """
+    durations = {(e.op, e.micro_batch, e.chunk): e.end - e.start for e in events if e.op in COMPUTE_OPS}
+    return simulate(schedule, durations).bubble
 
 
 def chrome_trace(events: Sequence[Event]) -> dict:
