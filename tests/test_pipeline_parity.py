@@ -131,11 +131,12 @@ def _run(world: int) -> dict[str, object]:
                 out[f"pp2xdp2-{schedule}"] = _compare(
                     mesh.pp, mesh.dp, schedule, 4, 1, dp_size=2, dp_rank=mesh.coordinates["dp"]
                 )
-        if world == 2:  # last: after a failure the pairs may hold messages nobody received
+        # one failure per spawn, last: afterwards the pairs may hold messages nobody received
+        if world == 2:
             out["bad-targets"] = _bad_batch(w.comm, 1, "targets")
-        if world == 3:
+        elif world == 3:
             out["failure"] = _failure(w.comm)
-        if world == 4:
+        else:
             out["bad-inputs"] = _bad_batch(w.comm, 0, "inputs")
         return out
     finally:
