@@ -66,6 +66,10 @@ def _compare(pp, dp, schedule: str, m: int, v: int, dp_size: int = 1, dp_rank: i
             for name, param in chunk.named_parameters():
                 ref = ref_params["wte.weight" if name == "head.weight" else name]
                 worst["weight"] = max(worst["weight"], (param - ref).abs().max().item())
+    x, y = _batch(STEPS, 3)  # evaluation: one batch of another size through every stage, no backward
+    with torch.no_grad():
+        expected = language_model_loss(reference(x), y).item()
+    worst["eval"] = abs(executor.forward_only(x, y, language_model_loss) - expected)
     executor.close()
     return worst
 
@@ -169,3 +173,4 @@ def test_pipeline_matches_one_process(world: int) -> None:
             assert worst["loss"] < TOLERANCE, (rank, name, worst)
             assert worst["grad"] < TOLERANCE, (rank, name, worst)
             assert worst["weight"] < TOLERANCE, (rank, name, worst)
+            assert worst["eval"] < TOLERANCE, (rank, name, worst)

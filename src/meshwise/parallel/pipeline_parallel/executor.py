@@ -39,6 +39,9 @@ _MAX_DIMS = 8
 _WAIT_WORTH_RECORDING = 20e-6  # seconds; shorter receive waits would only clutter the trace
 
 
+_LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
 class PipelineFailure(RuntimeError):
     """A stage failed; every rank of the pipeline raises this, naming where it started."""
 
@@ -81,7 +84,7 @@ class PipelineExecutor:
         chunks: Sequence[nn.Module],
         schedule: Schedule,
         pp: Communicator,
-        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        loss_fn: _LossFn,
         *,
         dp: Communicator | None = None,
         tied: Sequence[torch.Tensor] = (),
@@ -131,6 +134,35 @@ class PipelineExecutor:
         self._wait_all(run.sends)
         loss = self._sync_gradients(loss)
         return StepResult(loss, run.events, run.peak_bytes)
+
+    @torch.no_grad()
+    def forward_only(
+        self, inputs: torch.Tensor | None, targets: torch.Tensor | None, loss_fn: _LossFn
+    ) -> float:
+        """``loss_fn(output, targets)`` of one batch pushed once through every chunk (evaluation), known
+        on every rank. Shapes travel with each batch, so the batch may differ from the training one."""
+        last = self.schedule.chunks - 1
+        x, value = inputs, torch.zeros(1, dtype=torch.float64)
+        sends: list[tuple[Work, torch.Tensor]] = []
+        for c in range(self.schedule.chunks):
+            owner = self.schedule.owner(c)
+            if owner != self.rank:
+                continue
+            if c > 0 and self.schedule.owner(c - 1) != self.rank:
+                meta = torch.empty(_MAX_DIMS + 1, dtype=torch.int64)
+                self.pp.recv(meta, self.schedule.owner(c - 1))
+                x = torch.empty(meta[1 : 1 + int(meta[0])].tolist(), dtype=self.dtype)
+                self.pp.recv(x, self.schedule.owner(c - 1))
+            x = self.chunks[c](x)
+            if c == last:
+                value[0] = float(loss_fn(x, targets))  # type: ignore[arg-type]
+            elif self.schedule.owner(c + 1) != self.rank:
+                x = x.to(self.dtype).contiguous()
+                for message in (_shape_tensor(x.shape), x):
+                    sends.append((self.pp.isend(message, self.schedule.owner(c + 1)), message))
+        self._wait_all(sends)
+        self.pp.broadcast(value, root=self.schedule.owner(last))
+        return float(value.item())
 
     def close(self) -> None:
         if self._split is not None:
