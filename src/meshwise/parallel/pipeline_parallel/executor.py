@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from meshwise.comm.api import Communicator, ReduceOp, Work
+from meshwise.parallel.pipeline_parallel.partition import chunk_parameters
 from meshwise.parallel.pipeline_parallel.schedules import Instruction, Op, Schedule
 from meshwise.parallel.pipeline_parallel.split_backward import SplitBackward, SplitRecord
 
@@ -105,7 +106,7 @@ class PipelineExecutor:
         self._split = SplitBackward(chunks) if schedule.split_backward else None
         self._shapes: dict[int, torch.Size] = {}  # chunk → shape of its output (hidden states)
         self._input_shape: torch.Size | None = None
-        self._params = list({id(p): p for c in chunks for p in c.parameters()}.values())
+        self._params = chunk_parameters(chunks)
         self._neighbours = {i.peer for i in schedule.ranks[self.rank] if i.peer is not None}
 
     # ------------------------------------------------------------------ public
