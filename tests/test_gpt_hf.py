@@ -68,8 +68,16 @@ def test_transformers_gpt2_loads_with_equal_logits_and_round_trips(tmp_path, saf
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(1)
-    hf_config = GPT2Config(vocab_size=50, n_positions=16, n_embd=32, n_layer=2, n_head=4,
-                           resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    hf_config = GPT2Config(
+        vocab_size=50,
+        n_positions=16,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     reference = GPT2LMHeadModel(hf_config).eval()
     with torch.no_grad():
         for p in reference.parameters():

@@ -86,8 +86,9 @@ def config_from_state_dict(state: dict[str, torch.Tensor], heads: int) -> GPTCon
         raise ValueError("not a GPT-2 state dict: no wte.weight / wpe.weight (token and position tables)")
     vocab, hidden = state["wte.weight"].shape
     layers = len({key.split(".")[1] for key in state if key.startswith("h.")})
-    return GPTConfig(layers=layers, hidden=hidden, heads=heads, seq_len=state["wpe.weight"].shape[0],
-                     vocab=vocab).validate()
+    return GPTConfig(
+        layers=layers, hidden=hidden, heads=heads, seq_len=state["wpe.weight"].shape[0], vocab=vocab
+    ).validate()
 
 
 def from_hf_state_dict(state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
@@ -121,9 +122,9 @@ def to_hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
     out = {f"transformer.{key}": state[key] for key in plain}
     for i in range(config.layers):
         ours, theirs = f"blocks.{i}.", f"transformer.h.{i}."
-        out[theirs + "attn.c_attn.weight"] = torch.cat(
-            [state[f"{ours}attn.{n}.weight"] for n in ("q", "k", "v")]
-        ).t().contiguous()
+        out[theirs + "attn.c_attn.weight"] = (
+            torch.cat([state[f"{ours}attn.{n}.weight"] for n in ("q", "k", "v")]).t().contiguous()
+        )
         out[theirs + "attn.c_attn.bias"] = torch.cat([state[f"{ours}attn.{n}.bias"] for n in ("q", "k", "v")])
         for hf, mine in _CONV1D.items():
             out[f"{theirs}{hf}.weight"] = state[f"{ours}{mine}.weight"].t().contiguous()
@@ -158,10 +159,19 @@ def save_hf_gpt2(model: GPT, directory: str | Path) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     c = model.config
     config = {
-        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": c.vocab,
-        "n_positions": c.seq_len, "n_embd": c.hidden, "n_layer": c.layers, "n_head": c.heads,
-        "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5, "tie_word_embeddings": True,
-        "resid_pdrop": c.dropout, "embd_pdrop": c.dropout, "attn_pdrop": c.dropout,
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": c.vocab,
+        "n_positions": c.seq_len,
+        "n_embd": c.hidden,
+        "n_layer": c.layers,
+        "n_head": c.heads,
+        "activation_function": "gelu_new",
+        "layer_norm_epsilon": 1e-5,
+        "tie_word_embeddings": True,
+        "resid_pdrop": c.dropout,
+        "embd_pdrop": c.dropout,
+        "attn_pdrop": c.dropout,
     }
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     state = to_hf_state_dict(model)
