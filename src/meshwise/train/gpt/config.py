@@ -43,7 +43,7 @@ class GPTTrainConfig:
     global_batch: int = 16
     micro_batch: int | None = None
     lr: float = 2e-3
-    warmup: int = 20
+    warmup: int | None = None  # default: a tenth of the steps
     min_lr: float = 1e-4
     weight_decay: float = 0.1
     grad_clip: float = 1.0
@@ -85,6 +85,10 @@ class GPTTrainConfig:
 
     def per_rank_micro_batch(self, dp: int) -> int:
         return self.micro_batch if self.micro_batch is not None else self.global_batch // dp
+
+    @property
+    def warmup_steps(self) -> int:
+        return self.warmup if self.warmup is not None else self.steps // 10
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -160,9 +164,9 @@ class GPTTrainConfig:
                 raise ValueError(f"{flag} must be a positive number, got {value}")
         if self.min_lr > self.lr:
             raise ValueError(f"--min-lr {self.min_lr} is above --lr {self.lr}: the cosine decays to it")
-        if not 0 <= self.warmup < self.steps:
+        if not 0 <= self.warmup_steps < self.steps:
             raise ValueError(
-                f"--warmup must be in 0..{self.steps - 1} (fewer than --steps), got {self.warmup}"
+                f"--warmup must be in 0..{self.steps - 1} (fewer than --steps), got {self.warmup_steps}"
             )
         if not (math.isfinite(self.grad_clip) and self.grad_clip >= 0):
             raise ValueError(f"--grad-clip must be ≥ 0 (0 turns clipping off), got {self.grad_clip}")

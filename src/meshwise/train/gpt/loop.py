@@ -58,6 +58,7 @@ class GPTTrainer:
         self.step_runner = parallelize(model, self.mesh, config)
         self.history: list[StepStats] = []
         self.first_step = 0
+        self.initial_val_loss: float | None = None  # before the first step: the baseline learning beats
         self.checkpoint_path: str | None = None
         if config.resume:
             self._restore()
@@ -92,6 +93,7 @@ class GPTTrainer:
         self.step_runner.load_state_dict(state)
         self.first_step = int(run["step"])
         self.history = [StepStats(**s) for s in run["history"]]
+        self.initial_val_loss = run["initial_val_loss"]
 
     # ------------------------------------------------------------------ steps
     def micro_batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -109,7 +111,7 @@ class GPTTrainer:
         """One optimizer step (0-based ``step``); the returned loss is the global batch's mean."""
         config, runner = self.config, self.step_runner
         started = time.perf_counter()
-        lr = lr_at(step, lr=config.lr, min_lr=config.min_lr, warmup=config.warmup, steps=config.steps)
+        lr = lr_at(step, lr=config.lr, min_lr=config.min_lr, warmup=config.warmup_steps, steps=config.steps)
         for group in runner.optimizer.param_groups:
             group["lr"] = lr
         runner.optimizer.zero_grad(set_to_none=True)
@@ -168,6 +170,8 @@ class GPTTrainer:
                 f"{'s' if world.world_size > 1 else ''} × {world.device} over {world.backend}, "
                 f"global batch {config.global_batch} × {self.seq_len}"
             )
+        if self.first_step == 0:
+            self.initial_val_loss = self.evaluate()
         started = time.perf_counter()
         with Progress(
             TextColumn("{task.description}"),

@@ -41,6 +41,7 @@ class GPTResult:
     seq_len: int
     steps: int
     first_step: int  # 0, or the step a resumed run continued from
+    initial_val_loss: float | None  # before any training
     history: tuple[StepStats, ...]
     flops_per_token: int
     peak_flops: float  # all ranks together
@@ -65,7 +66,9 @@ class GPTResult:
 
     @property
     def val_losses(self) -> list[tuple[int, float]]:
-        return [(s.step, s.val_loss) for s in self.history if s.val_loss is not None]
+        """(step, validation loss) pairs, step 0 being the untrained model."""
+        start = [] if self.initial_val_loss is None else [(0, self.initial_val_loss)]
+        return start + [(s.step, s.val_loss) for s in self.history if s.val_loss is not None]
 
     def summary(self) -> str:
         lines = ["", "===== GPT TRAINING SUMMARY ====="]
