@@ -74,6 +74,7 @@ def save(
         for old in Path(directory).glob("step-*"):
             if old != target:
                 shutil.rmtree(old, ignore_errors=True)
+    barrier()  # on return, on every rank, run.json names this step
     return target
 
 

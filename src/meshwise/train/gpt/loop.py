@@ -71,10 +71,12 @@ class GPTTrainer:
             "model": asdict(self.model_config),
             "run": run | {"train_seq_len": self.seq_len},
             "world_size": self.world.world_size,
+            "initial_val_loss": self.initial_val_loss,
             "history": [asdict(s) for s in self.history],
         }
 
-    def _save(self, step: int) -> None:
+    def save_checkpoint(self, step: int) -> None:
+        """Collective: write the DCP checkpoint of ``step`` steps completed."""
         assert self.config.checkpoint is not None
         path = checkpoint.save(
             self.config.checkpoint,
@@ -198,7 +200,7 @@ class GPTTrainer:
                     if world.is_main:
                         progress.console.print(step_line(stats, config.steps, mfu))
                     if config.checkpoint is not None:
-                        self._save(step + 1)
+                        self.save_checkpoint(step + 1)
         text = self.sample(config.sample) if config.sample and world.is_main else None
         return GPTResult(
             model=config.config,
