@@ -217,6 +217,7 @@ class GPTTrainer:
             seq_len=self.seq_len,
             steps=config.steps,
             first_step=self.first_step,
+            initial_val_loss=self.initial_val_loss,
             history=tuple(self.history),
             flops_per_token=flops,
             peak_flops=peak,
