@@ -46,7 +46,12 @@ def add_parser(models: argparse._SubParsersAction) -> None:
     )
     for flag in ("layers", "hidden", "heads", "vocab"):
         model.add_argument(f"--{flag}", type=int, default=None, help=f"override the config's {flag}")
-    model.add_argument("--seq-len", type=int, default=None, help="training context (default: the config's)")
+    model.add_argument(
+        "--seq-len",
+        type=int,
+        default=None,
+        help="training context (default: the config's; at most 128 on a CPU)",
+    )
     run = parser.add_argument_group("optimisation")
     run.add_argument("--steps", type=int, default=d["steps"], help="optimizer steps (default %(default)s)")
     run.add_argument(

@@ -21,6 +21,8 @@ from meshwise.runtime.env import plan_ranks
 from meshwise.train.config import COMM_TIMEOUT_CAP
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+#: Default training context on a CPU: a longer one makes the default run take far more than minutes.
+CPU_SEQ_LEN = 128
 
 
 @dataclass(frozen=True)
@@ -37,10 +39,10 @@ class GPTTrainConfig:
     layers: int | None = None
     hidden: int | None = None
     heads: int | None = None
-    seq_len: int | None = None
+    seq_len: int | None = None  # default: the config's context (at most CPU_SEQ_LEN on a CPU)
     vocab: int | None = None
-    steps: int = 150
-    global_batch: int = 16
+    steps: int = 100
+    global_batch: int = 8
     micro_batch: int | None = None
     lr: float = 2e-3
     warmup: int | None = None  # default: a tenth of the steps
@@ -49,7 +51,7 @@ class GPTTrainConfig:
     grad_clip: float = 1.0
     dtype: str = "fp32"
     data: str | None = None
-    eval_every: int = 50
+    eval_every: int = 25
     eval_windows: int = 64
     checkpoint: str | None = None
     resume: bool = False
@@ -71,7 +73,10 @@ class GPTTrainConfig:
 
     @property
     def train_seq_len(self) -> int:
-        return self.seq_len if self.seq_len is not None else self.model_config.seq_len
+        if self.seq_len is not None:
+            return self.seq_len
+        on_gpu = self.device == "cuda" or (self.device is None and torch.cuda.is_available())
+        return self.model_config.seq_len if on_gpu else min(self.model_config.seq_len, CPU_SEQ_LEN)
 
     def world_size(self) -> int:
         return plan_ranks(self.nproc, default=1).world_size
