@@ -110,10 +110,10 @@ def test_data_parallel_with_accumulation_matches_one_process(text: str, ranks: i
 def _resume(data: str, root: str) -> dict[str, object]:
     world = meshwise.init("gloo", timeout=60)
     try:
-        straight = GPTTrainer(world, _tiny(data, steps=6, eval_every=3))
-        for step in range(6):
-            straight.train_step(step)
-        config = _tiny(data, steps=6, eval_every=3, checkpoint=root)
+        small = {"steps": 6, "eval_every": 3, "global_batch": 4, "micro_batch": None}
+        straight = GPTTrainer(world, _tiny(data, **small))
+        expected = [straight.train_step(step).loss for step in range(6)]
+        config = _tiny(data, **small, checkpoint=root)
         interrupted = GPTTrainer(world, config)
         for step in range(3):
             interrupted.history.append(interrupted.train_step(step))
@@ -121,22 +121,34 @@ def _resume(data: str, root: str) -> dict[str, object]:
         del interrupted
         resumed = GPTTrainer(world, replace(config, resume=True))
         losses = [resumed.train_step(step).loss for step in range(3, 6)]
-        again = GPTTrainer(world, _tiny(data, steps=6))
-        expected = [again.train_step(step).loss for step in range(6)][3:]
-        a, b = straight.step_runner.full_model().state_dict(), resumed.step_runner.full_model().state_dict()
+        ours, theirs = (
+            straight.step_runner.full_model().state_dict(),
+            resumed.step_runner.full_model().state_dict(),
+        )
+        bf16 = GPTTrainer(world, _tiny(data, **small, dtype="bf16"))
+        bf16_losses = [bf16.train_step(step).loss for step in range(3)]
         return {
+            "mesh": (world.mesh.shape, world.mesh.dp.world_size, world.mesh.tp.world_size),
+            "bf16 close to fp32": all(abs(x - y) < 0.05 for x, y in zip(bf16_losses, expected, strict=False)),
             "first step": resumed.first_step,
-            "same losses": losses == expected,
-            "same parameters": all(torch.equal(a[k], b[k]) for k in a),
+            "same losses": losses == expected[3:],
+            "same parameters": all(torch.equal(ours[k], theirs[k]) for k in ours),
             "history": len(resumed.history),
         }
     finally:
         meshwise.shutdown()
 
 
-def test_resume_continues_exactly(text: str, tmp_path) -> None:
+def test_resume_continues_exactly_and_bf16_trains(text: str, tmp_path) -> None:
     for result in spawn(_resume, 2, args=(text, str(tmp_path / "ckpt")), timeout=100):
-        assert result == {"first step": 3, "same losses": True, "same parameters": True, "history": 3}
+        assert result == {
+            "mesh": (MeshShape(dp=2), 2, 1),
+            "bf16 close to fp32": True,
+            "first step": 3,
+            "same losses": True,
+            "same parameters": True,
+            "history": 3,
+        }
     run = json.loads((tmp_path / "ckpt" / "run.json").read_text())
     assert run["step"] == 3 and (tmp_path / "ckpt" / "step-000003" / ".metadata").is_file()
 
