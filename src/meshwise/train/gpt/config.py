@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from meshwise.comm.factory import BACKENDS
+from meshwise.comm.factory import check_backend
 from meshwise.comm.mesh import MeshShape
 from meshwise.data.corpus import NAME as DEFAULT_CORPUS
 from meshwise.data.corpus import default_corpus
@@ -18,7 +18,7 @@ from meshwise.data.tokens import load_tokens
 from meshwise.data.windows import TokenSplits
 from meshwise.models.gpt import GPTConfig, gpt_config
 from meshwise.runtime.env import plan_ranks
-from meshwise.train.config import COMM_TIMEOUT_CAP
+from meshwise.runtime.timeouts import wait_timeout
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 #: Default training context on a CPU: a longer one makes the default run take far more than minutes.
@@ -101,7 +101,7 @@ class GPTTrainConfig:
 
     @property
     def comm_timeout(self) -> float:
-        return min(self.timeout, COMM_TIMEOUT_CAP)
+        return wait_timeout(self.timeout)
 
     def load_data(self) -> TokenSplits:
         """The token stream (``--data`` or the default corpus) split into training and validation."""
@@ -144,10 +144,7 @@ class GPTTrainConfig:
             )
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda was asked for but CUDA is not available here; use --device cpu")
-        if self.backend != "auto" and self.backend not in BACKENDS:
-            raise ValueError(
-                f"--backend {self.backend!r} is unknown; choose auto or one of {', '.join(sorted(BACKENDS))}"
-            )
+        check_backend(self.backend, what="--backend")
         self.load_data().check_vocab(model.vocab)  # builds the default corpus once, before ranks start
         self._check_checkpoint(model)
         return self

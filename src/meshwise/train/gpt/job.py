@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from meshwise.runtime.env import plan_ranks
-from meshwise.runtime.spawn import spawn
+from meshwise.runtime.on_ranks import run_on_ranks
 from meshwise.train.gpt.config import GPTTrainConfig
 from meshwise.train.gpt.loop import train_gpt_rank_main
 from meshwise.train.gpt.report import GPTResult
@@ -12,7 +11,6 @@ from meshwise.train.gpt.report import GPTResult
 def run_gpt_training(config: GPTTrainConfig) -> GPTResult | None:
     """Validate ``config`` (building the default corpus if needed), train, return rank 0's result."""
     config.validate()
-    plan = plan_ranks(config.nproc, default=1)
-    if plan.launched or plan.world_size == 1:
-        return train_gpt_rank_main(config)
-    return spawn(train_gpt_rank_main, plan.world_size, (config,), timeout=config.timeout)[0]
+    return run_on_ranks(
+        train_gpt_rank_main, (config,), nproc=config.nproc, default=1, deadline=config.timeout
+    )
