@@ -14,6 +14,7 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
+from meshwise.cli.outputs import check_output, write_outputs
 from meshwise.models.gpt import CONFIGS
 from meshwise.runtime.spawn import SpawnError
 from meshwise.train.gpt import GPTTrainConfig, run_gpt_training
@@ -85,6 +86,7 @@ def handler(args: argparse.Namespace) -> int:
     names = {f.name for f in fields(GPTTrainConfig)}
     config = GPTTrainConfig(**{k: v for k, v in vars(args).items() if k in names})
     try:
+        check_output("--json", args.json)
         result = run_gpt_training(config)
     except (ValueError, FileNotFoundError) as exc:
         print(f"meshwise train gpt: error: {exc}", file=sys.stderr)
@@ -95,6 +97,6 @@ def handler(args: argparse.Namespace) -> int:
     if result is None:  # a launched rank other than 0
         return 0
     print(result.summary(), flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps(result.to_json(), indent=2) + "\n")
-    return 0
+    text = json.dumps(result.to_json(), indent=2) + "\n"
+    writers = [("JSON", args.json, lambda: Path(args.json).write_text(text))] if args.json else []
+    return 0 if write_outputs("train gpt", writers) else 1
