@@ -4,6 +4,8 @@ Order matters (the seeds' most common pitfall): the device is chosen from the *l
 before the process group exists, so NCCL never creates contexts on GPU 0 for every rank. torch.distributed
 is always initialised as the control plane (nccl on CUDA, gloo otherwise); the data-plane Communicator
 returned in :class:`World` may be another transport (shared memory, MPI) that bootstraps through it.
+The World also holds the job's :class:`~meshwise.comm.mesh.Mesh` (dp × tp × pp, pure data parallelism
+unless asked otherwise), so a strategy finds its groups where it finds the world communicator.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from meshwise.comm.api import CommError, Communicator
 from meshwise.comm.debug import DebugChecker, default_store
 from meshwise.comm.factory import check_backend, create_communicator
 from meshwise.comm.instrumented import InstrumentedCommunicator
+from meshwise.comm.mesh import Mesh, MeshShape
 from meshwise.comm.shm.segment import check_memory_model
 from meshwise.runtime.env import LaunchEnv, detect_launch_env, resolve_ipv4
 from meshwise.runtime.flight_dumps import DEBUG_ENV, FLIGHT_DIR_ENV
@@ -35,7 +38,7 @@ from meshwise.runtime.timeouts import DEFAULT_TIMEOUT_S
 
 @dataclass(frozen=True)
 class World:
-    """This process's place in the job and the Communicator over all ranks."""
+    """This process's place in the job, the Communicator over all ranks and its per-axis mesh groups."""
 
     rank: int
     local_rank: int
@@ -46,6 +49,7 @@ class World:
     backend: str
     launcher: str
     comm: Communicator
+    mesh: Mesh
 
     @property
     def is_main(self) -> bool:
@@ -149,11 +153,14 @@ def init(
     timeout: float = DEFAULT_TIMEOUT_S,
     debug: bool | None = None,
     flight_recorder_ops: int = flight_recorder.DEFAULT_CAPACITY,
+    mesh: MeshShape | None = None,
 ) -> World:
     """Join the job described by the environment and return this rank's :class:`World`.
 
-    Idempotent: a second call returns the same World. When torch.distributed was already initialised
-    by the script itself (an unmodified torch program), that group is adopted rather than replaced.
+    ``mesh`` arranges the ranks on dp/tp/pp axes (default: every rank on ``dp``); its product must equal
+    the world size. Idempotent: a second call returns the same World. When torch.distributed was already
+    initialised by the script itself (an unmodified torch program), that group is adopted rather than
+    replaced.
 
     ``World.comm`` records its last ``flight_recorder_ops`` operations (dumped on a failure and merged by
     ``meshwise run`` into a hang report). ``debug=True`` checks every collective's fingerprint across
@@ -183,6 +190,12 @@ def init(
     )
     name = resolve_backend(backend, chosen_device, layout.world_size, single_host=single_host)
     comm = _instrument(create_communicator(name, timeout=timeout), debug, flight_recorder_ops)
+    shape = mesh if mesh is not None else MeshShape(dp=dist.get_world_size())
+    try:
+        grid = Mesh(comm, shape)
+    except BaseException:
+        comm.close()
+        raise
     flight_dir = os.environ.get(FLIGHT_DIR_ENV)
     if flight_dir:
         _dump_server = flight_recorder.serve_dump_requests(flight_dir, dist.get_rank())
@@ -196,6 +209,7 @@ def init(
         backend=name,
         launcher=layout.launcher,
         comm=comm,
+        mesh=grid,
     )
     return _current
 
@@ -225,8 +239,9 @@ def shutdown() -> None:
         _dump_server = None
     try:
         if _current is not None:
-            comm, _current = _current.comm, None
-            comm.close()  # in debug mode this checks that every rank is closing (may raise)
+            world, _current = _current, None
+            world.mesh.close()
+            world.comm.close()  # in debug mode this checks that every rank is closing (may raise)
     finally:
         if _owns_process_group and dist.is_initialized():
             dist.destroy_process_group()
