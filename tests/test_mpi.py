@@ -181,7 +181,7 @@ def test_debug_mode_names_a_mismatch_on_the_mpi_backend():
     for result in results.values():
         assert re.search(
             r"rank 0 called all_reduce\(float32\[3\], sum\) at \S*mpi_job.py:\d+ while rank 1 called "
-            r"broadcast\(float32\[3\], root=0\) at \S*mpi_job.py:\d+ \(collective #1\)",
+            r"broadcast\(float32\[3\], root=0\) at \S*mpi_job.py:\d+ \(collective #\d+\)",
             result["error"],
         ), result["error"]
         assert result["waited"] < 10
