@@ -1,0 +1,177 @@
+"""Rank-side checks for the tensor-parallel tests: each returns plain numbers the test asserts on.
+
+Every check builds the one-process reference in the same rank from the same seed and compares the
+tensor-parallel model with it step by step, so a spawn of a few ranks runs many checks.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+
+import meshwise
+from meshwise.comm.api import Communicator
+from meshwise.comm.counting import CountingCommunicator
+from meshwise.comm.mesh import Mesh, MeshShape
+from meshwise.models.gpt import GPT, GPTConfig, language_model_loss
+from meshwise.parallel.data import DataParallel
+from meshwise.parallel.tensor_parallel import (
+    full_tensors,
+    gather_last,
+    tensor_parallel,
+    vocab_parallel_cross_entropy,
+)
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def gpt_parity(
+    config: GPTConfig,
+    tp_comm: Communicator,
+    *,
+    sequence_parallel: bool,
+    dp_comm: Communicator | None = None,
+    steps: int = 3,
+    batch: int = 4,
+) -> dict[str, float]:
+    """Max |TP − reference| over ``steps`` AdamW steps of logits, loss, every gradient and every weight.
+
+    With ``dp_comm`` the batch is split across its ranks and the TP model is wrapped in DataParallel;
+    the reference always trains on the whole batch.
+    """
+    torch.manual_seed(0)
+    reference = GPT(config)
+    model = tensor_parallel(copy.deepcopy(reference), tp_comm, sequence_parallel=sequence_parallel)
+    dp_rank, dp_size = (dp_comm.rank, dp_comm.world_size) if dp_comm else (0, 1)
+    wrapped = DataParallel(model, dp_comm) if dp_comm else model
+    # Adam divides each gradient by its own magnitude, so it turns rounding differences of gradients near
+    # eps into weight differences of up to lr. eps=1e-6: k's bias has an analytically zero gradient (softmax
+    # ignores a shift shared by all keys), pure rounding noise (~1e-11) that eps=1e-8 would amplify to
+    # ~lr/1000 per step; lr=1e-3 (GPT-2-like) bounds the rest.
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, eps=1e-6)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
+    diffs = {"logits": 0.0, "loss": 0.0, "grads": 0.0, "weights": 0.0}
+    data = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        tokens = torch.randint(0, config.vocab, (batch, config.seq_len + 1), generator=data)
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        ref_logits = reference(inputs)
+        ref_loss = language_model_loss(ref_logits, targets)
+        ref_opt.zero_grad()
+        ref_loss.backward()
+        mine = slice(dp_rank * batch // dp_size, (dp_rank + 1) * batch // dp_size)
+        logits = wrapped(inputs[mine])
+        loss = vocab_parallel_cross_entropy(logits, targets[mine], tp_comm, vocab=config.vocab)
+        opt.zero_grad()
+        loss.backward()
+        full_logits = gather_last(logits.detach(), tp_comm)[..., : config.vocab]
+        diffs["logits"] = max(diffs["logits"], (full_logits - ref_logits[mine]).abs().max().item())
+        if dp_comm is None:
+            diffs["loss"] = max(diffs["loss"], abs(loss.item() - ref_loss.item()))
+        diffs["grads"] = max(
+            diffs["grads"],
+            _max_diff(
+                full_tensors(model, tp_comm, grads=True), {n: p.grad for n, p in reference.named_parameters()}
+            ),
+        )
+        ref_opt.step()
+        opt.step()
+        diffs["weights"] = max(
+            diffs["weights"], _max_diff(full_tensors(model, tp_comm), dict(reference.named_parameters()))
+        )
+    return diffs
+
+
+def cross_entropy_parity(comm: Communicator, vocab: int) -> dict[str, float]:
+    """vocab_parallel_cross_entropy vs F.cross_entropy: values and gradients, ignored targets, smoothing."""
+    generator = torch.Generator().manual_seed(7)
+    padded = -(-vocab // comm.world_size) * comm.world_size
+    full = torch.randn(6, 5, vocab, generator=generator) * 3
+    targets = torch.randint(0, vocab, (6, 5), generator=generator)
+    targets[0, :3] = -100
+    targets[4, 1] = -100
+    diffs = {}
+    for smoothing in (0.0, 0.1):
+        for reduction in ("mean", "none"):
+            reference = full.clone().requires_grad_(True)
+            expected = F.cross_entropy(
+                reference.transpose(1, 2), targets, label_smoothing=smoothing, reduction=reduction
+            )
+            expected.sum().backward()
+            padded_full = torch.cat([full, torch.full((6, 5, padded - vocab), 5.0)], dim=-1)
+            local = padded_full.chunk(comm.world_size, dim=-1)[comm.rank].clone().requires_grad_(True)
+            got = vocab_parallel_cross_entropy(
+                local, targets, comm, vocab=vocab, label_smoothing=smoothing, reduction=reduction
+            )
+            got.sum().backward()
+            grad = gather_last(local.grad, comm)
+            key = f"smoothing={smoothing},{reduction}"
+            diffs[key + ":value"] = (got - expected).abs().max().item()
+            diffs[key + ":grad"] = (grad[..., :vocab] - reference.grad).abs().max().item()
+            diffs[key + ":padded_grad"] = grad[..., vocab:].abs().max().item() if padded > vocab else 0.0
+    return diffs
+
+
+def block_traffic(config: GPTConfig, tp_comm: Communicator, *, sequence_parallel: bool) -> dict[str, dict]:
+    """Calls and bytes one transformer layer sends over the tp group, forward and backward separately,
+    and for a whole training step of the model."""
+    counting = CountingCommunicator(tp_comm)
+    torch.manual_seed(0)
+    model = tensor_parallel(GPT(config), counting, sequence_parallel=sequence_parallel)
+    batch, seq = 2, config.seq_len
+    local_seq = seq // tp_comm.world_size if sequence_parallel else seq
+    x = torch.randn(batch, local_seq, config.hidden, requires_grad=True)
+    counting.stats.reset()
+    y = model.blocks[0](x)
+    forward = counting.stats.as_dict()
+    counting.stats.reset()
+    y.sum().backward()
+    backward = counting.stats.as_dict()
+    counting.stats.reset()
+    tokens = torch.randint(0, config.vocab, (batch, seq + 1))
+    logits = model(tokens[:, :-1])
+    vocab_parallel_cross_entropy(logits, tokens[:, 1:], counting, vocab=config.vocab).backward()
+    step = counting.stats.as_dict()
+    return {"forward": forward, "backward": backward, "step": step}
+
+
+def sequence_length_error(config: GPTConfig, tp_comm: Communicator) -> str:
+    """The message of a sequence-parallel forward over a sequence that does not split ``tp`` ways."""
+    model = tensor_parallel(GPT(config), tp_comm, sequence_parallel=True)
+    try:
+        model(torch.zeros(1, tp_comm.world_size + 1, dtype=torch.long))
+    except ValueError as exc:
+        return str(exc)
+    return ""
+
+
+def run_checks(configs: dict[str, GPTConfig], steps: int, mesh_shape: MeshShape | None = None) -> dict:
+    """On a world that is one tp group: parity with and without SP, cross-entropy, traffic, errors; then,
+    with ``mesh_shape``, tp inside ``mesh.tp`` and DataParallel across ``mesh.dp`` against the full-batch
+    reference."""
+    world = meshwise.init(backend="gloo")
+    try:
+        comm = world.comm
+        results: dict = {}
+        for name, config in configs.items():
+            for sp in (False, True):
+                results[f"{name}:sp={sp}"] = gpt_parity(config, comm, sequence_parallel=sp, steps=steps)
+        results["cross_entropy"] = cross_entropy_parity(comm, vocab=13)
+        config = next(iter(configs.values()))
+        results["traffic"] = {sp: block_traffic(config, comm, sequence_parallel=sp) for sp in (False, True)}
+        results["seq_error"] = sequence_length_error(config, comm)
+        if mesh_shape is not None:
+            mesh = Mesh(comm, mesh_shape)
+            for sp in (False, True):
+                results[f"mesh:sp={sp}"] = gpt_parity(
+                    config, mesh.tp, sequence_parallel=sp, dp_comm=mesh.dp, steps=steps
+                )
+            mesh.close()
+        return results
+    finally:
+        meshwise.shutdown()
