@@ -29,28 +29,31 @@ def _assert_parity(results: dict, keys: list[str]) -> None:
             assert all(value < TOLERANCE for value in diffs.values()), (key, diffs)
 
 
-def _assert_cross_entropy(results: list[dict]) -> None:
+def _assert_ops(results: list[dict]) -> None:
+    """Region ops and the vocabulary-parallel cross-entropy match their one-process definitions."""
     for rank_result in results:
-        for key, value in rank_result["cross_entropy"].items():
+        for key, value in [*rank_result["cross_entropy"].items(), *rank_result["regions"].items()]:
             assert value < 1e-5, (key, value)
 
 
 def _assert_traffic(traffic: dict, config: GPTConfig, tp: int, batch: int = 2) -> None:
     """Megatron's accounting for one layer: without SP two all-reduces of b·s·h elements forward and two
-    backward; with SP all-gather + reduce-scatter pairs of the same b·s·h (the same bus bytes), plus
-    the all-reduce of the replicated parameters' gradients (2 LayerNorms + 2 row biases = 6 tensors)."""
+    backward; with SP all-gather + reduce-scatter pairs of the same b·s·h (the same bus bytes). SP's
+    backward adds the re-gather of the two saved input shards (two all-gathers of b·s·h) and the
+    all-reduce of the replicated parameters' gradients (2 LayerNorms · 2 + 2 row biases = 6 tensors)."""
     bsh = batch * config.seq_len * config.hidden * 4  # fp32 bytes
     plain, sp = traffic[False], traffic[True]
+    pair = {"calls": 2, "bytes": 2 * bsh, "bus_bytes": pytest.approx(2 * bsh * (tp - 1) / tp)}
     for phase in ("forward", "backward"):
         assert plain[phase] == {
             "all_reduce": {"calls": 2, "bytes": 2 * bsh, "bus_bytes": 2 * bsh * bus_factor("all_reduce", tp)}
         }
-        pair = {"calls": 2, "bytes": 2 * bsh, "bus_bytes": 2 * bsh * (tp - 1) / tp}
-        assert sp[phase]["all_gather"] == pair
         assert sp[phase]["reduce_scatter"] == pair
-        sp_bus = sp[phase]["all_gather"]["bus_bytes"] + sp[phase]["reduce_scatter"]["bus_bytes"]
-        assert sp_bus == pytest.approx(plain[phase]["all_reduce"]["bus_bytes"])
-    assert "all_reduce" not in sp["forward"]
+    assert sp["forward"] == {"all_gather": pair, "reduce_scatter": pair}
+    forward_bus = sum(op["bus_bytes"] for op in sp["forward"].values())
+    assert forward_bus == pytest.approx(plain["forward"]["all_reduce"]["bus_bytes"])
+    regathers = {"calls": 4, "bytes": 4 * bsh, "bus_bytes": pytest.approx(4 * bsh * (tp - 1) / tp)}
+    assert sp["backward"]["all_gather"] == regathers
     h = config.hidden * 4
     assert sp["backward"]["all_reduce"] == {
         "calls": 6,
@@ -65,7 +68,7 @@ def _assert_traffic(traffic: dict, config: GPTConfig, tp: int, batch: int = 2) -
 def test_tp2_parity_cross_entropy_and_traffic() -> None:
     results = spawn(run_checks, 2, ({"tiny": TINY}, 3), timeout=110)
     _assert_parity(results, ["tiny:sp=False", "tiny:sp=True"])
-    _assert_cross_entropy(results)
+    _assert_ops(results)
     _assert_traffic(results[0]["traffic"], TINY, 2)
     assert "cannot split 3 positions" in results[0]["seq_error"]
     assert "sequence length that is a multiple of --tp 2" in results[0]["seq_error"]
@@ -74,14 +77,14 @@ def test_tp2_parity_cross_entropy_and_traffic() -> None:
 def test_tp4_and_tp2_by_dp2_on_four_ranks() -> None:
     results = spawn(run_checks, 4, ({"tiny": TINY}, 2, MeshShape(dp=2, tp=2)), timeout=115)
     _assert_parity(results, ["tiny:sp=False", "tiny:sp=True", "mesh:sp=False", "mesh:sp=True"])
-    _assert_cross_entropy(results)
+    _assert_ops(results)
     _assert_traffic(results[0]["traffic"], TINY, 4)
 
 
 def test_tp3_with_heads_and_hidden_divisible_by_three() -> None:
     results = spawn(run_checks, 3, ({"by3": BY_THREE}, 2), timeout=110)
     _assert_parity(results, ["by3:sp=False", "by3:sp=True"])
-    _assert_cross_entropy(results)
+    _assert_ops(results)
     _assert_traffic(results[0]["traffic"], BY_THREE, 3)
 
 

@@ -18,11 +18,17 @@ from meshwise.comm.mesh import Mesh, MeshShape
 from meshwise.models.gpt import GPT, GPTConfig, language_model_loss
 from meshwise.parallel.data import DataParallel
 from meshwise.parallel.tensor_parallel import (
+    copy_to_region,
     full_tensors,
+    gather_from_sequence,
     gather_last,
+    reduce_from_region,
+    scatter_to_sequence,
+    split_last,
     tensor_parallel,
     vocab_parallel_cross_entropy,
 )
+from meshwise.parallel.tensor_parallel.regions import gathered_linears
 
 
 def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -84,6 +90,74 @@ def gpt_parity(
         diffs["weights"] = max(
             diffs["weights"], _max_diff(full_tensors(model, tp_comm), dict(reference.named_parameters()))
         )
+    return diffs
+
+
+def region_ops(comm: Communicator) -> dict[str, float]:
+    """Each region op's forward and backward against its definition, built from every rank's inputs
+    (rank r's input and upstream gradient are seeded by r, so every rank can compute all of them)."""
+    t, me = comm.world_size, comm.rank
+
+    def per_rank(shape: tuple[int, ...], salt: int) -> list[torch.Tensor]:
+        return [torch.randn(shape, generator=torch.Generator().manual_seed(salt + r)) for r in range(t)]
+
+    def run(op, shape_in: tuple[int, ...], shape_out: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+        x = per_rank(shape_in, 0)
+        grads = per_rank(shape_out, 100)
+        mine = x[me].clone().requires_grad_(True)
+        y = op(mine)
+        y.backward(grads[me])
+        return y.detach(), mine.grad, x, grads
+
+    diffs = {}
+    full, shard = (2, 2 * t, 3), (2, 2, 3)
+    cases = {
+        "copy_to_region": (lambda v: copy_to_region(v, comm), full, full, lambda x, g: (x[me], sum(g))),
+        "reduce_from_region": (
+            lambda v: reduce_from_region(v, comm),
+            full,
+            full,
+            lambda x, g: (sum(x), g[me]),
+        ),
+        "gather_from_sequence": (
+            lambda v: gather_from_sequence(v, comm),
+            shard,
+            full,
+            lambda x, g: (torch.cat(x, 1), sum(g).chunk(t, 1)[me]),
+        ),
+        "scatter_to_sequence": (
+            lambda v: scatter_to_sequence(v, comm),
+            full,
+            shard,
+            lambda x, g: (sum(x).chunk(t, 1)[me], torch.cat(g, 1)),
+        ),
+        "split_last": (
+            lambda v: split_last(v, comm),
+            (2, 3, 2 * t),
+            (2, 3, 2),
+            lambda x, g: (x[me].chunk(t, -1)[me], torch.cat(g, -1)),
+        ),
+        "gather_last": (
+            lambda v: gather_last(v, comm),
+            (2, 3, 2),
+            (2, 3, 2 * t),
+            lambda x, g: (torch.cat(x, -1), g[me].chunk(t, -1)[me]),
+        ),
+    }
+    for name, (op, shape_in, shape_out, expect) in cases.items():
+        y, grad, x, grads = run(op, shape_in, shape_out)
+        want_y, want_grad = expect(x, grads)
+        diffs[name] = max((y - want_y).abs().max().item(), (grad - want_grad).abs().max().item())
+    weights = per_rank((5, 3), 200)  # rank r's column shard of a (5t × 3) weight
+    w = weights[me].clone().requires_grad_(True)
+    y, grad, x, grads = run(lambda v: gathered_linears(v, comm, [(w, None)])[0], shard, (2, 2 * t, 5))
+    want_grad = sum(g @ wr for g, wr in zip(grads, weights, strict=True)).chunk(t, 1)[me]
+    want_w = grads[me].reshape(-1, 5).t() @ torch.cat(x, 1).reshape(-1, 3)
+    diffs["gathered_linears"] = max(
+        (y - torch.cat(x, 1) @ weights[me].t()).abs().max().item(),
+        (grad - want_grad).abs().max().item(),
+        (w.grad - want_w).abs().max().item(),
+    )
     return diffs
 
 
@@ -162,6 +236,7 @@ def run_checks(configs: dict[str, GPTConfig], steps: int, mesh_shape: MeshShape 
             for sp in (False, True):
                 results[f"{name}:sp={sp}"] = gpt_parity(config, comm, sequence_parallel=sp, steps=steps)
         results["cross_entropy"] = cross_entropy_parity(comm, vocab=13)
+        results["regions"] = region_ops(comm)
         config = next(iter(configs.values()))
         results["traffic"] = {sp: block_traffic(config, comm, sequence_parallel=sp) for sp in (False, True)}
         results["seq_error"] = sequence_length_error(config, comm)

@@ -44,10 +44,9 @@ from meshwise.parallel.data import broadcast_module_state
 from meshwise.parallel.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
-    enter_region,
     shard_dim,
 )
-from meshwise.parallel.tensor_parallel.regions import all_reduce_copy
+from meshwise.parallel.tensor_parallel.regions import all_reduce_copy, copy_to_region, gathered_linears
 from meshwise.parallel.tensor_parallel.vocab import VocabParallelEmbedding
 
 
@@ -100,8 +99,12 @@ class ParallelAttention(CausalSelfAttention):
             setattr(self, name, layer)
         self.out = RowParallelLinear.from_linear(full.out, comm, sequence_parallel=sequence_parallel)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(enter_region(x, self.comm, self.sequence_parallel))
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.sequence_parallel:
+            layers = [(layer.weight, layer.bias) for layer in (self.q, self.k, self.v)]
+            q, k, v = gathered_linears(x, self.comm, layers)
+            return q, k, v
+        return super().project(copy_to_region(x, self.comm))
 
 
 class ParallelMLP(MLP):

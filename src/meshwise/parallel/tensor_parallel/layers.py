@@ -5,7 +5,8 @@ For ``Y = X·Wᵀ + b`` with ``W`` of shape (out, in):
 - **column parallel** splits ``W`` by output rows: rank ``r`` holds ``out/t`` rows and the matching bias
   slice, and computes its ``out/t`` output columns from the full input. Nothing is communicated
   forward unless ``gather_output=True``; the input's gradient is a partial sum, so the region entry
-  (``copy_to_region``, or ``gather_from_sequence`` under sequence parallelism) all-reduces it backward.
+  (``copy_to_region``) all-reduces it backward. Under sequence parallelism the entry all-gathers the
+  sequence shards instead, fused with the linear (``gathered_linears``) so only the shard is saved.
 - **row parallel** splits ``W`` by input columns: rank ``r`` multiplies its ``in/t`` input columns (the
   output of a column-parallel layer, ``input_is_parallel=True``) and produces a partial ``Y`` that is
   summed across ranks (all-reduce, or reduce-scatter into sequence shards). The bias is added once,
@@ -29,8 +30,8 @@ from torch import nn
 from meshwise.comm.api import Communicator
 from meshwise.parallel.tensor_parallel.regions import (
     copy_to_region,
-    gather_from_sequence,
     gather_last,
+    gathered_linears,
     reduce_from_region,
     scatter_to_sequence,
     split_last,
@@ -56,11 +57,6 @@ def shard_parameter(full: torch.Tensor, comm: Communicator, dim: int) -> nn.Para
     param = nn.Parameter(piece, requires_grad=full.requires_grad)
     setattr(param, SHARD_DIM, dim)
     return param
-
-
-def enter_region(x: torch.Tensor, comm: Communicator, sequence_parallel: bool) -> torch.Tensor:
-    """Make a full-sequence, replicated input for column-parallel layers (see ``regions``)."""
-    return gather_from_sequence(x, comm) if sequence_parallel else copy_to_region(x, comm)
 
 
 def leave_region(x: torch.Tensor, comm: Communicator, sequence_parallel: bool) -> torch.Tensor:
@@ -144,9 +140,11 @@ class ColumnParallelLinear(nn.Module):
         self.bias = bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.enter_region:
-            x = enter_region(x, self.comm, self.sequence_parallel)
-        y = F.linear(x, self.weight, self.bias)
+        if self.enter_region and self.sequence_parallel:
+            (y,) = gathered_linears(x, self.comm, [(self.weight, self.bias)])
+        else:
+            x = copy_to_region(x, self.comm) if self.enter_region else x
+            y = F.linear(x, self.weight, self.bias)
         return gather_last(y, self.comm) if self.gather_output else y
 
     def extra_repr(self) -> str:

@@ -23,6 +23,12 @@ all-reduce becomes the all-gather / reduce-scatter pair it is made of (a ring al
 reduce-scatter then an all-gather), so the bytes on the wire stay the same while LayerNorm, dropout and
 the residual adds run on ``1/t`` of the tokens.
 
+Entering a region from sequence shards has a memory catch: a linear saves its input for the weight
+gradient, and after the all-gather that input is the full sequence again. :func:`gathered_linears`
+fuses the all-gather with the column-parallel linears that read it, saves only the shard and gathers it
+again in backward (Korthikanti et al. 2022, §4.2.2): one more all-gather per region entry in backward
+buys activations that are all ``1/t``, which is what the ``(sbh/t)(34 + 5as/h)`` formula assumes.
+
 Activations are batch-first ``(batch, seq, hidden)`` as in our GPT, so the sequence dimension is 1;
 the ops take ``dim`` so they work for any layout. With ``t = 1`` every op is the identity and sends
 nothing.
@@ -33,6 +39,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from meshwise.comm.api import Communicator
 
@@ -139,6 +146,44 @@ class _GatherLast(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return _take(grad, ctx.comm, -1), None
+
+
+class _GatheredLinears(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, comm: Communicator, dim: int, *params: torch.Tensor | None):
+        full = gather_along(x, comm, dim)
+        weights, biases = params[0::2], params[1::2]
+        ctx.save_for_backward(x, *weights)
+        ctx.comm, ctx.dim, ctx.has_bias = comm, dim, [b is not None for b in biases]
+        return tuple(F.linear(full, w, b) for w, b in zip(weights, biases, strict=True))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, *weights = ctx.saved_tensors
+        full = gather_along(x, ctx.comm, ctx.dim)  # the full input was not kept: gather it again
+        grad_full = sum(grad @ w for grad, w in zip(grads, weights, strict=True))
+        result: list[torch.Tensor | None] = [_reduce_scatter(grad_full, ctx.comm, ctx.dim), None, None]
+        rows = full.reshape(-1, full.shape[-1])
+        for grad, has_bias in zip(grads, ctx.has_bias, strict=True):
+            grad = grad.reshape(-1, grad.shape[-1])
+            result += [grad.t() @ rows, grad.sum(0) if has_bias else None]
+        return tuple(result)
+
+
+def gathered_linears(
+    x: torch.Tensor,
+    comm: Communicator,
+    layers: list[tuple[torch.Tensor, torch.Tensor | None]],
+    dim: int = 1,
+) -> tuple[torch.Tensor, ...]:
+    """``F.linear(gather_from_sequence(x), w, b)`` for every ``(w, b)`` in ``layers``, saving only the shard.
+
+    Forward: one all-gather. Backward: one all-gather (the re-gather) and one reduce-scatter of the summed
+    input gradients, however many layers share the input (attention's q, k and v are three).
+    """
+    if comm.world_size == 1:
+        return tuple(F.linear(x, w, b) for w, b in layers)
+    return _GatheredLinears.apply(x, comm, dim, *(t for layer in layers for t in layer))
 
 
 def copy_to_region(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
