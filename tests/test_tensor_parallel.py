@@ -6,7 +6,11 @@ Multi-rank checks run in tests/tp_checks.py; each spawn batches all the checks o
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from tests.tp_checks import run_checks
@@ -34,6 +38,14 @@ def _assert_ops(results: list[dict]) -> None:
     for rank_result in results:
         for key, value in [*rank_result["cross_entropy"].items(), *rank_result["regions"].items()]:
             assert value < 1e-5, (key, value)
+
+
+def _assert_memory(results: list[dict]) -> None:
+    """Saved activations of one layer (a count, not a timing) are within 10 % of the formula derived in
+    docs/tensor_parallel.md, for one process, TP and TP + SP."""
+    memory = results[0]["memory"]
+    assert all(abs(row["ratio"] - 1) <= 0.10 for row in memory.values()), memory
+    assert memory["tp+sp"]["measured"] < memory["tp"]["measured"] < memory["one process"]["measured"]
 
 
 def _assert_traffic(traffic: dict, config: GPTConfig, tp: int, batch: int = 2) -> None:
@@ -70,6 +82,7 @@ def test_tp2_parity_cross_entropy_and_traffic() -> None:
     _assert_parity(results, ["tiny:sp=False", "tiny:sp=True"])
     _assert_ops(results)
     _assert_traffic(results[0]["traffic"], TINY, 2)
+    _assert_memory(results)
     assert "cannot split 3 positions" in results[0]["seq_error"]
     assert "sequence length that is a multiple of --tp 2" in results[0]["seq_error"]
 
@@ -86,6 +99,7 @@ def test_tp3_with_heads_and_hidden_divisible_by_three() -> None:
     _assert_parity(results, ["by3:sp=False", "by3:sp=True"])
     _assert_ops(results)
     _assert_traffic(results[0]["traffic"], BY_THREE, 3)
+    _assert_memory(results)
 
 
 @pytest.mark.parametrize(
@@ -133,3 +147,20 @@ def test_padded_vocab_and_counting_arithmetic() -> None:
     assert stats.ops["all_reduce"].bus_bytes == 1500
     assert stats.ops["all_gather"].bus_bytes + stats.ops["reduce_scatter"].bus_bytes == 1500
     assert "all_gather" in stats.table("tp")
+
+
+
+@pytest.mark.slow
+def test_bench_tensor_runs(tmp_path) -> None:
+    """The benchmark still runs (tiny and untimed here) and its configurations trained alike."""
+    out = tmp_path / "tensor.json"
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_tensor.py"
+    args = ["--layers", "1", "--hidden", "64", "--heads", "4", "--seq-len", "16", "--batch", "2"]
+    args += ["--rounds", "1", "--steps", "1", "--warmup", "0", "--json", str(out)]
+    done = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=110)
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads(out.read_text())
+    assert set(result["ratios"]) == {"dtensor/gloo", "meshwise/gloo", "meshwise/gloo+sp", "meshwise/shm",
+                                     "meshwise/shm+sp"}  # fmt: skip
+    assert max(result["losses"].values()) - min(result["losses"].values()) < 1e-4
+    assert set(result["memory"]) == {"one process", "tp", "tp+sp"}

@@ -7,6 +7,7 @@ tensor-parallel model with it step by step, so a spawn of a few ranks runs many 
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +29,7 @@ from meshwise.parallel.tensor_parallel import (
     tensor_parallel,
     vocab_parallel_cross_entropy,
 )
+from meshwise.parallel.tensor_parallel.memory import layer_activation_report
 from meshwise.parallel.tensor_parallel.regions import gathered_linears
 
 
@@ -240,6 +242,7 @@ def run_checks(configs: dict[str, GPTConfig], steps: int, mesh_shape: MeshShape 
         config = next(iter(configs.values()))
         results["traffic"] = {sp: block_traffic(config, comm, sequence_parallel=sp) for sp in (False, True)}
         results["seq_error"] = sequence_length_error(config, comm)
+        results["memory"] = layer_activation_report(replace(config, dropout=0.1), comm, batch=2)
         if mesh_shape is not None:
             mesh = Mesh(comm, mesh_shape)
             for sp in (False, True):
