@@ -83,6 +83,13 @@ def test_tp2_parity_cross_entropy_and_traffic() -> None:
     _assert_ops(results)
     _assert_traffic(results[0]["traffic"], TINY, 2)
     _assert_memory(results)
+    first, last = results[0]["counting"], results[-1]["counting"]
+    assert first["parent"] == {
+        "send": {"calls": 1, "bytes": 40, "bus_bytes": 40.0},
+        "all_reduce": {"calls": 1, "bytes": 40, "bus_bytes": 40.0},  # 2(n-1)/n = 1 on 2 ranks
+    }
+    assert set(last["parent"]) == {"recv", "all_reduce"}
+    assert first["child"] == {"broadcast": {"calls": 1, "bytes": 40, "bus_bytes": 40.0}}
     assert "cannot split 3 positions" in results[0]["seq_error"]
     assert "sequence length that is a multiple of --tp 2" in results[0]["seq_error"]
 

@@ -163,6 +163,23 @@ def region_ops(comm: Communicator) -> dict[str, float]:
     return diffs
 
 
+def counting_wrapper(comm: Communicator) -> dict[str, dict]:
+    """What a CountingCommunicator records for p2p, async and split groups (each group its own stats)."""
+    counting = CountingCommunicator(comm)
+    x = torch.ones(10)
+    last = comm.world_size - 1
+    if comm.rank == 0:
+        counting.send(x, last)
+    elif comm.rank == last:
+        counting.recv(x, 0)
+    counting.all_reduce(x, async_op=True).wait()
+    child = counting.split(list(range(comm.world_size)))
+    assert child is not None
+    child.broadcast(x, 0)
+    child.close()
+    return {"parent": counting.stats.as_dict(), "child": child.stats.as_dict()}
+
+
 def cross_entropy_parity(comm: Communicator, vocab: int) -> dict[str, float]:
     """vocab_parallel_cross_entropy vs F.cross_entropy: values and gradients, ignored targets, smoothing."""
     generator = torch.Generator().manual_seed(7)
@@ -230,7 +247,7 @@ def run_checks(configs: dict[str, GPTConfig], steps: int, mesh_shape: MeshShape 
     """On a world that is one tp group: parity with and without SP, cross-entropy, traffic, errors; then,
     with ``mesh_shape``, tp inside ``mesh.tp`` and DataParallel across ``mesh.dp`` against the full-batch
     reference."""
-    world = meshwise.init(backend="gloo")
+    world = meshwise.init(backend="gloo", timeout=60)  # a mismatch fails in 60 s, naming rank and op
     try:
         comm = world.comm
         results: dict = {}
@@ -239,6 +256,7 @@ def run_checks(configs: dict[str, GPTConfig], steps: int, mesh_shape: MeshShape 
                 results[f"{name}:sp={sp}"] = gpt_parity(config, comm, sequence_parallel=sp, steps=steps)
         results["cross_entropy"] = cross_entropy_parity(comm, vocab=13)
         results["regions"] = region_ops(comm)
+        results["counting"] = counting_wrapper(comm)
         config = next(iter(configs.values()))
         results["traffic"] = {sp: block_traffic(config, comm, sequence_parallel=sp) for sp in (False, True)}
         results["seq_error"] = sequence_length_error(config, comm)

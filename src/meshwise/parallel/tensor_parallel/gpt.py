@@ -45,8 +45,9 @@ from meshwise.parallel.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     shard_dim,
+    sum_gradient_over,
 )
-from meshwise.parallel.tensor_parallel.regions import all_reduce_copy, copy_to_region, gathered_linears
+from meshwise.parallel.tensor_parallel.regions import copy_to_region, gathered_linears
 from meshwise.parallel.tensor_parallel.vocab import VocabParallelEmbedding
 
 
@@ -147,20 +148,11 @@ def tensor_parallel(gpt: GPT, tp_comm: Communicator, *, sequence_parallel: bool 
     for block in gpt.blocks:
         block.attn = ParallelAttention(block.attn, tp_comm, sp)
         block.mlp = ParallelMLP(block.mlp, tp_comm, sp)
-    if sp and tp_comm.world_size > 1:
+    if sp:
         for param in gpt.parameters():
             if shard_dim(param) is None:
-                param.register_hook(_summed_over(tp_comm))
+                sum_gradient_over(param, tp_comm)
     return gpt
-
-
-def _summed_over(comm: Communicator):
-    """Gradient hook: the sum over ``comm`` of the gradient this rank computed from its sequence shard."""
-
-    def hook(grad: torch.Tensor) -> torch.Tensor:
-        return all_reduce_copy(grad, comm)
-
-    return hook
 
 
 def _share_cpu_rng(comm: Communicator) -> None:

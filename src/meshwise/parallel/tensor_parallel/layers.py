@@ -29,6 +29,7 @@ from torch import nn
 
 from meshwise.comm.api import Communicator
 from meshwise.parallel.tensor_parallel.regions import (
+    all_reduce_copy,
     copy_to_region,
     gather_last,
     gathered_linears,
@@ -39,6 +40,7 @@ from meshwise.parallel.tensor_parallel.regions import (
 
 #: The attribute that marks a parameter as a shard and says which dimension it was cut along.
 SHARD_DIM = "tp_shard_dim"
+_SUMMED = "tp_gradient_summed"
 
 
 def shard_dim(param: torch.Tensor) -> int | None:
@@ -57,6 +59,19 @@ def shard_parameter(full: torch.Tensor, comm: Communicator, dim: int) -> nn.Para
     param = nn.Parameter(piece, requires_grad=full.requires_grad)
     setattr(param, SHARD_DIM, dim)
     return param
+
+
+def sum_gradient_over(param: nn.Parameter, comm: Communicator) -> None:
+    """Make ``param``'s gradient the sum over ``comm`` of the ranks' gradients (once per parameter).
+
+    For a replicated parameter used on sequence shards: each rank sees ``1/t`` of the tokens, so its
+    gradient is a partial sum. The hook runs on each incoming gradient before it is accumulated, so
+    gradient accumulation and a data-parallel wrapper's hooks (after accumulation) see the full sum.
+    """
+    if comm.world_size == 1 or getattr(param, _SUMMED, False):
+        return
+    setattr(param, _SUMMED, True)
+    param.register_hook(lambda grad: all_reduce_copy(grad, comm))
 
 
 def leave_region(x: torch.Tensor, comm: Communicator, sequence_parallel: bool) -> torch.Tensor:
@@ -206,6 +221,8 @@ class RowParallelLinear(nn.Module):
         self.sequence_parallel = sequence_parallel
         self.weight = shard_parameter(full.weight, comm, 1)
         self.bias = nn.Parameter(full.bias.detach().clone()) if full.bias is not None else None
+        if sequence_parallel and self.bias is not None:
+            sum_gradient_over(self.bias, comm)  # added to sequence shards: a partial gradient
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
