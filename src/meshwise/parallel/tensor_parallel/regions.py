@@ -45,8 +45,9 @@ from meshwise.comm.api import Communicator
 
 
 def all_reduce_copy(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
-    out = x.contiguous().clone()
-    comm.all_reduce(out)
+    """The sum over ``comm`` in a new tensor (out of place: shm reads ``x`` directly, saving a copy)."""
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    comm.all_reduce(x.contiguous(), output=out)
     return out
 
 
