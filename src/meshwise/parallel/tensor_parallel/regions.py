@@ -162,12 +162,14 @@ class _GatheredLinears(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, *weights = ctx.saved_tensors
         full = gather_along(x, ctx.comm, ctx.dim)  # the full input was not kept: gather it again
-        grad_full = sum(grad @ w for grad, w in zip(grads, weights, strict=True))
+        # under autocast the outputs (so their gradients) may be bf16 while x and the weights are not
+        grads = tuple(grad.to(w.dtype) for grad, w in zip(grads, weights, strict=True))
+        grad_full = sum(grad @ w for grad, w in zip(grads, weights, strict=True)).to(x.dtype)
         result: list[torch.Tensor | None] = [_reduce_scatter(grad_full, ctx.comm, ctx.dim), None, None]
         rows = full.reshape(-1, full.shape[-1])
-        for grad, has_bias in zip(grads, ctx.has_bias, strict=True):
+        for grad, w, has_bias in zip(grads, weights, ctx.has_bias, strict=True):
             grad = grad.reshape(-1, grad.shape[-1])
-            result += [grad.t() @ rows, grad.sum(0) if has_bias else None]
+            result += [grad.t() @ rows.to(w.dtype), grad.sum(0) if has_bias else None]
         return tuple(result)
 
 
