@@ -17,7 +17,9 @@ from meshwise.parallel.tensor_parallel.regions import gather_along
 from meshwise.parallel.tensor_parallel.vocab import VocabParallelEmbedding
 
 
-def gather_full(tensor: torch.Tensor, param: nn.Parameter, comm: Communicator, shape: torch.Size) -> torch.Tensor:
+def gather_full(
+    tensor: torch.Tensor, param: nn.Parameter, comm: Communicator, shape: torch.Size
+) -> torch.Tensor:
     """The full tensor of ``shape`` whose shard, laid out like ``param``, this rank holds in ``tensor``."""
     dim = shard_dim(param)
     if dim is None:
