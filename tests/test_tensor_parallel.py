@@ -97,6 +97,9 @@ def test_tp2_parity_cross_entropy_and_traffic() -> None:
 def test_tp4_and_tp2_by_dp2_on_four_ranks() -> None:
     results = spawn(run_checks, 4, ({"tiny": TINY}, 2, MeshShape(dp=2, tp=2)), timeout=115)
     _assert_parity(results, ["tiny:sp=False", "tiny:sp=True", "mesh:sp=False", "mesh:sp=True"])
+    traffic = results[0]["mesh_traffic"]  # DataParallel averages over dp, TP talks over tp, pp is idle
+    assert traffic["dp"]["all_reduce"]["calls"] > 0 and traffic["tp"]["reduce_scatter"]["calls"] > 0
+    assert traffic["pp"] == {}
     _assert_ops(results)
     _assert_traffic(results[0]["traffic"], TINY, 4)
 
@@ -131,6 +134,7 @@ def test_tp3_with_heads_and_hidden_divisible_by_three() -> None:
         (CONFIGS["gpt-tiny"], 8, False, 4, r"--tp 8 is larger than the 4 ranks started"),
         (CONFIGS["gpt-tiny"], 4, False, 6, "6 ranks do not split into groups of --tp 4"),
         (CONFIGS["gpt-tiny"], 0, False, None, "--tp must be at least 1"),
+        (replace(CONFIGS["gpt-tiny"], seq_len=63), 2, True, None, "sequence of 63 tokens into --tp 2"),
     ],
 )
 def test_bad_input_names_the_fix(

@@ -263,10 +263,13 @@ def run_checks(configs: dict[str, GPTConfig], steps: int, mesh_shape: MeshShape 
         results["memory"] = layer_activation_report(replace(config, dropout=0.1), comm, batch=2)
         if mesh_shape is not None:
             mesh = Mesh(comm, mesh_shape)
+            counted = mesh.map_axes(CountingCommunicator)  # every axis's traffic, the mesh still owns them
             for sp in (False, True):
                 results[f"mesh:sp={sp}"] = gpt_parity(
-                    config, mesh.tp, sequence_parallel=sp, dp_comm=mesh.dp, steps=steps
+                    config, counted.tp, sequence_parallel=sp, dp_comm=counted.dp, steps=steps
                 )
+            results["mesh_traffic"] = {axis: counted[axis].stats.as_dict() for axis in ("tp", "dp", "pp")}
+            counted.close()  # a view: closes nothing
             mesh.close()
         return results
     finally:

@@ -52,11 +52,17 @@ from meshwise.parallel.tensor_parallel.vocab import VocabParallelEmbedding
 
 
 def check_tensor_parallel(
-    config: GPTConfig, tp: int, *, sequence_parallel: bool = False, world_size: int | None = None
+    config: GPTConfig,
+    tp: int,
+    *,
+    sequence_parallel: bool = False,
+    world_size: int | None = None,
+    seq_len: int | None = None,
 ) -> None:
     """Raise ``ValueError`` saying what to change when ``config`` cannot be split ``tp`` ways.
 
-    Plain arithmetic, so the CLI calls it before starting any rank.
+    Plain arithmetic, so the CLI calls it before starting any rank. ``seq_len`` is the length trained on
+    (default: the config's context), which sequence parallelism splits ``tp`` ways.
     """
     if tp < 1:
         raise ValueError(f"--tp must be at least 1, got {tp}")
@@ -79,9 +85,10 @@ def check_tensor_parallel(
             f"{config.heads} attention heads do not split across --tp {tp} ranks: "
             f"choose --tp among {divisors}"
         )
-    if sequence_parallel and config.seq_len % tp:
+    seq_len = config.seq_len if seq_len is None else seq_len
+    if sequence_parallel and seq_len % tp:
         raise ValueError(
-            f"sequence parallelism splits the sequence of {config.seq_len} tokens into --tp {tp} shards: "
+            f"sequence parallelism splits the sequence of {seq_len} tokens into --tp {tp} shards: "
             f"choose a --seq-len that is a multiple of {tp}"
         )
 
