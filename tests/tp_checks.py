@@ -17,7 +17,7 @@ from meshwise.comm.api import Communicator
 from meshwise.comm.counting import CountingCommunicator
 from meshwise.comm.mesh import Mesh, MeshShape
 from meshwise.models.gpt import GPT, GPTConfig, language_model_loss
-from meshwise.parallel.data import DataParallel
+from meshwise.parallel import DataParallel
 from meshwise.parallel.tensor_parallel import (
     copy_to_region,
     full_tensors,

@@ -40,7 +40,7 @@ from torch import nn
 
 from meshwise.comm.api import Communicator
 from meshwise.models.gpt import GPT, MLP, CausalSelfAttention, GPTConfig
-from meshwise.parallel.data import broadcast_module_state
+from meshwise.parallel import broadcast_module_state
 from meshwise.parallel.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
