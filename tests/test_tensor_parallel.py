@@ -83,6 +83,12 @@ def test_tp2_parity_cross_entropy_and_traffic() -> None:
     _assert_ops(results)
     _assert_traffic(results[0]["traffic"], TINY, 2)
     _assert_memory(results)
+    assert results[0]["dropout"] == {
+        "residual equal, sp=False": True,
+        "replicas equal after a block": True,
+        "residual equal, sp=True": False,
+        "attention masks differ": True,
+    }
     first, last = results[0]["counting"], results[-1]["counting"]
     assert first["parent"] == {
         "send": {"calls": 1, "bytes": 40, "bus_bytes": 40.0},

@@ -180,6 +180,32 @@ def counting_wrapper(comm: Communicator) -> dict[str, dict]:
     return {"parent": counting.stats.as_dict(), "child": child.stats.as_dict()}
 
 
+def dropout_masks(config: GPTConfig, comm: Communicator) -> dict[str, bool]:
+    """Whether dropout masks agree across the tp ranks: they must where activations are replicated (the
+    residual stream without SP, so replicas stay equal) and must not where ranks hold different heads or
+    tokens (attention, the residual stream under SP)."""
+    config = replace(config, dropout=0.5)
+    result = {}
+    for sp in (False, True):
+        torch.manual_seed(comm.rank)  # ranks start from different random states: conversion aligns them
+        model = tensor_parallel(GPT(config), comm, sequence_parallel=sp).train()
+        ones = torch.ones(2, 8, config.hidden)
+        masks = gather_last(model.blocks[0].dropout(ones).eq(0).float(), comm).chunk(comm.world_size, -1)
+        result[f"residual equal, sp={sp}"] = all(torch.equal(masks[0], m) for m in masks[1:])
+        x = torch.randn(2, 8 // (comm.world_size if sp else 1), config.hidden)
+        hidden = model.blocks[0](x)
+        if not sp:
+            replicas = gather_last(hidden.detach(), comm).chunk(comm.world_size, -1)
+            result["replicas equal after a block"] = all(torch.equal(replicas[0], r) for r in replicas[1:])
+    attention = model.blocks[0].attn
+    q = torch.ones(1, 4, attention.q.weight.shape[0])
+    with attention.random.active():
+        probe = torch.nn.functional.dropout(q, 0.5).eq(0).float()
+    probes = gather_last(probe, comm).chunk(comm.world_size, -1)
+    result["attention masks differ"] = not torch.equal(probes[0], probes[1])
+    return result
+
+
 def cross_entropy_parity(comm: Communicator, vocab: int) -> dict[str, float]:
     """vocab_parallel_cross_entropy vs F.cross_entropy: values and gradients, ignored targets, smoothing."""
     generator = torch.Generator().manual_seed(7)
@@ -257,6 +283,7 @@ def run_checks(configs: dict[str, GPTConfig], steps: int, mesh_shape: MeshShape 
         results["cross_entropy"] = cross_entropy_parity(comm, vocab=13)
         results["regions"] = region_ops(comm)
         results["counting"] = counting_wrapper(comm)
+        results["dropout"] = dropout_masks(next(iter(configs.values())), comm)
         config = next(iter(configs.values()))
         results["traffic"] = {sp: block_traffic(config, comm, sequence_parallel=sp) for sp in (False, True)}
         results["seq_error"] = sequence_length_error(config, comm)

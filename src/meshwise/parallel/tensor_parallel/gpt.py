@@ -26,11 +26,8 @@ tokens, so their gradients are partial: a gradient hook all-reduces each over th
 produced (before accumulation, so gradient accumulation and a data-parallel wrapper stay correct).
 Forgetting that sum is the classic sequence-parallel bug; the parity tests catch it.
 
-**Dropout.** Without sequence parallelism the residual stream is replicated, so its dropout masks must
-be the same on every rank of the group: converting a model with dropout broadcasts the group's first
-rank's CPU random state (the ranks then draw identical masks, as they run identical shapes). Sharded
-regions (attention probabilities, sequence shards) then reuse one mask pattern across ranks — valid
-dropout, but correlated; Megatron keeps a separate per-rank generator for those.
+**Dropout** (:mod:`.rng`): masks agree across the group where activations are replicated and differ
+where each rank holds different heads or tokens.
 """
 
 from __future__ import annotations
@@ -48,6 +45,7 @@ from meshwise.parallel.tensor_parallel.layers import (
     sum_gradient_over,
 )
 from meshwise.parallel.tensor_parallel.regions import copy_to_region, gathered_linears
+from meshwise.parallel.tensor_parallel.rng import RankRandomState, ShardDropout, share_cpu_random_state
 from meshwise.parallel.tensor_parallel.vocab import VocabParallelEmbedding
 
 
@@ -94,14 +92,22 @@ def check_tensor_parallel(
 
 
 class ParallelAttention(CausalSelfAttention):
-    """Attention over this rank's heads: the parent's math on column-sharded q/k/v and a row-sharded out."""
+    """Attention over this rank's heads: the parent's math on column-sharded q/k/v and a row-sharded out;
+    attention dropout draws from the rank's own random state (its heads are not the others')."""
 
-    def __init__(self, full: CausalSelfAttention, comm: Communicator, sequence_parallel: bool) -> None:
+    def __init__(
+        self,
+        full: CausalSelfAttention,
+        comm: Communicator,
+        sequence_parallel: bool,
+        random: RankRandomState | None = None,
+    ) -> None:
         nn.Module.__init__(self)
         self.head_dim = full.head_dim
         self.dropout = full.dropout
         self.comm = comm
         self.sequence_parallel = sequence_parallel
+        self.random = random
         for name in ("q", "k", "v"):
             layer = ColumnParallelLinear.from_linear(getattr(full, name), comm, enter_region=False)
             setattr(self, name, layer)
@@ -113,6 +119,12 @@ class ParallelAttention(CausalSelfAttention):
             q, k, v = gathered_linears(x, self.comm, layers)
             return q, k, v
         return super().project(copy_to_region(x, self.comm))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.random is None or not self.training:
+            return super().attend(q, k, v)
+        with self.random.active():
+            return super().attend(q, k, v)
 
 
 class ParallelMLP(MLP):
@@ -143,27 +155,26 @@ def tensor_parallel(gpt: GPT, tp_comm: Communicator, *, sequence_parallel: bool 
     """
     if any(isinstance(block.attn, ParallelAttention) for block in gpt.blocks):
         raise ValueError("this GPT is already tensor parallel")
-    check_tensor_parallel(gpt.config, tp_comm.world_size, sequence_parallel=sequence_parallel)
+    check_tensor_parallel(gpt.config, tp_comm.world_size)  # the sequence is checked when it arrives
     broadcast_module_state(gpt, tp_comm)
-    if gpt.config.dropout > 0:
-        _share_cpu_rng(tp_comm)
     sp = sequence_parallel
+    random = None
+    if gpt.config.dropout > 0:
+        share_cpu_random_state(tp_comm)
+        random = RankRandomState(tp_comm)
+        if sp:
+            gpt.drop = ShardDropout(gpt.config.dropout, random)
     gpt.wte = VocabParallelEmbedding.from_embedding(gpt.wte, tp_comm, sequence_parallel=sp)
     gpt.head = ColumnParallelLinear.from_shards(gpt.wte.weight, None, tp_comm, sequence_parallel=sp)
     if sp:
         gpt.wpe = SequenceShardPositions(gpt.wpe, tp_comm)
     for block in gpt.blocks:
-        block.attn = ParallelAttention(block.attn, tp_comm, sp)
+        block.attn = ParallelAttention(block.attn, tp_comm, sp, random)
         block.mlp = ParallelMLP(block.mlp, tp_comm, sp)
+        if random is not None and sp:
+            block.dropout = ShardDropout(gpt.config.dropout, random)
     if sp:
         for param in gpt.parameters():
             if shard_dim(param) is None:
                 sum_gradient_over(param, tp_comm)
     return gpt
-
-
-def _share_cpu_rng(comm: Communicator) -> None:
-    """Give every rank of ``comm`` its first rank's CPU random state (identical dropout masks)."""
-    state = torch.get_rng_state().to(torch.int64)
-    comm.broadcast(state, 0)
-    torch.set_rng_state(state.to(torch.uint8))
