@@ -21,15 +21,23 @@ from dataclasses import dataclass, field
 
 import torch
 
-from meshwise.comm.api import Communicator, ReduceOp, Work
+from meshwise.comm.api import Collective, Communicator, ReduceOp, Work
 
-_SLOTTED = ("all_gather", "reduce_scatter", "all_to_all", "scatter", "gather")
+_SLOTTED = frozenset(
+    {
+        Collective.ALL_GATHER,
+        Collective.REDUCE_SCATTER,
+        Collective.ALL_TO_ALL,
+        Collective.SCATTER,
+        Collective.GATHER,
+    }
+)
 
 
 def bus_factor(op: str, world_size: int) -> float:
     """nccl-tests' factor from the message size S to the bytes one rank's link carries."""
     n = world_size
-    if op == "all_reduce":
+    if op == Collective.ALL_REDUCE:
         return 2 * (n - 1) / n
     if op in _SLOTTED:
         return (n - 1) / n
@@ -51,7 +59,8 @@ class CommStats:
     ops: dict[str, OpCount] = field(default_factory=dict)
 
     def record(self, op: str, nbytes: int) -> None:
-        count = self.ops.setdefault(op, OpCount())
+        """Count one call of ``op`` (a :class:`Collective`, or "send"/"recv"/"barrier") moving ``nbytes``."""
+        count = self.ops.setdefault(str(op), OpCount())
         count.calls += 1
         count.bytes += nbytes
         count.bus_bytes += nbytes * bus_factor(op, self.world_size)
@@ -111,31 +120,31 @@ class CountingCommunicator(Communicator):
         return self.inner._irecv(tensor, src, tag)
 
     def _broadcast(self, tensor: torch.Tensor, root: int) -> Work:
-        self.stats.record("broadcast", _nbytes([tensor]))
+        self.stats.record(Collective.BROADCAST, _nbytes([tensor]))
         return self.inner._broadcast(tensor, root)
 
     def _reduce(self, tensor: torch.Tensor, root: int, op: ReduceOp) -> Work:
-        self.stats.record("reduce", _nbytes([tensor]))
+        self.stats.record(Collective.REDUCE, _nbytes([tensor]))
         return self.inner._reduce(tensor, root, op)
 
     def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> Work:
-        self.stats.record("all_reduce", _nbytes([tensor]))
+        self.stats.record(Collective.ALL_REDUCE, _nbytes([tensor]))
         return self.inner._all_reduce(tensor, op)
 
     def _all_reduce_into(self, source: torch.Tensor, output: torch.Tensor, op: ReduceOp) -> Work:
-        self.stats.record("all_reduce", _nbytes([source]))
+        self.stats.record(Collective.ALL_REDUCE, _nbytes([source]))
         return self.inner._all_reduce_into(source, output, op)
 
     def _all_gather(self, outputs: list[torch.Tensor], input: torch.Tensor) -> Work:
-        self.stats.record("all_gather", _nbytes(outputs))
+        self.stats.record(Collective.ALL_GATHER, _nbytes(outputs))
         return self.inner._all_gather(outputs, input)
 
     def _reduce_scatter(self, output: torch.Tensor, inputs: list[torch.Tensor], op: ReduceOp) -> Work:
-        self.stats.record("reduce_scatter", _nbytes(inputs))
+        self.stats.record(Collective.REDUCE_SCATTER, _nbytes(inputs))
         return self.inner._reduce_scatter(output, inputs, op)
 
     def _all_to_all(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> Work:
-        self.stats.record("all_to_all", _nbytes(inputs))
+        self.stats.record(Collective.ALL_TO_ALL, _nbytes(inputs))
         return self.inner._all_to_all(outputs, inputs)
 
     def _scatter(self, output: torch.Tensor, inputs: list[torch.Tensor] | None, root: int) -> Work:
