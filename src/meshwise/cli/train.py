@@ -11,8 +11,9 @@ import json
 import sys
 from pathlib import Path
 
+from meshwise.cli.outputs import check_output, write_outputs
 from meshwise.runtime.spawn import SpawnError
-from meshwise.train import WORKLOADS, TrainConfig, run_training
+from meshwise.train import WORKLOADS, TrainConfig, TrainingError, run_training
 
 
 def add_parser(subparsers: argparse._SubParsersAction, name: str, help_text: str) -> None:
@@ -70,16 +71,20 @@ def handler(args: argparse.Namespace) -> int:
         timeout=args.timeout,
     )
     try:
+        check_output("--json", args.json)
         result = run_training(config)
     except (ValueError, FileNotFoundError) as exc:
         print(f"meshwise train: error: {exc}", file=sys.stderr)
         return 2
+    except TrainingError as exc:
+        print(f"meshwise train: error: {exc}", file=sys.stderr)
+        return exc.exit_code
     except SpawnError as exc:
         print(f"meshwise train: {exc}", file=sys.stderr)
         return 1
     if result is None:  # a launched rank other than 0
         return 0
     print(result.summary(), flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps(result.to_json(), indent=2) + "\n")
-    return 0
+    text = json.dumps(result.to_json(), indent=2) + "\n"
+    writers = [("JSON", args.json, lambda: Path(args.json).write_text(text))] if args.json else []
+    return 0 if write_outputs("train", writers) else 1
