@@ -14,7 +14,7 @@ from meshwise.bench.calibrate import merge_fit
 from meshwise.bench.cases import Case, pattern
 from meshwise.bench.jsonio import from_dict, read_json, to_dict
 from meshwise.bench.plot import plot_runs
-from meshwise.bench.runner import Row, RunResult, SweepConfig, run_sweep
+from meshwise.bench.runner import Figures, Row, RunResult, SweepConfig, run_sweep
 from meshwise.bench.sizes import format_size, parse_size, size_sweep
 from meshwise.cli import build_parser, main
 from meshwise.cli.bench import build_job
@@ -52,7 +52,14 @@ def test_parse_size(text, expected):
     assert parse_size(format_size(expected)) == expected
 
 
-@pytest.mark.parametrize("text", ["1.5K", "-4", "4X", "", "K"])
+def test_fractional_sizes_are_read_as_nccl_tests_reads_them():
+    """nccl-tests takes `-b 1.5K`; a fraction of a byte is dropped as its integer conversion does."""
+    assert parse_size("1.5K") == 1536 and parse_size("0.5M") == 1 << 19 and parse_size(".25G") == 1 << 28
+    assert parse_size("1.1K") == 1126 and parse_size("2.5") == 2
+    assert parse_size("1.1T") == 11 * (1 << 40) // 10  # exact, no float rounding at terabytes
+
+
+@pytest.mark.parametrize("text", ["1.5.K", "-4", "4X", "", "K", "."])
 def test_parse_size_refuses_what_it_cannot_read(text):
     with pytest.raises(ValueError, match="write bytes like"):
         parse_size(text)
@@ -96,11 +103,21 @@ def test_layout_is_nccl_tests_size_and_count():
     # all_reduce: S = the buffer, count = its elements; the size is rounded down to whole elements.
     lay = layout_for("all_reduce", 1002, 4, 4)
     assert (lay.count, lay.nbytes) == (250, 1000)
-    # slotted collectives: count = one slot, S = all n slots.
+    # slotted collectives: count = one slot of whole 16-byte blocks (nccl-tests), S = all n slots.
     for collective in ("all_gather", "reduce_scatter", "all_to_all", "gather", "scatter"):
         lay = layout_for(collective, 1000, 4, 4)
-        assert (lay.count, lay.total_elements, lay.nbytes) == (62, 248, 992), collective
-    assert layout_for("all_gather", 8, 4, 4).count == 0  # too small: skipped by the runner
+        assert (lay.count, lay.total_elements, lay.nbytes) == (60, 240, 960), collective
+    assert layout_for("all_gather", 8, 4, 4).count == 0  # too small: a count-0 row, as nccl-tests prints
+
+
+def test_slots_round_down_to_16_bytes_as_nccl_tests():
+    """3 ranks of float32 asked for 64/256/1K/4K B: nccl-tests' all_gather_perf prints 48/240/1008/4080."""
+    got = [layout_for("all_gather", s, 3, 4) for s in (64, 256, 1024, 4096)]
+    assert [lay.nbytes for lay in got] == [48, 240, 1008, 4080]
+    assert [lay.count for lay in got] == [4, 20, 84, 340]
+    assert layout_for("reduce_scatter", 1024, 3, 8).count == 42  # float64: blocks of 2 elements
+    assert layout_for("all_to_all", 1024, 3, 2).count == 168  # float16: blocks of 8 elements
+    assert layout_for("all_reduce", 1022, 3, 4).count == 255  # unslotted: whole elements only
 
 
 # ---------------------------------------------------------------------------------------------- options
@@ -127,6 +144,20 @@ def test_options_are_parsed_into_a_job():
     )
 
 
+def test_nccl_tests_spellings_are_accepted():
+    """An all_reduce_perf command line carries over: -o/-d/-r, nccl-tests' type names, -r -1 for every
+    root, -f 1 with -i stepping (and -f 1 alone stepping by nccl-tests' default 1M), -b 1.5K."""
+    argv = "reduce -np 3 -o max -d float -r 2 -b 1.5K -e 3K -f 1 -i 768"
+    sweep = build_job(_args(*argv.split()))[0].sweep
+    assert (sweep.op, sweep.dtype, sweep.root, sweep.sizes) == ("max", "float32", 2, (1536, 2304, 3072))
+    assert build_job(_args("all_reduce", "-d", "half"))[0].sweep.dtype == "float16"
+    assert build_job(_args("all_reduce", "-d", "double"))[0].sweep.dtype == "float64"
+    assert build_job(_args("broadcast", "-np", "3", "-r", "-1"))[0].sweep.root == -1
+    assert build_job(_args("all_reduce", "-b", "1M", "-e", "3M", "-f", "1"))[0].sweep.sizes == (
+        1 << 20, 2 << 20, 3 << 20
+    )  # fmt: skip
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -136,7 +167,9 @@ def test_options_are_parsed_into_a_job():
         (("all_reduce", "--backend", "gloo,tcp"), "unknown backend"),
         (("all_reduce", "--algo", "ring,butterfly"), "unknown algorithm"),
         (("all_reduce", "--backend", "mpi"), "mpirun"),
-        (("all_gather", "-np", "4", "-b", "4", "-e", "8"), "raise -e to 16"),
+        (("all_reduce", "-f", "4", "-i", "1K"), "give -f 1 or leave -f out"),
+        (("broadcast", "--algo", "native,ring"), "ring does not implement broadcast; choose from native"),
+        (("broadcast", "-r", "-2"), "or -1 for every root"),
         (("all_reduce", "-n", "0"), "-n must be at least 1"),
         (("all_reduce", "--ceiling", "0"), "--ceiling must be"),
         (("sendrecv", "-np", "1"), "at least 2 ranks"),
@@ -247,7 +280,7 @@ def test_chunked_reference_follows_slots(monkeypatch):
     case.prepare(salt=1)
     case.run()
     assert case.check(1) == (0, 0)
-    case.result.view[2 * 20 + 13] += 1  # slot 2, third chunk
+    case.result[2 * 20 + 13] += 1  # slot 2, third chunk
     assert case.check(1) == (1, 0)
 
 
@@ -258,7 +291,7 @@ def _sweep_matrix():
     world = meshwise.init("gloo", timeout=30)
     out = []
     configs = [
-        SweepConfig(c, (8, 100, 4096), dtype=dt, op=op, root=root, iters=1, warmup=0, checks=2)
+        SweepConfig(c, (8, 100, 4096), dtype=dt, op=op, root=root, iters=1, warmup=0, checks=1)
         for c in COLLECTIVES
         for dt, op, root in (("float32", "sum", 0), ("bfloat16", "prod", 1), ("int32", "max", 1),
                              ("float16", "avg", 0), ("int64", "min", 0))
@@ -281,31 +314,62 @@ def test_every_collective_dtype_op_and_root_checks_clean_on_three_ranks():
         assert rows and all(r == (0, 0) for r in rows), (algo, collective, dtype, op, rows)
 
 
+def _every_root_in_place_on_shm():
+    from meshwise.comm.factory import create_communicator
+
+    world = meshwise.init("gloo", timeout=30)
+    shm = create_communicator("shm", timeout=30)
+    out = []
+    for collective in COLLECTIVES:
+        config = SweepConfig(collective, (100, 4096), root=-1, iters=1, warmup=0, checks=1)
+        rows = run_sweep(shm, world.comm, config, torch.device("cpu"))
+        out.append((collective, [(r.root, r.size, r.out_of_place.wrong, r.in_place.wrong, r.out_of_bounds)
+                                 for r in rows]))  # fmt: skip
+    shm.close()
+    meshwise.shutdown()
+    return out
+
+
+def test_in_place_and_every_root_on_shared_memory():
+    """nccl-tests' in-place half (input aliasing the output) of every collective on the raw-pointer
+    transport, and `-r -1`: every root in turn for the rooted ones, one pass with root -1 for the rest."""
+    for collective, rows in spawn(_every_root_in_place_on_shm, 3, timeout=100)[0]:
+        roots = [0, 0, 1, 1, 2, 2] if collective in ("broadcast", "reduce", "gather", "scatter") else [-1, -1]
+        assert [r[0] for r in rows] == roots, collective
+        assert all(r[2:] == (0, 0, 0) for r in rows), (collective, rows)
+
+
 # ---------------------------------------------------------------------------------------------- end to end
 def test_every_collective_on_two_ranks_reports_zero_wrong(tmp_path, capsys):
     path = tmp_path / "bench.json"
-    argv = "bench all -np 2 -b 64 -e 4K -f 8 -n 2 -w 1 -c 1 --backend gloo --json"
+    argv = "bench all -np 2 -b 16 -e 1K -f 8 -n 2 -w 1 -c 1 --backend gloo --json"
     code = main([*argv.split(), str(path)])
     out = capsys.readouterr().out
     assert code == 0, out
-    for column in ("size(B)", "count(elements)", "type", "redop", "root", "time(us)", "algbw(GB/s)",
-                   "busbw(GB/s)", "#wrong"):  # fmt: skip
+    for column in ("size(B)", "count(elements)", "type", "redop", "root", "out-of-place", "in-place"):
         assert column in out
+    for column in ("time(us)", "algbw(GB/s)", "busbw(GB/s)", "#wrong"):
+        assert out.count(column) == 2 * len(COLLECTIVES)  # once per placement in every table
     assert "# Wrong elements       : 0 OK" in out and "Wall time = " in out
     data = json.loads(path.read_text())
     assert [run["collective"] for run in data["runs"]] == list(COLLECTIVES)
     for run in data["runs"]:
         assert run["world_size"] == 2 and run["backend"] == "gloo" and run["algorithm"] == "native"
-        assert [row["size"] for row in run["rows"]] == [64, 512, 4096]
-        assert all(
-            row["wrong"] == 0 and row["out_of_bounds"] == 0 and row["time_us"] > 0 for row in run["rows"]
-        )
+        # 16 B on 2 ranks leaves 8 B a slot, under one 16-byte block: a count-0 row, as nccl-tests
+        slotted = run["collective"] in ("all_gather", "reduce_scatter", "all_to_all", "gather", "scatter")
+        assert [row["size"] for row in run["rows"]] == [0 if slotted else 16, 128, 1024]
+        for row in run["rows"]:
+            for placement in (row["out_of_place"], row["in_place"]):
+                assert placement["wrong"] == 0 and placement["out_of_bounds"] == 0
+                assert placement["time_us"] > 0
+        busbws = [row[p]["busbw"] for row in run["rows"] for p in ("out_of_place", "in_place")]
+        assert run["avg_busbw"] == pytest.approx(sum(busbws) / 6)  # nccl-tests: both halves, every row
     assert data["world_size"] == 2 and data["launcher"] == "local" and data["versions"]["torch"]
     assert data["machine"]["cpu_count"] >= 1
     # the documented schema, key for key (docs/bench.md)
-    assert data["schema"] == "meshwise.bench/1"
+    assert data["schema"] == "meshwise.bench/2"
     assert " ".join(data["command"]) == (  # every effective option, so the record can be replayed
-        "meshwise bench all -np 2 -b 64 -e 4K -f 8 -n 2 -w 1 -c 1 --dtype float32 --op sum --root 0 "
+        "meshwise bench all -np 2 -b 16 -e 1K -f 8 -n 2 -w 1 -c 1 --dtype float32 --op sum --root 0 "
         "--backend gloo --algo native"
     )
     assert set(data) == {"schema", "created", "command", "launcher", "world_size", "timing", "machine",
@@ -322,9 +386,11 @@ def test_every_collective_on_two_ranks_reports_zero_wrong(tmp_path, capsys):
     }
     assert set(data["runs"][0]) == {"collective", "backend", "algorithm", "world_size", "avg_busbw", "wrong",
                                     "out_of_bounds", "rows"}  # fmt: skip
-    assert set(data["runs"][0]["rows"][0]) == {"size", "count", "type", "redop", "root", "time_us", "algbw",
-                                               "busbw", "wrong", "out_of_bounds", "time_us_min",
-                                               "time_us_max"}  # fmt: skip
+    row = data["runs"][0]["rows"][0]
+    assert set(row) == {"size", "count", "type", "redop", "root", "out_of_place", "in_place"}
+    for placement in ("out_of_place", "in_place"):
+        assert set(row[placement]) == {"time_us", "algbw", "busbw", "wrong", "out_of_bounds", "time_us_min",
+                                       "time_us_max"}  # fmt: skip
     # JSON round trip: the record reads back into the same objects and writes the same document.
     record = read_json(str(path))
     assert to_dict(record) == data and to_dict(from_dict(to_dict(record))) == data
@@ -357,8 +423,9 @@ def test_injected_wrong_result_fails_the_run(tmp_path, capsys):
     assert code == 1
     assert "FAILED" in captured.out and "check FAILED for all_reduce" in captured.err
     runs = json.loads(path.read_text())["runs"]
-    # one corrupted element per check (2) per size (2) on rank 1, for each algorithm
-    assert [[row["wrong"] for row in run["rows"]] for run in runs] == [[2, 2], [2, 2]]
+    # one corrupted element per check (2) per size (2) on rank 1, for each algorithm and placement
+    wrong = [[(r["out_of_place"]["wrong"], r["in_place"]["wrong"]) for r in run["rows"]] for run in runs]
+    assert wrong == [[(2, 2), (2, 2)], [(2, 2), (2, 2)]]
 
 
 def test_algorithms_side_by_side_and_plot(tmp_path, capsys):
@@ -373,25 +440,26 @@ def test_algorithms_side_by_side_and_plot(tmp_path, capsys):
 
 
 def test_rank_zero_draws_a_progress_bar_over_sizes_and_skips_are_noted(capsys, monkeypatch):
-    """One rank in this process, stderr a terminal: the rich bar counts the sizes of every run; an
-    algorithm that does not implement the collective is skipped with one note, not reported."""
+    """One rank in this process, stderr a terminal: the rich bar counts the sizes of every run; with
+    `all`, an algorithm that does not implement a collective is skipped with one note, not reported."""
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
-    argv = "bench all_reduce -np 1 -b 1K -e 4K -n 1 -w 0 --algo native,ring,pairwise"
+    argv = "bench all -np 1 -b 1K -e 4K -n 1 -w 0 --algo rd,pairwise"
     code = main(argv.split())
     captured = capsys.readouterr()
     assert code == 0, captured.out
-    for label in ("all_reduce gloo/native", "all_reduce gloo/ring"):
+    for label in ("all_reduce gloo/rd", "all_gather gloo/rd", "all_to_all gloo/pairwise"):
         assert label in captured.err
-    assert captured.err.count("3/3") >= 2
-    assert "pairwise" not in captured.err and "algorithm pairwise" not in captured.out
-    assert "# note: pairwise: skipped all_reduce; it implements only all_to_all" in captured.out
+    assert captured.err.count("3/3") >= 3
+    assert "broadcast" not in captured.err and "algorithm pairwise · 1 rank" in captured.out
+    assert "# note: pairwise: skipped all_reduce, all_gather, reduce_scatter, broadcast, reduce, gather, " \
+        "scatter; it implements only all_to_all" in captured.out
 
 
 def test_plot_with_model_ceiling_is_a_png(tmp_path):
     rows = tuple(
-        Row(s, s // 4, "float32", "sum", -1, 10 + s / 1e3, s / 1e4, s / 1e4, 0, 0, 9.0, 11.0)
-        for s in (8, 64, 512)
-    )
+        Row(s, s // 4, "float32", "sum", -1, *[Figures(10 + s / 1e3, s / 1e4, s / 1e4, 0, 0, 9.0, 11.0)] * 2)
+        for s in (0, 8, 64, 512)
+    )  # a count-0 row has no place on the log axis and is left out
     runs = [RunResult("all_reduce", "gloo", algo, 4, rows) for algo in ("native", "ring")]
     runs.append(RunResult("sendrecv", "gloo", "native", 4, rows))
     calibration = Calibration(LinkParams(1e-5, 1e-9, 1e-10), LinkParams(2e-5, 2e-9, 1e-10))

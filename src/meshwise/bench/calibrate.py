@@ -97,9 +97,10 @@ def _sweep(
 
 def _fit(name: str, runs: list[RunResult]) -> LinkFit:
     samples = [
-        CostSample(run.collective, run.algorithm, row.size, run.world_size, row.time_us_min * 1e-6)
+        CostSample(run.collective, run.algorithm, row.size, run.world_size, row.fastest_us * 1e-6)
         for run in runs
         for row in run.rows
+        if row.count > 0
     ]
     params, error = fit_link_params(samples)
     return LinkFit(name, params, 1.0 + error, len(samples))

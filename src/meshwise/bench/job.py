@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from meshwise.bench.calibrate import CalibrationOutcome, calibrate, read_calibration
 from meshwise.bench.report import size_progress
-from meshwise.bench.runner import RunResult, SweepConfig, run_sweep
+from meshwise.bench.runner import RunResult, SweepConfig, run_sweep, sweep_length
 from meshwise.comm.algorithms import with_algorithm
 from meshwise.comm.api import Communicator
 from meshwise.comm.cost import COVERAGE, PARAMETERS, Calibration, LinkParams
@@ -126,7 +126,7 @@ def _run(job: BenchJob, world: World) -> JobResult | None:
                     task = None
                     if progress is not None:
                         label = f"{collective} {backend}/{algorithm}"
-                        task = progress.add_task(label, total=len(config.sizes))
+                        task = progress.add_task(label, total=sweep_length(config, world.world_size))
                     rows = run_sweep(
                         comm,
                         control,
