@@ -158,6 +158,49 @@ def test_nccl_tests_spellings_are_accepted():
     )  # fmt: skip
 
 
+def _docs_flag_table() -> dict[str, str]:
+    """docs/bench.md's "flag / nccl-tests / meshwise" table: flag → meshwise column."""
+    from pathlib import Path
+
+    text = (Path(__file__).parents[1] / "docs" / "bench.md").read_text()
+    table = text.split("| flag | nccl-tests | meshwise |", 1)[1].split("\n\n", 1)[0]
+    rows = {}
+    for line in table.splitlines()[2:]:
+        flags, _, mine = (cell.strip() for cell in line.strip("|").split("|"))
+        for flag in flags.replace("`", "").split(","):
+            rows[flag.strip()] = mine
+    return rows
+
+
+#: One nccl-tests spelling per shared flag, and what the job must hold after parsing it.
+_NCCL_TESTS_FLAGS = {
+    "-b": ("1.5K", lambda job: job.sweep.sizes[0] == 1536),
+    "-e": ("4K", lambda job: job.sweep.sizes[-1] == 4096),
+    "-i": ("1K", lambda job: job.sweep.sizes[:2] == (8, 1032)),
+    "-f": ("4", lambda job: job.sweep.sizes[:2] == (8, 32)),
+    "-n": ("3", lambda job: job.sweep.iters == 3),
+    "-w": ("2", lambda job: job.sweep.warmup == 2),
+    "-c": ("2", lambda job: job.sweep.checks == 2),
+    "-d": ("half", lambda job: job.sweep.dtype == "float16"),
+    "-o": ("max", lambda job: job.sweep.op == "max"),
+    "-r": ("-1", lambda job: job.sweep.root == -1),
+}
+
+
+def test_docs_flag_table_matches_the_parser(capsys):
+    """Every flag the table says meshwise shares is parsed with nccl-tests' meaning; every flag it says
+    is not offered is refused."""
+    rows = _docs_flag_table()
+    shared = {flag for flag, mine in rows.items() if mine.startswith("same") or mine.startswith("the same")}
+    assert shared == set(_NCCL_TESTS_FLAGS)
+    for flag, (value, holds) in _NCCL_TESTS_FLAGS.items():
+        assert holds(build_job(_args("reduce", "-np", "3", flag, value))[0]), flag
+    for flag in (flag for flag, mine in rows.items() if mine == "not offered" or mine.startswith("`-np")):
+        with pytest.raises(SystemExit):
+            _args("all_reduce", flag, "1")
+    capsys.readouterr()
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
