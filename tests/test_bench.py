@@ -19,7 +19,7 @@ from meshwise.bench.sizes import format_size, parse_size, size_sweep
 from meshwise.cli import build_parser, main
 from meshwise.cli.bench import build_job
 from meshwise.comm.api import Communicator, CompletedWork, ReduceOp
-from meshwise.comm.cost import Calibration, LinkParams, WorldLinks
+from meshwise.comm.cost import Calibration, LinkParams, WorldLinks, predict_seconds
 from meshwise.runtime.spawn import spawn
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -529,6 +529,29 @@ def test_calibrate_writes_the_cost_model_file_and_keeps_other_world_sizes(tmp_pa
         assert expected in out
     written = f"Calibration written to {target} # for world size 2; the file has entries for world sizes 2, 4"
     assert written in out
+
+
+def test_worst_factor_is_printed_as_is_and_a_poor_fit_is_warned_about():
+    """One definition: the largest of predicted/measured and measured/predicted (11× prints 11.00x, not
+    10.00x), and a fit off by more than 2× says its predictions cannot be trusted."""
+    from meshwise.bench.calibrate import CalibrationOutcome, LinkFit, _fit, format_outcome
+
+    link = LinkParams(1e-5, 1e-9, 0.0)
+    exact = [  # a ring all_gather priced by the model itself: fitted exactly
+        RunResult("all_gather", "gloo", "ring", 4, tuple(
+            Row(s, s // 16, "float32", "none", -1, *[Figures(1, 1, 1, 0, 0, t * 1e6, t * 1e6)] * 2)
+            for s in (4096, 1 << 16, 1 << 20, 1 << 22)
+            for t in [predict_seconds("all_gather", "ring", s, 4, link)]
+        ))
+    ]  # fmt: skip
+    assert _fit("intra", exact).worst_factor == pytest.approx(1.0, abs=1e-6)
+    outcome = CalibrationOutcome(
+        "cal.json", (LinkFit("intra", link, 11.0, 12), LinkFit("native", link, 1.5, 9)), (), 4, (4,)
+    )
+    text = format_outcome(outcome)
+    assert "11.00x" in text and "1.50x" in text and "10.00x" not in text
+    assert "warning: the intra fit is poor: some size is off by 11.00x" in text
+    assert "native fit is poor" not in text
 
 
 def test_merge_fit_sets_this_world_size_and_the_top_level():
