@@ -18,7 +18,8 @@ from meshwise.runtime.spawn import SpawnError
 from meshwise.scale.metrics import MODES, Sample, analyse
 from meshwise.scale.model import predicted_times
 from meshwise.scale.report import format_table, plot, to_json, write_json
-from meshwise.scale.runner import ScaleError, Workload, parse_workload, run_command, run_pi
+from meshwise.scale.runner import ScaleError, Workload, cores_busy, parse_workload, run_command, run_pi
+from meshwise.train.workloads import WORKLOADS as TRAIN_MODELS
 from meshwise.workloads.pi import check_work
 from meshwise.workloads.pi_job import KERNELS, resolve_kernel
 
@@ -42,7 +43,9 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str, help_text: str
     parser.add_argument(
         "workload", nargs="+", help="pi-midpoint | pi-montecarlo | train:<model> | -- CMD ARGS"
     )
-    parser.add_argument("--np", dest="scales", default="1,2,4", help="rank counts to run (default 1,2,4)")
+    parser.add_argument(
+        "-np", "--np", "--nproc", dest="scales", default="1,2,4", help="rank counts to run (default 1,2,4)"
+    )
     parser.add_argument(
         "--mode", choices=MODES, default="strong", help="fixed work (strong) or work ∝ n (weak)"
     )
@@ -62,6 +65,12 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str, help_text: str
 
 def _validate(args: argparse.Namespace) -> tuple[Workload, list[int], int | None]:
     workload = parse_workload(args.workload)
+    model = workload.name.removeprefix("train:") if workload.name.startswith("train:") else None
+    if model is not None and model not in TRAIN_MODELS:
+        raise ValueError(
+            f"{workload.name}: `meshwise train` has no model {model!r}; use train:<model> with one of "
+            f"{', '.join(TRAIN_MODELS)}"
+        )
     scales = parse_scales(args.scales)
     if args.repeat < 1:
         raise ValueError(f"--repeat must be at least 1, got {args.repeat}")
@@ -135,16 +144,22 @@ def handler(args: argparse.Namespace) -> int:
         )
     samples: dict[int, list[Sample]] = {}
     sources: set[str] = set()
+    baseline_cores = None
     try:
         for ranks in scales:
-            samples[ranks], used = _measure(args, workload, ranks, work, scales[0])
+            # progress: a study of big runs is silent for minutes otherwise
+            print(f"n={ranks}: running {args.repeat} run{'s' if args.repeat > 1 else ''} …", flush=True)
+            (samples[ranks], used), busy = cores_busy(
+                lambda ranks=ranks: _measure(args, workload, ranks, work, scales[0])
+            )
+            baseline_cores = busy if ranks == 1 and on_cpu else baseline_cores
             sources |= used
             times = " ".join(f"{s.wall_seconds:.6f}" for s in samples[ranks])
             print(f"n={ranks}: {times} s", flush=True)
     except (ScaleError, SpawnError) as exc:
         print(f"meshwise scale: {exc}", file=sys.stderr)
         return 1
-    points = analyse(args.mode, samples, cores if on_cpu else None)
+    points = analyse(args.mode, samples, cores if on_cpu else None, baseline_cores)
     comm_bytes = (
         args.comm_bytes
         if args.comm_bytes is not None
@@ -167,7 +182,9 @@ def handler(args: argparse.Namespace) -> int:
             model=model,
         )
         write_json(args.json, record)
+        print(f"JSON written to {args.json}")
     if args.plot:
         title = f"{workload.name} — {args.mode} scaling ({cores} cores)"
         plot(args.plot, args.mode, points, model, title)
+        print(f"plot written to {args.plot}")
     return 0
