@@ -23,6 +23,7 @@ from meshwise.bench.jsonio import BenchRecord, write_json
 from meshwise.bench.report import output_console, print_runs
 from meshwise.bench.runner import ALL_ROOTS, DTYPE_ALIASES, DTYPES, SweepConfig
 from meshwise.bench.sizes import parse_size, size_sweep
+from meshwise.cli import summary
 from meshwise.comm.algorithms import ALGORITHMS
 from meshwise.comm.api import CommError, ReduceOp
 from meshwise.comm.cost import DEFAULT_PATH, Calibration
@@ -45,7 +46,7 @@ def _names(text: str, allowed: tuple[str, ...] | list[str], what: str, option: s
 
 
 def add_parser(subparsers: argparse._SubParsersAction, name: str, help_text: str) -> None:
-    parser = subparsers.add_parser(name, help=help_text, description=__doc__.splitlines()[0])
+    parser = subparsers.add_parser(name, help=help_text, description=summary(__doc__))
     parser.add_argument(
         "collective",
         nargs="?",

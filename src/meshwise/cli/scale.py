@@ -12,6 +12,7 @@ import sys
 
 import torch
 
+from meshwise.cli import summary
 from meshwise.cli.pi import check_backend, parse_count
 from meshwise.runtime.cores import available_cores
 from meshwise.runtime.spawn import SpawnError
@@ -39,7 +40,7 @@ def parse_scales(text: str) -> list[int]:
 
 
 def add_parser(subparsers: argparse._SubParsersAction, name: str, help_text: str) -> None:
-    parser = subparsers.add_parser(name, help=help_text, description=__doc__.splitlines()[0])
+    parser = subparsers.add_parser(name, help=help_text, description=summary(__doc__))
     parser.add_argument(
         "workload", nargs="+", help="pi-midpoint | pi-montecarlo | train:<model> | -- CMD ARGS"
     )

@@ -11,6 +11,7 @@ import json
 import sys
 from pathlib import Path
 
+from meshwise.cli import summary
 from meshwise.runtime.spawn import SpawnError
 from meshwise.train import WORKLOADS, TrainConfig, run_training
 
@@ -20,7 +21,7 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str, help_text: str
     parser = subparsers.add_parser(
         name,
         help=help_text,
-        description=f"{__doc__.splitlines()[0]}\n\nmodels:\n{models}",
+        description=f"{summary(__doc__)}\n\nmodels:\n{models}",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("model", choices=list(WORKLOADS), help="what to train (see above)")
