@@ -297,5 +297,6 @@ def python_command(script: str, args: Sequence[str], *, module: bool = False) ->
     if module:
         return [sys.executable, "-u", "-m", script, *args]
     if not os.path.isfile(script):
-        raise LaunchConfigError(f"script {script!r} does not exist (relative to {os.getcwd()})")
+        where = "" if os.path.isabs(script) else f" (relative to {os.getcwd()})"
+        raise LaunchConfigError(f"script {script!r} does not exist{where}")
     return [sys.executable, "-u", script, *args]
