@@ -439,6 +439,19 @@ def test_every_collective_on_two_ranks_reports_zero_wrong(tmp_path, capsys):
     assert to_dict(record) == data and to_dict(from_dict(to_dict(record))) == data
 
 
+def test_tables_written_to_a_file_have_no_trailing_spaces(tmp_path):
+    """`meshwise bench … > log`: rich pads every line to the console width (160 off a terminal)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "meshwise", "bench", "all_reduce", "-np", "1", "-b", "1K", "-e", "2K", "-n", "1",
+         "-w", "0"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert any("busbw(GB/s)" in line for line in lines)
+    assert [line for line in lines if line != line.rstrip()] == []
+
+
 def test_under_a_launcher_it_runs_on_the_launched_ranks(tmp_path):
     """`meshwise run -np 2 -m meshwise bench …`: the two launched ranks are the job (no -np, nothing
     spawned), rank 0 reports, and every rank exits cleanly (a process group still referenced after
