@@ -1,0 +1,230 @@
+"""GPT-2: the transformer that sharded, tensor- and pipeline-parallel training exist for.
+
+The architecture is GPT-2's (token + learned position embeddings, pre-LayerNorm blocks of causal
+self-attention and a 4h GELU MLP, a final LayerNorm, an output head tied to the token embedding), written so
+that the other strategies can cut it without rewriting it:
+
+- blocks live in a ``ModuleList`` (pipeline stages and ZeRO-3 units are slices of it);
+- attention has separate ``q``/``k``/``v``/``out`` projections and the MLP ``fc``/``proj``, so tensor
+  parallelism replaces each with a column- or row-parallel linear; attention derives its number of heads
+  from the width of ``q``'s output at run time, so a rank holding ``heads/tp`` heads needs no other change;
+- the forward pass is three public pieces — :meth:`GPT.embed`, the blocks, :meth:`GPT.logits` — that a
+  pipeline stage can call separately.
+
+Parameter counts equal the published GPT-2 ones (``gpt2`` = 124,439,808 with the tied head), and a config
+built under ``torch.device("meta")`` allocates no memory, so the planner can size models it cannot hold.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Shape of a GPT; ``validate()`` says what to change when it cannot be built."""
+
+    layers: int
+    hidden: int
+    heads: int
+    seq_len: int
+    vocab: int = 256
+    dropout: float = 0.0
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    def validate(self) -> GPTConfig:
+        for name in ("layers", "hidden", "heads", "seq_len", "vocab"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"GPT {name} must be at least 1, got {getattr(self, name)}")
+        if self.hidden % self.heads:
+            raise ValueError(
+                f"GPT hidden size {self.hidden} is not divisible by {self.heads} heads: choose --heads "
+                f"that divides --hidden (e.g. {_divisor_near(self.hidden, self.heads)})"
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"GPT dropout must be in [0, 1), got {self.dropout}")
+        return self
+
+    def num_parameters(self) -> int:
+        """Parameters with the head tied to the token embedding (GPT-2's published counts)."""
+        h = self.hidden
+        per_block = 2 * h + (4 * h * h + 4 * h) + 2 * h + (8 * h * h + 5 * h)
+        return self.vocab * h + self.seq_len * h + self.layers * per_block + 2 * h
+
+    def flops_per_token(self) -> int:
+        """Training FLOPs per token: 6N for the matmuls with the weights plus 12·L·h·T for attention.
+
+        N excludes the position embedding (a lookup, not a matmul) but includes the token embedding,
+        which is also the output head. The attention term counts QKᵀ and AV over the full context, as the
+        PaLM paper's MFU accounting does (causal masking halves the useful work; the convention ignores
+        it), so MFU figures compare with published ones.
+        """
+        n = self.num_parameters() - self.seq_len * self.hidden
+        return 6 * n + 12 * self.layers * self.hidden * self.seq_len
+
+
+def _divisor_near(hidden: int, heads: int) -> int:
+    divisors = [d for d in range(1, hidden + 1) if hidden % d == 0]
+    return min(divisors, key=lambda d: abs(d - heads))
+
+
+#: Named configurations. ``gpt-tiny`` is for tests (< 1M parameters, 4 layers so pipelines of up to four
+#: stages can be cut); ``gpt-nano`` (~10.7M) is the CPU default; the rest are GPT-2's published sizes.
+CONFIGS: dict[str, GPTConfig] = {
+    "gpt-tiny": GPTConfig(layers=4, hidden=64, heads=4, seq_len=64, vocab=256),
+    "gpt-nano": GPTConfig(layers=6, hidden=384, heads=6, seq_len=256, vocab=256),
+    "gpt2": GPTConfig(layers=12, hidden=768, heads=12, seq_len=1024, vocab=50257),
+    "gpt2-medium": GPTConfig(layers=24, hidden=1024, heads=16, seq_len=1024, vocab=50257),
+    "gpt2-large": GPTConfig(layers=36, hidden=1280, heads=20, seq_len=1024, vocab=50257),
+    "gpt2-xl": GPTConfig(layers=48, hidden=1600, heads=25, seq_len=1024, vocab=50257),
+}
+
+
+def gpt_config(name: str, **overrides: int | float | None) -> GPTConfig:
+    """A named config with ``None``-valued overrides ignored, validated."""
+    if name not in CONFIGS:
+        raise ValueError(f"unknown GPT config {name!r}; choose one of {', '.join(CONFIGS)}")
+    changes = {key: value for key, value in overrides.items() if value is not None}
+    return replace(CONFIGS[name], **changes).validate()
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal attention with separate q/k/v/out projections.
+
+    The number of heads is ``q``'s output width over ``head_dim``, read at run time, so tensor
+    parallelism can hand each rank a column slice of q/k/v (whole heads) and a row slice of ``out``.
+    """
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        h = config.hidden
+        self.head_dim = config.head_dim
+        self.q = nn.Linear(h, h)
+        self.k = nn.Linear(h, h)
+        self.v = nn.Linear(h, h)
+        self.out = nn.Linear(h, h)
+        self.dropout = config.dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+
+        def heads(projection: nn.Module) -> torch.Tensor:
+            y = projection(x)
+            return y.view(batch, seq, y.shape[-1] // self.head_dim, self.head_dim).transpose(1, 2)
+
+        attended = F.scaled_dot_product_attention(
+            heads(self.q),
+            heads(self.k),
+            heads(self.v),
+            dropout_p=self.dropout if self.training else 0.0,
+            is_causal=True,
+        )
+        return self.out(attended.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class MLP(nn.Module):
+    """h → 4h → h with GPT-2's tanh-approximated GELU (so Hugging Face weights give the same logits)."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(config.hidden, 4 * config.hidden)
+        self.proj = nn.Linear(4 * config.hidden, config.hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: x + attn(ln1(x)), then + mlp(ln2(x))."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(config.hidden)
+        self.attn = CausalSelfAttention(config)
+        self.ln2 = nn.LayerNorm(config.hidden)
+        self.mlp = MLP(config)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.dropout(self.attn(self.ln1(x)))
+        return x + self.dropout(self.mlp(self.ln2(x)))
+
+
+class GPT(nn.Module):
+    """GPT-2 language model; ``forward(tokens)`` returns logits of shape (batch, seq, vocab)."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config.validate()
+        self.wte = nn.Embedding(config.vocab, config.hidden)
+        self.wpe = nn.Embedding(config.seq_len, config.hidden)
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.layers))
+        self.ln_f = nn.LayerNorm(config.hidden)
+        self.head = nn.Linear(config.hidden, config.vocab, bias=False)
+        self.head.weight = self.wte.weight  # tied, as in GPT-2: one parameter, counted once
+        if self.wte.weight.device.type != "meta":
+            self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """GPT-2's initialisation: N(0, 0.02), residual projections scaled by 1/√(2·layers)."""
+        residual_std = 0.02 / math.sqrt(2 * self.config.layers)
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear):
+                std = residual_std if name.endswith(("attn.out", "mlp.proj")) else 0.02
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            elif isinstance(module, nn.LayerNorm):
+                nn.init.ones_(module.weight)
+                nn.init.zeros_(module.bias)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Token plus position embeddings of (batch, seq) token ids → (batch, seq, hidden)."""
+        seq = tokens.shape[-1]
+        if seq > self.config.seq_len:
+            raise ValueError(
+                f"sequence of {seq} tokens is longer than the position table ({self.config.seq_len}); "
+                f"lower --seq-len or build the model with a longer one"
+            )
+        positions = torch.arange(seq, device=tokens.device)
+        return self.drop(self.wte(tokens) + self.wpe(positions))
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Final LayerNorm and the tied head: (batch, seq, hidden) → (batch, seq, vocab)."""
+        return self.head(self.ln_f(x))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.logits(x)
+
+    @torch.no_grad()
+    def generate(self, tokens: torch.Tensor, new_tokens: int, *, temperature: float = 1.0,
+                 top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Sample ``new_tokens`` continuations of (batch, seq) prompts, cropping to the context window."""
+        for _ in range(new_tokens):
+            window = tokens[:, -self.config.seq_len :]
+            scores = self(window)[:, -1, :] / max(temperature, 1e-6)
+            if top_k is not None:
+                kth = torch.topk(scores, min(top_k, scores.shape[-1])).values[:, -1:]
+                scores = scores.masked_fill(scores < kth, float("-inf"))
+            probs = F.softmax(scores, dim=-1)
+            tokens = torch.cat([tokens, torch.multinomial(probs, 1, generator=generator)], dim=1)
+        return tokens
+
+
+def language_model_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over every position (targets are the inputs shifted by one)."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
