@@ -437,13 +437,15 @@ def test_every_collective_on_two_ranks_reports_zero_wrong(tmp_path, capsys):
     # JSON round trip: the record reads back into the same objects and writes the same document.
     record = read_json(str(path))
     assert to_dict(record) == data and to_dict(from_dict(to_dict(record))) == data
+    with pytest.raises(ValueError, match="predates the out-of-place and in-place figures"):
+        from_dict({**data, "schema": "meshwise.bench/1"})
 
 
 def test_tables_written_to_a_file_have_no_trailing_spaces(tmp_path):
     """`meshwise bench … > log`: rich pads every line to the console width (160 off a terminal)."""
     done = subprocess.run(
-        [sys.executable, "-m", "meshwise", "bench", "all_reduce", "-np", "1", "-b", "1K", "-e", "2K", "-n", "1",
-         "-w", "0"],
+        [sys.executable, "-m", "meshwise", "bench", "all_reduce", "-np", "1", "-b", "1K", "-e", "2K",
+         "-n", "1", "-w", "0"],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr

@@ -101,8 +101,14 @@ def to_dict(record: BenchRecord) -> dict[str, Any]:
 
 
 def from_dict(data: dict[str, Any]) -> BenchRecord:
-    if data.get("schema") != SCHEMA:
-        raise ValueError(f"not a meshwise bench record: schema {data.get('schema')!r}, expected {SCHEMA!r}")
+    schema = data.get("schema")
+    if schema == "meshwise.bench/1":
+        raise ValueError(
+            "a meshwise.bench/1 record (one set of figures per row) predates the out-of-place and in-place "
+            f"figures of {SCHEMA}; run the benchmark again to get them"
+        )
+    if schema != SCHEMA:
+        raise ValueError(f"not a meshwise bench record: schema {schema!r}, expected {SCHEMA!r}")
     runs = tuple(
         RunResult(
             collective=run["collective"],
