@@ -97,15 +97,22 @@ def test_midpoint_kernel_matches_the_formula_and_is_chunk_independent():
 
 
 def _fused_job(samples, chunk):
+    """The report and what rank 0 said on stderr (captured here: a spawned rank's stderr is not the
+    test's once a forkserver exists)."""
+    import contextlib
+    import io
+
     world = meshwise.init("gloo", timeout=30)
-    report = run_pi(world, "montecarlo", samples, seed=5, chunk=chunk, kernel="fused", progress=True)
+    said = io.StringIO()
+    with contextlib.redirect_stderr(said):
+        report = run_pi(world, "montecarlo", samples, seed=5, chunk=chunk, kernel="fused", progress=True)
     meshwise.shutdown()
-    return report
+    return report, said.getvalue()
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)  # a cold inductor cache compiles two C++ kernels (~20-40 s on 2 busy cores)
-def test_fused_kernels_match_the_eager_ones(capfd):
+def test_fused_kernels_match_the_eager_ones():
     """The compiled loop (C++ here, Triton on CUDA) gives the same hits and sums; the last chunk is masked."""
     start, count = 10**13 - 10_000, 10_000 + 4_321  # crosses 1e13, not a multiple of the chunk
     assert montecarlo_hits_fused(start, count, 9, chunk=4096) == montecarlo_hits(start, count, 9)
@@ -114,9 +121,8 @@ def test_fused_kernels_match_the_eager_ones(capfd):
     assert midpoint_partial_fused(3, 10_000, 10**6, chunk=4096) == pytest.approx(expected, rel=1e-13)
     # the job path on a spawned rank: compiled before the barrier (the kernel is cached by now), and
     # rank 0 says so instead of going silent for the ~30 s a cold compile takes
-    report = spawn(_fused_job, 1, (20_001, 4096), timeout=120)[0]
+    report, err = spawn(_fused_job, 1, (20_001, 4096), timeout=120)[0]
     assert report.total_hits == montecarlo_hits(0, 20_001, 5)
-    err = capfd.readouterr().err
     assert "meshwise pi: preparing the fused kernel" in err and "meshwise pi: kernel ready in" in err
 
 
