@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-import meshwise
+from conftest import joined
 from meshwise.cli import main
 from meshwise.cli.pi import parse_count
 from meshwise.runtime.spawn import spawn
@@ -102,11 +102,9 @@ def _fused_job(samples, chunk):
     import contextlib
     import io
 
-    world = meshwise.init("gloo", timeout=30)
     said = io.StringIO()
-    with contextlib.redirect_stderr(said):
+    with joined("gloo", timeout=30) as world, contextlib.redirect_stderr(said):
         report = run_pi(world, "montecarlo", samples, seed=5, chunk=chunk, kernel="fused", progress=True)
-    meshwise.shutdown()
     return report, said.getvalue()
 
 
@@ -148,9 +146,8 @@ def test_standard_error_on_the_seeds_run():
 
 
 def _both_methods(mc_samples):
-    world = meshwise.init("gloo", timeout=30)
-    reports = (run_pi(world, "midpoint", 10_000), run_pi(world, "montecarlo", mc_samples, seed=123))
-    meshwise.shutdown()
+    with joined("gloo", timeout=30) as world:
+        reports = (run_pi(world, "midpoint", 10_000), run_pi(world, "montecarlo", mc_samples, seed=123))
     return reports
 
 

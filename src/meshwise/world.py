@@ -4,13 +4,15 @@ Order matters (the seeds' most common pitfall): the device is chosen from the *l
 before the process group exists, so NCCL never creates contexts on GPU 0 for every rank. torch.distributed
 is always initialised as the control plane (nccl on CUDA, gloo otherwise); the data-plane Communicator
 returned in :class:`World` may be another transport (shared memory, MPI) that bootstraps through it.
+The World also holds the job's :class:`~meshwise.comm.mesh.Mesh` (dp × tp × pp, pure data parallelism
+unless asked otherwise), so a strategy finds its groups where it finds the world communicator.
 """
 
 from __future__ import annotations
 
 import datetime
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -22,16 +24,16 @@ import torch.distributed as dist
 import torch.distributed.nn
 
 from meshwise.comm.api import CommError, Communicator
-from meshwise.comm.factory import BACKENDS, create_communicator
+from meshwise.comm.factory import check_backend, create_communicator
+from meshwise.comm.mesh import Mesh, MeshShape
 from meshwise.comm.shm.segment import check_memory_model
 from meshwise.runtime.env import LaunchEnv, detect_launch_env, resolve_ipv4
-
-DEFAULT_TIMEOUT_SECONDS = 300.0
+from meshwise.runtime.timeouts import DEFAULT_TIMEOUT_S
 
 
 @dataclass(frozen=True)
 class World:
-    """This process's place in the job and the Communicator over all ranks."""
+    """This process's place in the job, the Communicator over all ranks and its per-axis mesh groups."""
 
     rank: int
     local_rank: int
@@ -42,6 +44,7 @@ class World:
     backend: str
     launcher: str
     comm: Communicator
+    mesh: Mesh
 
     @property
     def is_main(self) -> bool:
@@ -79,8 +82,7 @@ def resolve_backend(
 ) -> str:
     """What ``auto`` means: nccl on GPUs, shm for several CPU ranks on one x86-64 host, gloo otherwise."""
     if requested != "auto":
-        if requested not in BACKENDS:
-            raise ValueError(f"unknown backend {requested!r}; choose auto or one of {sorted(BACKENDS)}")
+        check_backend(requested)
         if requested == "nccl" and device.type != "cuda":
             raise ValueError("backend 'nccl' needs CUDA devices; use 'gloo' or 'shm' on CPU")
         return requested
@@ -104,6 +106,15 @@ def _on_one_host() -> bool:
     names: list = [None] * dist.get_world_size()
     dist.all_gather_object(names, socket.gethostname())
     return len(set(names)) == 1
+
+
+def adopt_group_layout(layout: LaunchEnv, rank: int, world_size: int) -> LaunchEnv:
+    """The launcher's layout corrected to a process group the script created itself: when its size
+    differs, the group's rank and size win, and everything else the launcher said (job id, restart count,
+    node count, whether the local layout is known) is kept rather than reset to defaults."""
+    if world_size == layout.world_size:
+        return layout
+    return replace(layout, rank=rank, world_size=world_size)
 
 
 def _init_process_group(layout: LaunchEnv, device: torch.device, timeout: float) -> None:
@@ -133,12 +144,15 @@ def init(
     backend: str = "auto",
     *,
     device: str | torch.device | None = None,
-    timeout: float = DEFAULT_TIMEOUT_SECONDS,
+    timeout: float = DEFAULT_TIMEOUT_S,
+    mesh: MeshShape | None = None,
 ) -> World:
     """Join the job described by the environment and return this rank's :class:`World`.
 
-    Idempotent: a second call returns the same World. When torch.distributed was already initialised
-    by the script itself (an unmodified torch program), that group is adopted rather than replaced.
+    ``mesh`` arranges the ranks on dp/tp/pp axes (default: every rank on ``dp``); its product must equal
+    the world size. Idempotent: a second call returns the same World. When torch.distributed was already
+    initialised by the script itself (an unmodified torch program), that group is adopted rather than
+    replaced.
     """
     global _current, _owns_process_group
     if _current is not None:
@@ -150,18 +164,7 @@ def init(
 
         layout = bootstrap_rendezvous(layout, timeout=timeout)
     if dist.is_initialized():
-        world_size = dist.get_world_size()
-        if world_size != layout.world_size:
-            layout = LaunchEnv(
-                layout.launcher,
-                dist.get_rank(),
-                layout.local_rank,
-                world_size,
-                layout.local_world_size,
-                layout.node_rank,
-                layout.master_addr,
-                layout.master_port,
-            )
+        layout = adopt_group_layout(layout, dist.get_rank(), dist.get_world_size())
         chosen_device = pick_device(layout, device)
         _owns_process_group = False
     else:
@@ -175,6 +178,12 @@ def init(
     )
     name = resolve_backend(backend, chosen_device, layout.world_size, single_host=single_host)
     comm = create_communicator(name, timeout=timeout)
+    shape = mesh if mesh is not None else MeshShape(dp=dist.get_world_size())
+    try:
+        grid = Mesh(comm, shape)
+    except BaseException:
+        comm.close()
+        raise
     _current = World(
         rank=dist.get_rank(),
         local_rank=layout.local_rank,
@@ -185,6 +194,7 @@ def init(
         backend=name,
         launcher=layout.launcher,
         comm=comm,
+        mesh=grid,
     )
     return _current
 
@@ -200,6 +210,7 @@ def shutdown() -> None:
     """Close the data-plane Communicator and, if meshwise created it, the process group."""
     global _current, _owns_process_group
     if _current is not None:
+        _current.mesh.close()
         _current.comm.close()
         _current = None
     if _owns_process_group and dist.is_initialized():

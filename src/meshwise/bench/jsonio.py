@@ -11,7 +11,8 @@ Schema ``meshwise.bench/2`` (one object; ``/1`` kept one set of figures per row)
                       out_of_place {time_us, algbw, busbw, wrong, out_of_bounds, time_us_min, time_us_max},
                       in_place     {the same}}]}]
 
-Bandwidths are GB/s (10^9 B/s) and times µs, as in nccl-tests.
+Bandwidths are GB/s (10^9 B/s) and times µs, as in nccl-tests. A record written after a failure (a
+timeout, a dead rank, Ctrl-C) holds the rows that finished and one more key, ``incomplete``, the reason.
 """
 
 from __future__ import annotations
@@ -82,11 +83,14 @@ class BenchRecord:
     )
     timing: str = TIMING
     schema: str = SCHEMA
+    incomplete: str | None = None  # why the run stopped early; None for a complete record
 
 
 def to_dict(record: BenchRecord) -> dict[str, Any]:
     data = asdict(record)
     data["command"] = list(record.command)
+    if record.incomplete is None:
+        del data["incomplete"]
     data["runs"] = [
         {
             **{k: v for k, v in asdict(run).items() if k != "rows"},
@@ -120,7 +124,13 @@ def from_dict(data: dict[str, Any]) -> BenchRecord:
         for run in data["runs"]
     )
     fields = {k: data[k] for k in ("launcher", "world_size", "config", "machine", "versions", "created")}
-    return BenchRecord(runs=runs, command=tuple(data["command"]), timing=data["timing"], **fields)
+    return BenchRecord(
+        runs=runs,
+        command=tuple(data["command"]),
+        timing=data["timing"],
+        incomplete=data.get("incomplete"),
+        **fields,
+    )
 
 
 def _row(data: dict[str, Any]) -> Row:

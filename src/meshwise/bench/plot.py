@@ -16,7 +16,8 @@ from collections.abc import Sequence
 from meshwise.bench.busbw import bus_factor
 from meshwise.bench.runner import Row, RunResult
 from meshwise.bench.sizes import format_size
-from meshwise.comm.cost import Calibration, predict_seconds
+from meshwise.comm.algorithms.registry import predict_seconds
+from meshwise.comm.cost import Calibration
 
 
 def _model_busbw(run: RunResult, rows: Sequence[Row], calibration: Calibration) -> list[float] | None:

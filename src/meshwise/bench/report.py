@@ -1,4 +1,4 @@
-"""Human output: one nccl-tests-style table per collective/backend/algorithm, and a progress bar.
+"""Human output: nccl-tests-style tables and lines per collective/backend/algorithm (live: ``live.py``).
 
 Columns and units are nccl-tests' (size in bytes, time in µs, GB/s = 10^9 B/s) so numbers can be put
 side by side with an ``all_reduce_perf`` log. The footer gives the average bus bandwidth and the result
@@ -7,20 +7,20 @@ of the checks: wrong elements and writes outside the result buffers, each ``OK``
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 
 from rich import box
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from meshwise.bench.runner import Figures, RunResult
+from meshwise.bench.runner import Figures, Row, RunResult
 
 KEY_COLUMNS = ("size(B)", "count(elements)", "type", "redop", "root")
 FIGURE_COLUMNS = ("time(us)", "algbw(GB/s)", "busbw(GB/s)", "#wrong")
 #: Header line of each group of figures, as nccl-tests labels its two halves.
 GROUPS = ("out-of-place", "in-place")
+#: Every column of a row, in order: the key, then the out-of-place and the in-place figures.
+COLUMNS = KEY_COLUMNS + FIGURE_COLUMNS + FIGURE_COLUMNS
 
 
 def run_title(run: RunResult) -> str:
@@ -47,9 +47,14 @@ def run_table(run: RunResult, *, checked: bool = True) -> Table:
         for i, name in enumerate(FIGURE_COLUMNS):
             table.add_column(f"{group if i == 0 else ''}\n{name}", justify="right")
     for row in run.rows:
-        keys = [str(row.size), str(row.count), row.type, row.redop, str(row.root)]
-        table.add_row(*keys, *(cell for f in row.placements for cell in _figure_cells(f, checked)))
+        table.add_row(*row_cells(row, checked=checked))
     return table
+
+
+def row_cells(row: Row, *, checked: bool = True) -> tuple[str, ...]:
+    """The cells of one row, in :data:`COLUMNS` order (the tables and the live lines share them)."""
+    keys = (str(row.size), str(row.count), row.type, row.redop, str(row.root))
+    return keys + tuple(cell for figures in row.placements for cell in _figure_cells(figures, checked))
 
 
 def footer(run: RunResult, *, checked: bool = True) -> str:
@@ -87,21 +92,3 @@ def output_console() -> Console:
     probe = Console()
     width = max(probe.width, 120) if probe.is_terminal else 160
     return Console(highlight=False, color_system=None, width=width)
-
-
-@contextmanager
-def size_progress(*, enabled: bool) -> Iterator[Progress | None]:
-    """A transient progress display on stderr, one bar per run over its sizes (None off rank 0)."""
-    if not enabled:
-        yield None
-        return
-    progress = Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=Console(stderr=True),
-        transient=True,
-    )
-    with progress:
-        yield progress

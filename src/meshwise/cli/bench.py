@@ -10,43 +10,56 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import multiprocessing
 import sys
 import time
 from dataclasses import replace
 
 import torch
 
-from meshwise.bench.busbw import COLLECTIVES, REDUCING
-from meshwise.bench.calibrate import calibration_path, format_outcome, read_calibration
+from meshwise.bench.busbw import COLLECTIVES, REDUCING, layout_for
+from meshwise.bench.calibrate import calibration_target, format_outcome, previous_calibration
+from meshwise.bench.cases import buffer_bytes
 from meshwise.bench.job import BenchJob, JobResult, bench_rank_main, covers
 from meshwise.bench.jsonio import BenchRecord, write_json
+from meshwise.bench.live import LiveReport, Sink, emitter, pump
 from meshwise.bench.report import output_console, print_runs
-from meshwise.bench.runner import ALL_ROOTS, DTYPE_ALIASES, DTYPES, SweepConfig
+from meshwise.bench.runner import ALL_ROOTS, DTYPE_ALIASES, DTYPES, RunResult, SweepConfig
 from meshwise.bench.sizes import parse_size, size_sweep
 from meshwise.cli import summary
-from meshwise.comm.algorithms import ALGORITHMS
+from meshwise.cli.outputs import check_output, check_plot, write_outputs
+from meshwise.comm.algorithms.registry import ALGORITHMS, ALIASES, canonical_algorithm, reference_table
 from meshwise.comm.api import CommError, ReduceOp
-from meshwise.comm.cost import DEFAULT_PATH, Calibration
-from meshwise.comm.factory import BACKENDS
-from meshwise.runtime.env import plan_ranks
-from meshwise.runtime.spawn import SpawnError, spawn
+from meshwise.comm.cost import DEFAULT_FILE, Calibration
+from meshwise.comm.cost.calibration import source_of
+from meshwise.comm.factory import BACKENDS, check_backend
+from meshwise.runtime.env import check_mpi_launch, detect_launch_env, plan_ranks
+from meshwise.runtime.memory import check_memory
+from meshwise.runtime.on_ranks import run_on_ranks
+from meshwise.runtime.spawn import SpawnError
+from meshwise.runtime.timeouts import wait_timeout
 
-_COMM_TIMEOUT_CAP = 300.0
 #: nccl-tests' -i default, used when -f 1 asks for stepping without giving -i.
 DEFAULT_STEP_BYTES = 1 << 20
-_MPI_LAUNCHERS = ("openmpi", "pmi")
+_DRAIN_SECONDS = 5.0  # the last events are read after the ranks exit: bounded, never a hang
 
 
-def _names(text: str, allowed: tuple[str, ...] | list[str], what: str, option: str) -> tuple[str, ...]:
+def _split(text: str, option: str) -> tuple[str, ...]:
+    """The names of a comma list, each once, in order."""
     names = tuple(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
-    unknown = [n for n in names if n not in allowed]
-    if not names or unknown:
-        raise ValueError(f"{option} {text!r}: unknown {what} {unknown}; choose from {', '.join(allowed)}")
+    if not names:
+        raise ValueError(f"{option} {text!r} names nothing; pass a comma list")
     return names
 
 
 def add_parser(subparsers: argparse._SubParsersAction, name: str, help_text: str) -> None:
-    parser = subparsers.add_parser(name, help=help_text, description=summary(__doc__))
+    parser = subparsers.add_parser(
+        name,
+        help=help_text,
+        description=summary(__doc__),
+        epilog=f"algorithms (--algo):\n{reference_table()}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument(
         "collective",
         nargs="?",
@@ -76,23 +89,54 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str, help_text: str
     parser.add_argument(
         "--backend", default=None, help="comma list of gloo,nccl,shm,mpi (default nccl on GPUs)"
     )
-    parser.add_argument("--algo", default="native", help=f"comma list of {','.join(ALGORITHMS)}")
+    parser.add_argument(
+        "--algo",
+        default="native",
+        help=f"comma list of {','.join(ALGORITHMS)} (also {','.join(ALIASES)}); see the table below",
+    )
     parser.add_argument("--json", metavar="FILE", help="write every row and the machine to FILE")
     parser.add_argument("--plot", metavar="FILE", help="draw busbw vs size to FILE (PNG)")
     parser.add_argument("--ceiling", type=float, metavar="GBPS", help="link bandwidth to draw on the plot")
     parser.add_argument(
         "--calibrate", action="store_true", help="fit the cost model (α, β, γ, σ, δ) and write its file"
     )
-    parser.add_argument("--calibration-file", metavar="PATH", help=f"default {DEFAULT_PATH}")
+    parser.add_argument(
+        "--calibration-file",
+        metavar="PATH",
+        help="cost-model file that auto and the plot's model lines use (default: the built-in "
+        f"calibration); --calibrate writes it (default {DEFAULT_FILE})",
+    )
     parser.add_argument("--timeout", type=float, default=1800.0, help="deadline for the whole run, seconds")
     # Test hook (docs/bench.md): this rank corrupts one element of its result before each check.
     parser.add_argument("--inject-error", type=int, metavar="RANK", default=None, help=argparse.SUPPRESS)
     parser.set_defaults(func=handler)
 
 
-def _world_size(args: argparse.Namespace) -> tuple[int, str]:
+def _world_size(args: argparse.Namespace) -> tuple[int, str, int]:
+    """World size, launcher, and how many of the ranks run on this machine."""
     plan = plan_ranks(args.np, default=2)
-    return plan.world_size, plan.layout.launcher if plan.launched else "local"
+    if plan.launched:
+        return plan.world_size, plan.layout.launcher, plan.layout.local_world_size
+    return plan.world_size, "local", plan.world_size
+
+
+def _check_memory(
+    collectives: tuple[str, ...], largest: int, world_size: int, local_ranks: int, args: argparse.Namespace
+) -> None:
+    """Refuse a sweep whose largest size cannot fit in this machine's memory: per rank, the buffers the
+    check-and-time case allocates plus one working copy of S for the transport (gloo's and our
+    algorithms' temporaries), times the ranks on this machine. nccl's buffers live on the GPUs."""
+    itemsize = DTYPES[DTYPE_ALIASES.get(args.dtype, args.dtype)].itemsize
+    root = max(args.root, 0)  # -r -1 visits every root; any of them holds the most
+    per_rank = 0
+    for collective in collectives or ("all_reduce",):  # --calibrate alone sweeps all_reduce-sized buffers
+        layout = layout_for(collective, largest, world_size, itemsize)
+        per_rank = max(per_rank, buffer_bytes(layout, rank=root, root=root) + layout.nbytes)
+    check_memory(
+        per_rank * local_ranks,
+        f"-e {args.maxbytes} on {local_ranks} rank{'s' if local_ranks > 1 else ''}",
+        "lower -e (or -np)",
+    )
 
 
 def _check_backends(backends: tuple[str, ...], launcher: str) -> None:
@@ -101,11 +145,8 @@ def _check_backends(backends: tuple[str, ...], launcher: str) -> None:
             raise ValueError(
                 "backend nccl needs CUDA GPUs, and none is visible here; use --backend gloo or shm"
             )
-        if backend == "mpi" and launcher not in _MPI_LAUNCHERS:
-            raise ValueError(
-                "backend mpi needs ranks started by an MPI launcher, e.g. "
-                "`mpirun -np 4 meshwise bench all_reduce --backend mpi`"
-            )
+        if backend == "mpi":
+            check_mpi_launch("bench all_reduce")
         module = BACKENDS[backend].split(":")[0]
         if importlib.util.find_spec(module) is None:
             raise ValueError(f"backend {backend} is not available in this installation ({module} is missing)")
@@ -138,7 +179,7 @@ def build_job(args: argparse.Namespace) -> tuple[BenchJob, int, str]:
     """The validated job, its world size and launcher; ValueError says which option to change."""
     if args.collective is None and not args.calibrate:
         raise ValueError("name a COLLECTIVE (or all), or pass --calibrate")
-    world_size, launcher = _world_size(args)
+    world_size, launcher, local_ranks = _world_size(args)
     collectives = (
         () if args.collective is None else COLLECTIVES if args.collective == "all" else (args.collective,)
     )
@@ -161,18 +202,34 @@ def build_job(args: argparse.Namespace) -> tuple[BenchJob, int, str]:
         raise ValueError(f"--ceiling must be a positive bandwidth in GB/s, got {args.ceiling}")
     if args.timeout <= 0:
         raise ValueError(f"--timeout must be positive seconds, got {args.timeout}")
-    if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
-        raise ValueError("--plot needs matplotlib: pip install 'meshwise[plot]'")
+    check_output("--json", args.json)
+    check_plot("--plot", args.plot)
     default_backend = "nccl" if torch.cuda.is_available() else "gloo"
-    backends = _names(args.backend or default_backend, list(BACKENDS), "backend", "--backend")
+    backends = tuple(
+        check_backend(name, allow_auto=False, what="--backend")
+        for name in _split(args.backend or default_backend, "--backend")
+    )
     _check_backends(backends, launcher)
-    algorithms = _names(args.algo, ALGORITHMS, "algorithm", "--algo")
+    if set(backends) - {"nccl"}:
+        _check_memory(collectives, sizes[-1], world_size, local_ranks, args)
+    algorithms = tuple(dict.fromkeys(canonical_algorithm(n) for n in _split(args.algo, "--algo")))
     if args.collective not in (None, "all"):
         _check_coverage(args.collective, algorithms)
-    file = calibration_path(args.calibration_file)
-    if args.calibration_file is not None and not args.calibrate and not file.exists():
-        raise ValueError(f"--calibration-file {file} does not exist; write it with --calibrate first")
-    read_calibration(args.calibration_file)  # a malformed file fails here, before any rank starts
+    # a missing or malformed file fails here, before any rank starts; a calibrating run prices auto with
+    # what its target file held before (the built-in calibration for a new file)
+    pricing_file = args.calibration_file
+    if args.calibrate:
+        target = calibration_target(args.calibration_file)
+        previous_calibration(target)
+        pricing_file = str(target) if target.exists() else None
+    elif args.calibration_file is not None:
+        try:
+            Calibration.load(args.calibration_file)
+        except FileNotFoundError:
+            file = source_of(args.calibration_file)
+            raise ValueError(
+                f"--calibration-file {file} does not exist; write it with --calibrate first"
+            ) from None
     sweep = SweepConfig(
         collective=collectives[0] if collectives else "all_reduce",
         sizes=tuple(sizes),
@@ -189,26 +246,36 @@ def build_job(args: argparse.Namespace) -> tuple[BenchJob, int, str]:
         backends=backends,
         algorithms=algorithms,
         sweep=sweep,
-        timeout=min(args.timeout, _COMM_TIMEOUT_CAP),
+        timeout=wait_timeout(args.timeout),
         calibrate=args.calibrate,
         calibration_file=args.calibration_file,
-        progress=sys.stderr.isatty(),
+        pricing_file=pricing_file,
     )
     return job, world_size, launcher
 
 
-def run_job(job: BenchJob, world_size: int, launcher: str, timeout: float) -> JobResult | None:
-    """Run on the launcher's ranks, in this process (one rank), or on spawned local ranks."""
-    if launcher != "local" or world_size == 1:
-        return bench_rank_main(job)
-    result = spawn(bench_rank_main, world_size, (job,), timeout=timeout)[0]
-    return replace(result, launcher="local")  # the children only see the torchrun-style variables
+def run_job(job: BenchJob, world_size: int, launcher: str, timeout: float, sink: Sink) -> JobResult | None:
+    """Run on the launcher's ranks, in this process (one rank), or on spawned local ranks. Rank 0's
+    events reach ``sink`` as they happen, through a pipe whichever process rank 0 is."""
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    thread = pump(reader, emitter(sink))
+    try:
+        result = run_on_ranks(bench_rank_main, (job, writer), nproc=world_size, default=2, deadline=timeout)
+    finally:  # the ranks are gone (spawn stops them): the pipe ends once this last writer closes
+        writer.close()
+        thread.join(_DRAIN_SECONDS)
+        reader.close()
+    if result is None or launcher != "local":
+        return result
+    return replace(result, launcher="local")  # spawned children only see the torchrun-style variables
 
 
 def _plot_calibration(args: argparse.Namespace) -> Calibration | None:
-    """This machine's calibration when one was measured (the built-in defaults are not a ceiling)."""
-    path = calibration_path(args.calibration_file)
-    return Calibration.load(path) if path.exists() else None
+    """The calibration this run named or wrote, for the plot's model lines (the built-in values describe
+    another machine, so they draw none)."""
+    if args.calibrate:
+        return Calibration.load(calibration_target(args.calibration_file))
+    return Calibration.load(args.calibration_file) if args.calibration_file is not None else None
 
 
 def replay_command(
@@ -231,18 +298,66 @@ def replay_command(
     return tuple(words)
 
 
-def _report(args: argparse.Namespace, job: BenchJob, result: JobResult, seconds: float) -> int:
+def _header(job: BenchJob, world_size: int, launcher: str) -> str:
+    sweep = job.sweep
+    return (
+        f"# meshwise bench · {world_size} ranks ({launcher}) · {sweep.dtype} · "
+        f"iters {sweep.iters} · warmup {sweep.warmup} · checks {sweep.checks}\n"
+        "# time = mean over iterations of the max over ranks (ranks start each iteration together)\n"
+        f"# calibration (prices auto): {source_of(job.pricing_file)}"
+    )
+
+
+def _write_outputs(
+    args: argparse.Namespace,
+    job: BenchJob,
+    runs: list[RunResult],
+    world_size: int,
+    launcher: str,
+    incomplete: str | None = None,
+) -> bool:
+    """The JSON and the plot of ``runs`` (all of them, or those that finished before ``incomplete``)."""
     from meshwise.bench.plot import plot_runs
 
+    sweep = job.sweep
+    record = BenchRecord(
+        launcher=launcher,
+        world_size=world_size,
+        config={
+            "dtype": sweep.dtype,
+            "op": sweep.op,
+            "root": sweep.root,
+            "iters": sweep.iters,
+            "warmup": sweep.warmup,
+            "checks": sweep.checks,
+            "calibration": source_of(job.pricing_file),
+        },
+        runs=tuple(runs),
+        command=replay_command(args, job, world_size, launcher),
+        incomplete=incomplete,
+    )
+    rows = sum(len(run.rows) for run in runs)
+    finished = f" of the {rows} finished rows" if incomplete else ""
+    writers = []
+    if args.json:
+        writers.append((f"JSON{finished}", args.json, lambda: write_json(args.json, record)))
+    if args.plot and rows:
+        title = f"meshwise bench · {world_size} ranks · {sweep.dtype}"
+        calibration = _plot_calibration(args)
+
+        def draw() -> None:
+            plot_runs(runs, args.plot, ceiling_gbps=args.ceiling, calibration=calibration, title=title)
+
+        writers.append((f"plot{finished}", args.plot, draw))
+    return write_outputs("bench", writers)
+
+
+def _report(
+    args: argparse.Namespace, job: BenchJob, result: JobResult, live: LiveReport, seconds: float
+) -> int:
     console = output_console()
     sweep = job.sweep
-    console.print(
-        f"# meshwise bench · {result.world_size} ranks ({result.launcher}) · {sweep.dtype} · "
-        f"iters {sweep.iters} · warmup {sweep.warmup} · checks {sweep.checks}\n"
-        "# time = mean over iterations of the max over ranks (ranks start each iteration together)"
-    )
-    console.print()
-    print_runs(result.runs, console, checked=sweep.checks > 0)
+    live.print_header()
     runs = list(result.runs)
     if result.calibration is not None:
         print_runs(result.calibration.runs, console, checked=False)
@@ -250,29 +365,7 @@ def _report(args: argparse.Namespace, job: BenchJob, result: JobResult, seconds:
         runs = runs or list(result.calibration.runs)
     for note in result.notes:
         console.print(f"# note: {note}")
-    if args.json:
-        record = BenchRecord(
-            launcher=result.launcher,
-            world_size=result.world_size,
-            config={
-                "dtype": sweep.dtype,
-                "op": sweep.op,
-                "root": sweep.root,
-                "iters": sweep.iters,
-                "warmup": sweep.warmup,
-                "checks": sweep.checks,
-            },
-            runs=tuple(runs),
-            command=replay_command(args, job, result.world_size, result.launcher),
-        )
-        write_json(args.json, record)
-        console.print(f"# JSON written to {args.json}")
-    if args.plot:
-        title = f"meshwise bench · {result.world_size} ranks · {sweep.dtype}"
-        plot_runs(
-            runs, args.plot, ceiling_gbps=args.ceiling, calibration=_plot_calibration(args), title=title
-        )
-        console.print(f"# plot written to {args.plot}")
+    written = _write_outputs(args, job, runs, result.world_size, result.launcher)
     console.print(f"Wall time = {seconds:.3f} s")
     failed = [run for run in result.runs if not run.ok]
     if failed and sweep.checks > 0:
@@ -283,7 +376,7 @@ def _report(args: argparse.Namespace, job: BenchJob, result: JobResult, seconds:
                 file=sys.stderr,
             )
         return 1
-    return 0
+    return 0 if written else 1
 
 
 def handler(args: argparse.Namespace) -> int:
@@ -293,14 +386,31 @@ def handler(args: argparse.Namespace) -> int:
         print(f"meshwise bench: error: {exc}", file=sys.stderr)
         return 2
     start = time.perf_counter()
+    bar = sys.stderr.isatty() and detect_launch_env().rank == 0  # one bar per job, not one per rank
+    live = LiveReport(_header(job, world_size, launcher), checked=job.sweep.checks > 0, progress=bar)
     try:
-        result = run_job(job, world_size, launcher, args.timeout)
+        with live:
+            result = run_job(job, world_size, launcher, args.timeout, live.handle)
     except ValueError as exc:
         print(f"meshwise bench: error: {exc}", file=sys.stderr)
         return 2
     except (SpawnError, CommError) as exc:
         print(f"meshwise bench: {exc}", file=sys.stderr)
+        _keep_finished(args, job, live, world_size, launcher, str(exc).splitlines()[0])
         return 1
+    except KeyboardInterrupt:
+        print("meshwise bench: SIGINT received, stopped", file=sys.stderr)
+        _keep_finished(args, job, live, world_size, launcher, "interrupted (SIGINT)")
+        return 130
     if result is None:  # not rank 0 of a launched job: rank 0 reports
         return 0
-    return _report(args, job, result, time.perf_counter() - start)
+    return _report(args, job, result, live, time.perf_counter() - start)
+
+
+def _keep_finished(
+    args: argparse.Namespace, job: BenchJob, live: LiveReport, world_size: int, launcher: str, why: str
+) -> None:
+    """After a failure: write what finished, marked ``incomplete`` with the reason (only the process
+    that received rank 0's rows has any)."""
+    if live.finished_rows:
+        _write_outputs(args, job, live.runs, world_size, launcher, incomplete=why)

@@ -13,34 +13,23 @@ from decimal import Decimal, InvalidOperation
 import torch
 
 from meshwise.cli import summary
-from meshwise.comm.factory import BACKENDS
 from meshwise.runtime.env import plan_ranks
-from meshwise.runtime.spawn import SpawnError, spawn
-from meshwise.workloads.pi import METHODS, check_work
-from meshwise.workloads.pi_job import KERNELS, PiReport, pi_rank_main
+from meshwise.runtime.memory import check_memory
+from meshwise.runtime.on_ranks import run_on_ranks
+from meshwise.runtime.spawn import SpawnError
+from meshwise.workloads.pi import EAGER_BYTES_PER_ITEM, METHODS, check_work, default_chunk
+from meshwise.workloads.pi_job import KERNELS, PiJob, pi_rank_main, resolve_kernel
 
-#: The Communicator timeout never exceeds this; the job deadline (--timeout) bounds the whole run.
-_COMM_TIMEOUT_CAP = 300.0
 
-
-def parse_count(text: str) -> int:
+def parse_count(text: str, what: str = "N") -> int:
     """An exact integer from ``10000``, ``10_000`` or ``1e13`` (refusing fractions like ``1.5``)."""
     try:
         value = Decimal(text.replace("_", ""))
     except InvalidOperation:
-        raise ValueError(f"N={text!r} is not a number; pass an integer such as 10000 or 1e13") from None
+        raise ValueError(f"{what}={text!r} is not a number; pass an integer such as 10000 or 1e13") from None
     if not value.is_finite() or value != value.to_integral_value():
-        raise ValueError(f"N={text!r} is not a whole number of samples/bins")
-    return check_work(int(value))
-
-
-def check_backend(name: str) -> str:
-    """Refuse an unknown backend name before any rank starts."""
-    if name != "auto" and name not in BACKENDS:
-        raise ValueError(
-            f"--backend {name!r} is unknown; choose auto or one of {', '.join(sorted(BACKENDS))}"
-        )
-    return name
+        raise ValueError(f"{what}={text!r} is not a whole number of samples/bins")
+    return check_work(int(value), what)
 
 
 def add_parser(subparsers: argparse._SubParsersAction, name: str, help_text: str) -> None:
@@ -58,7 +47,7 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str, help_text: str
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if present")
     parser.add_argument("--seed", type=int, default=None, help="Monte Carlo stream (default 0)")
     parser.add_argument("--backend", default="auto", help="communicator backend (auto, gloo, nccl, shm, mpi)")
-    parser.add_argument("--chunk", type=int, default=None, help="items per kernel call (bounds memory)")
+    parser.add_argument("--chunk", default=None, help="items per kernel call, e.g. 65536 or 1e6")
     parser.add_argument(
         "--kernel",
         choices=KERNELS,
@@ -78,45 +67,51 @@ def _seed(args: argparse.Namespace) -> int:
     return next((s for s in (args.seed_arg, args.seed) if s is not None), 0)
 
 
-def _validate(args: argparse.Namespace) -> int:
-    n = parse_count(args.n)
-    args.seed = _seed(args)
+def build_job(args: argparse.Namespace) -> PiJob:
+    """The validated job; ValueError says which option to change."""
     if args.np is not None and args.np < 1:  # checked again by plan_ranks; refused here before any work
         raise ValueError(f"-np must be at least 1, got {args.np}")
-    if not 0 <= args.seed < 2**64:
-        raise ValueError(f"--seed must be in 0 .. 2**64-1, got {args.seed}")
-    check_backend(args.backend)
-    if args.chunk is not None and args.chunk < 1:
-        raise ValueError(f"--chunk must be a positive number of items, got {args.chunk}")
-    if args.timeout <= 0:
-        raise ValueError(f"--timeout must be positive seconds, got {args.timeout}")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda was asked for but CUDA is not available here; use --device cpu")
-    return n
+    job = PiJob(
+        method=args.method,
+        n=parse_count(args.n),
+        seed=_seed(args),
+        backend=args.backend,
+        device=args.device,
+        chunk=None if args.chunk is None else parse_count(args.chunk, "--chunk"),
+        kernel=args.kernel,
+        timeout=args.timeout,
+        progress=True,  # rank 0 on stderr: the kernel compile and a heartbeat while computing
+    )
+    _check_memory(job.validate(), args.np)
+    return job
 
 
-def run_job(args: argparse.Namespace, n: int, repeat: int = 1) -> list[PiReport] | None:
-    """Run on the launcher's ranks, or spawn ``-np`` local ranks; the reports (None off rank 0)."""
-    comm_timeout = min(args.timeout, _COMM_TIMEOUT_CAP)
-    job = (args.method, n, args.seed, args.backend, args.device, args.chunk, repeat, comm_timeout)
-    job += (None, False, args.kernel, True)  # default threads, no warm-up run, progress on stderr
-    plan = plan_ranks(args.np, default=1)
-    if plan.launched:
-        reports = pi_rank_main(*job)
-        return reports if plan.layout.rank == 0 else None
-    if plan.world_size == 1:
-        return pi_rank_main(*job)
-    return spawn(pi_rank_main, plan.world_size, job, timeout=args.timeout)[0]
+def _check_memory(job: PiJob, nproc: int | None) -> None:
+    """Refuse an eager chunk that the CPU ranks on this machine cannot hold together (the fused kernel
+    stores nothing per item; GPU ranks allocate on their devices)."""
+    if job.device == "cuda" or (job.device is None and torch.cuda.is_available()):
+        return
+    plan = plan_ranks(nproc, default=1)
+    share = -(-job.n // plan.world_size)
+    if resolve_kernel(job.kernel, share) != "eager":
+        return
+    ranks = plan.layout.local_world_size if plan.launched else plan.world_size
+    items = min(job.chunk or default_chunk(torch.device("cpu")), share)
+    check_memory(
+        EAGER_BYTES_PER_ITEM[job.method] * items * ranks,
+        f"the eager kernel with chunks of {items:,} items on {ranks} rank{'s' if ranks > 1 else ''}",
+        "lower --chunk (or use --kernel fused)",
+    )
 
 
 def handler(args: argparse.Namespace) -> int:
     try:
-        n = _validate(args)
+        job = build_job(args)
     except ValueError as exc:
         print(f"meshwise pi: error: {exc}", file=sys.stderr)
         return 2
     try:
-        reports = run_job(args, n)
+        reports = run_on_ranks(pi_rank_main, (job,), nproc=args.np, default=1, deadline=job.timeout)
     except ValueError as exc:
         print(f"meshwise pi: error: {exc}", file=sys.stderr)
         return 2

@@ -13,7 +13,10 @@ import sys
 import torch
 
 from meshwise.cli import summary
-from meshwise.cli.pi import check_backend, parse_count
+from meshwise.cli.outputs import check_output, check_plot, write_outputs
+from meshwise.cli.pi import parse_count
+from meshwise.comm.cost import Calibration
+from meshwise.comm.factory import check_backend
 from meshwise.runtime.cores import available_cores
 from meshwise.runtime.spawn import SpawnError
 from meshwise.scale.metrics import MODES, Sample, analyse
@@ -57,7 +60,7 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str, help_text: str
     parser.add_argument("--backend", default="auto", help="communicator backend of the π workloads")
     parser.add_argument("--kernel", choices=KERNELS, default="auto", help="π kernel, fixed for all scales")
     parser.add_argument("--comm-bytes", type=int, default=None, help="bytes all-reduced per run (cost model)")
-    parser.add_argument("--calibration", default=None, help="cost-model calibration file (default: cache)")
+    parser.add_argument("--calibration", default=None, help="cost-model calibration file (default: built-in)")
     parser.add_argument("--timeout", type=float, default=600.0, help="deadline of each run, seconds")
     parser.add_argument("--json", default=None, help="write the study as JSON here")
     parser.add_argument("--plot", default=None, help="write time and efficiency plots here (PNG/PDF/SVG)")
@@ -78,7 +81,7 @@ def _validate(args: argparse.Namespace) -> tuple[Workload, list[int], int | None
     if args.timeout <= 0:
         raise ValueError(f"--timeout must be positive seconds, got {args.timeout}")
     work = parse_count(args.work) if args.work is not None else None
-    check_backend(args.backend)
+    check_backend(args.backend, what="--backend")
     if not 0 <= args.seed < 2**64:
         raise ValueError(f"--seed must be in 0 .. 2**64-1, got {args.seed}")
     if workload.is_command:
@@ -97,8 +100,8 @@ def _validate(args: argparse.Namespace) -> tuple[Workload, list[int], int | None
             raise ValueError(
                 f"--device cuda needs {scales[-1]} GPUs here, {torch.cuda.device_count()} visible"
             )
-    if args.plot is not None:
-        import matplotlib  # noqa: F401  (fail before running anything when plotting is impossible)
+    check_output("--json", args.json)
+    check_plot("--plot", args.plot)
     return workload, scales, work
 
 
@@ -129,7 +132,8 @@ def _measure(
 def handler(args: argparse.Namespace) -> int:
     try:
         workload, scales, work = _validate(args)
-    except (ValueError, ImportError) as exc:
+        calibration = Calibration.from_option(args.calibration)
+    except (ValueError, ImportError, FileNotFoundError) as exc:
         print(f"meshwise scale: error: {exc}", file=sys.stderr)
         return 2
     cores = available_cores()
@@ -137,6 +141,7 @@ def handler(args: argparse.Namespace) -> int:
     on_cpu = workload.is_command or not gpu_run
     print(f"meshwise scale: {workload.name} | {args.mode} scaling | work = {work} | {args.repeat} runs/scale")
     print(f"Cores: {cores}")
+    print(f"Cost-model calibration: {calibration.source}")
     if on_cpu and scales[-1] > cores:
         print(
             f"warning: {scales[-1]} ranks exceed the {cores} cores here; CPU ranks beyond {cores} share "
@@ -166,12 +171,13 @@ def handler(args: argparse.Namespace) -> int:
         if args.comm_bytes is not None
         else (None if workload.is_command else _PI_PAYLOAD_BYTES)
     )
-    model = predicted_times(args.mode, points, comm_bytes, args.calibration) if comm_bytes else None
+    model = predicted_times(args.mode, points, comm_bytes, calibration) if comm_bytes else None
     print()
     print(format_table(args.mode, points, unit="GPUs" if not on_cpu else "Ranks"))
     time_source = "process" if "process" in sources else "reported"
     if time_source == "process":
         print("\nnote: the command printed no `Wall time = X s` line; times include process start-up")
+    writers = []
     if args.json:
         record = to_json(
             workload=workload.name,
@@ -182,10 +188,8 @@ def handler(args: argparse.Namespace) -> int:
             points=points,
             model=model,
         )
-        write_json(args.json, record)
-        print(f"JSON written to {args.json}")
+        writers.append(("JSON", args.json, lambda: write_json(args.json, record)))
     if args.plot:
         title = f"{workload.name} — {args.mode} scaling ({cores} cores)"
-        plot(args.plot, args.mode, points, model, title)
-        print(f"plot written to {args.plot}")
-    return 0
+        writers.append(("plot", args.plot, lambda: plot(args.plot, args.mode, points, model, title)))
+    return 0 if write_outputs("scale", writers) else 1

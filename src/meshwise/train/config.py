@@ -8,13 +8,12 @@ from pathlib import Path
 
 import torch
 
-from meshwise.comm.factory import BACKENDS
+from meshwise.comm.factory import check_backend
 from meshwise.data.mnist import find_mnist_files
-from meshwise.train.checkpoint import checkpoint_file, read_checkpoint
+from meshwise.runtime.env import check_mpi_launch
+from meshwise.runtime.timeouts import wait_timeout
+from meshwise.train.checkpoint import check_writable, checkpoint_file, read_checkpoint
 from meshwise.train.workloads import WORKLOADS, Workload
-
-#: The Communicator timeout never exceeds this; ``timeout`` bounds the whole job.
-COMM_TIMEOUT_CAP = 300.0
 
 
 @dataclass(frozen=True)
@@ -54,7 +53,8 @@ class TrainConfig:
 
     @property
     def comm_timeout(self) -> float:
-        return min(self.timeout, COMM_TIMEOUT_CAP)
+        """Each wait's bound; ``timeout`` bounds the whole job."""
+        return wait_timeout(self.timeout)
 
     def validate(self) -> TrainConfig:
         """Raise ValueError (FileNotFoundError for missing paths) saying what to change; return self."""
@@ -74,10 +74,9 @@ class TrainConfig:
             raise ValueError(f"--seed must be in 0 .. 2**63-1, got {self.seed}")
         if self.timeout <= 0:
             raise ValueError(f"--timeout must be positive seconds, got {self.timeout}")
-        if self.backend != "auto" and self.backend not in BACKENDS:
-            raise ValueError(
-                f"--backend {self.backend!r} is unknown; choose auto or one of {', '.join(sorted(BACKENDS))}"
-            )
+        check_backend(self.backend, what="--backend")
+        if self.backend == "mpi":
+            check_mpi_launch(f"train {self.model}")
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda was asked for but CUDA is not available here; use --device cpu")
         if self.data_dir is not None:
@@ -102,10 +101,12 @@ class TrainConfig:
                     f"{path} already exists; pass --resume to continue that run, "
                     "or choose another --checkpoint"
                 )
+            check_writable(directory)
             return
         if not directory.is_dir():
             raise FileNotFoundError(f"--resume: checkpoint directory {directory} does not exist")
         state = read_checkpoint(directory)
+        check_writable(directory)
         if state["model"] != self.model:
             raise ValueError(f"{path} holds a {state['model']!r} run, not {self.model!r}")
         if state["epoch"] >= self.total_epochs:
