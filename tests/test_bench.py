@@ -18,8 +18,9 @@ from meshwise.bench.runner import Figures, Row, RunResult, SweepConfig, run_swee
 from meshwise.bench.sizes import format_size, parse_size, size_sweep
 from meshwise.cli import build_parser, main
 from meshwise.cli.bench import build_job
+from meshwise.comm.algorithms.registry import predict_seconds
 from meshwise.comm.api import Communicator, CompletedWork, ReduceOp
-from meshwise.comm.cost import Calibration, LinkParams, WorldLinks, predict_seconds
+from meshwise.comm.cost import Calibration, LinkParams, WorldLinks
 from meshwise.runtime.spawn import spawn
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
