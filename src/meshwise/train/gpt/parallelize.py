@@ -42,7 +42,6 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 
 #: Flags whose strategies have not landed yet → the issue that brings them.
 NOT_YET = {
-    "pp": "pipeline parallelism (issue 18)",
     "zero": "ZeRO (issue 16)",
 }
 
@@ -190,3 +189,9 @@ def parallelize(model: GPT, mesh: Mesh, config: GPTTrainConfig) -> ParallelStep:
     """This rank's :class:`ParallelStep` for ``model`` (built identically on every rank) over ``mesh``."""
     check_supported(config)
     return STRATEGIES[strategy_name(config)](model, mesh, config)
+
+
+# Strategies in their own modules register here (they import this module's ParallelStep: at the end).
+from meshwise.train.gpt.pipeline_step import PipelineStep  # noqa: E402
+
+STRATEGIES["pp"] = PipelineStep
