@@ -177,8 +177,13 @@ def check_supported(config: GPTTrainConfig) -> None:
         )
     name = strategy_name(config)
     if name not in STRATEGIES:
-        missing = [NOT_YET[flag] for flag in name.split("+")]
+        missing = [NOT_YET[flag] for flag in name.split("+") if flag in NOT_YET]
         flags = " ".join(f"--{flag}" for flag in name.split("+"))
+        if not missing:  # each strategy has landed, not their combination
+            raise ValueError(
+                f"{flags}: this combination is not available in meshwise train gpt yet; use one of "
+                f"{', '.join(s.replace('+', ' + ') for s in STRATEGIES)}"
+            )
         raise ValueError(
             f"{flags}: {' and '.join(missing)} is not available in meshwise train gpt yet; train with data "
             "parallelism for now (-np N, optionally --dp N and --micro-batch for accumulation)"
