@@ -29,11 +29,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshwise.comm.api import Collective
+from meshwise.comm.bus_factor import SLOTTED, bus_factor
 
 #: what ``meshwise bench`` measures: every collective, then the point-to-point ring
 COLLECTIVES = (*(c.value for c in Collective), "sendrecv")
-#: Collectives whose buffer is cut into one slot per rank.
-SLOTTED = frozenset({"all_gather", "reduce_scatter", "all_to_all", "gather", "scatter"})
 #: Collectives that apply a reduce op (the others print ``none`` in the redop column).
 REDUCING = frozenset({"all_reduce", "reduce_scatter", "reduce"})
 #: Collectives with a root (the others print ``-1`` in the root column, as nccl-tests).
@@ -43,20 +42,6 @@ ROOTED = frozenset({"broadcast", "reduce", "gather", "scatter"})
 GB = 1.0e9
 #: Slots of the slotted collectives are whole multiples of this many bytes (nccl-tests' alignment).
 SLOT_ALIGN_BYTES = 16
-
-
-def bus_factor(collective: str, world_size: int) -> float:
-    """busbw / algbw for ``collective`` on ``world_size`` ranks."""
-    if world_size < 1:
-        raise ValueError(f"world size must be at least 1, got {world_size}")
-    n = world_size
-    if collective == "all_reduce":
-        return 2.0 * (n - 1) / n
-    if collective in SLOTTED:
-        return (n - 1) / n
-    if collective in ("broadcast", "reduce", "sendrecv"):
-        return 1.0
-    raise ValueError(f"unknown collective {collective!r}; choose one of {', '.join(COLLECTIVES)}")
 
 
 @dataclass(frozen=True)
@@ -82,7 +67,9 @@ class Layout:
 def layout_for(collective: str, size_bytes: int, world_size: int, itemsize: int) -> Layout:
     """The layout of a requested size: whole elements, and for slotted collectives slots of whole
     16-byte blocks (nccl-tests' ``(count / nranks) & -(16 / eltSize)``); count 0 when none fits."""
-    bus_factor(collective, world_size)  # validates both
+    if collective not in COLLECTIVES:
+        raise ValueError(f"unknown collective {collective!r}; choose one of {', '.join(COLLECTIVES)}")
+    bus_factor(collective, world_size)  # validates the world size
     elements = size_bytes // itemsize
     if collective not in SLOTTED:
         return Layout(collective, world_size, itemsize, elements)

@@ -5,7 +5,7 @@ Every strategy talks to a Communicator, so wrapping the one it is given is all t
 Arguments are validated once (by the wrapper) and handed to the wrapped backend's primitives, so the
 wrapper adds a dictionary update per call and nothing else.
 
-Sizes follow nccl-tests (see ``bench/busbw.py``): ``bytes`` is S, the larger of one rank's send and
+Sizes follow nccl-tests (see ``comm/bus_factor.py``): ``bytes`` is S, the larger of one rank's send and
 receive buffers — the tensor for all_reduce/broadcast/reduce/send/recv, all slots for all_gather (the
 output), reduce_scatter and all_to_all (the input), scatter/gather (the root's buffer; other ranks count
 their own slot times the group size). ``bus_bytes`` is S times the nccl-tests bus factor — 2(n−1)/n for
@@ -22,26 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from meshwise.comm.api import Collective, Communicator, ReduceOp, Work
-
-_SLOTTED = frozenset(
-    {
-        Collective.ALL_GATHER,
-        Collective.REDUCE_SCATTER,
-        Collective.ALL_TO_ALL,
-        Collective.SCATTER,
-        Collective.GATHER,
-    }
-)
-
-
-def bus_factor(op: str, world_size: int) -> float:
-    """nccl-tests' factor from the message size S to the bytes one rank's link carries."""
-    n = world_size
-    if op == Collective.ALL_REDUCE:
-        return 2 * (n - 1) / n
-    if op in _SLOTTED:
-        return (n - 1) / n
-    return 1.0
+from meshwise.comm.bus_factor import bus_factor
 
 
 @dataclass
