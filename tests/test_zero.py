@@ -27,7 +27,7 @@ GPT_SMALL = GPTConfig(layers=2, hidden=16, heads=2, seq_len=8, vocab=31)
 
 def _mlp() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(7, 13), nn.GELU(), nn.Linear(13, 11), nn.GELU(), nn.Linear(11, 3))
+    return nn.Sequential(nn.Linear(7, 13), nn.GELU(), nn.Linear(13, 10), nn.GELU(), nn.Linear(10, 3))
 
 
 def _optimizer(name: str, params) -> torch.optim.Optimizer:

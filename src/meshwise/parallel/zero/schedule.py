@@ -5,7 +5,7 @@ Hooks on each unit module:
 - before forward: wait for the unit's gather (usually prefetched already), then start the gathers of
   the next ``prefetch`` units, so their communication overlaps this unit's compute;
 - after forward: free the unit (with ``reshard_after_forward``; otherwise it stays until its backward);
-- before backward (when the gradient of the unit's output is ready): gather it again and prefetch the
+- before backward (a hook on its outputs fires when their gradient is ready): gather it again and prefetch the
   ``prefetch`` units whose backward comes next (the previous ones in forward order);
 - after backward (all its gradients arrived, reported by :class:`GradientSync`): free it.
 
@@ -49,7 +49,6 @@ class UnitSchedule:
             self._handles += [
                 module.register_forward_pre_hook(self._before_forward(index)),
                 module.register_forward_hook(self._after_forward(index)),
-                module.register_full_backward_pre_hook(self._before_backward(index)),
             ]
 
     @property
@@ -87,17 +86,34 @@ class UnitSchedule:
         return hook
 
     def _after_forward(self, index: int) -> Callable[..., None]:
-        def hook(_module: nn.Module, _args: Any, _output: Any) -> None:
+        def hook(_module: nn.Module, _args: Any, output: Any) -> None:
+            if torch.is_grad_enabled():
+                for tensor in _tensors(output):
+                    if tensor.requires_grad:
+                        tensor.register_hook(self._before_backward(index))
             if self.reshard_after_forward or not torch.is_grad_enabled():
                 self.free(index)
 
         return hook
 
-    def _before_backward(self, index: int) -> Callable[..., None]:
-        def hook(_module: nn.Module, _grad_output: Any) -> None:
+    def _before_backward(self, index: int) -> Callable[[torch.Tensor], None]:
+        """A hook on the unit's outputs: their gradient is ready, so the unit's backward is next."""
+
+        def hook(_grad: torch.Tensor) -> None:
             self._on_backward_start()
             self.gather(index)
             for behind in range(index - 1, max(index - self.prefetch, 1) - 1, -1):
                 self.start_gather(behind)
 
         return hook
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors in a module's output (a tensor, or nested tuples/lists/dicts of them)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, tuple | list):
+        return [t for v in value for t in _tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    return []
