@@ -16,6 +16,9 @@ from meshwise.train.workloads import WORKLOADS, Workload
 #: The Communicator timeout never exceeds this; ``timeout`` bounds the whole job.
 COMM_TIMEOUT_CAP = 300.0
 
+#: ``--strategy`` names: DataParallel, or ZeRO stage 1/2/3 (meshwise.parallel.zero).
+STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
+
 
 @dataclass(frozen=True)
 class TrainConfig:
@@ -35,6 +38,12 @@ class TrainConfig:
     resume: bool = False
     data_dir: str | None = None
     timeout: float = 3600.0
+    strategy: str = "ddp"
+
+    @property
+    def zero_stage(self) -> int | None:
+        """The ZeRO stage of ``strategy``, None for DataParallel."""
+        return int(self.strategy[-1]) if self.strategy.startswith("zero") else None
 
     @property
     def workload(self) -> Workload:
@@ -77,6 +86,13 @@ class TrainConfig:
         if self.backend != "auto" and self.backend not in BACKENDS:
             raise ValueError(
                 f"--backend {self.backend!r} is unknown; choose auto or one of {', '.join(sorted(BACKENDS))}"
+            )
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"--strategy {self.strategy!r} is unknown; choose one of {', '.join(STRATEGIES)}")
+        if self.zero_stage is not None and self.checkpoint is not None:
+            raise ValueError(
+                f"--checkpoint is not available with --strategy {self.strategy} yet (its optimizer state is "
+                "sharded): drop --checkpoint, or train with --strategy ddp"
             )
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda was asked for but CUDA is not available here; use --device cpu")

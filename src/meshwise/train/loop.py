@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 import torch
@@ -21,6 +21,7 @@ from torch import nn
 from meshwise.comm.api import ReduceOp
 from meshwise.data import DistributedSampler, Splits
 from meshwise.parallel import DataParallel
+from meshwise.parallel.zero import ShardedModel, shard
 from meshwise.train.checkpoint import read_checkpoint, save_checkpoint
 from meshwise.train.config import TrainConfig
 from meshwise.train.report import EpochStats, TrainResult, header_line
@@ -48,8 +49,8 @@ class Trainer:
         self.splits: Splits = workload.load_data(config.data_dir)
         torch.manual_seed(config.seed)
         model = workload.build_model(self.splits).to(world.device)
+        self.parameters = sum(p.numel() for p in model.parameters())
         self.lr = config.base_lr * (world.world_size if config.lr_scaling else 1)
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=self.lr)
         self.sampler = DistributedSampler(
             len(self.splits.train), world.world_size, world.rank, seed=config.seed
         )
@@ -60,10 +61,16 @@ class Trainer:
         self.history: list[EpochStats] = []
         self.first_epoch = 0
         self.checkpoint: str | None = None  # path of the last checkpoint written (rank 0)
-        if config.resume:
-            assert config.checkpoint is not None
-            self._restore(model, read_checkpoint(config.checkpoint, map_location=world.device))
-        self.model = DataParallel(model, world.comm)
+        self.model: DataParallel | ShardedModel
+        if config.zero_stage is not None:  # the optimizer must see the shards: built after sharding
+            self.model = shard(model, world.comm, stage=config.zero_stage)
+            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.lr)
+        else:
+            self.optimizer = torch.optim.AdamW(model.parameters(), lr=self.lr)
+            if config.resume:
+                assert config.checkpoint is not None
+                self._restore(model, read_checkpoint(config.checkpoint, map_location=world.device))
+            self.model = DataParallel(model, world.comm)
         self.console = Console(soft_wrap=True)
 
     # ------------------------------------------------------------------ checkpoints
@@ -158,7 +165,8 @@ class Trainer:
         for start in range(0, len(self.val_indices), _EVAL_BATCH):
             chunk = self.val_indices[start : start + _EVAL_BATCH]
             inputs, targets = part.inputs[chunk].to(device), part.targets[chunk].to(device)
-            logits = self.model.module(inputs)
+            # DataParallel's inner model skips its gradient bookkeeping; a sharded model must gather
+            logits = self.model.module(inputs) if isinstance(self.model, DataParallel) else self.model(inputs)
             loss = nn.functional.cross_entropy(logits, targets, reduction="sum")
             totals += torch.stack(
                 [loss.double(), totals.new_tensor(len(chunk)), (logits.argmax(1) == targets).sum()]
@@ -182,7 +190,7 @@ class Trainer:
 
     def run(self) -> TrainResult:
         """Every remaining epoch, with a progress bar and a line per epoch on rank 0."""
-        parameters = sum(p.numel() for p in self.model.parameters())
+        parameters = self.parameters
         world, epochs = self.world, self.config.total_epochs
         if world.is_main:
             self.console.print(
@@ -224,4 +232,21 @@ class Trainer:
             history=tuple(self.history),
             wall_seconds=time.perf_counter() - started,
             checkpoint=self.checkpoint,
+            strategy=self.config.strategy,
+            memory=self._memory_lines(),
         )
+
+    def _memory_lines(self) -> tuple[str, ...]:
+        """Every rank's ZeRO memory report (gathered to all ranks, printed by rank 0); none for DDP."""
+        if not isinstance(self.model, ShardedModel):
+            return ()
+        report = self.model.memory_report(self.optimizer)
+        fields = ("shard_numel", "parameters", "gradients", "optimizer_state", "peak_gathered")
+        mine = torch.tensor([getattr(report, f) for f in fields], dtype=torch.int64, device=self.world.device)
+        every = torch.zeros(self.world.world_size * len(fields), dtype=torch.int64, device=self.world.device)
+        self.world.comm.all_gather(every, mine)
+        lines = []
+        for rank, values in enumerate(every.view(-1, len(fields)).tolist()):
+            theirs = replace(report, **dict(zip(fields, values, strict=True)))
+            lines.append(f"rank {rank}: {theirs.line()}")
+        return tuple(lines)

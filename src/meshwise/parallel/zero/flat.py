@@ -181,6 +181,9 @@ class FlatGroup:
     def reducing(self) -> bool:
         return self._reduce_work is not None
 
+    def reduce_landed(self) -> bool:
+        return self._reduce_work is not None and self._reduce_work.is_completed()
+
     def finish_reduce(self, keep_full: bool) -> None:
         """Wait for the reduce-scatter; add the result to the gradient shard; drop or zero the full one."""
         assert self._reduce_work is not None and self._reduce_out is not None

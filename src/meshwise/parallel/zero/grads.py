@@ -93,6 +93,9 @@ class GradientSync:
         while self._next < len(self.groups) and self._pending[self._next] == 0:
             self.groups[self._next].launch_reduce()
             self._next += 1
+        for group in self.groups[: self._next]:  # landed ones drop their unsharded buffer now, not at the end
+            if group.reducing and group.reduce_landed():
+                group.finish_reduce(keep_full=False)
 
     def _finish(self) -> None:
         """End of backward: every group is reduce-scattered (stages 2/3, synchronised) and awaited."""
@@ -101,7 +104,8 @@ class GradientSync:
                 self._pending = [0] * len(self.groups)
                 self._launch_in_order()
                 for group in self.groups:
-                    group.finish_reduce(keep_full=False)
+                    if group.reducing:
+                        group.finish_reduce(keep_full=False)
         finally:
             self._reset()
             self._on_backward_end()

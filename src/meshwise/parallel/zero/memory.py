@@ -52,19 +52,24 @@ class MemoryReport:
     def total(self) -> int:
         return self.parameters + self.gradients + self.optimizer_state
 
-    def lines(self) -> list[str]:
-        return [
-            f"ZeRO stage {self.stage} on {self.world_size} ranks, per rank: parameters {_mib(self.parameters)}, "
-            f"gradients {_mib(self.gradients)}, optimizer state {_mib(self.optimizer_state)} "
-            f"(total {_mib(self.total)}); peak gathered {_mib(self.peak_gathered)}"
-        ]
+    def line(self) -> str:
+        return (
+            f"parameters {format_bytes(self.parameters)}, gradients {format_bytes(self.gradients)}, "
+            f"optimizer state {format_bytes(self.optimizer_state)} (total {format_bytes(self.total)}), "
+            f"peak gathered {format_bytes(self.peak_gathered)}"
+        )
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self) | {"total": self.total}
 
 
-def _mib(nbytes: int) -> str:
-    return f"{nbytes / 2**20:.2f} MiB"
+def format_bytes(nbytes: float) -> str:
+    """Bytes in the largest binary unit that keeps the number ≥ 1 (B, KiB, MiB, GiB)."""
+    for unit in ("B", "KiB", "MiB"):
+        if abs(nbytes) < 1024:
+            return f"{nbytes:.0f} B" if unit == "B" else f"{nbytes:.2f} {unit}"
+        nbytes /= 1024
+    return f"{nbytes:.2f} GiB"
 
 
 def zero_formula(
