@@ -109,12 +109,13 @@ def _accounted(name: str, model: nn.Module, optimizer: torch.optim.Optimizer) ->
             "optimizer_state": report.optimizer_state, "peak_gathered": report.peak_gathered}  # fmt: skip
 
 
-def _full_weights(name: str, model: nn.Module) -> list[torch.Tensor]:
+def _full_weights(name: str, model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every (distinct) parameter, whole, by name (collective for the sharded configurations)."""
     if name == "fsdp2/gloo":
-        return [p.full_tensor() for p in model.parameters()]
+        return {n: p.full_tensor() for n, p in model.named_parameters()}
     if name == "ddp/gloo":
-        return list(model.module.state_dict().values())
-    return list(model.state_dict().values())
+        return {n: p.detach() for n, p in model.module.named_parameters()}
+    return model.state_dict()
 
 
 def _two_ranks(config: str, batch: int, seq: int, rounds: int, steps: int, warmup: int) -> dict:
@@ -140,8 +141,8 @@ def _two_ranks(config: str, batch: int, seq: int, rounds: int, steps: int, warmu
     memory = {name: _accounted(name, model, opt) for name, (model, opt) in built.items()}
     reference = _full_weights("ddp/gloo", built["ddp/gloo"][0])
     agreement = {
-        name: max((a - b).abs().max().item() for a, b in zip(_full_weights(name, model), reference, strict=True))
-        for name, (model, _) in built.items()
+        name: max((weights[n] - w).abs().max().item() for n, w in reference.items())
+        for name, weights in ((name, _full_weights(name, model)) for name, (model, _) in built.items())
     }
     del built, steppers  # FSDP2 and DDP hold the process group: release them before shutdown
     comms["shm"].close()
@@ -200,7 +201,7 @@ def main() -> None:
           f"{'peak gath.':>11}{'RSS+ MiB':>9}  {'max|Δw| vs ddp':>14}")  # fmt: skip
     ratios = {}
     for name in NAMES:
-        base, target = TARGETS.get(name, ("fsdp2/gloo" if "3" in name else "ddp/gloo", None))
+        base, target = TARGETS.get(name, (name, None))  # the baselines are their own reference
         ratio = statistics.median(t / b for t, b in zip(samples[name], samples[base], strict=True))
         ratios[name] = {"baseline": base, "ratio": ratio, "target": target}
         verdict = "" if target is None else ("ok" if ratio <= target else "MISSED")

@@ -210,11 +210,33 @@ def _stage3_lifecycle() -> dict[str, object]:
     with torch.no_grad():
         model(tokens)
     after_eval = [stored(b) for b in gpt.blocks] + [gpt.wte.weight.untyped_storage().nbytes()]
+    misuse = _optimizer_built_too_early(world.comm)
     meshwise.shutdown()
     return {
         "events": events, "seen": seen, "after_forward": after_forward, "root_during": root_during,
-        "after_backward": after_backward, "after_eval": after_eval,
+        "after_backward": after_backward, "after_eval": after_eval, "misuse": misuse,
     }  # fmt: skip
+
+
+def _optimizer_built_too_early(comm) -> tuple[str, bool, str]:
+    """An optimizer on the plain parameters is refused at its first step, before changing anything."""
+    plain = _mlp()
+    optimizer = torch.optim.SGD(plain.parameters(), lr=0.1)
+    model = shard(plain, comm, stage=2)
+    before = model.state_dict()
+    nn.functional.mse_loss(model(torch.ones(2, 7)), torch.zeros(2, 3)).backward()
+    error = ""
+    try:
+        optimizer.step()
+    except RuntimeError as exc:
+        error = str(exc)
+    after = model.state_dict()
+    again = ""
+    try:
+        shard(plain, comm, stage=3)
+    except ValueError as exc:
+        again = str(exc)
+    return error, all(torch.equal(before[k], after[k]) for k in before), again
 
 
 def _whole(block: nn.Module) -> bool:
@@ -229,6 +251,9 @@ def test_stage3_frees_gathered_units_and_prefetches_the_next_one():
     assert result["after_forward"] == [0, 0], "blocks must be freed after their forward"
     assert result["root_during"] > 0, "the root stays gathered until backward ends"
     assert result["after_backward"] == [0, 0, 0] and result["after_eval"] == [0, 0, 0]
+    error, unchanged, again = result["misuse"]
+    assert "build the optimizer after shard()" in error and "'0.weight'" in error and unchanged, error
+    assert "already belongs to a sharded model" in again
     events = result["events"]
     # forward: block 0's own gather, then block 1's, both before block 0's compute ends
     start, end = events.index("forward 0"), events.index("compute end 0")
