@@ -92,6 +92,7 @@ def _slowest(seconds: float) -> float:
 def _accounted(name: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
     """Per-rank tensor bytes held between steps (and our peak of gathered buffers)."""
     if name == "fsdp2/gloo" or name == "ddp/gloo":
+
         def local(t: torch.Tensor) -> torch.Tensor:
             return t.to_local() if hasattr(t, "to_local") else t
 
@@ -127,7 +128,7 @@ def _two_ranks(config: str, batch: int, seq: int, rounds: int, steps: int, warmu
     for name in NAMES:
         for _ in range(warmup):
             steppers[name]()
-    for name, (model, _) in built.items():
+    for model, _ in built.values():
         if hasattr(model, "tracker"):
             model.tracker.reset_peak()
     samples: dict[str, list[float]] = {name: [] for name in NAMES}
@@ -178,7 +179,9 @@ def _rss_one(name: str, config: str, batch: int, seq: int) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", default="gpt-nano", choices=list(CONFIGS), help="GPT size (default gpt-nano)")
+    parser.add_argument(
+        "--config", default="gpt-nano", choices=list(CONFIGS), help="GPT size (default gpt-nano)"
+    )
     parser.add_argument("--batch", type=int, default=2, help="sequences per rank per step (default 2)")
     parser.add_argument("--seq", type=int, default=128, help="tokens per sequence (default 128)")
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds per configuration")
@@ -209,7 +212,8 @@ def main() -> None:
         state = (mem["parameters"] + mem["gradients"] + mem["optimizer_state"]) / 2**20
         peak = "" if mem["peak_gathered"] < 0 else f"{mem['peak_gathered'] / 2**20:.1f}"
         grown = f"{rss[name] / 2**20:.0f}" if name in rss else ""
-        print(f"{name:<13}{1e3 * statistics.median(samples[name]):>9.1f}  {ratio:>5.3f} vs {base.split('/')[0]:<5}"
+        median_ms = 1e3 * statistics.median(samples[name])
+        print(f"{name:<13}{median_ms:>9.1f}  {ratio:>5.3f} vs {base.split('/')[0]:<5}"
               f"  {('≤ ' + str(target)) if target else '':<6}{verdict:<3}{state:>9.1f}{peak:>11}{grown:>9}"
               f"  {result['max_weight_difference_vs_ddp'][name]:>14.2e}")  # fmt: skip
     if args.json:

@@ -47,8 +47,16 @@ def _difference(reference: nn.Module, sharded) -> float:
     return max((full[k] - v).abs().max().item() for k, v in reference.state_dict().items())
 
 
-def _train_pair(comm, stage: int, optimizer: str, *, micro: int = 1, clip: float | None = None,
-                precision: str | None = None, frozen: bool = False) -> float:
+def _train_pair(
+    comm,
+    stage: int,
+    optimizer: str,
+    *,
+    micro: int = 1,
+    clip: float | None = None,
+    precision: str | None = None,
+    frozen: bool = False,
+) -> float:
     """Worst difference between the sharded model on shards and one process on the full batch."""
     rank, world_size = comm.rank, comm.world_size
     reference = _mlp()
@@ -123,7 +131,13 @@ def _memory(comm) -> dict[str, tuple]:
                                    grad_bytes=b_g, k=k)  # fmt: skip
             measured = (report.parameters, report.gradients, report.optimizer_state)
             psi = sum(p.numel() for p in _mlp().parameters())
-            results[f"{precision}/stage{stage}"] = (measured, formula, report.shard_numel, psi, len(model.groups))
+            results[f"{precision}/stage{stage}"] = (
+                measured,
+                formula,
+                report.shard_numel,
+                psi,
+                len(model.groups),
+            )
     return results
 
 
@@ -135,7 +149,9 @@ def _matrix() -> dict[str, object]:
         for optimizer in ("sgd", "adamw"):
             results[f"mlp/stage{stage}/{optimizer}"] = _train_pair(comm, stage, optimizer)
             results[f"gpt64/stage{stage}/{optimizer}"] = _train_gpt_pair(comm, stage, optimizer)
-        results[f"mlp/stage{stage}/adamw/accumulate+clip"] = _train_pair(comm, stage, "adamw", micro=2, clip=0.05)
+        results[f"mlp/stage{stage}/adamw/accumulate+clip"] = _train_pair(
+            comm, stage, "adamw", micro=2, clip=0.05
+        )
         results[f"mlp/stage{stage}/sgd/frozen"] = _train_pair(comm, stage, "sgd", frozen=True)
         results[f"bf16/stage{stage}/sgd"] = _train_pair(comm, stage, "sgd", precision="bf16")
     results["gpt64/stage3/adamw/prefetch0"] = _train_gpt_pair(comm, 3, "adamw", prefetch=0)
@@ -286,7 +302,12 @@ def test_gpt_units_are_blocks_and_the_tied_head_lives_in_the_root():
     shared = nn.Linear(2, 2)
     model = nn.Sequential(nn.Sequential(shared), nn.Sequential(shared), nn.Linear(2, 2))
     plans = plan_stage3(model, [model[0], model[1]])
-    assert [n for p in plans if p.unit == ROOT for n in p.names] == ["0.0.weight", "0.0.bias", "2.weight", "2.bias"]
+    assert [n for p in plans if p.unit == ROOT for n in p.names] == [
+        "0.0.weight",
+        "0.0.bias",
+        "2.weight",
+        "2.bias",
+    ]
 
 
 def test_zero_formula_is_the_paper_table():

@@ -86,7 +86,9 @@ def _resume(directory: str, stage: int) -> dict[str, object]:
         plain = _gpt()
         load_unsharded(plain, os.path.join(directory, "ckpt"))
         exported = torch.load(os.path.join(directory, "full.pt"), weights_only=True)
-        result["plain_equals_export"] = all(torch.equal(v, exported[k]) for k, v in plain.state_dict().items())
+        result["plain_equals_export"] = all(
+            torch.equal(v, exported[k]) for k, v in plain.state_dict().items()
+        )
         x, y = _batch(SAVED_AT)
         with torch.no_grad():
             result["plain_loss"] = language_model_loss(plain(x), y).item()

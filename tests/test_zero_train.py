@@ -19,7 +19,9 @@ def test_bad_strategies_are_refused_before_any_rank_starts(tmp_path):
 def test_zero3_trains_like_ddp_and_reports_memory_per_rank(capsys):
     settings = {"model": "mlp", "nproc": 2, "epochs": 2, "backend": "gloo", "timeout": 100}
     ddp = run_training(TrainConfig(**settings))
-    assert main(["train", "mlp", "-np", "2", "--epochs", "2", "--backend", "gloo", "--strategy", "zero3"]) == 0
+    assert (
+        main(["train", "mlp", "-np", "2", "--epochs", "2", "--backend", "gloo", "--strategy", "zero3"]) == 0
+    )
     out = capsys.readouterr().out
     assert "Strategy            = zero3" in out and "rank 1: parameters" in out, out
     zero = run_training(TrainConfig(**settings, strategy="zero1"))

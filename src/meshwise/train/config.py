@@ -88,7 +88,8 @@ class TrainConfig:
                 f"--backend {self.backend!r} is unknown; choose auto or one of {', '.join(sorted(BACKENDS))}"
             )
         if self.strategy not in STRATEGIES:
-            raise ValueError(f"--strategy {self.strategy!r} is unknown; choose one of {', '.join(STRATEGIES)}")
+            choices = ", ".join(STRATEGIES)
+            raise ValueError(f"--strategy {self.strategy!r} is unknown; choose one of {choices}")
         if self.zero_stage is not None and self.checkpoint is not None:
             raise ValueError(
                 f"--checkpoint is not available with --strategy {self.strategy} yet (its optimizer state is "

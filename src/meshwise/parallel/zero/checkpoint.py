@@ -38,13 +38,19 @@ _MARKER = ".metadata"  # the file DCP writes last: its presence means a complete
 
 
 def save_sharded(
-    model: ShardedModel, optimizer: torch.optim.Optimizer | None, directory: str | Path, *, overwrite: bool = False
+    model: ShardedModel,
+    optimizer: torch.optim.Optimizer | None,
+    directory: str | Path,
+    *,
+    overwrite: bool = False,
 ) -> Path:
-    """Collective: every rank writes its shards of the model (and of ``optimizer``'s state) to ``directory``."""
+    """Collective: every rank writes its shards of the model (and of ``optimizer``'s state)."""
     directory = Path(directory)
     _check_process_group(model)
     if (directory / _MARKER).exists() and not overwrite:
-        raise FileExistsError(f"{directory} already holds a checkpoint; choose another directory or pass overwrite=True")
+        raise FileExistsError(
+            f"{directory} already holds a checkpoint; choose another directory or pass overwrite=True"
+        )
     state: dict[str, Any] = {}
     scalars: dict[str, torch.Tensor] = {}
     for group, names in zip(model.groups, model.param_names, strict=True):
@@ -66,7 +72,7 @@ def save_sharded(
 
 
 def load_sharded(model: ShardedModel, optimizer: torch.optim.Optimizer | None, directory: str | Path) -> None:
-    """Collective: read a checkpoint written by any world size and stage into ``model`` (and ``optimizer``)."""
+    """Collective: read a checkpoint of any world size and stage into ``model`` (and ``optimizer``)."""
     _check_process_group(model)
     stored = _stored(directory)
     expected = {f"model.{name}": numel for group, names in zip(model.groups, model.param_names, strict=True)
@@ -100,7 +106,9 @@ def load_sharded(model: ShardedModel, optimizer: torch.optim.Optimizer | None, d
         for name, buffer in model.module.named_buffers():
             buffer.copy_(buffers[f"buffer.{name}"])
     if optimizer is not None:
-        scalars = {k[len("optim.") :]: v for k, v in state.items() if k.startswith("optim.") and k.count(".") == 1}
+        scalars = {
+            k[len("optim.") :]: v for k, v in state.items() if k.startswith("optim.") and k.count(".") == 1
+        }
         for (gi, key), flat in per_element.items():
             optimizer.state[model.groups[gi].master][key] = flat
         for gi, group in enumerate(model.groups):
@@ -180,7 +188,9 @@ def _stored(directory: str | Path) -> dict[str, TensorStorageMetadata]:
     return {k: v for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
 
 
-def _check_matches(stored: dict[str, TensorStorageMetadata], expected: dict[str, int], directory: Any) -> None:
+def _check_matches(
+    stored: dict[str, TensorStorageMetadata], expected: dict[str, int], directory: Any
+) -> None:
     """The checkpoint holds exactly the model's parameters and buffers, with the same sizes."""
     held = {k: v for k, v in stored.items() if k.startswith(("model.", "buffer."))}
     missing = sorted(set(expected) - set(held))
@@ -197,8 +207,10 @@ def _check_matches(stored: dict[str, TensorStorageMetadata], expected: dict[str,
 
 
 def _check_process_group(model: ShardedModel) -> None:
-    if not dist.is_initialized() or dist.get_world_size() != model.comm.world_size or (
-        dist.get_rank() != model.comm.rank
+    if (
+        not dist.is_initialized()
+        or dist.get_world_size() != model.comm.world_size
+        or (dist.get_rank() != model.comm.rank)
     ):
         raise ValueError(
             "sharded checkpoints go through torch.distributed.checkpoint and need the model sharded over the "

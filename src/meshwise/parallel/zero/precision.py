@@ -49,5 +49,7 @@ class MixedPrecision:
         if value is None or isinstance(value, MixedPrecision):
             return value
         if value not in _NAMES:
-            raise ValueError(f"mixed_precision={value!r} is unknown; use None, 'bf16', 'fp32' or MixedPrecision")
+            raise ValueError(
+                f"mixed_precision={value!r} is unknown; use None, 'bf16', 'fp32' or MixedPrecision"
+            )
         return None if value == "fp32" else cls(param_dtype=_NAMES[value])

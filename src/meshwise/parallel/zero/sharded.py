@@ -47,7 +47,7 @@ _ORIGINAL = "_meshwise_zero_sharded"  # on a module parameter taken over by shar
 
 
 class ShardedModel(nn.Module):
-    """A model whose parameters, gradients and optimizer state are sharded over ``comm`` (see :func:`shard`)."""
+    """A model whose parameters, gradients and optimizer state are sharded over ``comm`` (:func:`shard`)."""
 
     def __init__(
         self,
@@ -220,7 +220,9 @@ class ShardedModel(nn.Module):
                 continue
             value = state_dict[key]
             if tuple(value.shape) != tuple(target.shape):
-                raise ValueError(f"{key}: checkpoint shape {tuple(value.shape)} != model {tuple(target.shape)}")
+                raise ValueError(
+                    f"{key}: checkpoint shape {tuple(value.shape)} != model {tuple(target.shape)}"
+                )
             if not isinstance(target, nn.Parameter):
                 target.copy_(value)
         for group, names in zip(self.groups, self.param_names, strict=True):
@@ -263,8 +265,10 @@ def shard(
     is checked before any communication.
     """
     if isinstance(stage, bool) or stage not in (1, 2, 3):
-        raise ValueError(f"stage={stage!r} is not a ZeRO stage: use 1 (optimizer state), 2 (+ gradients) "
-                         "or 3 (+ parameters); for plain data parallelism use DataParallel")
+        raise ValueError(
+            f"stage={stage!r} is not a ZeRO stage: use 1 (optimizer state), 2 (+ gradients) "
+            "or 3 (+ parameters); for plain data parallelism use DataParallel"
+        )
     if not isinstance(model, nn.Module):
         raise TypeError(f"shard() takes an nn.Module, got {type(model).__name__}")
     if isinstance(model, ShardedModel):
