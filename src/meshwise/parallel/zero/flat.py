@@ -136,6 +136,7 @@ class FlatGroup:
         """After the optimizer updated ``master``: push it to the compute copies. Stages 1/2 start an
         all-gather of every rank's updated slice (awaited by :meth:`wait_gathered`); stage 3 only
         updates its compute shard, gathered again when the unit next runs."""
+        self.wait_gathered()  # a gather no forward waited for (an unused module) lands first
         with torch.no_grad():
             if not self.persistent:
                 if self.master_is_separate and self.compute_shard is not None:

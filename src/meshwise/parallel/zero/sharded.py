@@ -101,6 +101,8 @@ class ShardedModel(nn.Module):
             on_unit_done=self._unit_done,
             on_backward_end=self._backward_done,
         )
+        if stage < 3:
+            self._handles = _wait_before_use(module, self.groups)
         if stage == 3:
             self.schedule = UnitSchedule(
                 chosen, self.groups, unit_of, prefetch=prefetch,
@@ -117,8 +119,6 @@ class ShardedModel(nn.Module):
 
     # ------------------------------------------------------------------ forward / backward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        for group in self.groups:
-            group.wait_gathered()  # the all-gathers started after the last step (stages 1/2)
         if self.schedule is not None:
             self.schedule.gather_root()
         if self.precision is not None:
@@ -150,6 +150,8 @@ class ShardedModel(nn.Module):
 
     # ------------------------------------------------------------------ around the optimizer step
     def before_step(self, groups: Sequence[FlatGroup]) -> None:
+        for group in groups:  # an all-gather still reading a slot must land before the slot changes
+            group.wait_gathered()
         self._grads.reduce_for_step(groups)
         for group in groups:
             group.expose_gradient()
@@ -300,6 +302,24 @@ def _check_parameters(named: Mapping[str, nn.Parameter], precision: MixedPrecisi
                 f"mixed precision keeps float32 master weights, but {name!r} is {param.dtype}: "
                 "build the model in float32 (mixed_precision casts the compute copies itself)"
             )
+
+
+def _wait_before_use(module: nn.Module, groups: Sequence[FlatGroup]) -> list[Any]:
+    """Stages 1/2: forward pre-hooks that wait, module by module, for the all-gathers started after the
+    last step, so the gather of later layers overlaps the forward of earlier ones."""
+    group_of = {id(param): group for group in groups for param in group.params}
+    handles = []
+    for sub in module.modules():
+        mine = {id(group_of[id(p)]): group_of[id(p)] for p in sub.parameters(recurse=False)}
+        if mine:
+            needed = list(mine.values())
+
+            def hook(_module: nn.Module, _args: Any, needed: list[FlatGroup] = needed) -> None:
+                for group in needed:
+                    group.wait_gathered()
+
+            handles.append(sub.register_forward_pre_hook(hook))
+    return handles
 
 
 def _cast(value: Any, dtype: torch.dtype) -> Any:
