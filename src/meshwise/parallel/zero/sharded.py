@@ -29,7 +29,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from meshwise.comm.api import Communicator, ReduceOp
 from meshwise.parallel.buckets import MIB
@@ -39,11 +38,9 @@ from meshwise.parallel.zero.grads import GradientSync
 from meshwise.parallel.zero.memory import MemoryReport, measure
 from meshwise.parallel.zero.precision import MixedPrecision
 from meshwise.parallel.zero.schedule import UnitSchedule
+from meshwise.parallel.zero.stepping import ORIGINAL, OWNER
 from meshwise.parallel.zero.units import ROOT, default_units, plan_buckets_as_groups, plan_stage3
 from meshwise.world import current_world
-
-_OWNER = "_meshwise_zero_owner"  # on a master shard: (weakref to its ShardedModel, group index)
-_ORIGINAL = "_meshwise_zero_sharded"  # on a module parameter taken over by shard(): its name
 
 
 class ShardedModel(nn.Module):
@@ -87,9 +84,9 @@ class ShardedModel(nn.Module):
                 persistent=stage < 3, tracker=self.tracker,
             )  # fmt: skip
             group.allocate_gradients(keep_full=stage == 1)
-            setattr(group.master, _OWNER, (weakref.ref(self), index))
+            setattr(group.master, OWNER, (weakref.ref(self), index))
             for name, param in zip(plan.names, params, strict=True):
-                setattr(param, _ORIGINAL, name)
+                setattr(param, ORIGINAL, name)
             self.groups.append(group)
         self.param_names = [plan.names for plan in plans]
         unit_of = [plan.unit for plan in plans]
@@ -293,7 +290,7 @@ def _check_parameters(named: Mapping[str, nn.Parameter], precision: MixedPrecisi
     if not named:
         raise ValueError("the model has no parameters: there is nothing to shard")
     for name, param in named.items():
-        if hasattr(param, _ORIGINAL):
+        if hasattr(param, ORIGINAL):
             raise ValueError(f"parameter {name!r} already belongs to a sharded model; shard a fresh model")
         if not param.dtype.is_floating_point:
             raise ValueError(f"parameter {name!r} has dtype {param.dtype}; only floating parameters shard")
@@ -331,38 +328,3 @@ def _cast(value: Any, dtype: torch.dtype) -> Any:
     if isinstance(value, dict):
         return {k: _cast(v, dtype) for k, v in value.items()}
     return value
-
-
-# ---------------------------------------------------------------------- optimizer step hooks
-def _sharded_groups(optimizer: torch.optim.Optimizer) -> list[tuple[ShardedModel, list[FlatGroup]]]:
-    """The sharded models whose shards ``optimizer`` holds, each with those groups (in group order)."""
-    found: dict[int, tuple[ShardedModel, set[int]]] = {}
-    for param_group in optimizer.param_groups:
-        for param in param_group["params"]:
-            owner = getattr(param, _OWNER, None)
-            if owner is None:
-                name = getattr(param, _ORIGINAL, None)
-                if name is not None:
-                    raise RuntimeError(
-                        f"{type(optimizer).__name__} holds the unsharded parameter {name!r} of a model that "
-                        "was sharded: build the optimizer after shard(), on the sharded model's "
-                        "parameters, e.g. torch.optim.AdamW(sharded.parameters(), ...)"
-                    )
-                continue
-            model = owner[0]()
-            if model is not None:
-                found.setdefault(id(model), (model, set()))[1].add(owner[1])
-    return [(model, [model.groups[i] for i in sorted(indices)]) for model, indices in found.values()]
-
-
-def _pre_step(optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
-    for model, groups in _sharded_groups(optimizer):
-        model.before_step(groups)
-
-
-def _post_step(optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
-    for model, groups in _sharded_groups(optimizer):
-        model.after_step(groups)
-
-
-_HOOKS = (register_optimizer_step_pre_hook(_pre_step), register_optimizer_step_post_hook(_post_step))
