@@ -24,6 +24,9 @@ import torch
 
 from meshwise.parallel.zero.flat import FlatGroup
 
+#: Reduce-scatters allowed in flight at once (FSDP2 keeps one): each holds a unit's unsharded gradient.
+MAX_IN_FLIGHT = 2
+
 
 class GradientSync:
     """Hooks on every trainable parameter of ``groups`` (given in gradient-ready order)."""
@@ -93,8 +96,11 @@ class GradientSync:
         while self._next < len(self.groups) and self._pending[self._next] == 0:
             self.groups[self._next].launch_reduce()
             self._next += 1
-        for group in self.groups[: self._next]:  # landed ones drop their unsharded buffer now, not at the end
-            if group.reducing and group.reduce_landed():
+        in_flight = [group for group in self.groups[: self._next] if group.reducing]
+        for index, group in enumerate(in_flight):
+            # landed ones drop their unsharded buffer now; past the cap the oldest is waited for, so
+            # unsharded gradients cannot pile up while a slow transport falls behind backward
+            if group.reduce_landed() or len(in_flight) - index > MAX_IN_FLIGHT:
                 group.finish_reduce(keep_full=False)
 
     def _finish(self) -> None:
