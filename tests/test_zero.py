@@ -95,11 +95,12 @@ def _train_pair(
     return worst
 
 
-def _train_gpt_pair(comm, stage: int, optimizer: str, prefetch: int = 1) -> float:
+def _train_gpt_pair(comm, stage: int, optimizer: str, prefetch: int = 1, reshard: bool = True) -> float:
     rank, world_size = comm.rank, comm.world_size
     torch.manual_seed(0)
     reference = GPT(GPT_SMALL).double()
-    model = shard(copy.deepcopy(reference), comm, stage=stage, prefetch=prefetch)
+    replica = copy.deepcopy(reference)
+    model = shard(replica, comm, stage=stage, prefetch=prefetch, reshard_after_forward=reshard)
     ref_opt, opt = _optimizer(optimizer, reference.parameters()), _optimizer(optimizer, model.parameters())
     worst = 0.0
     for step in range(STEPS):
@@ -156,6 +157,7 @@ def _matrix() -> dict[str, object]:
         results[f"bf16/stage{stage}/sgd"] = _train_pair(comm, stage, "sgd", precision="bf16")
     results["gpt64/stage3/adamw/prefetch0"] = _train_gpt_pair(comm, 3, "adamw", prefetch=0)
     results["gpt64/stage3/adamw/prefetch2"] = _train_gpt_pair(comm, 3, "adamw", prefetch=2)
+    results["gpt64/stage3/sgd/keep-after-forward"] = _train_gpt_pair(comm, 3, "sgd", reshard=False)
     results["memory"] = _memory(comm)
     meshwise.shutdown()
     return results
