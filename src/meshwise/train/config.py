@@ -90,11 +90,6 @@ class TrainConfig:
         if self.strategy not in STRATEGIES:
             choices = ", ".join(STRATEGIES)
             raise ValueError(f"--strategy {self.strategy!r} is unknown; choose one of {choices}")
-        if self.zero_stage is not None and self.checkpoint is not None:
-            raise ValueError(
-                f"--checkpoint is not available with --strategy {self.strategy} yet (its optimizer state is "
-                "sharded): drop --checkpoint, or train with --strategy ddp"
-            )
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda was asked for but CUDA is not available here; use --device cpu")
         if self.data_dir is not None:
@@ -125,6 +120,11 @@ class TrainConfig:
         state = read_checkpoint(directory)
         if state["model"] != self.model:
             raise ValueError(f"{path} holds a {state['model']!r} run, not {self.model!r}")
+        written_with = state.get("strategy", "ddp")
+        if written_with != self.strategy:
+            raise ValueError(
+                f"{path} was written with --strategy {written_with}; resume it with --strategy {written_with}"
+            )
         if state["epoch"] >= self.total_epochs:
             raise ValueError(
                 f"{path} has already completed {state['epoch']} of --epochs {self.total_epochs}; "

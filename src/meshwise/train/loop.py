@@ -9,8 +9,10 @@ restores model, optimizer, sampler and generator so it continues exactly where t
 from __future__ import annotations
 
 import math
+import shutil
 import time
 from dataclasses import asdict, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,6 +24,7 @@ from meshwise.comm.api import ReduceOp
 from meshwise.data import DistributedSampler, Splits
 from meshwise.parallel import DataParallel
 from meshwise.parallel.zero import ShardedModel, shard
+from meshwise.parallel.zero.checkpoint import load_sharded, save_sharded
 from meshwise.train.checkpoint import read_checkpoint, save_checkpoint
 from meshwise.train.config import TrainConfig
 from meshwise.train.report import EpochStats, TrainResult, header_line
@@ -65,6 +68,11 @@ class Trainer:
         if config.zero_stage is not None:  # the optimizer must see the shards: built after sharding
             self.model = shard(model, world.comm, stage=config.zero_stage)
             self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.lr)
+            if config.resume:
+                assert config.checkpoint is not None
+                state = read_checkpoint(config.checkpoint, map_location=world.device)
+                load_sharded(self.model, self.optimizer, Path(config.checkpoint) / state["shards"])
+                self._restore_progress(state)
         else:
             self.optimizer = torch.optim.AdamW(model.parameters(), lr=self.lr)
             if config.resume:
@@ -77,6 +85,10 @@ class Trainer:
     def _restore(self, model: nn.Module, state: dict[str, Any]) -> None:
         model.load_state_dict(state["model_state"])
         self.optimizer.load_state_dict(state["optimizer_state"])
+        self._restore_progress(state)
+
+    def _restore_progress(self, state: dict[str, Any]) -> None:
+        """Everything but the model and optimizer: sampler, generator, epoch, history."""
         self.sampler.load_state_dict(state["sampler"])
         torch.set_rng_state(state["rng"].cpu())
         self.first_epoch = int(state["epoch"])
@@ -94,12 +106,26 @@ class Trainer:
                 flush=True,
             )
 
-    def _save(self, epoch: int) -> str:
+    def _save(self, epoch: int) -> str | None:
+        """Rank 0 writes checkpoint.pt. With ZeRO every rank first writes its shards of the model and
+        optimizer to a directory per epoch (collective), which checkpoint.pt names; the previous epoch's
+        shards are deleted only once the new checkpoint.pt is in place."""
+        assert self.config.checkpoint is not None
+        directory = Path(self.config.checkpoint)
+        sharded = isinstance(self.model, ShardedModel)
+        shards = f"zero-epoch{epoch}" if sharded else None
+        if sharded:
+            assert shards is not None and isinstance(self.model, ShardedModel)
+            save_sharded(self.model, self.optimizer, directory / shards, overwrite=True)
+        if not self.world.is_main:
+            return None
         state = {
             "model": self.config.model,
             "epoch": epoch,
-            "model_state": self.model.state_dict(),
-            "optimizer_state": self.optimizer.state_dict(),
+            "strategy": self.config.strategy,
+            "shards": shards,
+            "model_state": None if sharded else self.model.state_dict(),
+            "optimizer_state": None if sharded else self.optimizer.state_dict(),
             "sampler": self.sampler.state_dict(),
             "rng": torch.get_rng_state(),
             "run": {
@@ -112,8 +138,11 @@ class Trainer:
             },
             "history": [asdict(e) for e in self.history],
         }
-        assert self.config.checkpoint is not None
-        return str(save_checkpoint(self.config.checkpoint, state))
+        path = str(save_checkpoint(directory, state))
+        for old in directory.glob("zero-epoch*"):
+            if old.name != shards:
+                shutil.rmtree(old, ignore_errors=True)
+        return path
 
     # ------------------------------------------------------------------ steps
     def _lr_at(self, step: int) -> float:
@@ -184,8 +213,8 @@ class Trainer:
         t_loss, t_n, t_ok, v_loss, v_n, v_ok = totals.tolist()
         stats = EpochStats(epoch + 1, t_loss / t_n, t_ok / t_n, v_loss / v_n, v_ok / v_n, int(t_n), seconds)
         self.history.append(stats)
-        if self.config.checkpoint is not None and self.world.is_main:
-            self.checkpoint = self._save(epoch + 1)
+        if self.config.checkpoint is not None:
+            self.checkpoint = self._save(epoch + 1) or self.checkpoint
         return stats
 
     def run(self) -> TrainResult:
