@@ -32,15 +32,10 @@ import torch
 
 import meshwise
 from meshwise.comm.algorithms import with_algorithm
-from meshwise.comm.cost import (
-    Calibration,
-    CostSample,
-    LinkParams,
-    WorldLinks,
-    choose_algorithm,
-    fit_link_params,
-    predict_seconds,
-)
+from meshwise.comm.algorithms.choice import choose_algorithm
+from meshwise.comm.algorithms.registry import predict_seconds
+from meshwise.comm.cost import Calibration, CostSample, LinkParams, WorldLinks
+from meshwise.comm.cost.fit import fit_link_params
 from meshwise.runtime.spawn import spawn
 
 #: a second copy of the native call, timed like the algorithms: what separates two identical calls in one
@@ -74,7 +69,7 @@ def _worker(
     # OpenMP pools as wide as the machine thrash the cores and make every local reduction 100x slower.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world.world_size))
     native = world.comm
-    calibration = Calibration.load(cal_path) if cal_path else Calibration.load()
+    calibration = Calibration.from_option(cal_path)
     comms = {a: with_algorithm(native, a, calibration=calibration) for a in algos}
     comms[CONTROL] = with_algorithm(native, "native")  # the native call again: the noise floor
     timed = [*algos, CONTROL]
@@ -147,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     while size <= args.max_bytes:
         sizes.append(size)
         size *= args.factor
-    calibration = Calibration.load(args.calibration) if args.calibration else Calibration.load()
+    calibration = Calibration.from_option(args.calibration)
     results = []
     for p in worlds:
         rows = spawn(

@@ -16,23 +16,12 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from meshwise.comm.api import Communicator, ReduceOp
+from meshwise.comm.api import Collective, Communicator, ReduceOp
 
 DEFAULT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int32, torch.int64)
 DEFAULT_OPS = tuple(ReduceOp)
 DEFAULT_SIZES = (1, 7, 300)
-COLLECTIVES = (
-    "all_reduce",
-    "reduce",
-    "reduce_scatter",
-    "broadcast",
-    "all_gather",
-    "all_to_all",
-    "scatter",
-    "gather",
-    "send_recv",
-    "barrier",
-)
+COLLECTIVES = (*(c.value for c in Collective), "send_recv", "barrier")
 
 _PROD_VALUES = (1.0, 2.0, -1.0, 1.0, -1.0)  # products over ≤ 8 ranks stay ≤ 2^8 in magnitude: exact
 

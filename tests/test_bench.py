@@ -133,7 +133,7 @@ def test_options_are_parsed_into_a_job():
         (("all_reduce", "-e", "64Q"), "write bytes like"),
         (("all_reduce", "--op", "avg", "--dtype", "int32"), "not defined for int32"),
         (("broadcast", "--root", "2"), "outside 0..1"),
-        (("all_reduce", "--backend", "gloo,tcp"), "unknown backend"),
+        (("all_reduce", "--backend", "gloo,tcp"), "--backend 'tcp' is unknown"),
         (("all_reduce", "--algo", "ring,butterfly"), "unknown algorithm"),
         (("all_reduce", "--backend", "mpi"), "mpirun"),
         (("all_gather", "-np", "4", "-b", "4", "-e", "8"), "raise -e to 16"),
@@ -292,6 +292,7 @@ def test_every_collective_on_two_ranks_reports_zero_wrong(tmp_path, capsys):
                    "busbw(GB/s)", "#wrong"):  # fmt: skip
         assert column in out
     assert "# Wrong elements       : 0 OK" in out and "Wall time = " in out
+    assert "# calibration (prices auto): built-in" in out
     data = json.loads(path.read_text())
     assert [run["collective"] for run in data["runs"]] == list(COLLECTIVES)
     for run in data["runs"]:
@@ -319,6 +320,7 @@ def test_every_collective_on_two_ranks_reports_zero_wrong(tmp_path, capsys):
         "iters": 2,
         "warmup": 1,
         "checks": 1,
+        "calibration": "built-in",  # what auto would have priced with: no file is read unasked
     }
     assert set(data["runs"][0]) == {"collective", "backend", "algorithm", "world_size", "avg_busbw", "wrong",
                                     "out_of_bounds", "rows"}  # fmt: skip
@@ -422,7 +424,7 @@ def test_calibrate_writes_the_cost_model_file_and_keeps_other_world_sizes(tmp_pa
 
 def test_merge_fit_sets_this_world_size_and_the_top_level():
     a, b, c = LinkParams(1e-5, 1e-9, 0.0), LinkParams(2e-5, 2e-9, 0.0), LinkParams(3e-5, 3e-9, 0.0)
-    first = merge_fit(Calibration.default(), 2, a, b, c)
+    first = merge_fit(Calibration.builtin(), 2, a, b, c)
     assert first == Calibration(a, b, c, ((2, WorldLinks(a, c)),))
     second = merge_fit(first, 4, c, b, a)
     assert second == Calibration(c, b, a, ((2, WorldLinks(a, c)), (4, WorldLinks(c, a))))
@@ -450,3 +452,15 @@ def test_calibrate_splits_intra_and_inter_links_on_a_two_node_layout(tmp_path):
     # 4 plans (3 for native) × 3 sizes each; intra and inter run on 2-rank groups, native on all 4 ranks
     assert links == [("intra", 12, True), ("inter", 12, True), ("native", 9, True)]
     assert saved == path and Calibration.load(path).inter.alpha >= 0
+
+
+def test_algorithms_take_their_long_names_and_the_calibration_is_named_not_found(tmp_path, monkeypatch):
+    job = build_job(_args("all_reduce", "--algo", "rabenseifner,recursive-doubling,rhd"))[0]
+    assert job.algorithms == ("rhd", "rd") and job.pricing_file is None  # built-in unless a file is named
+    monkeypatch.setenv("HOME", str(tmp_path))
+    Calibration(LinkParams(1e-5, 1e-9, 0.0), LinkParams(1e-5, 1e-9, 0.0)).save(
+        tmp_path / ".cache/meshwise/calibration.json"
+    )
+    assert build_job(_args("all_reduce", "--algo", "auto"))[0].pricing_file is None  # the cache is not read
+    named = str(tmp_path / ".cache/meshwise/calibration.json")
+    assert build_job(_args("all_reduce", "--calibration-file", named))[0].pricing_file == named

@@ -12,9 +12,11 @@ import torch
 
 import meshwise
 from collective_matrix import COLLECTIVES, check_collectives
+from conftest import joined
 from meshwise.comm import CommError
 from meshwise.comm.algorithms import ALGORITHMS, with_algorithm
-from meshwise.comm.cost import COVERAGE, Calibration, LinkParams
+from meshwise.comm.algorithms.registry import implemented
+from meshwise.comm.cost import Calibration, LinkParams
 from meshwise.comm.shm import ShmCommunicator
 from meshwise.runtime.spawn import spawn
 
@@ -61,21 +63,20 @@ GROUPS = {
 def _matrix(algos: list[str], dtype_names: list[str], sizes: list[int], over_shm: bool = False) -> list[str]:
     """The matrix for each algorithm over gloo's point-to-point (or shared-memory mailboxes of 4 KiB, so
     larger messages stream in chunks), against native gloo."""
-    world = meshwise.init("gloo", timeout=30)
-    native, failures = world.comm, []
-    base = (
-        ShmCommunicator.from_process_group(None, timeout=30, segment_bytes=64 << 10) if over_shm else native
-    )
-    for algo in algos:
-        covered = COLLECTIVES if algo in ("auto", "linear") else COVERAGE[algo]
-        comm = _algorithm(base, algo)
-        found = check_collectives(
-            comm, native, dtypes=[DTYPES[d] for d in dtype_names], sizes=sizes, collectives=covered
-        )
-        comm.close()
-        failures += [f"{algo} over {base.backend}: {f}" for f in found]
-    base.close()
-    meshwise.shutdown()
+    with joined("gloo", timeout=30) as world:
+        native, failures = world.comm, []
+        base = native
+        if over_shm:
+            base = ShmCommunicator.from_process_group(None, timeout=30, segment_bytes=64 << 10)
+        for algo in algos:
+            covered = COLLECTIVES if algo in ("auto", "linear") else implemented(algo)
+            comm = _algorithm(base, algo)
+            found = check_collectives(
+                comm, native, dtypes=[DTYPES[d] for d in dtype_names], sizes=sizes, collectives=covered
+            )
+            comm.close()
+            failures += [f"{algo} over {base.backend}: {f}" for f in found]
+        base.close()
     return failures
 
 
@@ -107,22 +108,21 @@ def test_every_algorithm_over_shm_point_to_point_matches_native():
 def _random_floats() -> dict[str, float]:
     """Non-exact float inputs: every algorithm within a tight tolerance of native, and bit-identical on
     all ranks (so replicas never drift apart)."""
-    world = meshwise.init("gloo", timeout=30)
-    native, errors = world.comm, {}
-    gen = torch.Generator().manual_seed(world.rank)
-    x = torch.randn(5003, generator=gen)
-    want = x.clone()
-    native.all_reduce(want)
-    for algo in ALGOS:
-        got = x.clone()
-        comm = _algorithm(native, algo)
-        comm.all_reduce(got)
-        comm.close()
-        errors[algo] = float(((got - want).abs() / want.abs().clamp_min(1e-3)).max())
-        everyone = torch.empty(world.world_size * got.numel())
-        native.all_gather(everyone, got)
-        errors[algo + " replicas differ"] = float((everyone.view(world.world_size, -1) != got).sum())
-    meshwise.shutdown()
+    with joined("gloo", timeout=30) as world:
+        native, errors = world.comm, {}
+        gen = torch.Generator().manual_seed(world.rank)
+        x = torch.randn(5003, generator=gen)
+        want = x.clone()
+        native.all_reduce(want)
+        for algo in ALGOS:
+            got = x.clone()
+            comm = _algorithm(native, algo)
+            comm.all_reduce(got)
+            comm.close()
+            errors[algo] = float(((got - want).abs() / want.abs().clamp_min(1e-3)).max())
+            everyone = torch.empty(world.world_size * got.numel())
+            native.all_gather(everyone, got)
+            errors[algo + " replicas differ"] = float((everyone.view(world.world_size, -1) != got).sum())
     return errors
 
 
@@ -134,64 +134,64 @@ def test_random_floats_are_close_to_native_and_identical_across_ranks():
 
 
 def _seed_tables(backend: str, algo: str) -> dict:
-    world = meshwise.init(backend, timeout=30)
-    comm, rank = _algorithm(world.comm, algo), world.rank
-    out = {}
-    x = torch.tensor([float(rank + 1)])  # Exercise 0: GPU0..3 = [1],[2],[3],[4]
-    reduced = x.clone()
-    comm.reduce(reduced, root=0)
-    out["ex0_reduce"] = reduced.tolist()
-    summed = x.clone()
-    comm.all_reduce(summed)
-    out["ex0_all_reduce"] = summed.tolist()
-    gathered = torch.empty(4)
-    comm.all_gather(gathered, x)
-    out["ex0_all_gather"] = gathered.tolist()
-    letters = torch.tensor([65, 66, 67, 68]) if rank == 0 else torch.zeros(4, dtype=torch.int64)  # A B C D
-    comm.broadcast(letters, root=0)
-    out["broadcast"] = letters.tolist()
-    shard = torch.empty(1, dtype=torch.int64)
-    comm.scatter(shard, list(torch.tensor([65, 66, 67, 68]).split(1)) if rank == 0 else None, root=0)
-    out["scatter"] = shard.tolist()
-    full = [torch.empty(1, dtype=torch.int64) for _ in range(4)] if rank == 0 else None
-    comm.gather(shard, full, root=0)
-    out["gather"] = [t.item() for t in full] if full else None
-    everyone = torch.empty(4, dtype=torch.int64)
-    comm.all_gather(everyone, shard)  # AllGather table: [A] [B] [C] [D] → [A B C D] everywhere
-    out["all_gather"] = everyone.tolist()
-    row = torch.arange(rank + 1, rank + 4, dtype=torch.int64)  # rank r holds [r+1, r+2, r+3]
-    red = row.clone()
-    comm.reduce(red, root=0)
-    out["reduce"] = red.tolist()
-    comm.all_reduce(row)
-    out["all_reduce"] = row.tolist()
-    piece = torch.empty(1, dtype=torch.int64)
-    comm.reduce_scatter(piece, torch.arange(rank + 1, rank + 5, dtype=torch.int64))  # [r+1 … r+4]
-    out["reduce_scatter"] = piece.tolist()
-    # CS336 lecture: all_reduce of [0 1 2 3] + r, then reduce_scatter of the same inputs and all_gather of
-    # its output give [6 10 14 18] both ways — "all-reduce = reduce-scatter + all-gather", literally.
-    lecture = torch.tensor([0.0, 1, 2, 3]) + rank
-    direct = lecture.clone()
-    comm.all_reduce(direct)
-    part = torch.empty(1)
-    comm.reduce_scatter(part, lecture)
-    composed = torch.empty(4)
-    comm.all_gather(composed, part)
-    out["lecture"] = (direct.tolist(), part.tolist(), composed.tolist())
-    # the same identity on non-exact floats
-    gen = torch.Generator().manual_seed(rank)
-    v = torch.randn(4 * 1001, generator=gen)
-    direct = v.clone()
-    comm.all_reduce(direct)
-    part = torch.empty(1001)
-    comm.reduce_scatter(part, v)
-    composed = torch.empty(4 * 1001)
-    comm.all_gather(composed, part)
-    out["rs_ag_max_diff"] = float((direct - composed).abs().max())
-    out["rs_ag_bitwise"] = bool(torch.equal(direct, composed))
-    if comm is not world.comm:
-        comm.close()
-    meshwise.shutdown()
+    with joined(backend, timeout=30) as world:
+        comm, rank = _algorithm(world.comm, algo), world.rank
+        out = {}
+        x = torch.tensor([float(rank + 1)])  # Exercise 0: GPU0..3 = [1],[2],[3],[4]
+        reduced = x.clone()
+        comm.reduce(reduced, root=0)
+        out["ex0_reduce"] = reduced.tolist()
+        summed = x.clone()
+        comm.all_reduce(summed)
+        out["ex0_all_reduce"] = summed.tolist()
+        gathered = torch.empty(4)
+        comm.all_gather(gathered, x)
+        out["ex0_all_gather"] = gathered.tolist()
+        abcd = torch.tensor([65, 66, 67, 68])  # A B C D
+        letters = abcd if rank == 0 else torch.zeros(4, dtype=torch.int64)
+        comm.broadcast(letters, root=0)
+        out["broadcast"] = letters.tolist()
+        shard = torch.empty(1, dtype=torch.int64)
+        comm.scatter(shard, list(torch.tensor([65, 66, 67, 68]).split(1)) if rank == 0 else None, root=0)
+        out["scatter"] = shard.tolist()
+        full = [torch.empty(1, dtype=torch.int64) for _ in range(4)] if rank == 0 else None
+        comm.gather(shard, full, root=0)
+        out["gather"] = [t.item() for t in full] if full else None
+        everyone = torch.empty(4, dtype=torch.int64)
+        comm.all_gather(everyone, shard)  # AllGather table: [A] [B] [C] [D] → [A B C D] everywhere
+        out["all_gather"] = everyone.tolist()
+        row = torch.arange(rank + 1, rank + 4, dtype=torch.int64)  # rank r holds [r+1, r+2, r+3]
+        red = row.clone()
+        comm.reduce(red, root=0)
+        out["reduce"] = red.tolist()
+        comm.all_reduce(row)
+        out["all_reduce"] = row.tolist()
+        piece = torch.empty(1, dtype=torch.int64)
+        comm.reduce_scatter(piece, torch.arange(rank + 1, rank + 5, dtype=torch.int64))  # [r+1 … r+4]
+        out["reduce_scatter"] = piece.tolist()
+        # CS336 lecture: all_reduce of [0 1 2 3] + r, then reduce_scatter of the same inputs and all_gather of
+        # its output give [6 10 14 18] both ways — "all-reduce = reduce-scatter + all-gather", literally.
+        lecture = torch.tensor([0.0, 1, 2, 3]) + rank
+        direct = lecture.clone()
+        comm.all_reduce(direct)
+        part = torch.empty(1)
+        comm.reduce_scatter(part, lecture)
+        composed = torch.empty(4)
+        comm.all_gather(composed, part)
+        out["lecture"] = (direct.tolist(), part.tolist(), composed.tolist())
+        # the same identity on non-exact floats
+        gen = torch.Generator().manual_seed(rank)
+        v = torch.randn(4 * 1001, generator=gen)
+        direct = v.clone()
+        comm.all_reduce(direct)
+        part = torch.empty(1001)
+        comm.reduce_scatter(part, v)
+        composed = torch.empty(4 * 1001)
+        comm.all_gather(composed, part)
+        out["rs_ag_max_diff"] = float((direct - composed).abs().max())
+        out["rs_ag_bitwise"] = bool(torch.equal(direct, composed))
+        if comm is not world.comm:
+            comm.close()
     return out
 
 
@@ -255,24 +255,23 @@ def test_mismatched_ranks_fail_with_an_error_naming_rank_and_op(backend, algo, w
 
 
 def _bad_ops() -> list[str]:
-    world = meshwise.init("gloo", timeout=10)
-    comm = _algorithm(world.comm, "rhd")
-    errors = []
-    for call in (
-        lambda: comm.all_reduce(torch.ones(2, dtype=torch.int64), op="avg"),
-        lambda: comm.all_reduce(torch.ones(2), op="xor"),
-        lambda: comm.reduce_scatter(torch.empty(3), torch.ones(5)),
-        lambda: comm.all_reduce(torch.ones(2, dtype=torch.uint8)),
-        lambda: comm.broadcast(torch.ones(2, dtype=torch.complex64)),
-        lambda: comm.all_gather(torch.empty(4), torch.ones(2, dtype=torch.float64)),
-        lambda: comm.all_reduce(torch.ones(4)[::2]),
-    ):
-        try:
-            call()
-            errors.append("no error")
-        except (TypeError, ValueError) as exc:
-            errors.append(str(exc))
-    meshwise.shutdown()
+    with joined("gloo", timeout=10) as world:
+        comm = _algorithm(world.comm, "rhd")
+        errors = []
+        for call in (
+            lambda: comm.all_reduce(torch.ones(2, dtype=torch.int64), op="avg"),
+            lambda: comm.all_reduce(torch.ones(2), op="xor"),
+            lambda: comm.reduce_scatter(torch.empty(3), torch.ones(5)),
+            lambda: comm.all_reduce(torch.ones(2, dtype=torch.uint8)),
+            lambda: comm.broadcast(torch.ones(2, dtype=torch.complex64)),
+            lambda: comm.all_gather(torch.empty(4), torch.ones(2, dtype=torch.float64)),
+            lambda: comm.all_reduce(torch.ones(4)[::2]),
+        ):
+            try:
+                call()
+                errors.append("no error")
+            except (TypeError, ValueError) as exc:
+                errors.append(str(exc))
     return errors
 
 
@@ -300,12 +299,11 @@ def test_unknown_algorithm_and_bad_arguments_are_refused():
 
 
 def _closed() -> list[str]:
-    world = meshwise.init("gloo", timeout=10)
-    comm = world.comm
-    wrapper = with_algorithm(comm, "hierarchical", node_map=[0, 1])
-    subgroups = [sub.base for sub in (wrapper.hierarchy.intra, wrapper.hierarchy.inter)]
-    wrapper.close()
-    meshwise.shutdown()
+    with joined("gloo", timeout=10) as world:
+        comm = world.comm
+        wrapper = with_algorithm(comm, "hierarchical", node_map=[0, 1])
+        subgroups = [sub.base for sub in (wrapper.hierarchy.intra, wrapper.hierarchy.inter)]
+        wrapper.close()
     errors = []
     for closed in (comm, *subgroups):
         assert closed.group is None  # no process group outlives the job (it would abort at exit)
@@ -323,15 +321,14 @@ def test_a_closed_communicator_releases_its_group_and_refuses_work():
 
 
 def _auto_choices() -> dict[str, list[str]]:
-    world = meshwise.init("gloo", timeout=30)
-    latency = Calibration(
-        LinkParams(1e-3, 1e-12, 1e-12), LinkParams(1e-3, 1e-12, 1e-12), LinkParams(1e-3, 1e-12, 1e-12)
-    )
-    comm = with_algorithm(world.comm, "auto", calibration=latency)
-    picks = [comm.choose("all_reduce", n) for n in (8, 1 << 26)]
-    x = torch.full((1000,), float(world.rank))
-    comm.all_reduce(x)
-    meshwise.shutdown()
+    with joined("gloo", timeout=30) as world:
+        latency = Calibration(
+            LinkParams(1e-3, 1e-12, 1e-12), LinkParams(1e-3, 1e-12, 1e-12), LinkParams(1e-3, 1e-12, 1e-12)
+        )
+        comm = with_algorithm(world.comm, "auto", calibration=latency)
+        picks = [comm.choose("all_reduce", n) for n in (8, 1 << 26)]
+        x = torch.full((1000,), float(world.rank))
+        comm.all_reduce(x)
     return {"picks": picks, "sum": x.unique().tolist()}
 
 

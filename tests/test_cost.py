@@ -6,18 +6,10 @@ import json
 
 import pytest
 
-from meshwise.comm.cost import (
-    COVERAGE,
-    SWITCH_MARGIN,
-    Calibration,
-    CostSample,
-    LinkParams,
-    WorldLinks,
-    choose_algorithm,
-    coefficients,
-    fit_link_params,
-    predict_seconds,
-)
+from meshwise.comm.algorithms.choice import SWITCH_MARGIN, choose_algorithm
+from meshwise.comm.algorithms.registry import REGISTRY, coefficients, predict_seconds
+from meshwise.comm.cost import BUILTIN, Calibration, CostSample, LinkParams, WorldLinks
+from meshwise.comm.cost.fit import fit_link_params
 
 LINK = LinkParams(alpha=1e-5, beta=1e-9, gamma=5e-10)
 
@@ -37,8 +29,8 @@ def test_formulas_are_thakur_rabenseifner_gropp():
 
 
 def test_every_covered_pair_has_a_cost_and_a_world_of_one_is_free():
-    for algo, collectives in COVERAGE.items():
-        for collective in collectives:
+    for algo, entry in REGISTRY.items():
+        for collective in entry.implements:
             if algo == "hierarchical":
                 continue
             assert predict_seconds(collective, algo, 4096, 6, LINK) > 0
@@ -141,14 +133,17 @@ def test_fit_stays_non_negative_on_noisy_data():
 
 def test_calibration_round_trip_defaults_and_bad_files(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
-    assert Calibration.load() == Calibration.default()  # no file yet: built-in defaults
     cal = Calibration(
         LinkParams(1e-5, 1e-9, 1e-10), LinkParams(2e-5, 2e-9, 1e-10), LinkParams(3e-5, 1e-9, 1e-10)
     )
-    written = cal.save()
-    assert written == tmp_path / ".cache/meshwise/calibration.json"
-    assert Calibration.load() == cal
-    assert Calibration.load(written) == cal
+    cal.save(tmp_path / ".cache/meshwise/calibration.json")  # a file where the old code looked unasked
+    builtin = Calibration.from_option(None)
+    assert builtin == Calibration.builtin() != cal and builtin.source == BUILTIN  # no hidden input
+    written = cal.save("~/cal.json")
+    assert written == tmp_path / "cal.json"
+    loaded = Calibration.from_option("~/cal.json")
+    assert loaded == cal and loaded.source == str(written)  # the run can say what it priced with
+    assert Calibration.load(written) == cal and loaded.for_world(2).source == str(written)
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"intra": {"alpha": 1}}))
     with pytest.raises(ValueError, match="malformed"):

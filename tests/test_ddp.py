@@ -15,10 +15,10 @@ import pytest
 import torch
 from torch import nn
 
-import meshwise
+from conftest import joined
 from meshwise.comm.shm import ShmCommunicator
 from meshwise.parallel import DataParallel
-from meshwise.parallel.buckets import MIB
+from meshwise.parallel.data_parallel.buckets import MIB
 from meshwise.runtime.spawn import spawn
 
 STEPS = 5
@@ -85,16 +85,15 @@ def _train_pair(comm, optimizer: str, micro_batches: int, compress: str | None =
 
 
 def _parity() -> dict[str, float]:
-    world = meshwise.init("gloo", timeout=60)
-    comms = {"gloo": world.comm, "shm": ShmCommunicator.from_process_group(None, timeout=60)}
-    results = {}
-    for backend, comm in comms.items():
-        for optimizer in ("sgd", "adamw"):
-            for micro in (1, 2):
-                results[f"{backend}/{optimizer}/micro{micro}"] = _train_pair(comm, optimizer, micro)
-        results[f"{backend}/sgd/bf16"] = _train_pair(comm, "sgd", 1, compress="bf16")
-    comms["shm"].close()
-    meshwise.shutdown()
+    with joined("gloo", timeout=60) as world:
+        comms = {"gloo": world.comm, "shm": ShmCommunicator.from_process_group(None, timeout=60)}
+        results = {}
+        for backend, comm in comms.items():
+            for optimizer in ("sgd", "adamw"):
+                for micro in (1, 2):
+                    results[f"{backend}/{optimizer}/micro{micro}"] = _train_pair(comm, optimizer, micro)
+            results[f"{backend}/sgd/bf16"] = _train_pair(comm, "sgd", 1, compress="bf16")
+        comms["shm"].close()
     return results
 
 
@@ -235,40 +234,39 @@ def _after_a_failed_backward(comm) -> dict[str, object]:
 
 
 def _behaviours() -> dict[str, object]:
-    world = meshwise.init("gloo", timeout=60)
-    comm, rank = world.comm, world.rank
-    shm = ShmCommunicator.from_process_group(None, timeout=60)
-    out: dict[str, object] = {"overlap/gloo": _overlap(comm), "overlap/shm": _overlap(shm)}
-    shm.close()
-    out["after a failed backward"] = _after_a_failed_backward(comm)
-    out["no_sync traffic"] = _no_sync_traffic(comm)
+    with joined("gloo", timeout=60) as world:
+        comm, rank = world.comm, world.rank
+        shm = ShmCommunicator.from_process_group(None, timeout=60)
+        out: dict[str, object] = {"overlap/gloo": _overlap(comm), "overlap/shm": _overlap(shm)}
+        shm.close()
+        out["after a failed backward"] = _after_a_failed_backward(comm)
+        out["no_sync traffic"] = _no_sync_traffic(comm)
 
-    error, _ = _branchy_step(comm, use_branch=False, find_unused=False)
-    out["unused everywhere"] = (error, _in_sync(comm))
-    error, _ = _branchy_step(comm, use_branch=rank == 0, find_unused=False)
-    out["unused on rank 1"] = (error, _in_sync(comm))
+        error, _ = _branchy_step(comm, use_branch=False, find_unused=False)
+        out["unused everywhere"] = (error, _in_sync(comm))
+        error, _ = _branchy_step(comm, use_branch=rank == 0, find_unused=False)
+        out["unused on rank 1"] = (error, _in_sync(comm))
 
-    expected = _expected_grads(comm, use_branch=rank == 0)
-    error, dp = _branchy_step(comm, use_branch=rank == 0, find_unused=True)
-    grads = dict(dp.module.named_parameters())
-    out["find_unused"] = {
-        "error": error,
-        "never has no grad": grads["never.weight"].grad is None and grads["never.bias"].grad is None,
-        "others averaged": all(
-            torch.allclose(p.grad, expected[n], atol=1e-7)
-            for n, p in grads.items()
-            if not n.startswith("never")
-        ),
-    }
+        expected = _expected_grads(comm, use_branch=rank == 0)
+        error, dp = _branchy_step(comm, use_branch=rank == 0, find_unused=True)
+        grads = dict(dp.module.named_parameters())
+        out["find_unused"] = {
+            "error": error,
+            "never has no grad": grads["never.weight"].grad is None and grads["never.bias"].grad is None,
+            "others averaged": all(
+                torch.allclose(p.grad, expected[n], atol=1e-7)
+                for n, p in grads.items()
+                if not n.startswith("never")
+            ),
+        }
 
-    plain = Branchy()
-    wrapped = DataParallel(Branchy(), comm)
-    state = wrapped.state_dict()
-    out["state keys"] = (list(state), list(plain.state_dict()))
-    plain.load_state_dict(state)  # strict: raises on any prefix mismatch
-    wrapped.load_state_dict(Branchy().state_dict())
-    out["state loads"] = True
-    meshwise.shutdown()
+        plain = Branchy()
+        wrapped = DataParallel(Branchy(), comm)
+        state = wrapped.state_dict()
+        out["state keys"] = (list(state), list(plain.state_dict()))
+        plain.load_state_dict(state)  # strict: raises on any prefix mismatch
+        wrapped.load_state_dict(Branchy().state_dict())
+        out["state loads"] = True
     return out
 
 
@@ -328,13 +326,12 @@ def test_state_dict_has_no_wrapper_prefix_and_round_trips(behaviours):
 
 
 def _world_of_one() -> dict[str, bool]:
-    meshwise.init("gloo", timeout=60)
-    plain, replica = _model(), _model()
-    dp = DataParallel(replica)  # the current world's communicator
-    x, y = _batch(0, 1)
-    nn.functional.mse_loss(plain(x), y).backward()
-    nn.functional.mse_loss(dp(x), y).backward()
-    meshwise.shutdown()
+    with joined("gloo", timeout=60):
+        plain, replica = _model(), _model()
+        dp = DataParallel(replica)  # the current world's communicator
+        x, y = _batch(0, 1)
+        nn.functional.mse_loss(plain(x), y).backward()
+        nn.functional.mse_loss(dp(x), y).backward()
     return {
         "nothing to average": dp._reducer is None,
         "same gradients": all(

@@ -10,7 +10,7 @@ from torch import nn
 
 from meshwise.models import DeepMLP, SmallCNN
 from meshwise.parallel import DataParallel, plan_buckets
-from meshwise.parallel.buckets import MIB
+from meshwise.parallel.data_parallel.buckets import MIB
 
 
 def _params(model: nn.Module) -> list[torch.Tensor]:

@@ -258,3 +258,23 @@ def test_plan_ranks_spawns_locally_or_joins_the_launcher():
         plan_ranks(99, default=2, environ=OPENMPI)
     with pytest.raises(ValueError, match="-np must be at least 1"):
         plan_ranks(0, default=2, environ={})
+
+
+def test_info_says_which_calibration_auto_would_price_with(tmp_path, monkeypatch, capsys):
+    import json
+
+    from meshwise.cli import main
+    from meshwise.comm.cost import Calibration, LinkParams
+
+    for name in list(os.environ):
+        if name.startswith(("SLURM_", "OMPI_", "PMI")) or name in TORCHRUN or name == "MPI_LOCALRANKID":
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    out = tmp_path / "info.json"
+    assert main(["info", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["calibration"]["source"] == "built-in"
+    cal = Calibration(LinkParams(1e-5, 1e-9, 0.0), LinkParams(1e-5, 1e-9, 0.0)).save(tmp_path / "cal.json")
+    assert main(["info", "--json", str(out), "--calibration-file", str(cal)]) == 0
+    assert json.loads(out.read_text())["calibration"]["source"] == str(cal)
+    assert main(["info", "--calibration-file", str(tmp_path / "none.json")]) == 1
+    assert "calibration ERROR: calibration file" in capsys.readouterr().out

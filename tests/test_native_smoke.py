@@ -5,28 +5,28 @@ import time
 import torch
 
 import meshwise
+from conftest import joined
 from meshwise.runtime.spawn import spawn
 
 
 def _seed_tables():
-    world = meshwise.init("gloo", timeout=30)
-    comm, rank = world.comm, world.rank
-    out = {}
-    x = torch.tensor([float(rank + 1)])  # Exercise 0: GPU0..3 = [1],[2],[3],[4]
-    reduced = x.clone()
-    comm.reduce(reduced, root=0)
-    out["reduce"] = reduced.tolist()
-    summed = x.clone()
-    comm.all_reduce(summed)
-    out["all_reduce"] = summed.tolist()
-    gathered = torch.empty(4)
-    comm.all_gather(gathered, x)
-    out["all_gather"] = gathered.tolist()
-    row = torch.arange(rank + 1, rank + 5, dtype=torch.int64)  # HPC chapter: rank r holds [r+1 … r+4]
-    shard = torch.empty(1, dtype=torch.int64)
-    comm.reduce_scatter(shard, row)
-    out["reduce_scatter"] = shard.tolist()
-    meshwise.shutdown()
+    with joined("gloo", timeout=30) as world:
+        comm, rank = world.comm, world.rank
+        out = {}
+        x = torch.tensor([float(rank + 1)])  # Exercise 0: GPU0..3 = [1],[2],[3],[4]
+        reduced = x.clone()
+        comm.reduce(reduced, root=0)
+        out["reduce"] = reduced.tolist()
+        summed = x.clone()
+        comm.all_reduce(summed)
+        out["all_reduce"] = summed.tolist()
+        gathered = torch.empty(4)
+        comm.all_gather(gathered, x)
+        out["all_gather"] = gathered.tolist()
+        row = torch.arange(rank + 1, rank + 5, dtype=torch.int64)  # HPC chapter: rank r holds [r+1 … r+4]
+        shard = torch.empty(1, dtype=torch.int64)
+        comm.reduce_scatter(shard, row)
+        out["reduce_scatter"] = shard.tolist()
     return out
 
 
@@ -41,43 +41,42 @@ def test_seed_exercise_0_and_reduce_scatter_table():
 
 def _uneven_and_async():
     """Uneven slots, async handles, half precision and subgroups, checked against values computed by hand."""
-    world = meshwise.init("gloo", timeout=30)
-    comm, rank, n = world.comm, world.rank, world.world_size
-    out = {}
-    # all_gather with rank r contributing r+1 copies of r.
-    slots = [torch.empty(r + 1, dtype=torch.int32) for r in range(n)]
-    comm.all_gather(slots, torch.full((rank + 1,), rank, dtype=torch.int32))
-    out["all_gather"] = [s.tolist() for s in slots]
-    # reduce_scatter: slot i on every rank has i+1 elements equal to rank+1 → sum over ranks.
-    piece = torch.empty(rank + 1, dtype=torch.int64)
-    comm.reduce_scatter(piece, [torch.full((i + 1,), rank + 1, dtype=torch.int64) for i in range(n)])
-    out["reduce_scatter"] = piece.tolist()
-    # all_to_all: rank i sends j+1 copies of 10*i+j to rank j.
-    recv = [torch.empty(rank + 1, dtype=torch.int64) for _ in range(n)]
-    comm.all_to_all(recv, [torch.full((j + 1,), 10 * rank + j, dtype=torch.int64) for j in range(n)])
-    out["all_to_all"] = [t.tolist() for t in recv]
-    # scatter / gather with uneven sizes from/to root 1.
-    part = torch.empty(rank + 2)
-    comm.scatter(part, [torch.full((r + 2,), float(r)) for r in range(n)] if rank == 1 else None, root=1)
-    out["scatter"] = part.tolist()
-    gathered = [torch.empty(r + 2) for r in range(n)] if rank == 1 else None
-    comm.gather(part, gathered, root=1)
-    out["gather"] = [g.tolist() for g in gathered] if gathered else None
-    # async all_reduce + bf16 accumulated in float32: 1 + 2^-8 * n is not representable step by step.
-    half = torch.full((3,), 2.0**-9, dtype=torch.bfloat16)
-    work = comm.all_reduce(half, async_op=True)
-    work.wait()
-    out["bf16"] = half.float().tolist()
-    out["completed"] = work.is_completed()
-    # a subgroup of the even ranks
-    sub = comm.split([r for r in range(n) if r % 2 == 0])
-    if sub is not None:
-        x = torch.tensor([rank], dtype=torch.int64)
-        sub.all_reduce(x)
-        out["sub"] = (sub.rank, sub.world_size, x.item())
-    else:
-        out["sub"] = None
-    meshwise.shutdown()
+    with joined("gloo", timeout=30) as world:
+        comm, rank, n = world.comm, world.rank, world.world_size
+        out = {}
+        # all_gather with rank r contributing r+1 copies of r.
+        slots = [torch.empty(r + 1, dtype=torch.int32) for r in range(n)]
+        comm.all_gather(slots, torch.full((rank + 1,), rank, dtype=torch.int32))
+        out["all_gather"] = [s.tolist() for s in slots]
+        # reduce_scatter: slot i on every rank has i+1 elements equal to rank+1 → sum over ranks.
+        piece = torch.empty(rank + 1, dtype=torch.int64)
+        comm.reduce_scatter(piece, [torch.full((i + 1,), rank + 1, dtype=torch.int64) for i in range(n)])
+        out["reduce_scatter"] = piece.tolist()
+        # all_to_all: rank i sends j+1 copies of 10*i+j to rank j.
+        recv = [torch.empty(rank + 1, dtype=torch.int64) for _ in range(n)]
+        comm.all_to_all(recv, [torch.full((j + 1,), 10 * rank + j, dtype=torch.int64) for j in range(n)])
+        out["all_to_all"] = [t.tolist() for t in recv]
+        # scatter / gather with uneven sizes from/to root 1.
+        part = torch.empty(rank + 2)
+        comm.scatter(part, [torch.full((r + 2,), float(r)) for r in range(n)] if rank == 1 else None, root=1)
+        out["scatter"] = part.tolist()
+        gathered = [torch.empty(r + 2) for r in range(n)] if rank == 1 else None
+        comm.gather(part, gathered, root=1)
+        out["gather"] = [g.tolist() for g in gathered] if gathered else None
+        # async all_reduce + bf16 accumulated in float32: 1 + 2^-8 * n is not representable step by step.
+        half = torch.full((3,), 2.0**-9, dtype=torch.bfloat16)
+        work = comm.all_reduce(half, async_op=True)
+        work.wait()
+        out["bf16"] = half.float().tolist()
+        out["completed"] = work.is_completed()
+        # a subgroup of the even ranks
+        sub = comm.split([r for r in range(n) if r % 2 == 0])
+        if sub is not None:
+            x = torch.tensor([rank], dtype=torch.int64)
+            sub.all_reduce(x)
+            out["sub"] = (sub.rank, sub.world_size, x.item())
+        else:
+            out["sub"] = None
     return out
 
 
@@ -116,21 +115,20 @@ def test_missing_peer_becomes_timeout_naming_rank_and_op():
 
 
 def _bad_input():
-    world = meshwise.init("gloo", timeout=10)
-    errors = []
-    for call in (
-        lambda: world.comm.all_reduce(torch.ones(2, dtype=torch.int32), op="avg"),
-        lambda: world.comm.all_reduce(torch.ones(2, dtype=torch.bool)),
-        lambda: world.comm.all_gather(torch.empty(3), torch.ones(1)),
-        lambda: world.comm.broadcast(torch.ones(2), root=5),
-        lambda: world.comm.all_reduce(torch.ones(4, 4).t()),
-    ):
-        try:
-            call()
-            errors.append(None)
-        except (TypeError, ValueError) as exc:
-            errors.append(str(exc))
-    meshwise.shutdown()
+    with joined("gloo", timeout=10) as world:
+        errors = []
+        for call in (
+            lambda: world.comm.all_reduce(torch.ones(2, dtype=torch.int32), op="avg"),
+            lambda: world.comm.all_reduce(torch.ones(2, dtype=torch.bool)),
+            lambda: world.comm.all_gather(torch.empty(3), torch.ones(1)),
+            lambda: world.comm.broadcast(torch.ones(2), root=5),
+            lambda: world.comm.all_reduce(torch.ones(4, 4).t()),
+        ):
+            try:
+                call()
+                errors.append(None)
+            except (TypeError, ValueError) as exc:
+                errors.append(str(exc))
     return errors
 
 

@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-import meshwise
+from conftest import joined
 from meshwise.cli import main
 from meshwise.cli.pi import parse_count
 from meshwise.runtime.spawn import spawn
@@ -97,9 +97,8 @@ def test_midpoint_kernel_matches_the_formula_and_is_chunk_independent():
 
 
 def _fused_job(samples, chunk):
-    world = meshwise.init("gloo", timeout=30)
-    report = run_pi(world, "montecarlo", samples, seed=5, chunk=chunk, kernel="fused")
-    meshwise.shutdown()
+    with joined("gloo", timeout=30) as world:
+        report = run_pi(world, "montecarlo", samples, seed=5, chunk=chunk, kernel="fused")
     return report
 
 
@@ -139,9 +138,8 @@ def test_standard_error_on_the_seeds_run():
 
 
 def _both_methods(mc_samples):
-    world = meshwise.init("gloo", timeout=30)
-    reports = (run_pi(world, "midpoint", 10_000), run_pi(world, "montecarlo", mc_samples, seed=123))
-    meshwise.shutdown()
+    with joined("gloo", timeout=30) as world:
+        reports = (run_pi(world, "midpoint", 10_000), run_pi(world, "montecarlo", mc_samples, seed=123))
     return reports
 
 

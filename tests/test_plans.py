@@ -1,8 +1,8 @@
-"""Collective plans checked without any process: a simulator runs every rank's plan with the executor's
-rules (non-blocking posts, waits only on data hazards, FIFO matching per ordered pair of ranks) on
-symbolic data — each element is a vector counting how often every rank's contribution is in it — and
-proves that nothing deadlocks, every send meets a receive of the same size, every element ends with
-each rank's contribution exactly once, and the step counts are the cost model's α coefficients."""
+"""Collective plans checked without any process: :mod:`meshwise.comm.algorithms.simulate` runs every
+rank's plan with the executor's rules on symbolic data — each element is a vector counting how often every
+rank's contribution is in it — and proves that nothing deadlocks, every send meets a receive of the same
+size, every element ends with each rank's contribution exactly once, and the step counts are the cost
+model's α coefficients."""
 
 from __future__ import annotations
 
@@ -12,122 +12,13 @@ import math
 import numpy as np
 import pytest
 
-from meshwise.comm.algorithms import Copy, Fence, Plan, Recv, Reduce, Send, build_plan
+from meshwise.comm.algorithms import Send, build_plan
 from meshwise.comm.algorithms import tree as tree_mod
-from meshwise.comm.algorithms.plan import Region, even_bounds, prefix
-from meshwise.comm.cost import COVERAGE, coefficients
+from meshwise.comm.algorithms.plan import even_bounds, prefix
+from meshwise.comm.algorithms.registry import REGISTRY, coefficients
+from meshwise.comm.algorithms.simulate import one_hot, simulate, unknown
 
 WORLDS = range(1, 10)
-
-
-class Deadlock(AssertionError):
-    pass
-
-
-def simulate(plans: list[Plan], buffers: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
-    """Run all ranks' plans to completion; raise :class:`Deadlock` if no rank can make progress."""
-    p = len(plans)
-    bufs = [dict(b) for b in buffers]
-    for rank, plan in enumerate(plans):
-        for name, size in plan.scratch.items():
-            if name not in bufs[rank] or len(bufs[rank][name]) < size:
-                bufs[rank][name] = np.full((size, p), np.nan)
-    pc = [0] * p
-    pending: list[list[dict]] = [[] for _ in range(p)]  # posted, per rank
-    queues: dict[tuple[int, int], tuple[list[dict], list[dict]]] = {}  # (src, dst) -> (sends, recvs)
-
-    def view(rank: int, region: Region) -> np.ndarray:
-        return bufs[rank][region.buf][region.start : region.stop]
-
-    def match(src: int, dst: int) -> None:
-        sends, recvs = queues.setdefault((src, dst), ([], []))
-        while sends and recvs:
-            s, r = sends.pop(0), recvs.pop(0)
-            assert s["len"] == r["len"], (
-                f"rank {src} sends {s['len']} elements, rank {dst} expects {r['len']}"
-            )
-            view(dst, r["region"])[:] = s["data"]
-            s["done"] = r["done"] = True
-
-    def blocked(rank: int, region: Region | None, writing: bool, everything: bool = False) -> bool:
-        for entry in pending[rank]:
-            relevant = everything or (
-                entry["region"].overlaps(region) and (entry["kind"] == "recv" or writing)
-            )
-            if relevant and not entry["done"]:
-                return True
-        return False
-
-    def retire(rank: int, region: Region | None, writing: bool, everything: bool = False) -> None:
-        pending[rank] = [
-            e
-            for e in pending[rank]
-            if not (everything or (e["region"].overlaps(region) and (e["kind"] == "recv" or writing)))
-        ]
-
-    while True:
-        progressed = False
-        for rank in range(p):
-            ops = plans[rank].ops
-            while pc[rank] < len(ops):
-                op = ops[pc[rank]]
-                if isinstance(op, Recv):
-                    if blocked(rank, op.dst, True):
-                        break
-                    retire(rank, op.dst, True)
-                    entry = {"kind": "recv", "region": op.dst, "len": len(op.dst), "done": False}
-                    pending[rank].append(entry)
-                    queues.setdefault((op.peer, rank), ([], []))[1].append(entry)
-                    match(op.peer, rank)
-                elif isinstance(op, Send):
-                    if blocked(rank, op.src, False):
-                        break
-                    retire(rank, op.src, False)
-                    data = view(rank, op.src).copy()
-                    entry = {
-                        "kind": "send",
-                        "region": op.src,
-                        "len": len(op.src),
-                        "done": False,
-                        "data": data,
-                    }
-                    pending[rank].append(entry)
-                    queues.setdefault((rank, op.peer), ([], []))[0].append(entry)
-                    match(rank, op.peer)
-                elif isinstance(op, Reduce | Copy):
-                    if blocked(rank, op.src, False) or blocked(rank, op.dst, True):
-                        break
-                    retire(rank, op.src, False)
-                    retire(rank, op.dst, True)
-                    if isinstance(op, Reduce):
-                        view(rank, op.dst)[:] += view(rank, op.src)
-                    else:
-                        view(rank, op.dst)[:] = view(rank, op.src)
-                elif isinstance(op, Fence):
-                    if blocked(rank, None, True, everything=True):
-                        break
-                    retire(rank, None, True, everything=True)
-                pc[rank] += 1
-                progressed = True
-        if all(pc[r] == len(plans[r].ops) for r in range(p)):
-            break
-        if not progressed:
-            raise Deadlock(f"no rank can progress; program counters {pc}")
-    for rank in range(p):
-        assert all(e["done"] for e in pending[rank]), f"rank {rank} has unmatched messages"
-    for (src, dst), (sends, recvs) in queues.items():
-        assert not sends and not recvs, f"unmatched messages between {src} and {dst}"
-    return bufs
-
-
-def one_hot(rank: int, p: int, length: int) -> np.ndarray:
-    out = np.zeros((length, p))
-    out[:, rank] = 1
-    return out
-
-
-def unknown(length: int, p: int) -> np.ndarray:
-    return np.full((length, p), np.nan)
 
 
 @pytest.mark.parametrize(
@@ -294,10 +185,10 @@ def test_step_counts_match_textbook_and_cost_model():
 def test_exchange_steps_match_the_cost_models_sigma_coefficient():
     # σ counts the rounds where a rank both sends and receives; trees and rooted plans are one-way
     for p in range(2, 10):
-        for algo, collectives in COVERAGE.items():
+        for algo, entry in REGISTRY.items():
             if algo in ("native", "hierarchical"):
                 continue
-            for collective in collectives:
+            for collective in entry.implements:
                 sizes = (16,) if collective in ("all_reduce", "broadcast", "reduce") else (4,) * p
                 if collective == "all_to_all":
                     sizes = (4,) * 2 * p
@@ -326,3 +217,33 @@ def test_even_bounds_cover_everything():
                 max(y - x for x, y in itertools.pairwise(b)) - min(y - x for x, y in itertools.pairwise(b))
                 <= 1
             )
+
+
+def test_simulator_reports_deadlocks_and_size_mismatches():
+    from meshwise.comm.algorithms.plan import PlanBuilder, Region
+    from meshwise.comm.algorithms.simulate import PlanDeadlock, PlanMismatch
+
+    def plan(rank: int, recv_first: bool, length: int):
+        b = PlanBuilder("all_reduce", "test", rank, 2)
+        b.need("tmp", length)
+        ops = [
+            lambda: b.recv(1 - rank, Region("tmp", 0, length), 0),
+            lambda: b.send(1 - rank, Region("data", 0, 2), 0),
+        ]
+        for op in ops if recv_first else reversed(ops):
+            op()
+        b.fence()
+        b.reduce(Region("data", 0, 2), Region("tmp", 0, 2))
+        return b.build()
+
+    start = [{"data": one_hot(r, 2, 2)} for r in range(2)]
+    out = simulate([plan(0, True, 2), plan(1, True, 2)], start)  # receives are posted without blocking
+    assert all(np.array_equal(o["data"], np.ones((2, 2))) for o in out)
+    with pytest.raises(PlanMismatch, match="rank 0 sends 2 elements, rank 1 expects 3"):
+        simulate([plan(0, False, 2), plan(1, False, 3)], start)
+    lonely = PlanBuilder("broadcast", "test", 0, 2)
+    lonely.recv(1, Region("data", 0, 2), 0)
+    lonely.reduce(Region("data", 0, 2), Region("data", 0, 2))
+    silent = PlanBuilder("broadcast", "test", 1, 2).build()
+    with pytest.raises(PlanDeadlock, match="program counters"):
+        simulate([lonely.build(), silent], start)

@@ -223,37 +223,36 @@ def test_train_workload_builds_the_train_command():
 
 
 def test_cost_model_line_follows_the_contract(monkeypatch):
-    fake = types.ModuleType("meshwise.comm.cost")
+    import meshwise.scale.model as model
+
     link = types.SimpleNamespace(alpha=1e-3, beta=0.0, gamma=0.0)
 
     class Calibration:
         intra = link
 
-        @classmethod
-        def load(cls, path=None):
-            return cls()
-
         def for_world(self, world_size):
             return self
 
-    fake.Calibration = Calibration
-    fake.choose_algorithm = lambda collective, nbytes, world, calibration: "ring"
-    fake.predict_seconds = lambda collective, algo, nbytes, world, lk: 2 * (world - 1) * lk.alpha
-    monkeypatch.setitem(sys.modules, "meshwise.comm.cost", fake)
+    monkeypatch.setattr(model, "choose_algorithm", lambda collective, nbytes, world, calibration: "ring")
+    monkeypatch.setattr(
+        model, "predict_seconds", lambda collective, algo, nbytes, world, lk: 2 * (world - 1) * lk.alpha
+    )
     points = analyse("strong", {1: [Sample(8.0, 0.0)], 2: [Sample(4.5, 0.5)], 4: [Sample(2.5, 0.5)]})
-    assert predicted_times("strong", points, 8) == pytest.approx([8.0, 4.0 + 0.002, 2.0 + 0.006])
-    assert predicted_times("weak", points, 8) == pytest.approx([8.0, 8.002, 8.006])
+    cal = Calibration()
+    assert predicted_times("strong", points, 8, cal) == pytest.approx([8.0, 4.0 + 0.002, 2.0 + 0.006])
+    assert predicted_times("weak", points, 8, cal) == pytest.approx([8.0, 8.002, 8.006])
 
 
 def test_cost_model_line_prices_each_scale_with_its_own_calibration(tmp_path):
-    from meshwise.comm.cost import Calibration, LinkParams, WorldLinks, predict_seconds
+    from meshwise.comm.algorithms.registry import predict_seconds
+    from meshwise.comm.cost import Calibration, LinkParams, WorldLinks
 
     quick, slow = LinkParams(1e-5, 1e-9, 1e-10), LinkParams(5e-3, 1e-9, 1e-10)
     quicker = LinkParams(1e-6, 1e-10, 1e-11)  # a native collective no algorithm of ours can beat
     cal = Calibration(quick, quick, quick).with_world(2, WorldLinks(quick, quicker))
     path = cal.with_world(4, WorldLinks(slow, slow)).save(tmp_path / "cal.json")
     points = analyse("weak", {2: [Sample(1.0, None)], 4: [Sample(1.0, None)]})
-    times = predicted_times("weak", points, 4096, str(path))
+    times = predicted_times("weak", points, 4096, Calibration.load(path))
     # 4 ranks, slow entry: rd (2 steps) beats the native ring (6 steps) by the margin; 2 ranks keep native
     expected = predict_seconds("all_reduce", "rd", 4096, 4, slow)
     expected -= predict_seconds("all_reduce", "native", 4096, 2, quicker)

@@ -7,6 +7,7 @@ import pytest
 import torch.distributed as dist
 
 import meshwise
+from conftest import joined
 from meshwise.runtime.env import LaunchEnvError
 from meshwise.runtime.spawn import spawn
 
@@ -104,12 +105,11 @@ def _torch_ddp_then_shutdown():
     import torch
     from torch import nn
 
-    meshwise.init("gloo", timeout=20)
-    model = nn.parallel.DistributedDataParallel(nn.Linear(2, 2))  # imports torch.distributed.nn lazily
-    model(torch.ones(3, 2)).sum().backward()
-    del model
-    during = _gloo_threads()
-    meshwise.shutdown()
+    with joined("gloo", timeout=20):
+        model = nn.parallel.DistributedDataParallel(nn.Linear(2, 2))  # imports torch.distributed.nn lazily
+        model(torch.ones(3, 2)).sum().backward()
+        del model
+        during = _gloo_threads()
     return during, _gloo_threads()
 
 
@@ -128,3 +128,24 @@ def test_incomplete_layout_fails_before_any_process_group(monkeypatch):
     with pytest.raises(LaunchEnvError, match="LOCAL_RANK missing"):
         meshwise.init(timeout=5)
     assert not dist.is_initialized()
+
+
+def test_adopting_a_group_of_another_size_keeps_what_the_launcher_said():
+    from meshwise.runtime.env import LaunchEnv
+    from meshwise.world import adopt_group_layout
+
+    layout = LaunchEnv(
+        "slurm", 5, 1, 8, 2, 2, "node0", 29501, job_id="4242", restart_count=3,
+        local_layout_known=False, node_count=4,
+    )  # fmt: skip
+    assert adopt_group_layout(layout, 5, 8) is layout
+    adopted = adopt_group_layout(layout, 1, 2)
+    assert (adopted.rank, adopted.world_size) == (1, 2)
+    assert (adopted.job_id, adopted.restart_count, adopted.node_count) == ("4242", 3, 4)
+    assert not adopted.local_layout_known
+    assert (adopted.launcher, adopted.local_rank, adopted.node_rank, adopted.master_port) == (
+        "slurm",
+        1,
+        2,
+        29501,
+    )

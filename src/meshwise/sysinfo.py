@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from meshwise.comm.cost import DEFAULT_FILE, Calibration
 from meshwise.runtime.cores import available_cores
 from meshwise.runtime.env import LaunchEnvError, detect_launch_env
 from meshwise.world import pick_device, resolve_backend
@@ -116,7 +117,19 @@ def _shm() -> dict[str, Any] | None:
     return {"path": "/dev/shm", "total_bytes": usage.total, "free_bytes": usage.free}
 
 
-def collect() -> dict[str, Any]:
+def _calibration(path: str | None) -> dict[str, Any]:
+    """Which calibration ``algo="auto"`` prices with given ``--calibration-file path`` (the built-in one
+    without), and whether ``meshwise bench --calibrate`` has written its default file, which is only
+    used when named."""
+    default = DEFAULT_FILE.expanduser()
+    found = {"calibrate_writes": str(default), "calibrate_file_exists": default.exists()}
+    try:
+        return {"source": Calibration.from_option(path).source, **found}
+    except (OSError, ValueError) as exc:
+        return {"error": str(exc), **found}
+
+
+def collect(calibration_file: str | None = None) -> dict[str, Any]:
     """The whole report as plain data (what ``meshwise info --json`` prints)."""
     report: dict[str, Any] = {
         "versions": {
@@ -161,4 +174,5 @@ def collect() -> dict[str, Any]:
     report["devices"] = _devices()
     report["topology"] = _topology()
     report["shm"] = _shm()
+    report["calibration"] = _calibration(calibration_file)
     return report

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import datetime
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -22,11 +22,10 @@ import torch.distributed as dist
 import torch.distributed.nn
 
 from meshwise.comm.api import CommError, Communicator
-from meshwise.comm.factory import BACKENDS, create_communicator
+from meshwise.comm.factory import check_backend, create_communicator
 from meshwise.comm.shm.segment import check_memory_model
 from meshwise.runtime.env import LaunchEnv, detect_launch_env, resolve_ipv4
-
-DEFAULT_TIMEOUT_SECONDS = 300.0
+from meshwise.runtime.timeouts import DEFAULT_TIMEOUT_S
 
 
 @dataclass(frozen=True)
@@ -79,8 +78,7 @@ def resolve_backend(
 ) -> str:
     """What ``auto`` means: nccl on GPUs, shm for several CPU ranks on one x86-64 host, gloo otherwise."""
     if requested != "auto":
-        if requested not in BACKENDS:
-            raise ValueError(f"unknown backend {requested!r}; choose auto or one of {sorted(BACKENDS)}")
+        check_backend(requested)
         if requested == "nccl" and device.type != "cuda":
             raise ValueError("backend 'nccl' needs CUDA devices; use 'gloo' or 'shm' on CPU")
         return requested
@@ -104,6 +102,15 @@ def _on_one_host() -> bool:
     names: list = [None] * dist.get_world_size()
     dist.all_gather_object(names, socket.gethostname())
     return len(set(names)) == 1
+
+
+def adopt_group_layout(layout: LaunchEnv, rank: int, world_size: int) -> LaunchEnv:
+    """The launcher's layout corrected to a process group the script created itself: when its size
+    differs, the group's rank and size win, and everything else the launcher said (job id, restart count,
+    node count, whether the local layout is known) is kept rather than reset to defaults."""
+    if world_size == layout.world_size:
+        return layout
+    return replace(layout, rank=rank, world_size=world_size)
 
 
 def _init_process_group(layout: LaunchEnv, device: torch.device, timeout: float) -> None:
@@ -133,7 +140,7 @@ def init(
     backend: str = "auto",
     *,
     device: str | torch.device | None = None,
-    timeout: float = DEFAULT_TIMEOUT_SECONDS,
+    timeout: float = DEFAULT_TIMEOUT_S,
 ) -> World:
     """Join the job described by the environment and return this rank's :class:`World`.
 
@@ -150,18 +157,7 @@ def init(
 
         layout = bootstrap_rendezvous(layout, timeout=timeout)
     if dist.is_initialized():
-        world_size = dist.get_world_size()
-        if world_size != layout.world_size:
-            layout = LaunchEnv(
-                layout.launcher,
-                dist.get_rank(),
-                layout.local_rank,
-                world_size,
-                layout.local_world_size,
-                layout.node_rank,
-                layout.master_addr,
-                layout.master_port,
-            )
+        layout = adopt_group_layout(layout, dist.get_rank(), dist.get_world_size())
         chosen_device = pick_device(layout, device)
         _owns_process_group = False
     else:

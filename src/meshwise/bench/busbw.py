@@ -26,17 +26,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-COLLECTIVES = (
-    "all_reduce",
-    "all_gather",
-    "reduce_scatter",
-    "broadcast",
-    "reduce",
-    "all_to_all",
-    "gather",
-    "scatter",
-    "sendrecv",
-)
+from meshwise.comm.api import Collective
+
+#: what ``meshwise bench`` measures: every collective, then the point-to-point ring
+COLLECTIVES = (*(c.value for c in Collective), "sendrecv")
 #: Collectives whose buffer is cut into one slot per rank.
 SLOTTED = frozenset({"all_gather", "reduce_scatter", "all_to_all", "gather", "scatter"})
 #: Collectives that apply a reduce op (the others print ``none`` in the redop column).

@@ -12,7 +12,7 @@ express as a·α + b·β + c·γ + s·σ + d·δ:
 
 A class that cannot be measured in this job (one node → no ``inter``; one rank per node → no ``intra``)
 keeps its value from the existing file, or the built-in default, and the outcome says so. The fit is
-:func:`~meshwise.comm.cost.fit_link_params` (non-negative least squares on relative error); its worst
+:func:`~meshwise.comm.cost.fit.fit_link_params` (non-negative least squares on relative error); its worst
 factor between predicted and measured time, minus one, is reported, since a poor fit means the model's
 predictions (and ``auto``) are off too.
 The fit is stored for this job's world size in the file's ``by_world_size`` and merged with the entries
@@ -34,14 +34,8 @@ from rich.progress import Progress
 from meshwise.bench.runner import RunResult, SweepConfig, run_sweep
 from meshwise.comm.algorithms import with_algorithm
 from meshwise.comm.api import Communicator
-from meshwise.comm.cost import (
-    DEFAULT_PATH,
-    Calibration,
-    CostSample,
-    LinkParams,
-    WorldLinks,
-    fit_link_params,
-)
+from meshwise.comm.cost import DEFAULT_FILE, Calibration, CostSample, LinkParams, WorldLinks
+from meshwise.comm.cost.fit import fit_link_params
 
 NATIVE_PLAN = (("all_reduce", "native"), ("all_gather", "native"), ("reduce_scatter", "native"))
 LINK_PLAN = (("all_reduce", "ring"), ("all_gather", "ring"), ("all_reduce", "rd"), ("all_reduce", "tree"))
@@ -119,8 +113,8 @@ def calibrate(
     progress: Progress | None,
 ) -> CalibrationOutcome | None:
     """Run the calibration sweeps on every rank; rank 0 fits, saves and returns the outcome."""
-    file = calibration_path(path)
-    previous = read_calibration(path)
+    file = calibration_target(path)
+    previous = previous_calibration(file)
     known = previous.for_world(base.world_size)  # what a link this job cannot measure keeps
     source = f"value from {file}" if file.exists() else "built-in default"
     node_ids = sorted(set(nodes))
@@ -174,16 +168,15 @@ def merge_fit(
     return latest.with_world(world_size, WorldLinks(intra, native))
 
 
-def calibration_path(path: str | None) -> Path:
-    """The calibration file: ``path``, or the cost model's default ``~/.cache/meshwise/calibration.json``."""
-    return Path(path).expanduser() if path is not None else DEFAULT_PATH.expanduser()
+def calibration_target(path: str | None) -> Path:
+    """The file ``--calibrate`` writes: ``path``, or :data:`~meshwise.comm.cost.DEFAULT_FILE`."""
+    return Path(path).expanduser() if path is not None else DEFAULT_FILE.expanduser()
 
 
-def read_calibration(path: str | None) -> Calibration:
-    """What ``auto`` prices with: the file when it exists, else the built-in defaults (raises ValueError
-    on a malformed file)."""
-    file = calibration_path(path)
-    return Calibration.load(file) if file.exists() else Calibration.default()
+def previous_calibration(file: Path) -> Calibration:
+    """What a new fit is merged into: the target file when it exists, else the built-in calibration
+    (raises ValueError on a malformed file, so ``meshwise bench`` can refuse it before launching)."""
+    return Calibration.load(file) if file.exists() else Calibration.builtin()
 
 
 def _member_split(comm: Communicator, groups: list[list[int]]) -> Communicator:
@@ -220,6 +213,7 @@ def format_outcome(outcome: CalibrationOutcome) -> str:
         elif fit.samples:
             line += f"  ({fit.samples} samples)"
         lines.append(line)
+    lines.append(f"# auto prices with it when named: --calibration-file {outcome.path}")
     return "\n".join(lines)
 
 

@@ -16,13 +16,15 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from meshwise.bench.calibrate import CalibrationOutcome, calibrate, read_calibration
+from meshwise.bench.calibrate import CalibrationOutcome, calibrate
 from meshwise.bench.report import size_progress
 from meshwise.bench.runner import RunResult, SweepConfig, run_sweep
-from meshwise.comm.algorithms import with_algorithm
+from meshwise.comm.algorithms import registry, with_algorithm
 from meshwise.comm.api import Communicator
-from meshwise.comm.cost import COVERAGE, PARAMETERS, Calibration, LinkParams
+from meshwise.comm.cost import PARAMETERS, Calibration, LinkParams
+from meshwise.comm.cost.calibration import source_of
 from meshwise.comm.factory import create_communicator
+from meshwise.runtime.timeouts import DEFAULT_TIMEOUT_S
 from meshwise.world import World, init, shutdown
 
 
@@ -34,9 +36,10 @@ class BenchJob:
     backends: tuple[str, ...]
     algorithms: tuple[str, ...]
     sweep: SweepConfig  # its collective is replaced per run
-    timeout: float = 300.0
+    timeout: float = DEFAULT_TIMEOUT_S  # each wait of the communicators under test
     calibrate: bool = False
-    calibration_file: str | None = None
+    calibration_file: str | None = None  # what --calibrate writes (None: the default file)
+    pricing_file: str | None = None  # the calibration auto prices with (None: the built-in one)
     progress: bool = True
 
 
@@ -53,9 +56,7 @@ class JobResult:
 
 def covers(algorithm: str, collective: str) -> bool:
     """True when ``algorithm`` runs ``collective`` itself (native and auto cover everything)."""
-    if algorithm in ("native", "auto"):
-        return True
-    return collective in COVERAGE.get(algorithm, ())
+    return algorithm in ("native", "auto") or registry.covers(algorithm, collective)
 
 
 def node_map(world: World, control: Communicator) -> list[int]:
@@ -66,19 +67,21 @@ def node_map(world: World, control: Communicator) -> list[int]:
 
 
 def shared_calibration(control: Communicator, path: str | None) -> Calibration:
-    """Rank 0's calibration (``path`` or the default file) for this job's world size, on every rank (all
-    ranks call it): the entry measured at this world size, or the nearest one (``Calibration.for_world``)."""
+    """Rank 0's calibration (the file ``path``, or the built-in one when None) for this job's world size,
+    on every rank (all ranks call it): the entry measured at this world size, or the nearest one
+    (``Calibration.for_world``)."""
     width = len(PARAMETERS)
     values = torch.zeros(3 * width, dtype=torch.float64)
     if control.rank == 0:
-        cal = read_calibration(path).for_world(control.world_size)
+        cal = Calibration.from_option(path).for_world(control.world_size)
         links = (cal.intra, cal.inter, cal.native)
         values = torch.tensor(
             [getattr(link, name) for link in links for name in PARAMETERS], dtype=torch.float64
         )
     control.broadcast(values, 0)
     numbers = values.tolist()
-    return Calibration(*(LinkParams(*numbers[i : i + width]) for i in range(0, 3 * width, width)))
+    links = (LinkParams(*numbers[i : i + width]) for i in range(0, 3 * width, width))
+    return Calibration(*links, source=source_of(path))
 
 
 def data_communicator(backend: str, world: World, timeout: float) -> tuple[Communicator, torch.device]:
@@ -108,7 +111,7 @@ def _run(job: BenchJob, world: World) -> JobResult | None:
     skipped: dict[str, list[str]] = {}  # algorithm -> collectives it does not implement
     outcome = None
     main = world.rank == 0
-    calibration = shared_calibration(control, job.calibration_file)
+    calibration = shared_calibration(control, job.pricing_file)
     with size_progress(enabled=job.progress and main) as progress:
         for backend in job.backends:
             base, device = data_communicator(backend, world, job.timeout)
@@ -145,6 +148,7 @@ def _run(job: BenchJob, world: World) -> JobResult | None:
     for algorithm, collectives in skipped.items():
         notes.append(
             f"{algorithm}: skipped {', '.join(collectives)}; it implements only "
-            f"{', '.join(COVERAGE[algorithm])}, and the others would run the backend's own operation"
+            f"{', '.join(registry.implemented(algorithm))}, and the others would run the backend's own "
+            "operation"
         )
     return JobResult(world.launcher, world.world_size, tuple(runs), tuple(dict.fromkeys(notes)), outcome)

@@ -15,7 +15,8 @@ from collections.abc import Sequence
 from meshwise.bench.busbw import bus_factor
 from meshwise.bench.runner import RunResult
 from meshwise.bench.sizes import format_size
-from meshwise.comm.cost import Calibration, predict_seconds
+from meshwise.comm.algorithms.registry import predict_seconds
+from meshwise.comm.cost import Calibration
 
 
 def _model_busbw(run: RunResult, calibration: Calibration) -> list[float] | None:

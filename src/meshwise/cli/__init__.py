@@ -1,7 +1,7 @@
 """The ``meshwise`` command line.
 
 Each subcommand lives in its own module under ``meshwise.cli`` and exposes ``add_parser(subparsers)``,
-which registers its arguments and sets ``func`` (the handler, returning an exit code). Modules are
+which registers its arguments and sets ``func`` to its ``handler`` (returning an exit code). Modules are
 imported lazily, so ``meshwise info`` does not pay for matplotlib or the training stack.
 """
 

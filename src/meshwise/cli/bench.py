@@ -17,33 +17,41 @@ from dataclasses import replace
 import torch
 
 from meshwise.bench.busbw import COLLECTIVES, REDUCING, min_size_bytes
-from meshwise.bench.calibrate import calibration_path, format_outcome, read_calibration
+from meshwise.bench.calibrate import calibration_target, format_outcome, previous_calibration
 from meshwise.bench.job import BenchJob, JobResult, bench_rank_main
 from meshwise.bench.jsonio import BenchRecord, write_json
 from meshwise.bench.report import output_console, print_runs
 from meshwise.bench.runner import DTYPES, SweepConfig, sizes_with_elements
 from meshwise.bench.sizes import format_size, parse_size, size_sweep
-from meshwise.comm.algorithms import ALGORITHMS
+from meshwise.comm.algorithms.registry import ALGORITHMS, ALIASES, canonical_algorithm, reference_table
 from meshwise.comm.api import CommError, ReduceOp
-from meshwise.comm.cost import DEFAULT_PATH, Calibration
-from meshwise.comm.factory import BACKENDS
+from meshwise.comm.cost import DEFAULT_FILE, Calibration
+from meshwise.comm.cost.calibration import source_of
+from meshwise.comm.factory import BACKENDS, check_backend
 from meshwise.runtime.env import plan_ranks
-from meshwise.runtime.spawn import SpawnError, spawn
+from meshwise.runtime.on_ranks import run_on_ranks
+from meshwise.runtime.spawn import SpawnError
+from meshwise.runtime.timeouts import wait_timeout
 
-_COMM_TIMEOUT_CAP = 300.0
 _MPI_LAUNCHERS = ("openmpi", "pmi")
 
 
-def _names(text: str, allowed: tuple[str, ...] | list[str], what: str, option: str) -> tuple[str, ...]:
+def _split(text: str, option: str) -> tuple[str, ...]:
+    """The names of a comma list, each once, in order."""
     names = tuple(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
-    unknown = [n for n in names if n not in allowed]
-    if not names or unknown:
-        raise ValueError(f"{option} {text!r}: unknown {what} {unknown}; choose from {', '.join(allowed)}")
+    if not names:
+        raise ValueError(f"{option} {text!r} names nothing; pass a comma list")
     return names
 
 
 def add_parser(subparsers: argparse._SubParsersAction, name: str, help_text: str) -> None:
-    parser = subparsers.add_parser(name, help=help_text, description=__doc__.splitlines()[0])
+    parser = subparsers.add_parser(
+        name,
+        help=help_text,
+        description=__doc__.splitlines()[0],
+        epilog=f"algorithms (--algo):\n{reference_table()}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument(
         "collective",
         nargs="?",
@@ -66,14 +74,23 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str, help_text: str
     parser.add_argument(
         "--backend", default=None, help="comma list of gloo,nccl,shm,mpi (default nccl on GPUs)"
     )
-    parser.add_argument("--algo", default="native", help=f"comma list of {','.join(ALGORITHMS)}")
+    parser.add_argument(
+        "--algo",
+        default="native",
+        help=f"comma list of {','.join(ALGORITHMS)} (also {','.join(ALIASES)}); see the table below",
+    )
     parser.add_argument("--json", metavar="FILE", help="write every row and the machine to FILE")
     parser.add_argument("--plot", metavar="FILE", help="draw busbw vs size to FILE (PNG)")
     parser.add_argument("--ceiling", type=float, metavar="GBPS", help="link bandwidth to draw on the plot")
     parser.add_argument(
         "--calibrate", action="store_true", help="fit the cost model (α, β, γ, σ, δ) and write its file"
     )
-    parser.add_argument("--calibration-file", metavar="PATH", help=f"default {DEFAULT_PATH}")
+    parser.add_argument(
+        "--calibration-file",
+        metavar="PATH",
+        help="cost-model file that auto and the plot's model lines use (default: the built-in "
+        f"calibration); --calibrate writes it (default {DEFAULT_FILE})",
+    )
     parser.add_argument("--timeout", type=float, default=1800.0, help="deadline for the whole run, seconds")
     # Test hook (docs/bench.md): this rank corrupts one element of its result before each check.
     parser.add_argument("--inject-error", type=int, metavar="RANK", default=None, help=argparse.SUPPRESS)
@@ -139,13 +156,27 @@ def build_job(args: argparse.Namespace) -> tuple[BenchJob, int, str]:
     if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
         raise ValueError("--plot needs matplotlib: pip install 'meshwise[plot]'")
     default_backend = "nccl" if torch.cuda.is_available() else "gloo"
-    backends = _names(args.backend or default_backend, list(BACKENDS), "backend", "--backend")
+    backends = tuple(
+        check_backend(name, allow_auto=False, what="--backend")
+        for name in _split(args.backend or default_backend, "--backend")
+    )
     _check_backends(backends, launcher)
-    algorithms = _names(args.algo, ALGORITHMS, "algorithm", "--algo")
-    file = calibration_path(args.calibration_file)
-    if args.calibration_file is not None and not args.calibrate and not file.exists():
-        raise ValueError(f"--calibration-file {file} does not exist; write it with --calibrate first")
-    read_calibration(args.calibration_file)  # a malformed file fails here, before any rank starts
+    algorithms = tuple(dict.fromkeys(canonical_algorithm(n) for n in _split(args.algo, "--algo")))
+    # a missing or malformed file fails here, before any rank starts; a calibrating run prices auto with
+    # what its target file held before (the built-in calibration for a new file)
+    pricing_file = args.calibration_file
+    if args.calibrate:
+        target = calibration_target(args.calibration_file)
+        previous_calibration(target)
+        pricing_file = str(target) if target.exists() else None
+    elif args.calibration_file is not None:
+        try:
+            Calibration.load(args.calibration_file)
+        except FileNotFoundError:
+            file = source_of(args.calibration_file)
+            raise ValueError(
+                f"--calibration-file {file} does not exist; write it with --calibrate first"
+            ) from None
     sweep = SweepConfig(
         collective=collectives[0] if collectives else "all_reduce",
         sizes=tuple(sizes),
@@ -162,9 +193,10 @@ def build_job(args: argparse.Namespace) -> tuple[BenchJob, int, str]:
         backends=backends,
         algorithms=algorithms,
         sweep=sweep,
-        timeout=min(args.timeout, _COMM_TIMEOUT_CAP),
+        timeout=wait_timeout(args.timeout),
         calibrate=args.calibrate,
         calibration_file=args.calibration_file,
+        pricing_file=pricing_file,
         progress=sys.stderr.isatty(),
     )
     return job, world_size, launcher
@@ -172,16 +204,18 @@ def build_job(args: argparse.Namespace) -> tuple[BenchJob, int, str]:
 
 def run_job(job: BenchJob, world_size: int, launcher: str, timeout: float) -> JobResult | None:
     """Run on the launcher's ranks, in this process (one rank), or on spawned local ranks."""
-    if launcher != "local" or world_size == 1:
-        return bench_rank_main(job)
-    result = spawn(bench_rank_main, world_size, (job,), timeout=timeout)[0]
-    return replace(result, launcher="local")  # the children only see the torchrun-style variables
+    result = run_on_ranks(bench_rank_main, (job,), nproc=world_size, default=2, deadline=timeout)
+    if result is None or launcher != "local":
+        return result
+    return replace(result, launcher="local")  # spawned children only see the torchrun-style variables
 
 
 def _plot_calibration(args: argparse.Namespace) -> Calibration | None:
-    """This machine's calibration when one was measured (the built-in defaults are not a ceiling)."""
-    path = calibration_path(args.calibration_file)
-    return Calibration.load(path) if path.exists() else None
+    """The calibration this run named or wrote, for the plot's model lines (the built-in values describe
+    another machine, so they draw none)."""
+    if args.calibrate:
+        return Calibration.load(calibration_target(args.calibration_file))
+    return Calibration.load(args.calibration_file) if args.calibration_file is not None else None
 
 
 def replay_command(
@@ -211,7 +245,8 @@ def _report(args: argparse.Namespace, job: BenchJob, result: JobResult, seconds:
     console.print(
         f"# meshwise bench · {result.world_size} ranks ({result.launcher}) · {sweep.dtype} · "
         f"iters {sweep.iters} · warmup {sweep.warmup} · checks {sweep.checks}\n"
-        "# time = mean over iterations of the max over ranks (ranks start each iteration together)"
+        "# time = mean over iterations of the max over ranks (ranks start each iteration together)\n"
+        f"# calibration (prices auto): {source_of(job.pricing_file)}"
     )
     console.print()
     print_runs(result.runs, console, checked=sweep.checks > 0)
@@ -233,6 +268,7 @@ def _report(args: argparse.Namespace, job: BenchJob, result: JobResult, seconds:
                 "iters": sweep.iters,
                 "warmup": sweep.warmup,
                 "checks": sweep.checks,
+                "calibration": source_of(job.pricing_file),
             },
             runs=tuple(runs),
             command=replay_command(args, job, result.world_size, result.launcher),

@@ -23,7 +23,12 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str, help_text: str
         metavar="FILE",
         help="write the report as JSON to FILE (default: standard output) instead of the table",
     )
-    parser.set_defaults(func=handle)
+    parser.add_argument(
+        "--calibration-file",
+        metavar="PATH",
+        help="report this cost-model file as the one auto would price with (default: the built-in one)",
+    )
+    parser.set_defaults(func=handler)
 
 
 def _size(value: int | None) -> str:
@@ -74,14 +79,24 @@ def render(report: dict[str, Any]) -> str:
         if shm
         else "/dev/shm    absent"
     )
+    cal = report["calibration"]
+    if "error" in cal:
+        lines.append(f"calibration ERROR: {cal['error']}")
+    else:
+        written = "present" if cal["calibrate_file_exists"] else "absent"
+        lines.append(f"calibration {cal['source']} (what algo=auto prices with)")
+        lines.append(
+            f"            {cal['calibrate_writes']}: {written} (`bench --calibrate` writes it; read only "
+            "when passed as --calibration-file)"
+        )
     if report["topology"]:
         lines.append("GPU topology (nvidia-smi topo -m)")
         lines.extend(f"  {line}" for line in report["topology"].splitlines())
     return "\n".join(lines)
 
 
-def handle(args: argparse.Namespace) -> int:
-    report = collect()
+def handler(args: argparse.Namespace) -> int:
+    report = collect(args.calibration_file)
     if args.json is None:
         print(render(report))
     elif args.json == "-":
@@ -90,4 +105,4 @@ def handle(args: argparse.Namespace) -> int:
     else:
         with open(args.json, "w") as handle:
             json.dump(report, handle, indent=2)
-    return 1 if "error" in report["launch"] else 0
+    return 1 if "error" in report["launch"] or "error" in report["calibration"] else 0

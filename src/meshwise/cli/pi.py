@@ -10,16 +10,10 @@ import argparse
 import sys
 from decimal import Decimal, InvalidOperation
 
-import torch
-
-from meshwise.comm.factory import BACKENDS
-from meshwise.runtime.env import plan_ranks
-from meshwise.runtime.spawn import SpawnError, spawn
+from meshwise.runtime.on_ranks import run_on_ranks
+from meshwise.runtime.spawn import SpawnError
 from meshwise.workloads.pi import METHODS, check_work
-from meshwise.workloads.pi_job import KERNELS, PiReport, pi_rank_main
-
-#: The Communicator timeout never exceeds this; the job deadline (--timeout) bounds the whole run.
-_COMM_TIMEOUT_CAP = 300.0
+from meshwise.workloads.pi_job import KERNELS, PiJob, pi_rank_main
 
 
 def parse_count(text: str) -> int:
@@ -31,15 +25,6 @@ def parse_count(text: str) -> int:
     if not value.is_finite() or value != value.to_integral_value():
         raise ValueError(f"N={text!r} is not a whole number of samples/bins")
     return check_work(int(value))
-
-
-def check_backend(name: str) -> str:
-    """Refuse an unknown backend name before any rank starts."""
-    if name != "auto" and name not in BACKENDS:
-        raise ValueError(
-            f"--backend {name!r} is unknown; choose auto or one of {', '.join(sorted(BACKENDS))}"
-        )
-    return name
 
 
 def add_parser(subparsers: argparse._SubParsersAction, name: str, help_text: str) -> None:
@@ -61,44 +46,31 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str, help_text: str
     parser.set_defaults(func=handler)
 
 
-def _validate(args: argparse.Namespace) -> int:
-    n = parse_count(args.n)
+def build_job(args: argparse.Namespace) -> PiJob:
+    """The validated job; ValueError says which option to change."""
     if args.np is not None and args.np < 1:  # checked again by plan_ranks; refused here before any work
         raise ValueError(f"-np must be at least 1, got {args.np}")
-    if not 0 <= args.seed < 2**64:
-        raise ValueError(f"--seed must be in 0 .. 2**64-1, got {args.seed}")
-    check_backend(args.backend)
-    if args.chunk is not None and args.chunk < 1:
-        raise ValueError(f"--chunk must be a positive number of items, got {args.chunk}")
-    if args.timeout <= 0:
-        raise ValueError(f"--timeout must be positive seconds, got {args.timeout}")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda was asked for but CUDA is not available here; use --device cpu")
-    return n
-
-
-def run_job(args: argparse.Namespace, n: int, repeat: int = 1) -> list[PiReport] | None:
-    """Run on the launcher's ranks, or spawn ``-np`` local ranks; the reports (None off rank 0)."""
-    comm_timeout = min(args.timeout, _COMM_TIMEOUT_CAP)
-    job = (args.method, n, args.seed, args.backend, args.device, args.chunk, repeat, comm_timeout)
-    job += (None, False, args.kernel)  # default threads, no warm-up run
-    plan = plan_ranks(args.np, default=1)
-    if plan.launched:
-        reports = pi_rank_main(*job)
-        return reports if plan.layout.rank == 0 else None
-    if plan.world_size == 1:
-        return pi_rank_main(*job)
-    return spawn(pi_rank_main, plan.world_size, job, timeout=args.timeout)[0]
+    job = PiJob(
+        method=args.method,
+        n=parse_count(args.n),
+        seed=args.seed,
+        backend=args.backend,
+        device=args.device,
+        chunk=args.chunk,
+        kernel=args.kernel,
+        timeout=args.timeout,
+    )
+    return job.validate()
 
 
 def handler(args: argparse.Namespace) -> int:
     try:
-        n = _validate(args)
+        job = build_job(args)
     except ValueError as exc:
         print(f"meshwise pi: error: {exc}", file=sys.stderr)
         return 2
     try:
-        reports = run_job(args, n)
+        reports = run_on_ranks(pi_rank_main, (job,), nproc=args.np, default=1, deadline=job.timeout)
     except ValueError as exc:
         print(f"meshwise pi: error: {exc}", file=sys.stderr)
         return 2

@@ -81,7 +81,7 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str, help_text: str
     sbatch.add_argument("--job-name", default="meshwise", help="SLURM job name (default meshwise)")
     parser.add_argument("script", metavar="SCRIPT", help="Python script (or module with -m) to run")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="arguments for SCRIPT")
-    parser.set_defaults(func=handle)
+    parser.set_defaults(func=handler)
 
 
 def _print_sbatch(args: argparse.Namespace) -> int:
@@ -104,7 +104,7 @@ def _print_sbatch(args: argparse.Namespace) -> int:
     return 0
 
 
-def handle(args: argparse.Namespace) -> int:
+def handler(args: argparse.Namespace) -> int:
     try:
         if args.print_sbatch:
             return _print_sbatch(args)

@@ -12,7 +12,9 @@ import sys
 
 import torch
 
-from meshwise.cli.pi import check_backend, parse_count
+from meshwise.cli.pi import parse_count
+from meshwise.comm.cost import Calibration
+from meshwise.comm.factory import check_backend
 from meshwise.runtime.cores import available_cores
 from meshwise.runtime.spawn import SpawnError
 from meshwise.scale.metrics import MODES, Sample, analyse
@@ -53,7 +55,7 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str, help_text: str
     parser.add_argument("--backend", default="auto", help="communicator backend of the π workloads")
     parser.add_argument("--kernel", choices=KERNELS, default="auto", help="π kernel, fixed for all scales")
     parser.add_argument("--comm-bytes", type=int, default=None, help="bytes all-reduced per run (cost model)")
-    parser.add_argument("--calibration", default=None, help="cost-model calibration file (default: cache)")
+    parser.add_argument("--calibration", default=None, help="cost-model calibration file (default: built-in)")
     parser.add_argument("--timeout", type=float, default=600.0, help="deadline of each run, seconds")
     parser.add_argument("--json", default=None, help="write the study as JSON here")
     parser.add_argument("--plot", default=None, help="write time and efficiency plots here (PNG/PDF/SVG)")
@@ -68,7 +70,7 @@ def _validate(args: argparse.Namespace) -> tuple[Workload, list[int], int | None
     if args.timeout <= 0:
         raise ValueError(f"--timeout must be positive seconds, got {args.timeout}")
     work = parse_count(args.work) if args.work is not None else None
-    check_backend(args.backend)
+    check_backend(args.backend, what="--backend")
     if not 0 <= args.seed < 2**64:
         raise ValueError(f"--seed must be in 0 .. 2**64-1, got {args.seed}")
     if workload.is_command:
@@ -119,7 +121,8 @@ def _measure(
 def handler(args: argparse.Namespace) -> int:
     try:
         workload, scales, work = _validate(args)
-    except (ValueError, ImportError) as exc:
+        calibration = Calibration.from_option(args.calibration)
+    except (ValueError, ImportError, FileNotFoundError) as exc:
         print(f"meshwise scale: error: {exc}", file=sys.stderr)
         return 2
     cores = available_cores()
@@ -127,6 +130,7 @@ def handler(args: argparse.Namespace) -> int:
     on_cpu = workload.is_command or not gpu_run
     print(f"meshwise scale: {workload.name} | {args.mode} scaling | work = {work} | {args.repeat} runs/scale")
     print(f"Cores: {cores}")
+    print(f"Cost-model calibration: {calibration.source}")
     if on_cpu and scales[-1] > cores:
         print(
             f"warning: {scales[-1]} ranks exceed the {cores} cores here; CPU ranks beyond {cores} share "
@@ -150,7 +154,7 @@ def handler(args: argparse.Namespace) -> int:
         if args.comm_bytes is not None
         else (None if workload.is_command else _PI_PAYLOAD_BYTES)
     )
-    model = predicted_times(args.mode, points, comm_bytes, args.calibration) if comm_bytes else None
+    model = predicted_times(args.mode, points, comm_bytes, calibration) if comm_bytes else None
     print()
     print(format_table(args.mode, points, unit="GPUs" if not on_cpu else "Ranks"))
     time_source = "process" if "process" in sources else "reported"

@@ -31,9 +31,21 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 
 import torch
+from torch import Tensor
 
 SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int32, torch.int64)
 HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What a reduction of ``dtype`` accumulates in, on every backend: float32 for the half types (so the
+    result is rounded once, at the end, whatever the order of the ranks), ``dtype`` itself otherwise."""
+    return torch.float32 if dtype in HALF_DTYPES else dtype
+
+
+def accumulator(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` in its :func:`accumulator_dtype`: a float32 copy of a half tensor, else itself."""
+    return tensor.to(accumulator_dtype(tensor.dtype))
 
 
 class ReduceOp(str, enum.Enum):
@@ -44,6 +56,39 @@ class ReduceOp(str, enum.Enum):
     MAX = "max"
     MIN = "min"
     PROD = "prod"
+
+
+class Collective(str, enum.Enum):
+    """The data-moving collectives of a Communicator (barrier moves none), in one canonical order.
+
+    The algorithm registry, the cost model, the consistency check, the shm signatures and the benchmark
+    all read this list, so a new collective is added here once. Members compare equal to their names
+    (``Collective.ALL_REDUCE == "all_reduce"``); :meth:`parse` turns a user's name into a member.
+    """
+
+    ALL_REDUCE = "all_reduce"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_GATHER = "all_gather"
+    BROADCAST = "broadcast"
+    REDUCE = "reduce"
+    SCATTER = "scatter"
+    GATHER = "gather"
+    ALL_TO_ALL = "all_to_all"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __hash__(self) -> int:  # as its name hashes, so a table keyed by members answers plain names too
+        return str.__hash__(self)
+
+    @classmethod
+    def parse(cls, name: str) -> Collective:
+        """The member called ``name``, or a ValueError listing the names there are."""
+        try:
+            return cls(name)
+        except ValueError:
+            names = ", ".join(c.value for c in cls)
+            raise ValueError(f"unknown collective {name!r}; choose one of {names}") from None
 
 
 class CommError(RuntimeError):
@@ -339,42 +384,39 @@ class Communicator(ABC):
         return self._finish(self._all_to_all(outputs, inputs), async_op)
 
     def scatter(
-        self,
-        output: torch.Tensor,
-        input: TensorOrList | None = None,
-        root: int = 0,
-        *,
-        async_op: bool = False,
+        self, output: Tensor, input: TensorOrList | None = None, root: int = 0, *, async_op: bool = False
     ) -> Work | None:
         """Root's slot i lands in rank i's ``output``; ``input`` is only read (and required) on root."""
-        self._check(output, "output", "scatter")
-        self._check_peer(root, "root", "scatter")
-        slots = None
-        if self.rank == root:
-            if input is None:
-                raise ValueError(f"[rank {self.rank} · scatter] the root must pass the tensors to scatter")
-            slots = self._slots(input, "input", "scatter")
-            self._same_dtype([output, *slots], "scatter")
+        slots = self._rooted_slots(output, "output", input, "input", root, "scatter")
         return self._finish(self._scatter(output, slots, root), async_op)
 
     def gather(
-        self,
-        input: torch.Tensor,
-        output: TensorOrList | None = None,
-        root: int = 0,
-        *,
-        async_op: bool = False,
+        self, input: Tensor, output: TensorOrList | None = None, root: int = 0, *, async_op: bool = False
     ) -> Work | None:
         """Rank i's ``input`` lands in root's slot i; ``output`` is only written (and required) on root."""
-        self._check(input, "input", "gather")
-        self._check_peer(root, "root", "gather")
-        slots = None
-        if self.rank == root:
-            if output is None:
-                raise ValueError(f"[rank {self.rank} · gather] the root must pass the output tensors")
-            slots = self._slots(output, "output", "gather")
-            self._same_dtype([input, *slots], "gather")
+        slots = self._rooted_slots(input, "input", output, "output", root, "gather")
         return self._finish(self._gather(input, slots, root), async_op)
+
+    def _rooted_slots(
+        self,
+        mine: torch.Tensor,
+        mine_name: str,
+        slots: TensorOrList | None,
+        slots_name: str,
+        root: int,
+        op: str,
+    ) -> list[torch.Tensor] | None:
+        """Check a scatter's or gather's arguments: this rank's tensor, the root, and the root's slots
+        (required on the root, ignored elsewhere); the root's normalised slots, None on the others."""
+        self._check(mine, mine_name, op)
+        self._check_peer(root, "root", op)
+        if self.rank != root:
+            return None
+        if slots is None:
+            raise ValueError(f"[rank {self.rank} · {op}] the root must pass the {slots_name} tensors")
+        normalised = self._slots(slots, slots_name, op)
+        self._same_dtype([mine, *normalised], op)
+        return normalised
 
     def barrier(self, *, async_op: bool = False) -> Work | None:
         return self._finish(self._barrier(), async_op)

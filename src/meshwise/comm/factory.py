@@ -12,22 +12,32 @@ import importlib
 import torch.distributed as dist
 
 from meshwise.comm.api import Communicator
+from meshwise.runtime.timeouts import DEFAULT_TIMEOUT_S
 
 #: backend name -> "module:class"; every class offers ``from_process_group(group, timeout=...)``.
 BACKENDS = {
     "gloo": "meshwise.comm.native:NativeCommunicator",
     "nccl": "meshwise.comm.native:NativeCommunicator",
     "shm": "meshwise.comm.shm:ShmCommunicator",
-    "mpi": "meshwise.comm.mpi:MpiCommunicator",
+    "mpi": "meshwise.comm.mpi.communicator:MpiCommunicator",
 }
 
 
+def check_backend(name: str, *, allow_auto: bool = True, what: str = "backend") -> str:
+    """``name`` when it is a backend of :data:`BACKENDS` (or ``auto`` where that is allowed), else a
+    ValueError that names ``what`` (e.g. ``--backend``) and the choices: the one check every entry point
+    (``init``, the factory, the train/π/bench configs) makes before any rank starts."""
+    if name in BACKENDS or (allow_auto and name == "auto"):
+        return name
+    choices = ("auto or " if allow_auto else "") + "one of " + ", ".join(sorted(BACKENDS))
+    raise ValueError(f"{what} {name!r} is unknown; choose {choices}")
+
+
 def create_communicator(
-    backend: str, group: dist.ProcessGroup | None = None, *, timeout: float = 300.0
+    backend: str, group: dist.ProcessGroup | None = None, *, timeout: float = DEFAULT_TIMEOUT_S
 ) -> Communicator:
     """The Communicator for ``backend`` over ``group`` (default: the world)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; choose one of {sorted(BACKENDS)}")
+    check_backend(backend, allow_auto=False)
     module_name, class_name = BACKENDS[backend].split(":")
     cls = getattr(importlib.import_module(module_name), class_name)
     return cls.from_process_group(group, timeout=timeout)

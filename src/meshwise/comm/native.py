@@ -14,7 +14,6 @@ import torch
 import torch.distributed as dist
 
 from meshwise.comm.api import (
-    HALF_DTYPES,
     AllWork,
     ChainedWork,
     CommError,
@@ -24,7 +23,9 @@ from meshwise.comm.api import (
     PeerFailureError,
     ReduceOp,
     Work,
+    accumulator,
 )
+from meshwise.runtime.timeouts import DEFAULT_TIMEOUT_S
 
 _TORCH_OPS = {
     ReduceOp.SUM: dist.ReduceOp.SUM,
@@ -79,7 +80,7 @@ class NativeWork(Work):
 class NativeCommunicator(Communicator):
     """Communicator over a torch.distributed group (``None`` = the default world group)."""
 
-    def __init__(self, group: dist.ProcessGroup | None = None, *, timeout: float = 300.0) -> None:
+    def __init__(self, group: dist.ProcessGroup | None = None, *, timeout: float = DEFAULT_TIMEOUT_S) -> None:
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialised: call meshwise.init() first")
         self.group: dist.ProcessGroup | None = group if group is not None else dist.group.WORLD
@@ -103,11 +104,6 @@ class NativeCommunicator(Communicator):
             return NativeWork(launch(), self.rank, op, self.timeout)
         except Exception as exc:
             raise translate_error(exc, self.rank, op, self.timeout) from exc
-
-    @staticmethod
-    def _accumulator(tensor: torch.Tensor) -> torch.Tensor:
-        """float32 working copy of a half tensor (reductions accumulate in float32 and round once)."""
-        return tensor.float() if tensor.dtype in HALF_DTYPES else tensor
 
     @staticmethod
     def _copy_back(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Callable[[], None]:
@@ -140,7 +136,7 @@ class NativeCommunicator(Communicator):
     def _reduce(self, tensor: torch.Tensor, root: int, op: ReduceOp) -> Work:
         # torch's reduce may overwrite non-root inputs with partial results; the contract leaves them
         # unchanged, so non-roots reduce a scratch copy.
-        work_tensor = self._accumulator(tensor) if self.rank == root else self._accumulator(tensor).clone()
+        work_tensor = accumulator(tensor) if self.rank == root else accumulator(tensor).clone()
         work = self._start(
             "reduce",
             lambda: dist.reduce(
@@ -152,7 +148,7 @@ class NativeCommunicator(Communicator):
         return ChainedWork(work, self._copy_back([(tensor, work_tensor)]))
 
     def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> Work:
-        work_tensor = self._accumulator(tensor)
+        work_tensor = accumulator(tensor)
         work = self._start(
             "all_reduce",
             lambda: dist.all_reduce(work_tensor, op=_TORCH_OPS[op], group=self.group, async_op=True),
@@ -161,9 +157,9 @@ class NativeCommunicator(Communicator):
 
     def _reduce_scatter(self, output: torch.Tensor, inputs: list[torch.Tensor], op: ReduceOp) -> Work:
         sizes = [t.numel() for t in inputs]
-        work_output = self._accumulator(output)
+        work_output = accumulator(output)
         if len(set(sizes)) == 1:
-            work_inputs = [self._accumulator(t).reshape(-1) for t in inputs]
+            work_inputs = [accumulator(t).reshape(-1) for t in inputs]
             flat_out = work_output.view(-1)
             work = self._start(
                 "reduce_scatter",
@@ -173,7 +169,7 @@ class NativeCommunicator(Communicator):
             )
             return ChainedWork(work, self._copy_back([(output, work_output)]))
         # Uneven slots: reduce the whole concatenation, keep this rank's slice (gloo has no v-variant).
-        whole = torch.cat([self._accumulator(t).reshape(-1) for t in inputs])
+        whole = torch.cat([accumulator(t).reshape(-1) for t in inputs])
         work = self._start(
             "reduce_scatter",
             lambda: dist.all_reduce(whole, op=_TORCH_OPS[op], group=self.group, async_op=True),

@@ -1,7 +1,15 @@
-"""Parallel training strategies over a Communicator; data parallelism (DDP) first."""
+"""Parallel training strategies over a Communicator, one folder per strategy.
 
-from meshwise.parallel.buckets import Bucket, plan_buckets
-from meshwise.parallel.data import DataParallel, broadcast_module_state
-from meshwise.parallel.reducer import UnusedParametersError
+``data_parallel/`` (DDP) and ``zero/`` (ZeRO stages 1–3) are here; tensor and pipeline parallelism get
+folders of their own beside them.
+"""
+
+from meshwise.parallel.data_parallel import (
+    Bucket,
+    DataParallel,
+    UnusedParametersError,
+    broadcast_module_state,
+    plan_buckets,
+)
 
 __all__ = ["Bucket", "DataParallel", "UnusedParametersError", "broadcast_module_state", "plan_buckets"]

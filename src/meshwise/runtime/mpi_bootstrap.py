@@ -31,6 +31,7 @@ import numpy as np
 
 from meshwise.runtime.env import LaunchEnv, LaunchEnvError, resolve_ipv4
 from meshwise.runtime.mpi_wait import import_mpi, wait_all
+from meshwise.runtime.timeouts import DEFAULT_TIMEOUT_S
 
 #: bytes reserved per host name (Linux HOST_NAME_MAX is 64; fully qualified names stay under 255).
 _HOST_BYTES = 256
@@ -134,7 +135,9 @@ def abort_job_on_uncaught_exception() -> None:
     sys.excepthook = hook
 
 
-def bootstrap_rendezvous(layout: LaunchEnv, *, timeout: float = 300.0, fail_fast: bool = True) -> LaunchEnv:
+def bootstrap_rendezvous(
+    layout: LaunchEnv, *, timeout: float = DEFAULT_TIMEOUT_S, fail_fast: bool = True
+) -> LaunchEnv:
     """``layout`` with master_addr/master_port (and the node index) filled in over MPI.
 
     Every rank of MPI_COMM_WORLD must call it. An exported MASTER_ADDR or MASTER_PORT is kept. When all

@@ -2,7 +2,7 @@
 
 T_model(n) = C(n) + A(n), where C is the measured compute time of the baseline scale n0 (its wall time
 minus its communication time) divided by n/n0 for strong scaling and kept constant for weak scaling, and
-A(n) is ``meshwise.comm.cost``'s prediction for an all_reduce of the workload's payload on n ranks with
+A(n) is the cost model's prediction for an all_reduce of the workload's payload on n ranks with
 the algorithm the model itself would choose, priced with the calibration measured nearest n ranks
 (``Calibration.for_world``: contention for cores changes α with n). The gap between this line and the
 measurements is what the model does not know: launch overheads, imbalance, contention for cores.
@@ -12,21 +12,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from meshwise.comm.algorithms.choice import choose_algorithm
+from meshwise.comm.algorithms.registry import predict_seconds
+from meshwise.comm.cost import Calibration
 from meshwise.scale.metrics import ScalePoint
 
 
 def predicted_times(
-    mode: str,
-    points: Sequence[ScalePoint],
-    comm_bytes: int,
-    calibration_path: str | None = None,
-) -> list[float] | None:
-    """Model wall time per point, or None when the cost model is not installed."""
-    try:
-        from meshwise.comm.cost import Calibration, choose_algorithm, predict_seconds
-    except ImportError:
-        return None
-    calibration = Calibration.load(calibration_path)
+    mode: str, points: Sequence[ScalePoint], comm_bytes: int, calibration: Calibration
+) -> list[float]:
+    """Model wall time per point, priced with ``calibration`` (the caller names it: no file is implied)."""
 
     def comm(ranks: int) -> float:
         if ranks == 1:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from meshwise.runtime.spawn import spawn
 from meshwise.scale.metrics import Sample
-from meshwise.workloads.pi_job import pi_rank_main
+from meshwise.workloads.pi_job import PiJob, pi_rank_main
 
 PI_WORKLOADS = {"pi-midpoint": "midpoint", "pi-montecarlo": "montecarlo"}
 _NUMBER = r"([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)"
@@ -141,8 +141,10 @@ def run_pi(
     MPI process per core would be.
     """
     threads = 1 if device != "cuda" else None
-    job = (method, work, seed, backend, device, None, repeat, min(timeout, 300.0), threads, True, kernel)
-    reports = spawn(pi_rank_main, ranks, job, timeout=timeout)[0]
+    job = PiJob(
+        method, work, seed, backend, device, None, repeat, kernel, threads, warmup=True, timeout=timeout
+    )
+    reports = spawn(pi_rank_main, ranks, (job,), timeout=timeout)[0]
     return [
         Sample(
             wall_seconds=r.wall_seconds,

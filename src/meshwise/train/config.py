@@ -8,13 +8,11 @@ from pathlib import Path
 
 import torch
 
-from meshwise.comm.factory import BACKENDS
+from meshwise.comm.factory import check_backend
 from meshwise.data.mnist import find_mnist_files
+from meshwise.runtime.timeouts import wait_timeout
 from meshwise.train.checkpoint import checkpoint_file, read_checkpoint
 from meshwise.train.workloads import WORKLOADS, Workload
-
-#: The Communicator timeout never exceeds this; ``timeout`` bounds the whole job.
-COMM_TIMEOUT_CAP = 300.0
 
 #: ``--strategy`` names: DataParallel, or ZeRO stage 1/2/3 (meshwise.parallel.zero).
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
@@ -63,7 +61,8 @@ class TrainConfig:
 
     @property
     def comm_timeout(self) -> float:
-        return min(self.timeout, COMM_TIMEOUT_CAP)
+        """Each wait's bound; ``timeout`` bounds the whole job."""
+        return wait_timeout(self.timeout)
 
     def validate(self) -> TrainConfig:
         """Raise ValueError (FileNotFoundError for missing paths) saying what to change; return self."""
@@ -83,10 +82,7 @@ class TrainConfig:
             raise ValueError(f"--seed must be in 0 .. 2**63-1, got {self.seed}")
         if self.timeout <= 0:
             raise ValueError(f"--timeout must be positive seconds, got {self.timeout}")
-        if self.backend != "auto" and self.backend not in BACKENDS:
-            raise ValueError(
-                f"--backend {self.backend!r} is unknown; choose auto or one of {', '.join(sorted(BACKENDS))}"
-            )
+        check_backend(self.backend, what="--backend")
         if self.strategy not in STRATEGIES:
             choices = ", ".join(STRATEGIES)
             raise ValueError(f"--strategy {self.strategy!r} is unknown; choose one of {choices}")

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from meshwise.runtime.env import plan_ranks
-from meshwise.runtime.spawn import spawn
+from meshwise.runtime.on_ranks import run_on_ranks
 from meshwise.train.config import TrainConfig
 from meshwise.train.loop import train_rank_main
 from meshwise.train.report import TrainResult
@@ -12,7 +11,4 @@ from meshwise.train.report import TrainResult
 def run_training(config: TrainConfig) -> TrainResult | None:
     """Validate ``config``, train, and return rank 0's result (None on the other launched ranks)."""
     config.validate()
-    plan = plan_ranks(config.nproc, default=1)
-    if plan.launched or plan.world_size == 1:
-        return train_rank_main(config)
-    return spawn(train_rank_main, plan.world_size, (config,), timeout=config.timeout)[0]
+    return run_on_ranks(train_rank_main, (config,), nproc=config.nproc, default=1, deadline=config.timeout)

@@ -15,7 +15,9 @@ from dataclasses import dataclass
 import torch
 
 from meshwise.comm.api import ReduceOp
+from meshwise.comm.factory import check_backend
 from meshwise.runtime.cores import threads_per_rank
+from meshwise.runtime.timeouts import wait_timeout
 from meshwise.workloads.pi import (
     METHODS,
     check_work,
@@ -191,30 +193,56 @@ def run_pi(
     return PiReport(method, n, world.world_size, float(total), None, None, wall, ranks)
 
 
-def pi_rank_main(
-    method: str,
-    n: int,
-    seed: int,
-    backend: str,
-    device: str | None,
-    chunk: int | None,
-    repeat: int,
-    timeout: float,
-    threads: int | None = None,
-    warmup: bool = False,
-    kernel: str = "auto",
-) -> list[PiReport]:
-    """Entry point of one spawned rank: join the job, run ``repeat`` times, leave; returns the reports.
+@dataclass(frozen=True)
+class PiJob:
+    """Everything a rank needs for ``repeat`` π runs, checked by :meth:`validate` before any rank starts.
 
-    ``warmup`` first runs a small untimed job so one-time costs (first kernel calls, the communicator's
-    first collective) do not land in the first measurement.
+    ``threads`` None is :func:`default_threads`; ``warmup`` first runs a small untimed job so one-time
+    costs (first kernel calls, the communicator's first collective) stay out of the first measurement.
+    ``timeout`` bounds the whole job; each wait gets :func:`~meshwise.runtime.timeouts.wait_timeout`.
     """
-    world = init(backend, device=device, timeout=timeout)
+
+    method: str
+    n: int
+    seed: int = 0
+    backend: str = "auto"
+    device: str | None = None
+    chunk: int | None = None
+    repeat: int = 1
+    kernel: str = "auto"
+    threads: int | None = None
+    warmup: bool = False
+    timeout: float = 3600.0
+
+    def validate(self) -> PiJob:
+        """Raise ValueError saying which option to change; return self."""
+        if self.method not in METHODS:
+            raise ValueError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
+        check_work(self.n)
+        if not 0 <= self.seed < 2**64:
+            raise ValueError(f"--seed must be in 0 .. 2**64-1, got {self.seed}")
+        check_backend(self.backend, what="--backend")
+        if self.chunk is not None and self.chunk < 1:
+            raise ValueError(f"--chunk must be a positive number of items, got {self.chunk}")
+        if self.kernel not in KERNELS:
+            raise ValueError(f"--kernel {self.kernel!r} is unknown; choose one of {', '.join(KERNELS)}")
+        if self.repeat < 1:
+            raise ValueError(f"repeat must be at least 1, got {self.repeat}")
+        if self.timeout <= 0:
+            raise ValueError(f"--timeout must be positive seconds, got {self.timeout}")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda was asked for but CUDA is not available here; use --device cpu")
+        return self
+
+
+def pi_rank_main(job: PiJob) -> list[PiReport]:
+    """Entry point of one rank: join the job, run ``job.repeat`` times, leave; returns the reports."""
+    world = init(job.backend, device=job.device, timeout=wait_timeout(job.timeout))
     try:
-        kernel = resolve_kernel(kernel, -(-n // world.world_size))
-        options = {"seed": seed, "chunk": chunk, "threads": threads, "kernel": kernel}
-        if warmup:
-            run_pi(world, method, min(n, _WARMUP_ITEMS), **options)
-        return [run_pi(world, method, n, **options) for _ in range(repeat)]
+        kernel = resolve_kernel(job.kernel, -(-job.n // world.world_size))
+        options = {"seed": job.seed, "chunk": job.chunk, "threads": job.threads, "kernel": kernel}
+        if job.warmup:
+            run_pi(world, job.method, min(job.n, _WARMUP_ITEMS), **options)
+        return [run_pi(world, job.method, job.n, **options) for _ in range(job.repeat)]
     finally:
         shutdown()

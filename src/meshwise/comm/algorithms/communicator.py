@@ -1,7 +1,7 @@
 """A Communicator that runs collectives with a chosen algorithm on top of another one's point-to-point.
 
 ``with_algorithm(base, "rhd")`` keeps ``base`` for transport (its isend/irecv), barrier and splitting,
-and replaces the collectives the algorithm covers (see :data:`meshwise.comm.cost.COVERAGE`) by plans run
+and replaces the collectives the algorithm covers (see :mod:`meshwise.comm.algorithms.registry`) by plans run
 through the executor; the others go to ``base``'s own implementation. ``auto`` asks the cost model for
 the fastest choice per call — including ``native`` — from values every rank knows identically (the
 message size for rooted and reducing collectives; only the world size for scatter, gather and
@@ -15,30 +15,26 @@ completed handle.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 
 import torch
 
 from meshwise.comm.algorithms import rooted
-from meshwise.comm.algorithms.catalog import build_plan
+from meshwise.comm.algorithms.choice import cached_choice
 from meshwise.comm.algorithms.consistency import check_agreement
 from meshwise.comm.algorithms.executor import execute
 from meshwise.comm.algorithms.hierarchical import Hierarchy
 from meshwise.comm.algorithms.plan import Plan
+from meshwise.comm.algorithms.registry import build_plan, canonical_algorithm, covers
 from meshwise.comm.api import (
-    HALF_DTYPES,
     Communicator,
     CompletedWork,
     ReduceOp,
     Work,
+    accumulator,
+    accumulator_dtype,
 )
-from meshwise.comm.cost import COVERAGE, Calibration, choose_algorithm
-
-ALGORITHMS = ("native", "ring", "tree", "rd", "rhd", "pairwise", "linear", "hierarchical", "auto")
-
-#: ``auto`` asks the same few questions on every step of a training loop: remember the answers.
-_choose = functools.lru_cache(maxsize=4096)(choose_algorithm)
+from meshwise.comm.cost.calibration import Calibration
 
 #: Ring segments: blocks larger than this are cut so that a segment is forwarded while the next arrives.
 DEFAULT_SEGMENT_BYTES = 1 << 20
@@ -75,8 +71,7 @@ class AlgorithmCommunicator(Communicator):
         segment_bytes: int = DEFAULT_SEGMENT_BYTES,
         check_consistency: bool = False,
     ) -> None:
-        if algo not in ALGORITHMS:
-            raise ValueError(f"unknown algorithm {algo!r}; choose one of {ALGORITHMS}")
+        algo = canonical_algorithm(algo)
         if segment_bytes <= 0:
             raise ValueError(f"segment_bytes must be positive, got {segment_bytes}")
         if algo == "hierarchical" and node_map is None:
@@ -85,14 +80,15 @@ class AlgorithmCommunicator(Communicator):
         self.base = base
         self.algo = algo
         self.backend = base.backend
-        self.calibration = calibration if calibration is not None else Calibration.load()
+        self.calibration = calibration if calibration is not None else Calibration.builtin()
         self.segment_bytes = segment_bytes
         self.check_consistency = check_consistency
         self.node_map = list(node_map) if node_map is not None else None
         self.hierarchy: Hierarchy | None = None
         self._owned: list[Communicator] = []  # communicators this wrapper split off and must close
         if node_map is not None and algo in ("hierarchical", "auto"):
-            inter_cal = Calibration(self.calibration.inter, self.calibration.inter, self.calibration.inter)
+            inter = self.calibration.inter
+            inter_cal = Calibration(inter, inter, inter, source=self.calibration.source)
 
             def wrap(sub: Communicator, sub_algo: str) -> Communicator:
                 cal = inter_cal if sub_algo == "auto" else self.calibration
@@ -116,8 +112,8 @@ class AlgorithmCommunicator(Communicator):
         """The algorithm that runs ``collective`` on ``nbytes`` (what ``auto`` picks, or the fallback)."""
         if self.algo == "auto":
             local = self.hierarchy.local_size if self.hierarchy is not None else None
-            return _choose(collective, nbytes, self.world_size, self.calibration, local_size=local)
-        return self.algo if collective in COVERAGE[self.algo] else "native"
+            return cached_choice(collective, nbytes, self.world_size, self.calibration, local_size=local)
+        return self.algo if covers(self.algo, collective) else "native"
 
     def _agree(self, collective: str, dtype: torch.dtype, size: int = -1, root: int = -1) -> None:
         if self.check_consistency:
@@ -128,10 +124,6 @@ class AlgorithmCommunicator(Communicator):
 
     def _run(self, plan: Plan, buffers: dict[str, torch.Tensor], op: ReduceOp = ReduceOp.SUM) -> None:
         execute(plan, self.base, buffers, op)
-
-    @staticmethod
-    def _accumulator(tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.float() if tensor.dtype in HALF_DTYPES else tensor
 
     # ------------------------------------------------------------------ point to point, control
     def _isend(self, tensor: torch.Tensor, dst: int, tag: int) -> Work:
@@ -174,7 +166,7 @@ class AlgorithmCommunicator(Communicator):
         algo = self.choose("all_reduce", tensor.numel() * tensor.element_size())
         if algo == "native" or self.world_size == 1:
             return self.base._all_reduce(tensor, op)
-        data = self._accumulator(tensor).view(-1)
+        data = accumulator(tensor).view(-1)
         if algo == "hierarchical":
             assert self.hierarchy is not None
             self.hierarchy.all_reduce(data, ReduceOp.SUM if op is ReduceOp.AVG else op)
@@ -195,7 +187,7 @@ class AlgorithmCommunicator(Communicator):
         algo = self.choose("reduce", tensor.numel() * tensor.element_size())
         if algo == "native" or self.world_size == 1:
             return self.base._reduce(tensor, root, op)
-        data = self._accumulator(tensor).reshape(-1)
+        data = accumulator(tensor).reshape(-1)
         if self.rank != root and data.data_ptr() == tensor.data_ptr():
             data = data.clone()  # non-root inputs stay unchanged
         self._run(
@@ -214,7 +206,7 @@ class AlgorithmCommunicator(Communicator):
         algo = self.choose("reduce_scatter", sum(counts) * output.element_size())
         if algo == "native" or self.world_size == 1:
             return self.base._reduce_scatter(output, inputs, op)
-        dtype = torch.float32 if output.dtype in HALF_DTYPES else output.dtype
+        dtype = accumulator_dtype(output.dtype)
         data = torch.cat([t.reshape(-1) for t in inputs]).to(dtype)
         block = max(counts) * data.element_size()
         plan = build_plan(
@@ -311,17 +303,18 @@ def with_algorithm(
     segment_bytes: int = DEFAULT_SEGMENT_BYTES,
     check_consistency: bool = False,
 ) -> Communicator:
-    """``base`` with its collectives run by ``algo`` (one of :data:`ALGORITHMS`; ``native`` = ``base``
-    itself, or a thin wrapper that only adds the consistency check when ``check_consistency`` is set).
+    """``base`` with its collectives run by ``algo`` (a name in the registry's ``ALGORITHMS`` or an alias;
+    ``native`` = ``base`` itself, or a thin wrapper that only adds the consistency check when
+    ``check_consistency`` is set).
 
     Every rank must call it with the same arguments (``hierarchical`` and ``auto`` with a node map split
     the group into node and cross-node sub-communicators, a collective operation). ``segment_bytes`` is
     the ring pipelining unit; ``check_consistency`` verifies before every collective that all ranks
     agree on it, its dtype, size and root (one extra small all_reduce: a debugging aid, like
-    TORCH_DISTRIBUTED_DEBUG=DETAIL).
+    TORCH_DISTRIBUTED_DEBUG=DETAIL). ``calibration`` prices ``auto``'s choices; the default is
+    :meth:`Calibration.builtin` (no file is read unless the caller loads one).
     """
-    if algo not in ALGORITHMS:
-        raise ValueError(f"unknown algorithm {algo!r}; choose one of {', '.join(ALGORITHMS)}")
+    algo = canonical_algorithm(algo)
     if algo == "native" and not check_consistency:
         return base
     return AlgorithmCommunicator(

@@ -11,23 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from meshwise.comm.api import SUPPORTED_DTYPES, CollectiveMismatchError, Communicator, ReduceOp
+from meshwise.comm.api import SUPPORTED_DTYPES, Collective, CollectiveMismatchError, Communicator, ReduceOp
 
-_COLLECTIVE_CODES = {
-    name: i
-    for i, name in enumerate(
-        (
-            "all_reduce",
-            "reduce",
-            "reduce_scatter",
-            "broadcast",
-            "all_gather",
-            "all_to_all",
-            "scatter",
-            "gather",
-        )
-    )
-}
+_COLLECTIVE_CODES = {name: i for i, name in enumerate(Collective)}
 _DTYPE_CODES = {dtype: i for i, dtype in enumerate(SUPPORTED_DTYPES)}
 
 

@@ -91,27 +91,26 @@ def reduce_scatter(rank: int, world_size: int, counts: list[int]) -> Plan:
     return b.build()
 
 
-def scatter(rank: int, world_size: int, root: int, counts: list[int]) -> Plan:
-    """Root's ``data`` holds the slots in rank order; a non-root's ``data`` is just its own slot."""
-    b = PlanBuilder("scatter", "linear", rank, world_size)
+def _rooted_slots(collective: str, rank: int, world_size: int, root: int, counts: list[int]) -> Plan:
+    """Scatter (root sends slot i to rank i) or gather (rank i sends to root's slot i), all at once.
+    Root's ``data`` holds the slots in rank order; a non-root's ``data`` is just its own slot."""
+    b = PlanBuilder(collective, "linear", rank, world_size)
+    to_root = collective == "gather"
     if rank == root:
         offsets = prefix(counts)
         for peer in range(world_size):
-            b.send(peer, _slot(offsets, peer, "data"), 0)
+            (b.recv if to_root else b.send)(peer, _slot(offsets, peer, "data"), 0)
     else:
-        b.recv(root, Region("data", 0, counts[rank]), 0)
+        (b.send if to_root else b.recv)(root, Region("data", 0, counts[rank]), 0)
     return b.build()
+
+
+def scatter(rank: int, world_size: int, root: int, counts: list[int]) -> Plan:
+    return _rooted_slots("scatter", rank, world_size, root, counts)
 
 
 def gather(rank: int, world_size: int, root: int, counts: list[int]) -> Plan:
-    b = PlanBuilder("gather", "linear", rank, world_size)
-    if rank == root:
-        offsets = prefix(counts)
-        for peer in range(world_size):
-            b.recv(peer, _slot(offsets, peer, "data"), 0)
-    else:
-        b.send(root, Region("data", 0, counts[rank]), 0)
-    return b.build()
+    return _rooted_slots("gather", rank, world_size, root, counts)
 
 
 def all_to_all(

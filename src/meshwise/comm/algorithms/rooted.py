@@ -12,36 +12,48 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from torch import Tensor
 
 from meshwise.comm.algorithms import tree
-from meshwise.comm.algorithms.catalog import build_plan
 from meshwise.comm.algorithms.plan import Plan
+from meshwise.comm.algorithms.registry import build_plan
 from meshwise.comm.api import CollectiveMismatchError
 
 Runner = Callable[[Plan, dict[str, torch.Tensor]], None]
 
 
-def scatter(
+def _slot_counts(
     run: Runner,
     rank: int,
     p: int,
     algo: str,
-    output: torch.Tensor,
-    inputs: list[torch.Tensor] | None,
+    collective: str,
     root: int,
-) -> None:
+    own: int,
+    slots: list[torch.Tensor] | None,
+) -> tuple[list[int], list[int]]:
+    """(order, counts): the ranks in slot order, and the slot sizes this rank's plan needs — all of them
+    on the root (``slots``), its subtree's on a tree (exchanged first), only its own (``own``) otherwise."""
     order = tree.relative_order(p, root) if algo == "tree" else list(range(p))
     if rank == root:
-        assert inputs is not None
-        counts = [inputs[r].numel() for r in order]
-        data = torch.cat([inputs[r].reshape(-1) for r in order])
+        assert slots is not None
+        counts = [slots[r].numel() for r in order]
         if algo == "tree":
-            subtree_counts(run, rank, p, "scatter", root, output.numel(), expected=counts)
+            subtree_counts(run, rank, p, collective, root, own, expected=counts)
+    elif algo == "tree":
+        counts = subtree_counts(run, rank, p, collective, root, own)
     else:
-        if algo == "tree":
-            counts = subtree_counts(run, rank, p, "scatter", root, output.numel())
-        else:
-            counts = [output.numel() if r == rank else 0 for r in range(p)]
+        counts = [own if r == rank else 0 for r in range(p)]
+    return order, counts
+
+
+def scatter(
+    run: Runner, rank: int, p: int, algo: str, output: Tensor, inputs: list[Tensor] | None, root: int
+) -> None:
+    order, counts = _slot_counts(run, rank, p, algo, "scatter", root, output.numel(), inputs)
+    if inputs is not None and rank == root:
+        data = torch.cat([inputs[r].reshape(-1) for r in order])
+    else:
         data = torch.empty(sum(counts), dtype=output.dtype, device=output.device)
     run(build_plan("scatter", algo, rank, p, tuple(counts), root), {"data": data})
     start = sum(counts[: order.index(rank)]) if rank == root else 0
@@ -49,30 +61,14 @@ def scatter(
 
 
 def gather(
-    run: Runner,
-    rank: int,
-    p: int,
-    algo: str,
-    input: torch.Tensor,
-    outputs: list[torch.Tensor] | None,
-    root: int,
+    run: Runner, rank: int, p: int, algo: str, input: Tensor, outputs: list[Tensor] | None, root: int
 ) -> None:
-    order = tree.relative_order(p, root) if algo == "tree" else list(range(p))
-    if rank == root:
-        assert outputs is not None
-        counts = [outputs[r].numel() for r in order]
-        if algo == "tree":
-            subtree_counts(run, rank, p, "gather", root, input.numel(), expected=counts)
-    elif algo == "tree":
-        counts = subtree_counts(run, rank, p, "gather", root, input.numel())
-    else:
-        counts = [input.numel() if r == rank else 0 for r in range(p)]
+    order, counts = _slot_counts(run, rank, p, algo, "gather", root, input.numel(), outputs)
     data = torch.empty(sum(counts), dtype=input.dtype, device=input.device)
     start = sum(counts[: order.index(rank)]) if rank == root else 0
     data[start : start + input.numel()] = input.reshape(-1)
     run(build_plan("gather", algo, rank, p, tuple(counts), root), {"data": data})
-    if rank == root:
-        assert outputs is not None
+    if outputs is not None and rank == root:
         for r, piece in zip(order, data.split(counts), strict=True):
             outputs[r].view(-1).copy_(piece)
 

@@ -15,23 +15,14 @@ from dataclasses import dataclass
 
 import torch
 
-from meshwise.comm.api import SUPPORTED_DTYPES, ReduceOp
-from meshwise.comm.shm.phase import PhaseEngine, accumulator_dtype, reduce_into, signature
+from meshwise.comm.api import SUPPORTED_DTYPES, Collective, ReduceOp, accumulator_dtype
+from meshwise.comm.shm.phase import PhaseEngine, reduce_into, signature
 
 #: all_reduce messages up to this size use the one-phase path on any number of ranks
 SMALL_ALL_REDUCE_BYTES = 256 * 1024
 
-_OPS = (
-    "all_reduce",
-    "reduce",
-    "broadcast",
-    "all_gather",
-    "reduce_scatter",
-    "all_to_all",
-    "scatter",
-    "gather",
-    "barrier",
-)
+#: signature codes: the collectives, then barrier
+_OPS = (*Collective, "barrier")
 
 
 _OP_CODES = {op: code for code, op in enumerate(ReduceOp)}

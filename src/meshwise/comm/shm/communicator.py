@@ -37,6 +37,7 @@ from meshwise.comm.shm.segment import (
 )
 from meshwise.comm.shm.sync import ABORT_CLOSED, Waiter, process_identity
 from meshwise.runtime.cores import threads_per_rank
+from meshwise.runtime.timeouts import DEFAULT_TIMEOUT_S
 
 _COMPLETED = CompletedWork()
 
@@ -50,7 +51,7 @@ class ShmCommunicator(Communicator):
         self,
         group: dist.ProcessGroup | None,
         *,
-        timeout: float = 300.0,
+        timeout: float = DEFAULT_TIMEOUT_S,
         segment_bytes: int = DEFAULT_SEGMENT_BYTES,
         shm_dir: str = "/dev/shm",
         free_space: Callable[[str], int] = free_bytes,

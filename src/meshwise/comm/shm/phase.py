@@ -158,11 +158,6 @@ class ThreadLimit:
             torch.set_num_threads(self._previous)
 
 
-def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
-    """bf16/fp16 reduce in float32 and round once, like the other backends."""
-    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
-
-
 _COMBINE = {
     ReduceOp.SUM: torch.add,
     ReduceOp.AVG: torch.add,

@@ -31,8 +31,8 @@ import torch
 from torch import nn
 
 from meshwise.comm.api import Communicator, ReduceOp
-from meshwise.parallel.buckets import MIB
-from meshwise.parallel.data import broadcast_module_state
+from meshwise.parallel.data_parallel.buckets import MIB
+from meshwise.parallel.data_parallel.data import broadcast_module_state
 from meshwise.parallel.zero.flat import FlatGroup, Tracker
 from meshwise.parallel.zero.grads import GradientSync
 from meshwise.parallel.zero.memory import MemoryReport, measure

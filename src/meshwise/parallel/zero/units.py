@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from meshwise.parallel.buckets import plan_buckets
+from meshwise.parallel.data_parallel.buckets import plan_buckets
 
 ROOT = 0  # unit index of the root
 

@@ -10,8 +10,8 @@ Why each piece is there:
 
 - Rank 0's parameters and buffers are broadcast at wrap time, so the replicas start identical even when
   the ranks seeded differently; identical starts plus identical averaged gradients keep them identical.
-- Gradients are averaged in buckets (:mod:`meshwise.parallel.buckets`) from autograd hooks
-  (:mod:`meshwise.parallel.reducer`), so communication overlaps the rest of backward.
+- Gradients are averaged in buckets (:mod:`meshwise.parallel.data_parallel.buckets`) from autograd hooks
+  (:mod:`meshwise.parallel.data_parallel.reducer`), so communication overlaps the rest of backward.
 - ``no_sync()`` skips the averaging for gradient accumulation: only the last micro-batch pays for it.
 - ``state_dict()`` has no ``module.`` prefix, so a checkpoint loads into the plain model (and
   ``load_state_dict`` takes such a checkpoint back).
@@ -29,8 +29,8 @@ import torch
 from torch import nn
 
 from meshwise.comm.api import SUPPORTED_DTYPES, Communicator
-from meshwise.parallel.buckets import MIB, plan_buckets
-from meshwise.parallel.reducer import GradReducer
+from meshwise.parallel.data_parallel.buckets import MIB, plan_buckets
+from meshwise.parallel.data_parallel.reducer import GradReducer
 from meshwise.world import current_world
 
 #: ``compress=`` names → the dtype gradients travel in (reduced in float32 by every backend, rounded once).
@@ -45,7 +45,7 @@ class DataParallel(nn.Module):
     ``comm`` defaults to ``meshwise.current_world().comm``. ``bucket_mb`` and ``first_bucket_mb`` cap the
     buckets in MiB. ``find_unused_parameters=True`` accepts parameters that get no gradient in a step
     (they count as zeros; those unused on every rank keep ``.grad`` None, as without the wrapper);
-    otherwise such a parameter raises :class:`~meshwise.parallel.reducer.UnusedParametersError` naming
+    otherwise such a parameter raises :class:`~meshwise.parallel.UnusedParametersError` naming
     it, after the step's collectives completed on this rank so that no peer is left waiting. ``compress``
     (``"bf16"`` or ``"fp16"``) rounds float32 gradients to half precision for the all-reduce: half the
     bytes on shm, while gloo, nccl and mpi widen halves back to float32 to reduce them (docs/training.md).

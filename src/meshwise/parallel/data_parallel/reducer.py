@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from meshwise.comm.api import Communicator, ReduceOp, Work
-from meshwise.parallel.buckets import Bucket
+from meshwise.parallel.data_parallel.buckets import Bucket
 
 
 class UnusedParametersError(RuntimeError):

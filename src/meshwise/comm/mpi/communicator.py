@@ -31,11 +31,13 @@ from meshwise.comm.api import (
     Communicator,
     ReduceOp,
     Work,
+    accumulator,
     overlap,
 )
-from meshwise.comm.mpi_buffers import adjacent_span, joined, same_memory, scatter_back
-from meshwise.comm.mpi_work import MpiWork, translate_mpi_error
+from meshwise.comm.mpi.buffers import adjacent_span, joined, same_memory, scatter_back
+from meshwise.comm.mpi.work import MpiWork, translate_mpi_error
 from meshwise.runtime.mpi_wait import import_mpi
+from meshwise.runtime.timeouts import DEFAULT_TIMEOUT_S
 
 #: dtypes NumPy (or MPI) cannot describe move as their bit patterns; they never reach an MPI reduction.
 _MOVE_AS = {torch.bfloat16: torch.int16, torch.float16: torch.int16}
@@ -51,7 +53,7 @@ class MpiCommunicator(Communicator):
 
     backend = "mpi"
 
-    def __init__(self, comm: Any, *, timeout: float = 300.0, owns: bool = False) -> None:
+    def __init__(self, comm: Any, *, timeout: float = DEFAULT_TIMEOUT_S, owns: bool = False) -> None:
         self._MPI = import_mpi()
         self.comm = comm
         self._owns = owns  # free the MPI communicator on close() (only ones this class created)
@@ -131,11 +133,6 @@ class MpiCommunicator(Communicator):
         requests = requests if isinstance(requests, list) else [requests]
         return MpiWork(requests, self.rank, op, self.timeout, finish, keep, statuses)
 
-    @staticmethod
-    def _accumulator(tensor: torch.Tensor) -> torch.Tensor:
-        """float32 working copy of a half tensor: MPI has no half types, and one rounding is the contract."""
-        return tensor.float() if tensor.dtype in HALF_DTYPES else tensor
-
     def _reduced(self, target: torch.Tensor, acc: torch.Tensor, op: ReduceOp) -> Callable[[], None]:
         """Finishing step of a reduction: AVG's single division, then rounding back into ``target``."""
 
@@ -182,7 +179,7 @@ class MpiCommunicator(Communicator):
         return self._start("broadcast", lambda: self.comm.Ibcast(buf, root), keep=(buf,))
 
     def _reduce(self, tensor: torch.Tensor, root: int, op: ReduceOp) -> Work:
-        acc = self._accumulator(tensor)
+        acc = accumulator(tensor)
         buf = self._array(acc, "reduce")
         if self.rank != root:  # the send buffer is only read: this rank's tensor stays unchanged
             return self._start(
@@ -196,7 +193,7 @@ class MpiCommunicator(Communicator):
         )
 
     def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> Work:
-        acc = self._accumulator(tensor)
+        acc = accumulator(tensor)
         buf = self._array(acc, "all_reduce")
         return self._start(
             "all_reduce",

@@ -1,0 +1,77 @@
+"""What ``algo="auto"`` picks: the registry's algorithm predicted fastest, unless native is close enough.
+
+The backend's own collective is the safe choice (tuned, one call, no Python executor), and a predicted
+win smaller than the model's typical error is no win, so one of ours replaces ``native`` only when it is
+predicted :data:`SWITCH_MARGIN` times faster. The prices come from an explicit
+:class:`~meshwise.comm.cost.calibration.Calibration`; nothing here reads a file.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Iterable
+
+from meshwise.comm.algorithms.registry import REGISTRY, covers, predict_seconds
+from meshwise.comm.cost.calibration import Calibration
+
+#: how much faster than ``native`` one of our algorithms must be predicted before ``auto`` takes it: above
+#: the calibrated model's typical error (median factor 1.20 out of sample, benchmarks/RESULTS.md), so a
+#: switch is not a coin toss, yet low enough to take the 1.3-1.6x wins of recursive doubling at 2 ranks
+SWITCH_MARGIN = 1.25
+
+
+def choose_algorithm(
+    collective: str,
+    nbytes: float,
+    world_size: int,
+    calibration: Calibration,
+    *,
+    local_size: int | None = None,
+    candidates: Iterable[str] | None = None,
+    margin: float = SWITCH_MARGIN,
+) -> str:
+    """The predicted-fastest algorithm for ``collective``; ``native`` stays unless beaten by ``margin``.
+
+    ``native`` is priced on the ``native`` link, measured over the whole job. With ``local_size`` (ranks
+    per node) smaller than the world, our flat algorithms are priced on the inter-node link and
+    ``hierarchical`` competes for all_reduce; on one node they use the ``intra`` link. Links come from
+    ``calibration.for_world(world_size)``, the entry measured nearest this world size.
+    """
+    calibration = calibration.for_world(world_size)
+    multi_node = local_size is not None and 1 <= local_size < world_size
+    names = list(candidates) if candidates is not None else list(REGISTRY)
+    best, best_time = "native", math.inf
+    for algo in ["native", *[a for a in names if a != "native"]]:
+        if not covers(algo, collective):
+            continue
+        if algo == "hierarchical":
+            if not multi_node or local_size == 1:
+                continue
+            seconds = predict_seconds(
+                collective,
+                algo,
+                nbytes,
+                world_size,
+                calibration.intra,
+                inter=calibration.inter,
+                local_size=local_size,
+            )
+        else:
+            # native is calibrated over the whole job (across nodes too); our flat algorithms are priced
+            # on their slowest link
+            link = (
+                calibration.native
+                if algo == "native"
+                else (calibration.inter if multi_node else calibration.intra)
+            )
+            seconds = predict_seconds(collective, algo, nbytes, world_size, link)
+        if algo == "native":
+            seconds /= margin
+        if seconds < best_time:
+            best, best_time = algo, seconds
+    return best
+
+
+#: ``auto`` asks the same few questions on every step of a training loop: remember the answers
+cached_choice = functools.lru_cache(maxsize=4096)(choose_algorithm)
