@@ -86,9 +86,10 @@ def load_sharded(model: ShardedModel, optimizer: torch.optim.Optimizer | None, d
             state[f"model.{name}"] = _sharded(group, index, flat)
     per_element: dict[tuple[int, str], torch.Tensor] = {}
     if optimizer is not None:
+        held = {id(p) for p in _params_of(optimizer)}
         for gi, (group, names) in enumerate(zip(model.groups, model.param_names, strict=True)):
             keys = {k[len(f"optim.{names[0]}.") :] for k in stored if k.startswith(f"optim.{names[0]}.")}
-            for key in sorted(keys) if group.master in _params_of(optimizer) else ():
+            for key in sorted(keys) if id(group.master) in held else ():
                 flat = per_element[(gi, key)] = torch.zeros_like(group.master.detach())
                 for index, name in enumerate(names):
                     state[f"optim.{name}.{key}"] = _sharded(group, index, flat)
