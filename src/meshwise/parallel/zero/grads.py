@@ -49,7 +49,7 @@ class GradientSync:
         for group, unit in zip(self.groups, self._unit_of, strict=True):
             self._unit_size[unit] = self._unit_size.get(unit, 0) + len(group.params)
         self._reset()
-        self._unreduced = False  # stage 1: gradients accumulated since the last reduce-scatter
+        self._unreduced: set[int] = set()  # stage 1: groups that accumulated since their last reduction
         this = weakref.ref(self)
         self._handles = [
             param.register_post_accumulate_grad_hook(_hook(this, gi, pi))
@@ -85,7 +85,7 @@ class GradientSync:
         if self._unit_pending[unit] == 0:
             self._on_unit_done(unit)
         if self.stage == 1:
-            self._unreduced = True
+            self._unreduced.add(gi)
             return
         if not self.sync:
             return
@@ -118,14 +118,15 @@ class GradientSync:
 
     def reduce_for_step(self, groups: Sequence[FlatGroup]) -> None:
         """Stage 1: reduce-scatter what backward accumulated, once, before the step or a clip."""
-        if self.stage != 1 or not self._unreduced:
+        if self.stage != 1:
             return
-        chosen = [g for g in self.groups if any(g is c for c in groups)]
-        for group in chosen:
-            group.launch_reduce()
-        for group in chosen:
-            group.finish_reduce(keep_full=True)
-        self._unreduced = False
+        asked = {id(group) for group in groups}
+        chosen = [gi for gi, g in enumerate(self.groups) if gi in self._unreduced and id(g) in asked]
+        for gi in chosen:
+            self.groups[gi].launch_reduce()
+        for gi in chosen:
+            self.groups[gi].finish_reduce(keep_full=True)
+            self._unreduced.discard(gi)
 
 
 def _hook(sync: weakref.ref[GradientSync], gi: int, pi: int) -> Callable[[torch.Tensor], None]:
