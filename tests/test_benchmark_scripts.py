@@ -59,6 +59,17 @@ def test_bench_algorithms_calibrates_then_compares(tmp_path):
     assert "cost model vs measured (2 ranks)" in text
 
 
+def test_bench_gpt_compares_both_pairs_on_equal_models(tmp_path):
+    out = tmp_path / "gpt.json"
+    text = _run("bench_gpt.py", "--config", "gpt-tiny", "--seq-len", "16", "--rounds", "1", "--steps", "1",
+                "--warmup", "1", "--json", str(out))  # fmt: skip
+    result = json.loads(out.read_text())
+    assert result["one_process"]["max_logit_difference"] < 1e-5  # the plain-torch model is the same one
+    assert result["two_ranks"]["max_weight_difference"] < 1e-5  # DDP and ours took the same steps
+    assert len(result["ratios"]) == 2 and all(r > 0 for r in result["ratios"].values())
+    assert "torch DDP on gloo" in text
+
+
 def test_bench_zero_compares_every_configuration_and_they_agree(tmp_path):
     out = tmp_path / "zero.json"
     text = _run("bench_zero.py", "--config", "gpt-tiny", "--seq", "16", "--rounds", "1", "--steps", "1",

@@ -379,13 +379,32 @@ exit $status
 """
 
 
+def python_on_path(bin_dir: Path, executable: str = sys.executable) -> Path:
+    """A ``python`` in ``bin_dir`` that runs ``executable``. A wrapper, not a symlink: a venv is found
+    from the path the interpreter is started by (``pyvenv.cfg`` next to it), so a symlink elsewhere to
+    ``venv/bin/python`` starts the base interpreter without the venv's packages (torch missing)."""
+    wrapper = bin_dir / "python"
+    wrapper.write_text(f'#!/bin/sh\nexec "{executable}" "$@"\n')
+    wrapper.chmod(0o755)
+    return wrapper
+
+
+def test_the_python_put_on_path_keeps_a_venv(tmp_path):
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "venv")], check=True)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    python = python_on_path(bin_dir, str(tmp_path / "venv" / "bin" / "python"))
+    prefix = subprocess.run([python, "-c", "import sys; print(sys.prefix)"], capture_output=True, text=True)
+    assert prefix.stdout.strip() == str(tmp_path / "venv")
+
+
 def test_generated_sbatch_runs_an_unmodified_ddp_script(tmp_path):
     """Execute the tasks-mode script with a fake srun/scontrol: every task gets the right RANK and trains."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "srun").write_text(FAKE_SRUN)
     (bin_dir / "scontrol").write_text("#!/bin/bash\necho localhost\n")
-    (bin_dir / "python").symlink_to(sys.executable)
+    python_on_path(bin_dir)
     for tool in ("srun", "scontrol"):
         (bin_dir / tool).chmod(0o755)
     spec = SbatchSpec(

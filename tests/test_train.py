@@ -14,6 +14,7 @@ from meshwise.models import SmallCNN
 from meshwise.runtime.spawn import spawn
 from meshwise.scale.runner import WALL_TIME_LINE
 from meshwise.train import WORKLOADS, TrainConfig, read_checkpoint, save_checkpoint
+from meshwise.train.checkpoint import KEYS
 from meshwise.train.loop import Trainer
 from test_data import write_mnist
 
@@ -54,7 +55,7 @@ def test_missing_paths_are_named(tmp_path):
 
 
 def test_checkpoints_are_checked_against_the_run_that_resumes_them(tmp_path):
-    save_checkpoint(tmp_path, {"model": "mlp", "epoch": 3})
+    save_checkpoint(tmp_path, {key: {} for key in KEYS} | {"model": "mlp", "epoch": 3})
     with pytest.raises(ValueError, match="already exists; pass --resume"):
         TrainConfig("mlp", checkpoint=str(tmp_path)).validate()
     with pytest.raises(ValueError, match="holds a 'mlp' run, not 'cnn'"):
@@ -63,7 +64,7 @@ def test_checkpoints_are_checked_against_the_run_that_resumes_them(tmp_path):
         TrainConfig("mlp", epochs=3, checkpoint=str(tmp_path), resume=True).validate()
     TrainConfig("mlp", epochs=4, checkpoint=str(tmp_path), resume=True).validate()
     (tmp_path / "checkpoint.pt").write_bytes(b"not a checkpoint")
-    with pytest.raises(ValueError, match="not a readable checkpoint"):
+    with pytest.raises(ValueError, match="not a meshwise checkpoint"):
         read_checkpoint(tmp_path)
 
 
@@ -83,7 +84,7 @@ def test_the_command_line_reports_bad_input_with_exit_code_2(capsys):
 
 
 def test_an_atomic_save_leaves_no_temporary_file(tmp_path):
-    path = save_checkpoint(tmp_path / "run", {"model": "mlp", "epoch": 1})
+    path = save_checkpoint(tmp_path / "run", {key: {} for key in KEYS} | {"model": "mlp", "epoch": 1})
     assert [p.name for p in path.parent.iterdir()] == ["checkpoint.pt"]
     assert read_checkpoint(path.parent)["format"] == "meshwise-train/1"
 

@@ -4,6 +4,8 @@ Order matters (the seeds' most common pitfall): the device is chosen from the *l
 before the process group exists, so NCCL never creates contexts on GPU 0 for every rank. torch.distributed
 is always initialised as the control plane (nccl on CUDA, gloo otherwise); the data-plane Communicator
 returned in :class:`World` may be another transport (shared memory, MPI) that bootstraps through it.
+The World also holds the job's :class:`~meshwise.comm.mesh.Mesh` (dp × tp × pp, pure data parallelism
+unless asked otherwise), so a strategy finds its groups where it finds the world communicator.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch.distributed.nn
 
 from meshwise.comm.api import CommError, Communicator
 from meshwise.comm.factory import check_backend, create_communicator
+from meshwise.comm.mesh import Mesh, MeshShape
 from meshwise.comm.shm.segment import check_memory_model
 from meshwise.runtime.env import LaunchEnv, detect_launch_env, resolve_ipv4
 from meshwise.runtime.timeouts import DEFAULT_TIMEOUT_S
@@ -30,7 +33,7 @@ from meshwise.runtime.timeouts import DEFAULT_TIMEOUT_S
 
 @dataclass(frozen=True)
 class World:
-    """This process's place in the job and the Communicator over all ranks."""
+    """This process's place in the job, the Communicator over all ranks and its per-axis mesh groups."""
 
     rank: int
     local_rank: int
@@ -41,6 +44,7 @@ class World:
     backend: str
     launcher: str
     comm: Communicator
+    mesh: Mesh
 
     @property
     def is_main(self) -> bool:
@@ -141,11 +145,14 @@ def init(
     *,
     device: str | torch.device | None = None,
     timeout: float = DEFAULT_TIMEOUT_S,
+    mesh: MeshShape | None = None,
 ) -> World:
     """Join the job described by the environment and return this rank's :class:`World`.
 
-    Idempotent: a second call returns the same World. When torch.distributed was already initialised
-    by the script itself (an unmodified torch program), that group is adopted rather than replaced.
+    ``mesh`` arranges the ranks on dp/tp/pp axes (default: every rank on ``dp``); its product must equal
+    the world size. Idempotent: a second call returns the same World. When torch.distributed was already
+    initialised by the script itself (an unmodified torch program), that group is adopted rather than
+    replaced.
     """
     global _current, _owns_process_group
     if _current is not None:
@@ -171,6 +178,12 @@ def init(
     )
     name = resolve_backend(backend, chosen_device, layout.world_size, single_host=single_host)
     comm = create_communicator(name, timeout=timeout)
+    shape = mesh if mesh is not None else MeshShape(dp=dist.get_world_size())
+    try:
+        grid = Mesh(comm, shape)
+    except BaseException:
+        comm.close()
+        raise
     _current = World(
         rank=dist.get_rank(),
         local_rank=layout.local_rank,
@@ -181,6 +194,7 @@ def init(
         backend=name,
         launcher=layout.launcher,
         comm=comm,
+        mesh=grid,
     )
     return _current
 
@@ -196,6 +210,7 @@ def shutdown() -> None:
     """Close the data-plane Communicator and, if meshwise created it, the process group."""
     global _current, _owns_process_group
     if _current is not None:
+        _current.mesh.close()
         _current.comm.close()
         _current = None
     if _owns_process_group and dist.is_initialized():

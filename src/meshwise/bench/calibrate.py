@@ -29,8 +29,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-from rich.progress import Progress
 
+from meshwise.bench.live import EventProgress
 from meshwise.bench.runner import RunResult, SweepConfig, run_sweep
 from meshwise.comm.algorithms import with_algorithm
 from meshwise.comm.api import Communicator
@@ -67,7 +67,7 @@ def _sweep(
     plan: tuple[tuple[str, str], ...],
     sweep: SweepConfig,
     device: torch.device,
-    progress: Progress | None,
+    progress: EventProgress | None,
     label: str,
 ) -> list[RunResult]:
     runs = []
@@ -110,7 +110,7 @@ def calibrate(
     sweep: SweepConfig,
     device: torch.device,
     path: str | None,
-    progress: Progress | None,
+    progress: EventProgress | None,
 ) -> CalibrationOutcome | None:
     """Run the calibration sweeps on every rank; rank 0 fits, saves and returns the outcome."""
     file = calibration_target(path)

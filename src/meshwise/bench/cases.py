@@ -55,6 +55,21 @@ def reduce_reference(parts: list[torch.Tensor], op: ReduceOp) -> torch.Tensor:
     return stacked.amin(0)
 
 
+def buffer_bytes(layout: Layout, rank: int = 0, root: int = 0) -> int:
+    """Bytes of the buffers :class:`Case` allocates on ``rank`` for ``layout`` (guards aside): what the
+    CLI adds up before launching, so that an oversized sweep is refused instead of OOM-killed."""
+    slot = layout.count * layout.itemsize
+    whole = layout.nbytes
+    name = layout.collective
+    if name in ("all_reduce", "broadcast", "reduce"):
+        return whole
+    if name in ("all_gather", "reduce_scatter"):
+        return whole + slot
+    if name in ("all_to_all", "sendrecv"):
+        return 2 * whole
+    return slot + (whole if rank == root else 0)  # gather, scatter: the root holds all slots
+
+
 class Guarded:
     """A flat tensor of ``count`` elements with sentinel guards before and after it."""
 

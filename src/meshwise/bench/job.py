@@ -11,13 +11,14 @@ that all ranks choose the same algorithm even when their nodes hold different ca
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 
 from meshwise.bench.calibrate import CalibrationOutcome, calibrate
-from meshwise.bench.report import size_progress
+from meshwise.bench.live import EventProgress, Sink, emitter
 from meshwise.bench.runner import RunResult, SweepConfig, run_sweep
 from meshwise.comm.algorithms import registry, with_algorithm
 from meshwise.comm.api import Communicator
@@ -40,7 +41,6 @@ class BenchJob:
     calibrate: bool = False
     calibration_file: str | None = None  # what --calibrate writes (None: the default file)
     pricing_file: str | None = None  # the calibration auto prices with (None: the built-in one)
-    progress: bool = True
 
 
 @dataclass(frozen=True)
@@ -94,16 +94,17 @@ def data_communicator(backend: str, world: World, timeout: float) -> tuple[Commu
     return create_communicator(backend, timeout=timeout), torch.device("cpu")
 
 
-def bench_rank_main(job: BenchJob) -> JobResult | None:
-    """Run the job on this rank; rank 0 returns the result, the others None."""
+def bench_rank_main(job: BenchJob, sink: Sink | None = None) -> JobResult | None:
+    """Run the job on this rank; rank 0 returns the result, the others None. Rank 0 also reports each
+    run, row and progress step to ``sink`` as it happens (see :mod:`meshwise.bench.live`)."""
     world = init("gloo", device="cpu", timeout=job.timeout)
     try:
-        return _run(job, world)
+        return _run(job, world, emitter(sink) if sink is not None and world.rank == 0 else None)
     finally:
         shutdown()
 
 
-def _run(job: BenchJob, world: World) -> JobResult | None:
+def _run(job: BenchJob, world: World, emit: Callable[[tuple], None] | None) -> JobResult | None:
     control = world.comm
     nodes = node_map(world, control)
     runs: list[RunResult] = []
@@ -112,37 +113,40 @@ def _run(job: BenchJob, world: World) -> JobResult | None:
     outcome = None
     main = world.rank == 0
     calibration = shared_calibration(control, job.pricing_file)
-    with size_progress(enabled=job.progress and main) as progress:
-        for backend in job.backends:
-            base, device = data_communicator(backend, world, job.timeout)
-            for algorithm in job.algorithms:
-                comm = with_algorithm(base, algorithm, node_map=nodes, calibration=calibration)
-                for collective in job.collectives:
-                    if collective == "sendrecv" and world.world_size < 2:
-                        notes.append("sendrecv: skipped, it needs at least 2 ranks")
-                        continue
-                    if not covers(algorithm, collective):
-                        if collective not in skipped.setdefault(algorithm, []):
-                            skipped[algorithm].append(collective)
-                        continue
-                    config = replace(job.sweep, collective=collective)
-                    task = None
-                    if progress is not None:
-                        label = f"{collective} {backend}/{algorithm}"
-                        task = progress.add_task(label, total=len(config.sizes))
-                    rows = run_sweep(
-                        comm,
-                        control,
-                        config,
-                        device,
-                        on_size=None if task is None else lambda _, t=task: progress.advance(t),
-                    )
-                    runs.append(RunResult(collective, backend, algorithm, world.world_size, tuple(rows)))
-                if comm is not base:
-                    comm.close()  # the node groups hierarchical/auto split off
-            if job.calibrate and backend == job.backends[0]:
-                outcome = calibrate(base, control, nodes, job.sweep, device, job.calibration_file, progress)
-            base.close()
+    progress = EventProgress(emit) if emit is not None else None
+    for backend in job.backends:
+        base, device = data_communicator(backend, world, job.timeout)
+        for algorithm in job.algorithms:
+            comm = with_algorithm(base, algorithm, node_map=nodes, calibration=calibration)
+            for collective in job.collectives:
+                if collective == "sendrecv" and world.world_size < 2:
+                    notes.append("sendrecv: skipped, it needs at least 2 ranks")
+                    continue
+                if not covers(algorithm, collective):
+                    if collective not in skipped.setdefault(algorithm, []):
+                        skipped[algorithm].append(collective)
+                    continue
+                config = replace(job.sweep, collective=collective)
+                task = None
+                if progress is not None and emit is not None:
+                    task = progress.add_task(f"{collective} {backend}/{algorithm}", len(config.sizes))
+                    emit(("run", collective, backend, algorithm, world.world_size))
+                rows = run_sweep(
+                    comm,
+                    control,
+                    config,
+                    device,
+                    on_size=None if task is None else lambda _, t=task: progress.advance(t),
+                    on_row=None if emit is None else lambda row: emit(("row", row)),
+                )
+                if emit is not None:
+                    emit(("end",))
+                runs.append(RunResult(collective, backend, algorithm, world.world_size, tuple(rows)))
+            if comm is not base:
+                comm.close()  # the node groups hierarchical/auto split off
+        if job.calibrate and backend == job.backends[0]:
+            outcome = calibrate(base, control, nodes, job.sweep, device, job.calibration_file, progress)
+        base.close()
     if not main:
         return None
     for algorithm, collectives in skipped.items():

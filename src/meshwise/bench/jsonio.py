@@ -10,7 +10,8 @@ Schema ``meshwise.bench/1`` (one object)::
                rows [{size, count, type, redop, root, time_us, algbw, busbw, wrong, out_of_bounds,
                       time_us_min, time_us_max}]}]
 
-Bandwidths are GB/s (10^9 B/s) and times µs, as in nccl-tests.
+Bandwidths are GB/s (10^9 B/s) and times µs, as in nccl-tests. A record written after a failure (a
+timeout, a dead rank, Ctrl-C) holds the rows that finished and one more key, ``incomplete``, the reason.
 """
 
 from __future__ import annotations
@@ -81,11 +82,14 @@ class BenchRecord:
     )
     timing: str = TIMING
     schema: str = SCHEMA
+    incomplete: str | None = None  # why the run stopped early; None for a complete record
 
 
 def to_dict(record: BenchRecord) -> dict[str, Any]:
     data = asdict(record)
     data["command"] = list(record.command)
+    if record.incomplete is None:
+        del data["incomplete"]
     data["runs"] = [
         {
             **{k: v for k, v in asdict(run).items() if k != "rows"},
@@ -113,7 +117,13 @@ def from_dict(data: dict[str, Any]) -> BenchRecord:
         for run in data["runs"]
     )
     fields = {k: data[k] for k in ("launcher", "world_size", "config", "machine", "versions", "created")}
-    return BenchRecord(runs=runs, command=tuple(data["command"]), timing=data["timing"], **fields)
+    return BenchRecord(
+        runs=runs,
+        command=tuple(data["command"]),
+        timing=data["timing"],
+        incomplete=data.get("incomplete"),
+        **fields,
+    )
 
 
 def write_json(path: str, record: BenchRecord) -> None:

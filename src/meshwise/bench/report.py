@@ -1,4 +1,4 @@
-"""Human output: one nccl-tests-style table per collective/backend/algorithm, and a progress bar.
+"""Human output: nccl-tests-style tables and lines per collective/backend/algorithm (live: ``live.py``).
 
 Columns and units are nccl-tests' (size in bytes, time in µs, GB/s = 10^9 B/s) so numbers can be put
 side by side with an ``all_reduce_perf`` log. The footer gives the average bus bandwidth and the result
@@ -7,15 +7,13 @@ of the checks: wrong elements and writes outside the result buffers, each ``OK``
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 
 from rich import box
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from meshwise.bench.runner import RunResult
+from meshwise.bench.runner import Row, RunResult
 
 COLUMNS = (
     "size(B)",
@@ -41,18 +39,23 @@ def run_table(run: RunResult, *, checked: bool = True) -> Table:
     for name in COLUMNS:
         table.add_column(name, justify="left" if name in ("type", "redop") else "right")
     for row in run.rows:
-        table.add_row(
-            str(row.size),
-            str(row.count),
-            row.type,
-            row.redop,
-            str(row.root),
-            f"{row.time_us:.1f}",
-            f"{row.algbw:.3f}",
-            f"{row.busbw:.3f}",
-            str(row.wrong) if checked else "N/A",
-        )
+        table.add_row(*row_cells(row, checked=checked))
     return table
+
+
+def row_cells(row: Row, *, checked: bool = True) -> tuple[str, ...]:
+    """The cells of one row, in :data:`COLUMNS` order (the tables and the live lines share them)."""
+    return (
+        str(row.size),
+        str(row.count),
+        row.type,
+        row.redop,
+        str(row.root),
+        f"{row.time_us:.1f}",
+        f"{row.algbw:.3f}",
+        f"{row.busbw:.3f}",
+        str(row.wrong) if checked else "N/A",
+    )
 
 
 def footer(run: RunResult, *, checked: bool = True) -> str:
@@ -81,21 +84,3 @@ def output_console() -> Console:
     probe = Console()
     width = max(probe.width, 120) if probe.is_terminal else 160
     return Console(highlight=False, color_system=None, width=width)
-
-
-@contextmanager
-def size_progress(*, enabled: bool) -> Iterator[Progress | None]:
-    """A transient progress display on stderr, one bar per run over its sizes (None off rank 0)."""
-    if not enabled:
-        yield None
-        return
-    progress = Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=Console(stderr=True),
-        transient=True,
-    )
-    with progress:
-        yield progress

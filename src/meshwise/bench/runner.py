@@ -95,12 +95,14 @@ def run_sweep(
     config: SweepConfig,
     device: torch.device,
     on_size: Callable[[int], None] | None = None,
+    on_row: Callable[[Row], None] | None = None,
 ) -> list[Row]:
     """Measure ``config.collective`` on ``comm`` for every size; identical rows on every rank.
 
     ``control`` (same ranks, any transport) carries the barriers and the reductions of times and error
     counts, so a broken transport under test cannot corrupt its own verdict. ``on_size`` is called with
-    the index of each finished size (rank 0 drives a progress bar with it).
+    the index of each finished size (rank 0 drives a progress bar with it), ``on_row`` with each row as
+    soon as it is measured (rank 0 streams it to the printing process, so a failure later loses nothing).
     """
     if comm.world_size != control.world_size or comm.rank != control.rank:
         raise ValueError("the communicator under test and the control communicator must span the same ranks")
@@ -147,6 +149,8 @@ def run_sweep(
                 time_us_max=float(times.max()) * 1e6,
             )
         )
+        if on_row is not None:
+            on_row(rows[-1])
         if on_size is not None:
             on_size(index)
     return rows

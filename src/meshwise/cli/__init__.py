@@ -40,14 +40,24 @@ def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     selected = next((a for a in argv if not a.startswith("-")), None)
+    try:
+        return _run(argv, selected)
+    except KeyboardInterrupt:
+        # Ctrl-C, also while torch is still importing: the ranks are already stopped (spawn's cleanup
+        # ran on the way up); one line, as `meshwise run` says it, and the shell's status for SIGINT.
+        name = f"meshwise {selected}" if selected in COMMANDS else "meshwise"
+        print(f"{name}: SIGINT received, stopped", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        # `meshwise info --json | head`: the reader left; say nothing more and exit as a killed writer does.
+        sys.stderr.close()
+        return 141
+
+
+def _run(argv: list[str], selected: str | None) -> int:
     parser = build_parser(selected if selected in COMMANDS else None)
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return 2
-    try:
-        return int(args.func(args) or 0)
-    except BrokenPipeError:
-        # `meshwise info --json | head`: the reader left; say nothing more and exit as a killed writer does.
-        sys.stderr.close()
-        return 141
+    return int(args.func(args) or 0)

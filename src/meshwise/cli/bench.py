@@ -10,30 +10,35 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import multiprocessing
 import sys
 import time
 from dataclasses import replace
 
 import torch
 
-from meshwise.bench.busbw import COLLECTIVES, REDUCING, min_size_bytes
+from meshwise.bench.busbw import COLLECTIVES, REDUCING, layout_for, min_size_bytes
 from meshwise.bench.calibrate import calibration_target, format_outcome, previous_calibration
+from meshwise.bench.cases import buffer_bytes
 from meshwise.bench.job import BenchJob, JobResult, bench_rank_main
 from meshwise.bench.jsonio import BenchRecord, write_json
+from meshwise.bench.live import LiveReport, Sink, emitter, pump
 from meshwise.bench.report import output_console, print_runs
-from meshwise.bench.runner import DTYPES, SweepConfig, sizes_with_elements
+from meshwise.bench.runner import DTYPES, RunResult, SweepConfig, sizes_with_elements
 from meshwise.bench.sizes import format_size, parse_size, size_sweep
+from meshwise.cli.outputs import check_output, check_plot, write_outputs
 from meshwise.comm.algorithms.registry import ALGORITHMS, ALIASES, canonical_algorithm, reference_table
 from meshwise.comm.api import CommError, ReduceOp
 from meshwise.comm.cost import DEFAULT_FILE, Calibration
 from meshwise.comm.cost.calibration import source_of
 from meshwise.comm.factory import BACKENDS, check_backend
-from meshwise.runtime.env import plan_ranks
+from meshwise.runtime.env import check_mpi_launch, detect_launch_env, plan_ranks
+from meshwise.runtime.memory import check_memory
 from meshwise.runtime.on_ranks import run_on_ranks
 from meshwise.runtime.spawn import SpawnError
 from meshwise.runtime.timeouts import wait_timeout
 
-_MPI_LAUNCHERS = ("openmpi", "pmi")
+_DRAIN_SECONDS = 5.0  # the last events are read after the ranks exit: bounded, never a hang
 
 
 def _split(text: str, option: str) -> tuple[str, ...]:
@@ -97,9 +102,30 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str, help_text: str
     parser.set_defaults(func=handler)
 
 
-def _world_size(args: argparse.Namespace) -> tuple[int, str]:
+def _world_size(args: argparse.Namespace) -> tuple[int, str, int]:
+    """World size, launcher, and how many of the ranks run on this machine."""
     plan = plan_ranks(args.np, default=2)
-    return plan.world_size, plan.layout.launcher if plan.launched else "local"
+    if plan.launched:
+        return plan.world_size, plan.layout.launcher, plan.layout.local_world_size
+    return plan.world_size, "local", plan.world_size
+
+
+def _check_memory(
+    collectives: tuple[str, ...], largest: int, world_size: int, local_ranks: int, args: argparse.Namespace
+) -> None:
+    """Refuse a sweep whose largest size cannot fit in this machine's memory: per rank, the buffers the
+    check-and-time case allocates plus one working copy of S for the transport (gloo's and our
+    algorithms' temporaries), times the ranks on this machine. nccl's buffers live on the GPUs."""
+    itemsize = DTYPES[args.dtype].itemsize
+    per_rank = 0
+    for collective in collectives or ("all_reduce",):  # --calibrate alone sweeps all_reduce-sized buffers
+        layout = layout_for(collective, largest, world_size, itemsize)
+        per_rank = max(per_rank, buffer_bytes(layout, rank=args.root, root=args.root) + layout.nbytes)
+    check_memory(
+        per_rank * local_ranks,
+        f"-e {args.maxbytes} on {local_ranks} rank{'s' if local_ranks > 1 else ''}",
+        "lower -e (or -np)",
+    )
 
 
 def _check_backends(backends: tuple[str, ...], launcher: str) -> None:
@@ -108,11 +134,8 @@ def _check_backends(backends: tuple[str, ...], launcher: str) -> None:
             raise ValueError(
                 "backend nccl needs CUDA GPUs, and none is visible here; use --backend gloo or shm"
             )
-        if backend == "mpi" and launcher not in _MPI_LAUNCHERS:
-            raise ValueError(
-                "backend mpi needs ranks started by an MPI launcher, e.g. "
-                "`mpirun -np 4 meshwise bench all_reduce --backend mpi`"
-            )
+        if backend == "mpi":
+            check_mpi_launch("bench all_reduce")
         module = BACKENDS[backend].split(":")[0]
         if importlib.util.find_spec(module) is None:
             raise ValueError(f"backend {backend} is not available in this installation ({module} is missing)")
@@ -122,7 +145,7 @@ def build_job(args: argparse.Namespace) -> tuple[BenchJob, int, str]:
     """The validated job, its world size and launcher; ValueError says which option to change."""
     if args.collective is None and not args.calibrate:
         raise ValueError("name a COLLECTIVE (or all), or pass --calibrate")
-    world_size, launcher = _world_size(args)
+    world_size, launcher, local_ranks = _world_size(args)
     collectives = (
         () if args.collective is None else COLLECTIVES if args.collective == "all" else (args.collective,)
     )
@@ -153,14 +176,16 @@ def build_job(args: argparse.Namespace) -> tuple[BenchJob, int, str]:
         raise ValueError(f"--ceiling must be a positive bandwidth in GB/s, got {args.ceiling}")
     if args.timeout <= 0:
         raise ValueError(f"--timeout must be positive seconds, got {args.timeout}")
-    if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
-        raise ValueError("--plot needs matplotlib: pip install 'meshwise[plot]'")
+    check_output("--json", args.json)
+    check_plot("--plot", args.plot)
     default_backend = "nccl" if torch.cuda.is_available() else "gloo"
     backends = tuple(
         check_backend(name, allow_auto=False, what="--backend")
         for name in _split(args.backend or default_backend, "--backend")
     )
     _check_backends(backends, launcher)
+    if set(backends) - {"nccl"}:
+        _check_memory(collectives, sizes[-1], world_size, local_ranks, args)
     algorithms = tuple(dict.fromkeys(canonical_algorithm(n) for n in _split(args.algo, "--algo")))
     # a missing or malformed file fails here, before any rank starts; a calibrating run prices auto with
     # what its target file held before (the built-in calibration for a new file)
@@ -197,14 +222,21 @@ def build_job(args: argparse.Namespace) -> tuple[BenchJob, int, str]:
         calibrate=args.calibrate,
         calibration_file=args.calibration_file,
         pricing_file=pricing_file,
-        progress=sys.stderr.isatty(),
     )
     return job, world_size, launcher
 
 
-def run_job(job: BenchJob, world_size: int, launcher: str, timeout: float) -> JobResult | None:
-    """Run on the launcher's ranks, in this process (one rank), or on spawned local ranks."""
-    result = run_on_ranks(bench_rank_main, (job,), nproc=world_size, default=2, deadline=timeout)
+def run_job(job: BenchJob, world_size: int, launcher: str, timeout: float, sink: Sink) -> JobResult | None:
+    """Run on the launcher's ranks, in this process (one rank), or on spawned local ranks. Rank 0's
+    events reach ``sink`` as they happen, through a pipe whichever process rank 0 is."""
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    thread = pump(reader, emitter(sink))
+    try:
+        result = run_on_ranks(bench_rank_main, (job, writer), nproc=world_size, default=2, deadline=timeout)
+    finally:  # the ranks are gone (spawn stops them): the pipe ends once this last writer closes
+        writer.close()
+        thread.join(_DRAIN_SECONDS)
+        reader.close()
     if result is None or launcher != "local":
         return result
     return replace(result, launcher="local")  # spawned children only see the torchrun-style variables
@@ -237,19 +269,66 @@ def replay_command(
     return tuple(words)
 
 
-def _report(args: argparse.Namespace, job: BenchJob, result: JobResult, seconds: float) -> int:
-    from meshwise.bench.plot import plot_runs
-
-    console = output_console()
+def _header(job: BenchJob, world_size: int, launcher: str) -> str:
     sweep = job.sweep
-    console.print(
-        f"# meshwise bench · {result.world_size} ranks ({result.launcher}) · {sweep.dtype} · "
+    return (
+        f"# meshwise bench · {world_size} ranks ({launcher}) · {sweep.dtype} · "
         f"iters {sweep.iters} · warmup {sweep.warmup} · checks {sweep.checks}\n"
         "# time = mean over iterations of the max over ranks (ranks start each iteration together)\n"
         f"# calibration (prices auto): {source_of(job.pricing_file)}"
     )
-    console.print()
-    print_runs(result.runs, console, checked=sweep.checks > 0)
+
+
+def _write_outputs(
+    args: argparse.Namespace,
+    job: BenchJob,
+    runs: list[RunResult],
+    world_size: int,
+    launcher: str,
+    incomplete: str | None = None,
+) -> bool:
+    """The JSON and the plot of ``runs`` (all of them, or those that finished before ``incomplete``)."""
+    from meshwise.bench.plot import plot_runs
+
+    sweep = job.sweep
+    record = BenchRecord(
+        launcher=launcher,
+        world_size=world_size,
+        config={
+            "dtype": sweep.dtype,
+            "op": sweep.op,
+            "root": sweep.root,
+            "iters": sweep.iters,
+            "warmup": sweep.warmup,
+            "checks": sweep.checks,
+            "calibration": source_of(job.pricing_file),
+        },
+        runs=tuple(runs),
+        command=replay_command(args, job, world_size, launcher),
+        incomplete=incomplete,
+    )
+    rows = sum(len(run.rows) for run in runs)
+    finished = f" of the {rows} finished rows" if incomplete else ""
+    writers = []
+    if args.json:
+        writers.append((f"JSON{finished}", args.json, lambda: write_json(args.json, record)))
+    if args.plot and rows:
+        title = f"meshwise bench · {world_size} ranks · {sweep.dtype}"
+        calibration = _plot_calibration(args)
+
+        def draw() -> None:
+            plot_runs(runs, args.plot, ceiling_gbps=args.ceiling, calibration=calibration, title=title)
+
+        writers.append((f"plot{finished}", args.plot, draw))
+    return write_outputs("bench", writers)
+
+
+def _report(
+    args: argparse.Namespace, job: BenchJob, result: JobResult, live: LiveReport, seconds: float
+) -> int:
+    console = output_console()
+    sweep = job.sweep
+    live.print_header()
     runs = list(result.runs)
     if result.calibration is not None:
         print_runs(result.calibration.runs, console, checked=False)
@@ -257,30 +336,7 @@ def _report(args: argparse.Namespace, job: BenchJob, result: JobResult, seconds:
         runs = runs or list(result.calibration.runs)
     for note in result.notes:
         console.print(f"# note: {note}")
-    if args.json:
-        record = BenchRecord(
-            launcher=result.launcher,
-            world_size=result.world_size,
-            config={
-                "dtype": sweep.dtype,
-                "op": sweep.op,
-                "root": sweep.root,
-                "iters": sweep.iters,
-                "warmup": sweep.warmup,
-                "checks": sweep.checks,
-                "calibration": source_of(job.pricing_file),
-            },
-            runs=tuple(runs),
-            command=replay_command(args, job, result.world_size, result.launcher),
-        )
-        write_json(args.json, record)
-        console.print(f"# JSON written to {args.json}")
-    if args.plot:
-        title = f"meshwise bench · {result.world_size} ranks · {sweep.dtype}"
-        plot_runs(
-            runs, args.plot, ceiling_gbps=args.ceiling, calibration=_plot_calibration(args), title=title
-        )
-        console.print(f"# plot written to {args.plot}")
+    written = _write_outputs(args, job, runs, result.world_size, result.launcher)
     console.print(f"Wall time = {seconds:.3f} s")
     failed = [run for run in result.runs if not run.ok]
     if failed and sweep.checks > 0:
@@ -291,7 +347,7 @@ def _report(args: argparse.Namespace, job: BenchJob, result: JobResult, seconds:
                 file=sys.stderr,
             )
         return 1
-    return 0
+    return 0 if written else 1
 
 
 def handler(args: argparse.Namespace) -> int:
@@ -301,14 +357,31 @@ def handler(args: argparse.Namespace) -> int:
         print(f"meshwise bench: error: {exc}", file=sys.stderr)
         return 2
     start = time.perf_counter()
+    bar = sys.stderr.isatty() and detect_launch_env().rank == 0  # one bar per job, not one per rank
+    live = LiveReport(_header(job, world_size, launcher), checked=job.sweep.checks > 0, progress=bar)
     try:
-        result = run_job(job, world_size, launcher, args.timeout)
+        with live:
+            result = run_job(job, world_size, launcher, args.timeout, live.handle)
     except ValueError as exc:
         print(f"meshwise bench: error: {exc}", file=sys.stderr)
         return 2
     except (SpawnError, CommError) as exc:
         print(f"meshwise bench: {exc}", file=sys.stderr)
+        _keep_finished(args, job, live, world_size, launcher, str(exc).splitlines()[0])
         return 1
+    except KeyboardInterrupt:
+        print("meshwise bench: SIGINT received, stopped", file=sys.stderr)
+        _keep_finished(args, job, live, world_size, launcher, "interrupted (SIGINT)")
+        return 130
     if result is None:  # not rank 0 of a launched job: rank 0 reports
         return 0
-    return _report(args, job, result, time.perf_counter() - start)
+    return _report(args, job, result, live, time.perf_counter() - start)
+
+
+def _keep_finished(
+    args: argparse.Namespace, job: BenchJob, live: LiveReport, world_size: int, launcher: str, why: str
+) -> None:
+    """After a failure: write what finished, marked ``incomplete`` with the reason (only the process
+    that received rank 0's rows has any)."""
+    if live.finished_rows:
+        _write_outputs(args, job, live.runs, world_size, launcher, incomplete=why)

@@ -11,6 +11,7 @@ import json
 import sys
 from typing import Any
 
+from meshwise.cli.outputs import check_output
 from meshwise.sysinfo import collect
 
 
@@ -96,6 +97,11 @@ def render(report: dict[str, Any]) -> str:
 
 
 def handler(args: argparse.Namespace) -> int:
+    try:
+        check_output("--json", args.json)
+    except ValueError as exc:
+        print(f"meshwise info: error: {exc}", file=sys.stderr)
+        return 2
     report = collect(args.calibration_file)
     if args.json is None:
         print(render(report))

@@ -10,21 +10,25 @@ import argparse
 import sys
 from decimal import Decimal, InvalidOperation
 
+import torch
+
+from meshwise.runtime.env import plan_ranks
+from meshwise.runtime.memory import check_memory
 from meshwise.runtime.on_ranks import run_on_ranks
 from meshwise.runtime.spawn import SpawnError
-from meshwise.workloads.pi import METHODS, check_work
-from meshwise.workloads.pi_job import KERNELS, PiJob, pi_rank_main
+from meshwise.workloads.pi import EAGER_BYTES_PER_ITEM, METHODS, check_work, default_chunk
+from meshwise.workloads.pi_job import KERNELS, PiJob, pi_rank_main, resolve_kernel
 
 
-def parse_count(text: str) -> int:
+def parse_count(text: str, what: str = "N") -> int:
     """An exact integer from ``10000``, ``10_000`` or ``1e13`` (refusing fractions like ``1.5``)."""
     try:
         value = Decimal(text.replace("_", ""))
     except InvalidOperation:
-        raise ValueError(f"N={text!r} is not a number; pass an integer such as 10000 or 1e13") from None
+        raise ValueError(f"{what}={text!r} is not a number; pass an integer such as 10000 or 1e13") from None
     if not value.is_finite() or value != value.to_integral_value():
-        raise ValueError(f"N={text!r} is not a whole number of samples/bins")
-    return check_work(int(value))
+        raise ValueError(f"{what}={text!r} is not a whole number of samples/bins")
+    return check_work(int(value), what)
 
 
 def add_parser(subparsers: argparse._SubParsersAction, name: str, help_text: str) -> None:
@@ -35,7 +39,7 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str, help_text: str
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if present")
     parser.add_argument("--seed", type=int, default=0, help="Monte Carlo stream (default 0)")
     parser.add_argument("--backend", default="auto", help="communicator backend (auto, gloo, nccl, shm, mpi)")
-    parser.add_argument("--chunk", type=int, default=None, help="items per kernel call (bounds memory)")
+    parser.add_argument("--chunk", default=None, help="items per kernel call, e.g. 65536 or 1e6")
     parser.add_argument(
         "--kernel",
         choices=KERNELS,
@@ -56,11 +60,30 @@ def build_job(args: argparse.Namespace) -> PiJob:
         seed=args.seed,
         backend=args.backend,
         device=args.device,
-        chunk=args.chunk,
+        chunk=None if args.chunk is None else parse_count(args.chunk, "--chunk"),
         kernel=args.kernel,
         timeout=args.timeout,
     )
-    return job.validate()
+    _check_memory(job.validate(), args.np)
+    return job
+
+
+def _check_memory(job: PiJob, nproc: int | None) -> None:
+    """Refuse an eager chunk that the CPU ranks on this machine cannot hold together (the fused kernel
+    stores nothing per item; GPU ranks allocate on their devices)."""
+    if job.device == "cuda" or (job.device is None and torch.cuda.is_available()):
+        return
+    plan = plan_ranks(nproc, default=1)
+    share = -(-job.n // plan.world_size)
+    if resolve_kernel(job.kernel, share) != "eager":
+        return
+    ranks = plan.layout.local_world_size if plan.launched else plan.world_size
+    items = min(job.chunk or default_chunk(torch.device("cpu")), share)
+    check_memory(
+        EAGER_BYTES_PER_ITEM[job.method] * items * ranks,
+        f"the eager kernel with chunks of {items:,} items on {ranks} rank{'s' if ranks > 1 else ''}",
+        "lower --chunk (or use --kernel fused)",
+    )
 
 
 def handler(args: argparse.Namespace) -> int:

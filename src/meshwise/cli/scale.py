@@ -12,6 +12,7 @@ import sys
 
 import torch
 
+from meshwise.cli.outputs import check_output, check_plot, write_outputs
 from meshwise.cli.pi import parse_count
 from meshwise.comm.cost import Calibration
 from meshwise.comm.factory import check_backend
@@ -89,8 +90,8 @@ def _validate(args: argparse.Namespace) -> tuple[Workload, list[int], int | None
             raise ValueError(
                 f"--device cuda needs {scales[-1]} GPUs here, {torch.cuda.device_count()} visible"
             )
-    if args.plot is not None:
-        import matplotlib  # noqa: F401  (fail before running anything when plotting is impossible)
+    check_output("--json", args.json)
+    check_plot("--plot", args.plot)
     return workload, scales, work
 
 
@@ -160,6 +161,7 @@ def handler(args: argparse.Namespace) -> int:
     time_source = "process" if "process" in sources else "reported"
     if time_source == "process":
         print("\nnote: the command printed no `Wall time = X s` line; times include process start-up")
+    writers = []
     if args.json:
         record = to_json(
             workload=workload.name,
@@ -170,8 +172,8 @@ def handler(args: argparse.Namespace) -> int:
             points=points,
             model=model,
         )
-        write_json(args.json, record)
+        writers.append(("JSON", args.json, lambda: write_json(args.json, record)))
     if args.plot:
         title = f"{workload.name} — {args.mode} scaling ({cores} cores)"
-        plot(args.plot, args.mode, points, model, title)
-    return 0
+        writers.append(("plot", args.plot, lambda: plot(args.plot, args.mode, points, model, title)))
+    return 0 if write_outputs("scale", writers) else 1

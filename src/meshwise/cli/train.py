@@ -1,7 +1,8 @@
-"""``meshwise train {mlp,deep-mlp,cnn}``: data-parallel training with progress, validation and checkpoints.
+"""``meshwise train {mlp,deep-mlp,cnn,gpt}``: data-parallel training with progress, validation, checkpoints.
 
 With ``-np N`` it starts N local ranks itself; under a launcher (``meshwise run``, torchrun, mpirun, srun)
-it trains on the ranks it was started on. Every setting is checked before any rank starts.
+it trains on the ranks it was started on. Every setting is checked before any rank starts. ``gpt`` has
+its own flags (:mod:`meshwise.cli.train_gpt`).
 """
 
 from __future__ import annotations
@@ -11,20 +12,23 @@ import json
 import sys
 from pathlib import Path
 
+from meshwise.cli import train_gpt
+from meshwise.cli.outputs import check_output, write_outputs
 from meshwise.runtime.spawn import SpawnError
-from meshwise.train import WORKLOADS, TrainConfig, run_training
+from meshwise.train import WORKLOADS, TrainConfig, TrainingError, run_training
 from meshwise.train.config import STRATEGIES
 
 
 def add_parser(subparsers: argparse._SubParsersAction, name: str, help_text: str) -> None:
-    models = "\n".join(f"  {w.name:<9} {w.summary}" for w in WORKLOADS.values())
-    parser = subparsers.add_parser(
-        name,
-        help=help_text,
-        description=f"{__doc__.splitlines()[0]}\n\nmodels:\n{models}",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("model", choices=list(WORKLOADS), help="what to train (see above)")
+    parser = subparsers.add_parser(name, help=help_text, description=__doc__.splitlines()[0])
+    models = parser.add_subparsers(dest="model", metavar="MODEL", required=True)
+    for workload in WORKLOADS.values():
+        add_workload_parser(models, workload.name, workload.summary)
+    train_gpt.add_parser(models)
+
+
+def add_workload_parser(models: argparse._SubParsersAction, model: str, summary: str) -> None:
+    parser = models.add_parser(model, help=summary, description=f"{__doc__.splitlines()[0]}\n\n{summary}")
     parser.add_argument("-np", "--nproc", dest="np", type=int, default=None, help="local ranks to start")
     parser.add_argument("--epochs", type=int, default=None, help="total epochs (default: per model)")
     parser.add_argument("--batch-size", type=int, default=None, help="samples per rank per step")
@@ -78,16 +82,20 @@ def handler(args: argparse.Namespace) -> int:
         strategy=args.strategy,
     )
     try:
+        check_output("--json", args.json)
         result = run_training(config)
     except (ValueError, FileNotFoundError) as exc:
         print(f"meshwise train: error: {exc}", file=sys.stderr)
         return 2
+    except TrainingError as exc:
+        print(f"meshwise train: error: {exc}", file=sys.stderr)
+        return exc.exit_code
     except SpawnError as exc:
         print(f"meshwise train: {exc}", file=sys.stderr)
         return 1
     if result is None:  # a launched rank other than 0
         return 0
     print(result.summary(), flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps(result.to_json(), indent=2) + "\n")
-    return 0
+    text = json.dumps(result.to_json(), indent=2) + "\n"
+    writers = [("JSON", args.json, lambda: Path(args.json).write_text(text))] if args.json else []
+    return 0 if write_outputs("train", writers) else 1

@@ -331,6 +331,20 @@ def detect_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
     return _validate(_local(env), env)
 
 
+#: launchers whose ranks can join an MPI job (mpirun/mpiexec of Open MPI, srun or hydra through PMI)
+MPI_LAUNCHERS = ("openmpi", "pmi")
+
+
+def check_mpi_launch(command: str, environ: Mapping[str, str] | None = None) -> None:
+    """Refuse ``--backend mpi`` in a process no MPI launcher started, *before* MPI is initialised: a
+    singleton MPI_Init would fail with a traceback and leave Open MPI's shared-memory files behind."""
+    if detect_launch_env(environ).launcher not in MPI_LAUNCHERS:
+        raise ValueError(
+            "--backend mpi needs ranks started by an MPI launcher, e.g. "
+            f"`mpirun -np 4 meshwise {command} --backend mpi`; without one use --backend gloo or shm"
+        )
+
+
 @dataclass(frozen=True)
 class RankPlan:
     """Where a ``-np``-taking command runs: on ranks a launcher already started, or on ranks it spawns."""

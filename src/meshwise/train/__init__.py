@@ -2,6 +2,7 @@
 
 from meshwise.train.checkpoint import read_checkpoint, save_checkpoint
 from meshwise.train.config import TrainConfig
+from meshwise.train.errors import TrainingError
 from meshwise.train.job import run_training
 from meshwise.train.report import EpochStats, TrainResult
 from meshwise.train.workloads import WORKLOADS
@@ -11,6 +12,7 @@ __all__ = [
     "EpochStats",
     "TrainConfig",
     "TrainResult",
+    "TrainingError",
     "read_checkpoint",
     "run_training",
     "save_checkpoint",

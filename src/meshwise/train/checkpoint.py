@@ -5,6 +5,8 @@
 =================  =====================================================================================
 format             ``"meshwise-train/1"``
 model              workload name (``mlp``, ``deep-mlp``, ``cnn``)
+dataset            what it was trained on (``digits``, ``mnist``, ``clusters-6d``): a resume on other data
+                   is refused by name rather than failing on a tensor shape
 epoch              epochs completed; a resumed run starts at this epoch
 strategy           ``ddp`` or ``zero1``/``zero2``/``zero3`` (a run resumes with the one it was written by)
 shards             ZeRO: the sibling directory holding every rank's shards (torch.distributed.checkpoint,
@@ -23,7 +25,9 @@ killed mid-write leaves the previous epoch's checkpoint intact, never a truncate
 
 from __future__ import annotations
 
+import io
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -31,21 +35,46 @@ import torch
 
 FORMAT = "meshwise-train/1"
 FILENAME = "checkpoint.pt"
+#: what a resume reads; a file without one of them is not a usable checkpoint
+KEYS = ("model", "epoch", "model_state", "optimizer_state", "sampler", "rng", "run", "history")
 
 
 def checkpoint_file(directory: str | Path) -> Path:
     return Path(directory) / FILENAME
 
 
+def check_writable(directory: str | Path) -> None:
+    """Create ``directory`` if needed and write a scratch file in it, so that a path that cannot take a
+    checkpoint is refused before training rather than after the first epoch. A real write is the only
+    test that also holds for root, read-only mounts and full disks; raises ValueError saying what to do."""
+    directory = Path(directory)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=directory) as probe:
+            probe.write(b"meshwise")
+            probe.flush()
+    except OSError as exc:
+        raise ValueError(
+            f"--checkpoint {directory} is not writable ({exc.strerror or exc}); choose another directory"
+        ) from None
+
+
 def save_checkpoint(directory: str | Path, state: dict[str, Any]) -> Path:
-    """Write ``state`` atomically (temp file, fsync, rename) and return the checkpoint's path."""
+    """Write ``state`` atomically (temp file, fsync, rename) and return the checkpoint's path.
+
+    The state is serialised in memory first: ``torch.save`` on a file that fails mid-write (full disk)
+    raises an opaque ``RuntimeError`` from its C++ writer, whereas a plain write raises ``OSError`` with
+    the errno the caller turns into a sentence. A write failure leaves the previous checkpoint intact.
+    """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     path = checkpoint_file(directory)
     temporary = directory / f".{FILENAME}.{os.getpid()}.tmp"
+    buffer = io.BytesIO()
+    torch.save({"format": FORMAT, **state}, buffer)
     try:
         with open(temporary, "wb") as handle:
-            torch.save({"format": FORMAT, **state}, handle)
+            handle.write(buffer.getbuffer())
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(temporary, path)
@@ -59,10 +88,15 @@ def read_checkpoint(directory: str | Path, map_location: str | torch.device = "c
     path = checkpoint_file(directory)
     if not path.is_file():
         raise FileNotFoundError(f"no checkpoint at {path}: nothing to resume")
+    if path.stat().st_size == 0:
+        raise ValueError(f"{path} is empty: not a meshwise checkpoint (truncated or corrupt)")
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as exc:  # torch raises several types for truncated or foreign files
-        raise ValueError(f"{path} is not a readable checkpoint: {exc}") from None
+    except Exception:  # torch raises several types, with pages of advice, for truncated or foreign files
+        raise ValueError(f"{path} is not a meshwise checkpoint (truncated or corrupt)") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise ValueError(f"{path} is not a meshwise training checkpoint (format {FORMAT!r} expected)")
+    missing = [key for key in KEYS if key not in state]
+    if missing:
+        raise ValueError(f"{path} is not a complete meshwise checkpoint (no {', '.join(missing)})")
     return state

@@ -10,8 +10,9 @@ import torch
 
 from meshwise.comm.factory import check_backend
 from meshwise.data.mnist import find_mnist_files
+from meshwise.runtime.env import check_mpi_launch
 from meshwise.runtime.timeouts import wait_timeout
-from meshwise.train.checkpoint import checkpoint_file, read_checkpoint
+from meshwise.train.checkpoint import check_writable, checkpoint_file, read_checkpoint
 from meshwise.train.workloads import WORKLOADS, Workload
 
 #: ``--strategy`` names: DataParallel, or ZeRO stage 1/2/3 (meshwise.parallel.zero).
@@ -83,6 +84,8 @@ class TrainConfig:
         if self.timeout <= 0:
             raise ValueError(f"--timeout must be positive seconds, got {self.timeout}")
         check_backend(self.backend, what="--backend")
+        if self.backend == "mpi":
+            check_mpi_launch(f"train {self.model}")
         if self.strategy not in STRATEGIES:
             choices = ", ".join(STRATEGIES)
             raise ValueError(f"--strategy {self.strategy!r} is unknown; choose one of {choices}")
@@ -110,10 +113,12 @@ class TrainConfig:
                     f"{path} already exists; pass --resume to continue that run, "
                     "or choose another --checkpoint"
                 )
+            check_writable(directory)
             return
         if not directory.is_dir():
             raise FileNotFoundError(f"--resume: checkpoint directory {directory} does not exist")
         state = read_checkpoint(directory)
+        check_writable(directory)
         if state["model"] != self.model:
             raise ValueError(f"{path} holds a {state['model']!r} run, not {self.model!r}")
         written_with = state.get("strategy", "ddp")

@@ -8,6 +8,7 @@ restores model, optimizer, sampler and generator so it continues exactly where t
 
 from __future__ import annotations
 
+import errno
 import math
 import shutil
 import time
@@ -25,19 +26,27 @@ from meshwise.data import DistributedSampler, Splits
 from meshwise.parallel import DataParallel
 from meshwise.parallel.zero import ShardedModel, shard
 from meshwise.parallel.zero.checkpoint import load_sharded, save_sharded
-from meshwise.train.checkpoint import read_checkpoint, save_checkpoint
+from meshwise.train.checkpoint import checkpoint_file, read_checkpoint, save_checkpoint
 from meshwise.train.config import TrainConfig
+from meshwise.train.errors import TrainingError
 from meshwise.train.report import EpochStats, TrainResult, header_line
+from meshwise.train.resume import check_dataset, resume_notes
 from meshwise.world import World, init, shutdown
 
 _EVAL_BATCH = 1024
 
 
-def train_rank_main(config: TrainConfig) -> TrainResult | None:
-    """Join the job, train, leave; rank 0 returns the result (the others None)."""
+def train_rank_main(config: TrainConfig) -> TrainResult | TrainingError | None:
+    """Join the job, train, leave; rank 0 returns the result (the others None).
+
+    A :class:`TrainingError` is returned, not raised, by every rank (they all reach it together: it is
+    decided on reduced values), so that whoever started the job prints one sentence, not a traceback.
+    """
     world = init(config.backend, device=config.device, timeout=config.comm_timeout)
     try:
         result = Trainer(world, config).run()
+    except TrainingError as exc:
+        return exc
     finally:
         shutdown()
     return result if world.is_main else None
@@ -64,6 +73,7 @@ class Trainer:
         self.history: list[EpochStats] = []
         self.first_epoch = 0
         self.checkpoint: str | None = None  # path of the last checkpoint written (rank 0)
+        self.kept_epoch = 0  # the epoch of the checkpoint on disk: what a failure leaves behind
         self.model: DataParallel | ShardedModel
         if config.zero_stage is not None:  # the optimizer must see the shards: built after sharding
             self.model = shard(model, world.comm, stage=config.zero_stage)
@@ -71,6 +81,7 @@ class Trainer:
             if config.resume:
                 assert config.checkpoint is not None
                 state = read_checkpoint(config.checkpoint, map_location=world.device)
+                self._check_dataset(state)
                 load_sharded(self.model, self.optimizer, Path(config.checkpoint) / state["shards"])
                 self._restore_progress(state)
         else:
@@ -82,7 +93,12 @@ class Trainer:
         self.console = Console(soft_wrap=True)
 
     # ------------------------------------------------------------------ checkpoints
+    def _check_dataset(self, state: dict[str, Any]) -> None:
+        assert self.config.checkpoint is not None
+        check_dataset(state.get("dataset"), self.splits.name, str(checkpoint_file(self.config.checkpoint)))
+
     def _restore(self, model: nn.Module, state: dict[str, Any]) -> None:
+        self._check_dataset(state)
         model.load_state_dict(state["model_state"])
         self.optimizer.load_state_dict(state["optimizer_state"])
         self._restore_progress(state)
@@ -91,58 +107,89 @@ class Trainer:
         """Everything but the model and optimizer: sampler, generator, epoch, history."""
         self.sampler.load_state_dict(state["sampler"])
         torch.set_rng_state(state["rng"].cpu())
-        self.first_epoch = int(state["epoch"])
+        self.first_epoch = self.kept_epoch = int(state["epoch"])
         self.history = [EpochStats(**h) for h in state["history"]]
-        run = state["run"]
-        if self.world.is_main and (run["world_size"], run["batch_size"]) != (
-            self.world.world_size,
-            self.config.per_rank_batch,
-        ):
-            print(
-                f"note: the checkpoint was written by {run['world_size']} ranks with batch "
-                f"{run['batch_size']}/rank; continuing with {self.world.world_size} × "
-                f"{self.config.per_rank_batch} changes the shards, so the run will not match an "
-                "uninterrupted one",
-                flush=True,
-            )
+        if self.world.is_main:
+            for note in resume_notes(state["run"], self._run_settings()):
+                print(f"note: {note}", flush=True)
 
-    def _save(self, epoch: int) -> str | None:
-        """Rank 0 writes checkpoint.pt. With ZeRO every rank first writes its shards of the model and
-        optimizer to a directory per epoch (collective), which checkpoint.pt names; the previous epoch's
-        shards are deleted only once the new checkpoint.pt is in place."""
+    def _run_settings(self) -> dict[str, Any]:
+        return {
+            "world_size": self.world.world_size,
+            "batch_size": self.config.per_rank_batch,
+            "base_lr": self.config.base_lr,
+            "lr": self.lr,
+            "seed": self.config.seed,
+            "epochs": self.config.total_epochs,
+        }
+
+    def _kept(self) -> str:
+        return (
+            f"the epoch-{self.kept_epoch} checkpoint is kept"
+            if self.kept_epoch
+            else "no checkpoint was written"
+        )
+
+    def _checkpoint(self, epoch: int) -> None:
+        """Rank 0 writes the checkpoint of ``epoch``; every rank learns whether that worked (one tiny
+        all-reduce), so a failed write stops the whole job at once instead of leaving peers waiting.
+
+        With ZeRO every rank first writes its shards of the model and optimizer to a directory per
+        epoch (collective), which checkpoint.pt names; the previous epoch's shards are deleted only
+        once the new checkpoint.pt is in place."""
+        if isinstance(self.model, ShardedModel):
+            assert self.config.checkpoint is not None
+            save_sharded(self.model, self.optimizer, self._shards_dir(epoch), overwrite=True)
+        error = None
+        if self.world.is_main:
+            try:
+                self.checkpoint = self._save(epoch)
+            except TrainingError as exc:
+                error = exc
+        failed = torch.tensor([0.0 if error is None else 1.0], device=self.world.device)
+        self.world.comm.all_reduce(failed, ReduceOp.MAX)
+        if error is not None:
+            raise error
+        if failed.item():
+            raise TrainingError("rank 0 could not write the checkpoint")
+        self.kept_epoch = epoch
+        if isinstance(self.model, ShardedModel) and self.world.is_main:
+            for old in self._shards_dir(epoch).parent.glob("zero-epoch*"):
+                if old != self._shards_dir(epoch):
+                    shutil.rmtree(old, ignore_errors=True)
+
+    def _shards_dir(self, epoch: int) -> Path:
         assert self.config.checkpoint is not None
-        directory = Path(self.config.checkpoint)
+        return Path(self.config.checkpoint) / f"zero-epoch{epoch}"
+
+    def _save(self, epoch: int) -> str:
+        """Write the checkpoint; a failure becomes one sentence naming what is left on disk."""
+        assert self.config.checkpoint is not None
+        if not all(torch.isfinite(p).all() for p in self.model.parameters()):
+            raise TrainingError(f"the weights became non-finite in epoch {epoch}; not saved, {self._kept()}")
+        path = checkpoint_file(self.config.checkpoint)
+        try:
+            return str(save_checkpoint(self.config.checkpoint, self._state(epoch)))
+        except OSError as exc:
+            if exc.errno == errno.ENOSPC:
+                raise TrainingError(f"no space left on device for {path}; {self._kept()}") from None
+            raise TrainingError(f"cannot write {path} ({exc.strerror or exc}); {self._kept()}") from None
+
+    def _state(self, epoch: int) -> dict[str, Any]:
         sharded = isinstance(self.model, ShardedModel)
-        shards = f"zero-epoch{epoch}" if sharded else None
-        if sharded:
-            assert shards is not None and isinstance(self.model, ShardedModel)
-            save_sharded(self.model, self.optimizer, directory / shards, overwrite=True)
-        if not self.world.is_main:
-            return None
-        state = {
+        return {
             "model": self.config.model,
+            "dataset": self.splits.name,
             "epoch": epoch,
             "strategy": self.config.strategy,
-            "shards": shards,
+            "shards": self._shards_dir(epoch).name if sharded else None,
             "model_state": None if sharded else self.model.state_dict(),
             "optimizer_state": None if sharded else self.optimizer.state_dict(),
             "sampler": self.sampler.state_dict(),
             "rng": torch.get_rng_state(),
-            "run": {
-                "world_size": self.world.world_size,
-                "batch_size": self.config.per_rank_batch,
-                "base_lr": self.config.base_lr,
-                "lr": self.lr,
-                "seed": self.config.seed,
-                "epochs": self.config.total_epochs,
-            },
+            "run": self._run_settings(),
             "history": [asdict(e) for e in self.history],
         }
-        path = str(save_checkpoint(directory, state))
-        for old in directory.glob("zero-epoch*"):
-            if old.name != shards:
-                shutil.rmtree(old, ignore_errors=True)
-        return path
 
     # ------------------------------------------------------------------ steps
     def _lr_at(self, step: int) -> float:
@@ -211,10 +258,17 @@ class Trainer:
         totals = torch.cat([train, self._evaluate()])
         self.world.comm.all_reduce(totals, ReduceOp.SUM)
         t_loss, t_n, t_ok, v_loss, v_n, v_ok = totals.tolist()
+        if not (math.isfinite(t_loss) and math.isfinite(v_loss)):
+            bad = t_loss if not math.isfinite(t_loss) else v_loss
+            saved = "" if self.config.checkpoint is None else f" (not saved: {self._kept()})"
+            raise TrainingError(
+                f"training diverged: the loss became {bad} in epoch {epoch + 1} at lr {self.lr:g}{saved}; "
+                "lower --lr"
+            )
         stats = EpochStats(epoch + 1, t_loss / t_n, t_ok / t_n, v_loss / v_n, v_ok / v_n, int(t_n), seconds)
         self.history.append(stats)
         if self.config.checkpoint is not None:
-            self.checkpoint = self._save(epoch + 1) or self.checkpoint
+            self._checkpoint(epoch + 1)
         return stats
 
     def run(self) -> TrainResult:

@@ -17,6 +17,7 @@ import torch
 from meshwise.comm.api import ReduceOp
 from meshwise.comm.factory import check_backend
 from meshwise.runtime.cores import threads_per_rank
+from meshwise.runtime.env import check_mpi_launch
 from meshwise.runtime.timeouts import wait_timeout
 from meshwise.workloads.pi import (
     METHODS,
@@ -222,6 +223,8 @@ class PiJob:
         if not 0 <= self.seed < 2**64:
             raise ValueError(f"--seed must be in 0 .. 2**64-1, got {self.seed}")
         check_backend(self.backend, what="--backend")
+        if self.backend == "mpi":
+            check_mpi_launch(f"pi {self.method} 1e6")
         if self.chunk is not None and self.chunk < 1:
             raise ValueError(f"--chunk must be a positive number of items, got {self.chunk}")
         if self.kernel not in KERNELS:

@@ -111,7 +111,7 @@ class Waiter:
                 return
             now = time.monotonic()
             if now >= next_check:
-                self.check_peers(op, peers, pending() if pending is not None else peers)
+                self.check_peers(op, peers, pending)
                 if now - start >= limit:
                     raise CommTimeoutError(
                         f"no progress within {limit:g} s waiting for rank(s) {peers}; a peer may have hung "
@@ -125,9 +125,18 @@ class Waiter:
             else:
                 time.sleep(_NAP_SECONDS)
 
-    def check_peers(self, op: str, peers: list[int], pending: list[int]) -> None:
+    def check_peers(
+        self, op: str, peers: list[int], pending: Callable[[], list[int]] | None = None
+    ) -> None:
         """Raise if a peer died, reported a failure (and tell the others through our abort word), or
-        closed the communicator while this rank still waits for it (``pending``)."""
+        closed the communicator or exited while this rank still waits for it.
+
+        The order matters: a peer publishes its part *before* it closes or exits, so the closed and dead
+        peers are read first and the still-pending list (``pending()``, default all of ``peers``) after.
+        Read the other way round, a peer that publishes, returns and closes between the two reads would
+        be counted as pending and blamed although this rank no longer needs it (seen at 64 ranks).
+        """
+        closed = []
         for peer in range(len(self.identities)):
             code = self._read_abort(peer)
             if code > 0:
@@ -145,19 +154,27 @@ class Waiter:
                     rank=self.rank,
                     op=op,
                 )
-        for peer in pending:
-            if self._read_abort(peer) == ABORT_CLOSED:
+            if code == ABORT_CLOSED:
+                closed.append(peer)
+        gone = [peer for peer in peers if not self._alive(peer)]
+        waiting_for = set(pending() if pending is not None else peers)
+        for peer in closed:
+            if peer in waiting_for:
                 raise PeerFailureError(
                     f"rank {peer} closed the communicator (it left the job) while this rank waited for it",
                     rank=self.rank,
                     op=op,
                 )
-        for peer in peers:
-            expected = self.identities[peer]
-            if expected is not None and process_identity(expected[0]) != expected:
+        for peer in gone:
+            if peer in waiting_for:
                 self._set_abort(peer + 1)
                 raise PeerFailureError(
-                    f"rank {peer} (pid {expected[0]}) died while this rank waited for it",
+                    f"rank {peer} (pid {self.identities[peer][0]}) died while this rank waited for it",
                     rank=self.rank,
                     op=op,
                 )
+
+    def _alive(self, peer: int) -> bool:
+        """Whether ``peer``'s process still exists (always true when its identity is unknown)."""
+        expected = self.identities[peer]
+        return expected is None or process_identity(expected[0]) == expected

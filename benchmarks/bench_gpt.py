@@ -1,0 +1,171 @@
+"""GPT training step: ours vs plain torch.nn on one process, and our data parallelism vs torch DDP on 2.
+
+1. One process: a training step (forward, loss, backward, AdamW) of our ``GPT`` against the same
+   architecture assembled from stock torch layers — ``nn.TransformerEncoderLayer`` (pre-LayerNorm,
+   causal, tanh-GELU, fused in-projection) between the same embeddings and tied head — loaded with the
+   same weights (the script checks the two give the same logits first). Target: ours ≤ 1.02× plain.
+2. Two ranks: our data-parallel step (``parallelize`` → DataParallel over the shared-memory mesh) against
+   ``torch.nn.parallel.DistributedDataParallel`` on gloo, same model and per-rank batch. Target ≤ 0.8×.
+
+Each round times ``--steps`` steps of every configuration back to back (order rotating per round); the
+table reports median step times and the median of the per-round ratios, which cancels most of the drift
+of a busy machine (bench_ddp.py's method and helpers).
+
+    python benchmarks/bench_gpt.py --json benchmarks/results/gpt.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from bench_ddp import _medians, _paired_ratios, _time_rounds
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import meshwise
+from meshwise.comm.mesh import MeshShape
+from meshwise.models.gpt import GPT, GPTConfig, gpt_config, language_model_loss
+from meshwise.runtime.spawn import spawn
+from meshwise.train.gpt import GPTTrainConfig
+from meshwise.train.gpt.parallelize import build_optimizer, parallelize
+
+TARGETS = {"one process: ours / plain torch.nn": 1.02, "2 ranks: ours on shm / torch DDP on gloo": 0.80}
+
+
+class PlainGPT(nn.Module):
+    """GPT-2 from stock layers: what a user would write without meshwise's model."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(config.vocab, config.hidden)
+        self.wpe = nn.Embedding(config.seq_len, config.hidden)
+        layer = nn.TransformerEncoderLayer(
+            config.hidden, config.heads, 4 * config.hidden, dropout=0.0,
+            activation=lambda x: F.gelu(x, approximate="tanh"), batch_first=True, norm_first=True,
+        )  # fmt: skip
+        self.blocks = nn.TransformerEncoder(layer, config.layers, enable_nested_tensor=False)
+        self.ln_f = nn.LayerNorm(config.hidden)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        seq = tokens.shape[1]
+        x = self.wte(tokens) + self.wpe(torch.arange(seq, device=tokens.device))
+        mask = nn.Transformer.generate_square_subsequent_mask(seq, device=tokens.device)
+        x = self.blocks(x, mask=mask, is_causal=True)
+        return self.ln_f(x) @ self.wte.weight.t()
+
+    @torch.no_grad()
+    def load_from(self, ours: GPT) -> None:
+        for name in ("wte", "wpe", "ln_f"):
+            getattr(self, name).load_state_dict(getattr(ours, name).state_dict())
+        for layer, block in zip(self.blocks.layers, ours.blocks, strict=True):
+            attn = block.attn
+            layer.self_attn.in_proj_weight.copy_(torch.cat([attn.q.weight, attn.k.weight, attn.v.weight]))
+            layer.self_attn.in_proj_bias.copy_(torch.cat([attn.q.bias, attn.k.bias, attn.v.bias]))
+            layer.self_attn.out_proj.load_state_dict(attn.out.state_dict())
+            layer.linear1.load_state_dict(block.mlp.fc.state_dict())
+            layer.linear2.load_state_dict(block.mlp.proj.state_dict())
+            layer.norm1.load_state_dict(block.ln1.state_dict())
+            layer.norm2.load_state_dict(block.ln2.state_dict())
+
+
+def _batch(config: GPTConfig, batch: int, seq: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    data = torch.randint(0, config.vocab, (batch, seq + 1), generator=torch.Generator().manual_seed(seed))
+    return data[:, :-1], data[:, 1:]
+
+
+def _stepper(model: nn.Module, optimizer: torch.optim.Optimizer, x, y) -> Callable[[], None]:
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        language_model_loss(model(x), y).backward()
+        optimizer.step()
+
+    return step
+
+
+def _one_process(name: str, batch: int, seq: int, rounds: int, steps: int, warmup: int) -> dict:
+    config = gpt_config(name)
+    torch.manual_seed(0)
+    ours = GPT(config)
+    plain = PlainGPT(config)
+    plain.load_from(ours)
+    x, y = _batch(config, batch, seq, 0)
+    with torch.no_grad():
+        agree = (ours(x) - plain(x)).abs().max().item()
+    train = GPTTrainConfig(config=name)
+    steppers = {
+        "plain": _stepper(plain, build_optimizer(plain, train), x, y),
+        "ours": _stepper(ours, build_optimizer(ours, train), x, y),
+    }
+    samples = _time_rounds(steppers, rounds, steps, warmup, lambda: None)
+    return {"samples": samples, "max_logit_difference": agree, "threads": torch.get_num_threads()}
+
+
+def _two_ranks(name: str, batch: int, seq: int, rounds: int, steps: int, warmup: int) -> dict:
+    world = meshwise.init("shm", timeout=300, mesh=MeshShape(dp=2))
+    config = gpt_config(name)
+    train = GPTTrainConfig(config=name)
+    x, y = _batch(config, batch, seq, world.rank)
+    torch.manual_seed(0)
+    runner = parallelize(GPT(config), world.mesh, train)
+    torch.manual_seed(0)
+    reference = GPT(config)
+    ddp = DistributedDataParallel(reference)
+    steppers = {
+        "torch DDP/gloo": _stepper(ddp, build_optimizer(reference, train), x, y),
+        "ours/shm": lambda: (runner.optimizer.zero_grad(set_to_none=True),
+                             runner.forward_backward([(x, y)]), runner.optimizer.step()),
+    }  # fmt: skip
+    samples = _time_rounds(steppers, rounds, steps, warmup, dist.barrier)
+    disagreement = max(
+        (p - q).abs().max().item()
+        for p, q in zip(runner.full_model().parameters(), reference.parameters(), strict=True)
+    )
+    del ddp, steppers  # torch's DDP holds the process group: release it before shutdown
+    meshwise.shutdown()
+    return {"samples": samples, "max_weight_difference": disagreement}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", default="gpt-nano", help="model (default gpt-nano)")
+    parser.add_argument("--batch", type=int, default=2, help="sequences per rank per step (default 2)")
+    parser.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default 128)")
+    parser.add_argument("--rounds", type=int, default=6, help="timed rounds per configuration")
+    parser.add_argument("--steps", type=int, default=2, help="steps per round")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per configuration first")
+    parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    args = parser.parse_args()
+    job = (args.config, args.batch, args.seq_len, args.rounds, args.steps, args.warmup)
+    one = spawn(_one_process, 1, args=job, timeout=3600)[0]
+    two = spawn(_two_ranks, 2, args=job, timeout=3600)[0]
+    rows = {
+        "one process: ours / plain torch.nn": (one, "ours", "plain"),
+        "2 ranks: ours on shm / torch DDP on gloo": (two, "ours/shm", "torch DDP/gloo"),
+    }
+    print(f"{args.config}, {args.batch} × {args.seq_len} tokens per rank per step, AdamW; "
+          f"medians of {args.rounds} rounds × {args.steps} steps")  # fmt: skip
+    print(f"{'comparison':<42}{'ours ms':>10}{'base ms':>10}{'ratio':>8}  target")
+    ratios = {}
+    for label, (result, ours, base) in rows.items():
+        medians, ratio = _medians(result["samples"]), _paired_ratios(result["samples"], base)[ours]
+        ratios[label] = ratio
+        verdict = "ok" if ratio <= TARGETS[label] else "MISSED"
+        print(f"{label:<42}{1e3 * medians[ours]:>10.1f}{1e3 * medians[base]:>10.1f}{ratio:>8.3f}"
+              f"  ≤ {TARGETS[label]:.2f} {verdict}")  # fmt: skip
+    print(f"same logits as plain torch.nn: max |Δ| = {one['max_logit_difference']:.2e}; "
+          f"DDP and ours agree after training: max |Δw| = {two['max_weight_difference']:.2e}")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        data = {"args": vars(args), "ratios": ratios, "one_process": one, "two_ranks": two}
+        Path(args.json).write_text(json.dumps(data, indent=2) + "\n")
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,8 @@
+"""``meshwise train gpt``: language-model training on a device mesh (data parallel today; ZeRO, tensor and
+pipeline parallelism plug into :mod:`meshwise.train.gpt.parallelize`)."""
+
+from meshwise.train.gpt.config import GPTTrainConfig
+from meshwise.train.gpt.job import run_gpt_training
+from meshwise.train.gpt.report import GPTResult, StepStats
+
+__all__ = ["GPTResult", "GPTTrainConfig", "StepStats", "run_gpt_training"]

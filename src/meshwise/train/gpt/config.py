@@ -1,0 +1,217 @@
+"""``meshwise train gpt`` settings, checked completely (model, mesh, batch arithmetic, data, checkpoint)
+before any rank starts, each failure one line that says what to change."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from meshwise.comm.factory import check_backend
+from meshwise.comm.mesh import MeshShape
+from meshwise.data.corpus import NAME as DEFAULT_CORPUS
+from meshwise.data.corpus import default_corpus
+from meshwise.data.tokens import load_tokens
+from meshwise.data.windows import TokenSplits
+from meshwise.models.gpt import GPTConfig, gpt_config
+from meshwise.runtime.env import plan_ranks
+from meshwise.runtime.timeouts import wait_timeout
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+#: Default training context on a CPU: a longer one makes the default run take far more than minutes.
+CPU_SEQ_LEN = 128
+
+
+@dataclass(frozen=True)
+class GPTTrainConfig:
+    """One GPT training run. ``None`` mesh sizes are inferred; ``micro_batch`` None means no accumulation."""
+
+    nproc: int | None = None
+    dp: int | None = None
+    tp: int = 1
+    pp: int = 1
+    zero: int = 0
+    sp: bool = False
+    config: str = "gpt-nano"
+    layers: int | None = None
+    hidden: int | None = None
+    heads: int | None = None
+    seq_len: int | None = None  # default: the config's context (at most CPU_SEQ_LEN on a CPU)
+    vocab: int | None = None
+    steps: int = 100
+    global_batch: int = 8
+    micro_batch: int | None = None
+    lr: float = 2e-3
+    warmup: int | None = None  # default: a tenth of the steps
+    min_lr: float = 1e-4
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    dtype: str = "fp32"
+    data: str | None = None
+    eval_every: int = 25
+    eval_windows: int = 64
+    checkpoint: str | None = None
+    resume: bool = False
+    sample: int = 0
+    seed: int = 0
+    backend: str = "auto"
+    device: str | None = None
+    timeout: float = 3600.0
+    cache_dir: str | None = None  # where the default corpus is cached (tests use a temporary one)
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def model_config(self) -> GPTConfig:
+        """The named config with --layers/--hidden/--heads/--vocab applied (its position table is kept:
+        --seq-len trains on windows up to that length)."""
+        return gpt_config(
+            self.config, layers=self.layers, hidden=self.hidden, heads=self.heads, vocab=self.vocab
+        )
+
+    @property
+    def train_seq_len(self) -> int:
+        if self.seq_len is not None:
+            return self.seq_len
+        on_gpu = self.device == "cuda" or (self.device is None and torch.cuda.is_available())
+        return self.model_config.seq_len if on_gpu else min(self.model_config.seq_len, CPU_SEQ_LEN)
+
+    def world_size(self) -> int:
+        return plan_ranks(self.nproc, default=1).world_size
+
+    def mesh_shape(self, world_size: int) -> MeshShape:
+        return MeshShape.infer(world_size, dp=self.dp, tp=self.tp, pp=self.pp)
+
+    def accumulation(self, dp: int) -> int:
+        """Micro-batches per rank per step: global batch = dp · micro-batch · accumulation."""
+        return self.global_batch // (dp * self.per_rank_micro_batch(dp))
+
+    def per_rank_micro_batch(self, dp: int) -> int:
+        return self.micro_batch if self.micro_batch is not None else self.global_batch // dp
+
+    @property
+    def warmup_steps(self) -> int:
+        return self.warmup if self.warmup is not None else self.steps // 10
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def comm_timeout(self) -> float:
+        return wait_timeout(self.timeout)
+
+    def load_data(self) -> TokenSplits:
+        """The token stream (``--data`` or the default corpus) split into training and validation."""
+        tokens: np.ndarray
+        if self.data is None:
+            tokens, name = default_corpus(self.cache_dir), DEFAULT_CORPUS
+        else:
+            tokens, name = load_tokens(self.data), Path(self.data).name
+        return TokenSplits.split(name, tokens, self.train_seq_len)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> GPTTrainConfig:
+        """Raise ValueError (FileNotFoundError for missing paths) naming the fix; return self."""
+        from meshwise.train.gpt.parallelize import check_supported  # the seam knows what has landed
+
+        check_supported(self)
+        if self.nproc is not None and self.nproc < 1:
+            raise ValueError(f"-np must be at least 1, got {self.nproc}")
+        model = self.model_config
+        if self.train_seq_len < 1 or self.train_seq_len > model.seq_len:
+            raise ValueError(
+                f"--seq-len {self.train_seq_len} is outside 1..{model.seq_len}, the position table of "
+                f"{self.config}: lower --seq-len or pick a config with a longer context"
+            )
+        shape = self.mesh_shape(self.world_size())
+        self._check_numbers()
+        if self.global_batch % shape.dp:
+            raise ValueError(
+                f"--global-batch {self.global_batch} is not divisible by dp = {shape.dp}: choose a multiple "
+                f"of {shape.dp} so every data-parallel rank gets the same number of sequences"
+            )
+        micro = self.per_rank_micro_batch(shape.dp)
+        if micro < 1 or self.global_batch % (shape.dp * micro):
+            raise ValueError(
+                f"--micro-batch {micro} does not divide the per-rank batch {self.global_batch // shape.dp} "
+                f"(--global-batch {self.global_batch} / dp {shape.dp}): choose a divisor of it"
+            )
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda was asked for but CUDA is not available here; use --device cpu")
+        check_backend(self.backend, what="--backend")
+        self.load_data().check_vocab(model.vocab)  # builds the default corpus once, before ranks start
+        self._check_checkpoint(model)
+        return self
+
+    def _check_numbers(self) -> None:
+        positive = {
+            "--steps": self.steps,
+            "--global-batch": self.global_batch,
+            "--eval-every": self.eval_every,
+            "--eval-windows": self.eval_windows,
+        }
+        for flag, value in positive.items():
+            if value < 1:
+                raise ValueError(f"{flag} must be at least 1, got {value}")
+        if self.micro_batch is not None and self.micro_batch < 1:
+            raise ValueError(f"--micro-batch must be at least 1, got {self.micro_batch}")
+        for flag, value in (("--lr", self.lr), ("--min-lr", self.min_lr)):
+            if not (math.isfinite(value) and value >= 0) or (flag == "--lr" and value == 0):
+                raise ValueError(f"{flag} must be a positive number, got {value}")
+        if self.min_lr > self.lr:
+            raise ValueError(f"--min-lr {self.min_lr} is above --lr {self.lr}: the cosine decays to it")
+        if not 0 <= self.warmup_steps < self.steps:
+            raise ValueError(
+                f"--warmup must be in 0..{self.steps - 1} (fewer than --steps), got {self.warmup_steps}"
+            )
+        if not (math.isfinite(self.grad_clip) and self.grad_clip >= 0):
+            raise ValueError(f"--grad-clip must be ≥ 0 (0 turns clipping off), got {self.grad_clip}")
+        if not 0 <= self.weight_decay < 1:
+            raise ValueError(f"--weight-decay must be in [0, 1), got {self.weight_decay}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype {self.dtype!r} is unknown; choose {' or '.join(DTYPES)}")
+        if self.sample < 0:
+            raise ValueError(f"--sample must be a number of tokens ≥ 0, got {self.sample}")
+        if not 0 <= self.seed < 2**63:
+            raise ValueError(f"--seed must be in 0 .. 2**63-1, got {self.seed}")
+        if self.timeout <= 0:
+            raise ValueError(f"--timeout must be positive seconds, got {self.timeout}")
+
+    def _check_checkpoint(self, model: GPTConfig) -> None:
+        from meshwise.train.gpt.checkpoint import RUN_FILE, read_run
+
+        if self.checkpoint is None:
+            if self.resume:
+                raise ValueError("--resume needs --checkpoint DIR: the directory of the run to continue")
+            return
+        directory = Path(self.checkpoint)
+        if directory.exists() and not directory.is_dir():
+            raise ValueError(f"--checkpoint {directory} is a file; pass a directory")
+        if not self.resume:
+            if (directory / RUN_FILE).exists():
+                raise ValueError(
+                    f"{directory / RUN_FILE} already exists; pass --resume to continue that run, or choose "
+                    "another --checkpoint"
+                )
+            return
+        run = read_run(directory)
+        saved = GPTConfig(**run["model"])
+        if saved != model:
+            raise ValueError(f"{directory} holds a run of {saved}, not of {model}: pass the same model flags")
+        for key in ("global_batch", "seed", "train_seq_len"):
+            if run["run"][key] != getattr(self, key):
+                raise ValueError(
+                    f"{directory} was trained with {key} {run['run'][key]}, not {getattr(self, key)}: resume "
+                    "with the same value (the data order depends on it)"
+                )
+        if run["step"] >= self.steps:
+            raise ValueError(
+                f"{directory} has already completed {run['step']} of --steps {self.steps}; pass a larger "
+                "--steps to train further"
+            )

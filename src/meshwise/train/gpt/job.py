@@ -1,0 +1,16 @@
+"""Start a GPT run: on the ranks a launcher started, or on ``-np`` local ranks spawned here."""
+
+from __future__ import annotations
+
+from meshwise.runtime.on_ranks import run_on_ranks
+from meshwise.train.gpt.config import GPTTrainConfig
+from meshwise.train.gpt.loop import train_gpt_rank_main
+from meshwise.train.gpt.report import GPTResult
+
+
+def run_gpt_training(config: GPTTrainConfig) -> GPTResult | None:
+    """Validate ``config`` (building the default corpus if needed), train, return rank 0's result."""
+    config.validate()
+    return run_on_ranks(
+        train_gpt_rank_main, (config,), nproc=config.nproc, default=1, deadline=config.timeout
+    )

@@ -1,0 +1,228 @@
+"""The GPT training loop every rank runs: batches, steps, evaluation, checkpoints, progress, sample.
+
+It is strategy-agnostic: the model is cut and stepped by the :class:`ParallelStep` that
+:func:`~meshwise.train.gpt.parallelize.parallelize` returns, so ZeRO, tensor and pipeline parallelism
+reuse this loop unchanged. Data and learning rate are pure functions of the step (see
+:mod:`meshwise.data.windows` and :mod:`meshwise.train.gpt.schedule`), so a resumed run restores only
+model and optimizer state and continues exactly.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, replace
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from meshwise.comm.api import ReduceOp
+from meshwise.data.tokens import ByteTokenizer
+from meshwise.data.windows import train_batch, val_batches
+from meshwise.models.gpt import GPT
+from meshwise.train.gpt import checkpoint
+from meshwise.train.gpt.config import GPTTrainConfig
+from meshwise.train.gpt.parallelize import parallelize
+from meshwise.train.gpt.peak import peak_flops
+from meshwise.train.gpt.report import GPTResult, StepStats, step_line
+from meshwise.train.gpt.schedule import lr_at
+from meshwise.world import World, init, shutdown
+
+SAMPLE_PROMPT = "\ndef "
+
+
+def train_gpt_rank_main(config: GPTTrainConfig) -> GPTResult | None:
+    """Join the job on the config's mesh, train, leave; rank 0 returns the result (the others None)."""
+    shape = config.mesh_shape(config.world_size())
+    world = init(config.backend, device=config.device, timeout=config.comm_timeout, mesh=shape)
+    try:
+        result = GPTTrainer(world, config).run()
+    finally:
+        shutdown()
+    return result if world.is_main else None
+
+
+class GPTTrainer:
+    """One rank's share of a GPT training run."""
+
+    def __init__(self, world: World, config: GPTTrainConfig) -> None:
+        self.world, self.config = world, config
+        self.mesh = world.mesh
+        self.dp, self.dp_rank = self.mesh.shape.dp, self.mesh.coordinates["dp"]
+        self.splits = config.load_data()
+        self.model_config = config.model_config
+        self.seq_len = config.train_seq_len
+        self.micro_batch = config.per_rank_micro_batch(self.dp)
+        torch.manual_seed(config.seed)
+        model = GPT(self.model_config).to(world.device)
+        self.step_runner = parallelize(model, self.mesh, config)
+        self.history: list[StepStats] = []
+        self.first_step = 0
+        self.initial_val_loss: float | None = None  # before the first step: the baseline learning beats
+        self.checkpoint_path: str | None = None
+        if config.resume:
+            self._restore()
+        self.console = Console(soft_wrap=True)
+
+    # ------------------------------------------------------------------ checkpoints
+    def _run_record(self) -> dict:
+        run = {key: getattr(self.config, key) for key in ("global_batch", "seed", "steps", "config")}
+        return {
+            "model": asdict(self.model_config),
+            "run": run | {"train_seq_len": self.seq_len},
+            "world_size": self.world.world_size,
+            "initial_val_loss": self.initial_val_loss,
+            "history": [asdict(s) for s in self.history],
+        }
+
+    def save_checkpoint(self, step: int) -> None:
+        """Collective: write the DCP checkpoint of ``step`` steps completed."""
+        assert self.config.checkpoint is not None
+        path = checkpoint.save(
+            self.config.checkpoint,
+            step,
+            self.step_runner.state_dict(),
+            self._run_record(),
+            is_main=self.world.is_main,
+            barrier=self.world.comm.barrier,
+        )
+        self.checkpoint_path = str(path)
+
+    def _restore(self) -> None:
+        assert self.config.checkpoint is not None
+        state = self.step_runner.state_dict()
+        run = checkpoint.load(self.config.checkpoint, state)
+        self.step_runner.load_state_dict(state)
+        self.first_step = int(run["step"])
+        self.history = [StepStats(**s) for s in run["history"]]
+        self.initial_val_loss = run["initial_val_loss"]
+
+    # ------------------------------------------------------------------ steps
+    def micro_batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This dp rank's micro-batches of 0-based ``step`` (its slice of the same global batch)."""
+        inputs, targets = train_batch(
+            self.splits, self.seq_len, self.config.global_batch, self.config.seed, step, self.dp_rank, self.dp
+        )
+        device = self.world.device
+        return [
+            (x.to(device), y.to(device))
+            for x, y in zip(inputs.split(self.micro_batch), targets.split(self.micro_batch), strict=True)
+        ]
+
+    def train_step(self, step: int) -> StepStats:
+        """One optimizer step (0-based ``step``); the returned loss is the global batch's mean."""
+        config, runner = self.config, self.step_runner
+        started = time.perf_counter()
+        lr = lr_at(step, lr=config.lr, min_lr=config.min_lr, warmup=config.warmup_steps, steps=config.steps)
+        for group in runner.optimizer.param_groups:
+            group["lr"] = lr
+        runner.optimizer.zero_grad(set_to_none=True)
+        local = runner.forward_backward(self.micro_batches(step))
+        norm = runner.clip_grad_norm(config.grad_clip)
+        runner.optimizer.step()
+        loss = torch.tensor([local], dtype=torch.float64)
+        self.mesh.dp.all_reduce(loss, ReduceOp.AVG)
+        return StepStats(
+            step + 1, loss.item(), lr, norm, time.perf_counter() - started, config.global_batch * self.seq_len
+        )
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean next-token loss over the fixed validation windows, summed over the dp ranks."""
+        self.step_runner.model.eval()
+        totals = torch.zeros(2, dtype=torch.float64)
+        for inputs, targets in val_batches(
+            self.splits, self.seq_len, self.config.eval_windows, self.micro_batch, self.dp_rank, self.dp
+        ):
+            loss = self.step_runner.eval_loss_sum(inputs.to(self.world.device), targets.to(self.world.device))
+            totals += torch.tensor([loss.item(), targets.numel()], dtype=torch.float64)
+        self.step_runner.model.train()
+        self.mesh.dp.all_reduce(totals, ReduceOp.SUM)
+        return (totals[0] / totals[1]).item()
+
+    def sample(self, tokens: int) -> str:
+        """``tokens`` generated after a fixed prompt (bytes decoded as text; ids shown for a larger vocab)."""
+        model = self.step_runner.full_model()
+        model.eval()
+        tokenizer = ByteTokenizer()
+        prompt = torch.tensor(tokenizer.encode(SAMPLE_PROMPT).astype("int64"), device=self.world.device)
+        generator = torch.Generator(device=self.world.device).manual_seed(self.config.seed)
+        out = model.generate(prompt[None], tokens, temperature=0.8, top_k=40, generator=generator)[0].tolist()
+        model.train()
+        return tokenizer.decode(out) if self.model_config.vocab <= 256 else " ".join(map(str, out))
+
+    # ------------------------------------------------------------------ the run
+    def _peak(self) -> tuple[float, str]:
+        """All ranks' peak FLOP/s, measured at the same moment (ranks may share cores)."""
+        self.world.comm.barrier()
+        mine, source = peak_flops(self.world.device, self.config.torch_dtype)
+        total = torch.tensor([mine], dtype=torch.float64)
+        self.world.comm.all_reduce(total, ReduceOp.SUM)
+        return total.item(), source
+
+    def run(self) -> GPTResult:
+        config, world = self.config, self.world
+        parameters = sum(p.numel() for p in self.step_runner.full_model().parameters())
+        flops = replace(self.model_config, seq_len=self.seq_len).flops_per_token()
+        peak, source = self._peak()
+        if world.is_main:
+            self.console.print(
+                f"meshwise train gpt: {config.config} ({parameters:,} parameters) on {self.splits.name} "
+                f"({len(self.splits.train):,} training tokens), {world.world_size} rank"
+                f"{'s' if world.world_size > 1 else ''} × {world.device} over {world.backend}, "
+                f"global batch {config.global_batch} × {self.seq_len}"
+            )
+        if self.first_step == 0:
+            self.initial_val_loss = self.evaluate()
+        started = time.perf_counter()
+        with Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeRemainingColumn(),
+            TextColumn("{task.fields[status]}"),
+            console=self.console,
+            transient=True,
+            disable=not (world.is_main and self.console.is_terminal),
+        ) as progress:
+            task = progress.add_task("train", total=config.steps, completed=self.first_step, status="")
+            for step in range(self.first_step, config.steps):
+                stats = self.train_step(step)
+                last = step + 1 == config.steps
+                if (step + 1) % config.eval_every == 0 or last:
+                    stats = replace(stats, val_loss=self.evaluate())
+                self.history.append(stats)
+                mfu = stats.tokens_per_second * flops / peak
+                progress.update(
+                    task, advance=1, status=f"loss {stats.loss:.3f}  {stats.tokens_per_second:,.0f} tok/s"
+                )
+                if stats.val_loss is not None:
+                    if world.is_main:
+                        progress.console.print(step_line(stats, config.steps, mfu))
+                    if config.checkpoint is not None:
+                        self.save_checkpoint(step + 1)
+        text = self.sample(config.sample) if config.sample and world.is_main else None
+        return GPTResult(
+            model=config.config,
+            parameters=parameters,
+            dataset=self.splits.name,
+            world_size=world.world_size,
+            mesh=f"dp={self.dp} tp={self.mesh.shape.tp} pp={self.mesh.shape.pp}",
+            backend=world.backend,
+            device=str(world.device),
+            dtype=config.dtype,
+            global_batch=config.global_batch,
+            micro_batch=self.micro_batch,
+            accumulation=config.accumulation(self.dp),
+            seq_len=self.seq_len,
+            steps=config.steps,
+            first_step=self.first_step,
+            initial_val_loss=self.initial_val_loss,
+            history=tuple(self.history),
+            flops_per_token=flops,
+            peak_flops=peak,
+            peak_source=source,
+            wall_seconds=time.perf_counter() - started,
+            checkpoint=self.checkpoint_path,
+            sample=text,
+        )

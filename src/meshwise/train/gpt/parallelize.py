@@ -1,0 +1,173 @@
+"""The seam between the GPT training loop and the parallel strategies.
+
+The loop (:mod:`meshwise.train.gpt.loop`) knows nothing about how the model is cut. It asks
+:func:`parallelize` for a :class:`ParallelStep` — this rank's part of the model, its optimizer, and how
+one step's micro-batches turn into gradients — and then only calls that object's methods. A strategy
+plugs in by adding one entry to :data:`STRATEGIES`:
+
+    STRATEGIES["zero"] = build_zero_step      # (model, mesh, config) -> ParallelStep
+
+and naming itself in :func:`strategy_name`. Until a strategy has landed, :func:`check_supported` refuses
+its flags before any rank starts with a "not yet" error naming the issue that brings it.
+
+What a ParallelStep must guarantee, so the loop and its tests stay valid for every strategy:
+
+- ``forward_backward(micro_batches)`` leaves in the gradients (or their shards) the mean over the
+  *global* batch — the dp ranks' micro-batches together — and returns this rank's mean micro-batch loss;
+- ``clip_grad_norm(max_norm)`` clips by the norm of the *whole* model's gradient (a sharded strategy
+  reduces the squares of its shards) and returns that norm;
+- ``state_dict()`` / ``load_state_dict()`` give model and optimizer state keyed by the plain model's
+  parameter names (DCP reshards between layouts by those names);
+- ``full_model()`` on rank 0 returns a module whose ``generate`` works (for ``--sample``).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from meshwise.comm.mesh import Mesh
+from meshwise.models.gpt import GPT, language_model_loss
+from meshwise.parallel import DataParallel
+from meshwise.train.gpt.config import GPTTrainConfig
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+#: Flags whose strategies have not landed yet → the issue that brings them.
+NOT_YET = {
+    "tp": "tensor parallelism (issue 17)",
+    "sp": "sequence parallelism (issue 17)",
+    "pp": "pipeline parallelism (issue 18)",
+    "zero": "ZeRO (issue 16)",
+}
+
+
+class ParallelStep(ABC):
+    """One rank's view of a parallel training step (see the module docstring for the contract)."""
+
+    model: nn.Module  # what this rank holds and runs forward on
+    optimizer: torch.optim.Optimizer
+
+    def __init__(self, config: GPTTrainConfig, device: torch.device) -> None:
+        self.device = device
+        self.dtype = config.torch_dtype
+
+    def autocast(self) -> AbstractContextManager[Any]:
+        """bf16 mixed precision: weights, gradients and optimizer stay fp32; matmuls run in bf16."""
+        if self.dtype == torch.float32:
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=self.dtype)
+
+    @abstractmethod
+    def forward_backward(self, micro_batches: Sequence[Batch]) -> float: ...
+
+    @abstractmethod
+    def clip_grad_norm(self, max_norm: float) -> float: ...
+
+    @abstractmethod
+    def eval_loss_sum(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor: ...
+
+    @abstractmethod
+    def full_model(self) -> GPT: ...
+
+    def state_dict(self) -> dict[str, Any]:
+        model, optim = get_state_dict(self.full_model(), self.optimizer)
+        return {"model": model, "optim": optim}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        set_state_dict(
+            self.full_model(),
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+        )
+
+
+def build_optimizer(model: nn.Module, config: GPTTrainConfig) -> torch.optim.AdamW:
+    """AdamW as GPT-2 is trained: weight decay on matrices and embeddings only, not on biases and
+    LayerNorm gains (decaying those only pulls them from their useful values), betas (0.9, 0.95)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    rest = [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": rest, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.95))
+
+
+class DataParallelStep(ParallelStep):
+    """Every dp rank holds the whole model; gradients are averaged by :class:`DataParallel` once per step
+    (the first micro-batches accumulate under ``no_sync``)."""
+
+    def __init__(self, model: GPT, mesh: Mesh, config: GPTTrainConfig) -> None:
+        super().__init__(config, next(model.parameters()).device)
+        self.model = DataParallel(model, mesh.dp)
+        self.optimizer = build_optimizer(model, config)
+
+    def forward_backward(self, micro_batches: Sequence[Batch]) -> float:
+        total = 0.0
+        for i, (inputs, targets) in enumerate(micro_batches):
+            last = i == len(micro_batches) - 1
+            with self.model.no_sync() if not last else nullcontext(), self.autocast():
+                loss = language_model_loss(self.model(inputs), targets)
+            (loss / len(micro_batches)).backward()
+            total += loss.item()
+        return total / len(micro_batches)
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        params = self.model.module.parameters()
+        if max_norm > 0:
+            return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        return float(torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None]))
+
+    @torch.no_grad()
+    def eval_loss_sum(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        with self.autocast():
+            logits = self.model.module(inputs)
+        return torch.nn.functional.cross_entropy(
+            logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum"
+        )
+
+    def full_model(self) -> GPT:
+        return self.model.module
+
+
+#: strategy name → builder; the other parallelism issues add their entries here.
+STRATEGIES: dict[str, Callable[[GPT, Mesh, GPTTrainConfig], ParallelStep]] = {"dp": DataParallelStep}
+
+
+def strategy_name(config: GPTTrainConfig) -> str:
+    """Which strategy a config asks for (one name per combination a builder supports)."""
+    asked = [
+        flag
+        for flag, on in (
+            ("tp", config.tp > 1),
+            ("pp", config.pp > 1),
+            ("zero", config.zero > 0),
+            ("sp", config.sp),
+        )
+        if on
+    ]
+    return "+".join(asked) if asked else "dp"
+
+
+def check_supported(config: GPTTrainConfig) -> None:
+    """A clear error, before any rank starts, for a strategy that has not landed yet."""
+    name = strategy_name(config)
+    if name not in STRATEGIES:
+        missing = [NOT_YET[flag] for flag in name.split("+")]
+        flags = " ".join(f"--{flag}" for flag in name.split("+"))
+        raise ValueError(
+            f"{flags}: {' and '.join(missing)} is not available in meshwise train gpt yet; train with data "
+            "parallelism for now (-np N, optionally --dp N and --micro-batch for accumulation)"
+        )
+
+
+def parallelize(model: GPT, mesh: Mesh, config: GPTTrainConfig) -> ParallelStep:
+    """This rank's :class:`ParallelStep` for ``model`` (built identically on every rank) over ``mesh``."""
+    check_supported(config)
+    return STRATEGIES[strategy_name(config)](model, mesh, config)

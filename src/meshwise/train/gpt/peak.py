@@ -1,0 +1,68 @@
+"""Peak FLOP/s for MFU: the datasheet figure on known GPUs, a measured matmul rate elsewhere.
+
+MFU (model FLOPs utilisation, PaLM's definition) divides the FLOPs the model needs per second — 6N plus
+the attention term per token, times tokens/s — by what the hardware could do. On a GPU that is the
+vendor's dense tensor-core peak for the dtype. A CPU has no such published figure for the cores this
+rank got, so the denominator is measured: the best rate of a large square matmul on this rank's threads,
+at the same moment the other ranks measure theirs (so ranks sharing cores are not each credited the
+whole machine).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+#: Dense peak TFLOP/s by GPU name fragment: (bf16 tensor core, fp32 with TF32 tensor cores).
+GPU_PEAK_TFLOPS: dict[str, tuple[float, float]] = {
+    "H200": (989.4, 494.7),
+    "H100": (989.4, 494.7),
+    "A100": (312.0, 156.0),
+    "L40S": (362.1, 181.0),
+    "L4": (121.0, 60.0),
+    "A10": (125.0, 62.5),
+}
+
+
+def table_peak(device: torch.device, dtype: torch.dtype) -> float | None:
+    """Datasheet FLOP/s of a known CUDA device in ``dtype`` (bf16 or fp32), else None."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for fragment, (bf16, fp32) in GPU_PEAK_TFLOPS.items():
+        if fragment in name:
+            return (bf16 if dtype == torch.bfloat16 else fp32) * 1e12
+    return None
+
+
+def measured_peak(
+    device: torch.device, dtype: torch.dtype, *, size: int = 512, seconds: float = 0.5
+) -> float:
+    """Best FLOP/s of ``size``² matmuls: at least 5 timed after a warm-up, and about ``seconds`` of them
+    (the best of several, because a rank sharing its cores is interrupted now and then)."""
+    a = torch.randn(size, size, device=device).to(dtype)
+    b = torch.randn(size, size, device=device).to(dtype)
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    a @ b
+    sync()
+    best, deadline, runs = 0.0, time.perf_counter() + seconds, 0
+    while runs < 5 or time.perf_counter() < deadline:
+        started = time.perf_counter()
+        a @ b
+        sync()
+        best = max(best, 2 * size**3 / (time.perf_counter() - started))
+        runs += 1
+    return best
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
+    """This rank's peak FLOP/s and where it came from (``"datasheet"`` or ``"measured"``)."""
+    known = table_peak(device, dtype)
+    if known is not None:
+        return known, "datasheet"
+    return measured_peak(device, dtype), "measured"

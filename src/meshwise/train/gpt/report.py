@@ -1,0 +1,120 @@
+"""What a GPT run reports: one record per step (reduced over the ranks) and the final summary."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """One optimizer step: loss averaged over the global batch, throughput over all ranks."""
+
+    step: int  # 1-based
+    loss: float
+    lr: float
+    grad_norm: float
+    seconds: float
+    tokens: int  # tokens in the global batch
+    val_loss: float | None = None
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class GPTResult:
+    """The run as rank 0 saw it."""
+
+    model: str
+    parameters: int
+    dataset: str
+    world_size: int
+    mesh: str
+    backend: str
+    device: str
+    dtype: str
+    global_batch: int
+    micro_batch: int
+    accumulation: int
+    seq_len: int
+    steps: int
+    first_step: int  # 0, or the step a resumed run continued from
+    initial_val_loss: float | None  # before any training
+    history: tuple[StepStats, ...]
+    flops_per_token: int
+    peak_flops: float  # all ranks together
+    peak_source: str
+    wall_seconds: float
+    checkpoint: str | None
+    sample: str | None = None
+
+    @property
+    def trained(self) -> tuple[StepStats, ...]:
+        return tuple(s for s in self.history if s.step > self.first_step)
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Median over this invocation's steps after the first (which pays for warm-up)."""
+        rates = sorted(s.tokens_per_second for s in self.trained[1:] or self.trained)
+        return rates[len(rates) // 2] if rates else 0.0
+
+    @property
+    def mfu(self) -> float:
+        return self.tokens_per_second * self.flops_per_token / self.peak_flops if self.peak_flops else 0.0
+
+    @property
+    def val_losses(self) -> list[tuple[int, float]]:
+        """(step, validation loss) pairs, step 0 being the untrained model."""
+        start = [] if self.initial_val_loss is None else [(0, self.initial_val_loss)]
+        return start + [(s.step, s.val_loss) for s in self.history if s.val_loss is not None]
+
+    def summary(self) -> str:
+        lines = ["", "===== GPT TRAINING SUMMARY ====="]
+        lines.append(f"Model               = {self.model} ({self.parameters:,} parameters) on {self.dataset}")
+        lines.append(
+            f"Ranks               = {self.world_size} × {self.device} ({self.backend}), mesh {self.mesh}"
+        )
+        lines.append(
+            f"Batch               = {self.global_batch} × {self.seq_len} tokens global "
+            f"({self.micro_batch}/rank × {self.accumulation} micro-batches), {self.dtype}"
+        )
+        resumed = f", resumed after step {self.first_step}" if self.first_step else ""
+        lines.append(f"Steps               = {len(self.trained)} run{resumed}, {self.steps} in total")
+        if self.val_losses:
+            first, last = self.val_losses[0], self.val_losses[-1]
+            lines.append(
+                f"Validation loss     = {last[1]:.4f} at step {last[0]} (was {first[1]:.4f} at step "
+                f"{first[0]})"
+            )
+        lines.append(f"Final train loss    = {self.history[-1].loss:.4f}")
+        lines.append(f"Throughput          = {self.tokens_per_second:,.0f} tokens/s (median step)")
+        lines.append(
+            f"MFU                 = {100 * self.mfu:.1f} % of {self.peak_flops / 1e9:,.1f} GFLOP/s "
+            f"({self.peak_source} peak, all ranks)"
+        )
+        lines.append(f"Wall time           = {self.wall_seconds:.3f} s")
+        if self.checkpoint:
+            lines.append(f"Checkpoint          = {self.checkpoint}")
+        if self.sample is not None:
+            lines += ["", "----- sample -----", self.sample, "------------------"]
+        return "\n".join(lines)
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["history"] = [asdict(s) | {"tokens_per_second": s.tokens_per_second} for s in self.history]
+        data.update(
+            tokens_per_second=self.tokens_per_second,
+            mfu=self.mfu,
+            final_val_loss=self.val_losses[-1][1] if self.val_losses else None,
+        )
+        return data
+
+
+def step_line(stats: StepStats, steps: int, mfu: float) -> str:
+    val = f"  val {stats.val_loss:.4f}" if stats.val_loss is not None else ""
+    return (
+        f"step {stats.step:>{len(str(steps))}}/{steps}  loss {stats.loss:.4f}{val}  lr {stats.lr:.2e}  "
+        f"|g| {stats.grad_norm:.2f}  {stats.tokens_per_second:8,.0f} tok/s  MFU {100 * mfu:4.1f}%"
+    )

@@ -1,0 +1,269 @@
+"""``meshwise train gpt``: parity of data parallelism with one process, learning, exact resume, bad input.
+
+The parity test follows the DDP test's recipe: every rank runs the real trainer on its dp slice (with
+gradient accumulation) and, beside it, a one-process reference written here from plain pieces (the full
+global batch, micro-batches accumulated, the same AdamW, schedule and clipping) and compares losses and
+parameters after every step. The parameter tolerance, 1e-5 at lr 1e-3, is about 1 % of one Adam update:
+Adam divides a gradient by its own magnitude, so where the per-token contributions to a gradient nearly
+cancel, the summation order (6 micro-batches here, 3 × 2 there plus an all-reduce) shows up in that one
+coordinate's first update, and then stays constant rather than growing.
+"""
+
+from __future__ import annotations
+
+import json
+import sysconfig
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import meshwise
+from meshwise.cli import main
+from meshwise.comm.mesh import MeshShape
+from meshwise.data.tokens import write_tokens
+from meshwise.data.windows import train_batch
+from meshwise.models.gpt import GPT, language_model_loss
+from meshwise.runtime.spawn import spawn
+from meshwise.train.gpt import GPTTrainConfig
+from meshwise.train.gpt.loop import GPTTrainer
+from meshwise.train.gpt.parallelize import build_optimizer
+from meshwise.train.gpt.schedule import lr_at
+
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory) -> str:
+    """About 200 kB of real Python source: learnable, and no corpus build in the tests."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    body = b"".join((stdlib / name).read_bytes() for name in ("inspect.py", "argparse.py"))
+    path = tmp_path_factory.mktemp("data") / "source.txt"
+    path.write_bytes(body)
+    return str(path)
+
+
+def _tiny(text: str, **overrides) -> GPTTrainConfig:
+    settings = {
+        "config": "gpt-tiny",
+        "data": text,
+        "seq_len": 32,
+        "global_batch": 12,
+        "micro_batch": 2,
+        "steps": 50,
+        "warmup": 2,
+        "lr": 1e-3,
+        "backend": "gloo",
+    }
+    return GPTTrainConfig(**(settings | overrides))
+
+
+# ---------------------------------------------------------------------------------------------- parity
+def _parity(data: str) -> dict[str, float]:
+    world = meshwise.init("gloo", timeout=60)
+    config = _tiny(data)
+    try:
+        trainer = GPTTrainer(world, config)
+        torch.manual_seed(config.seed)
+        reference = GPT(config.model_config)
+        optimizer = build_optimizer(reference, config)
+        worst = {"loss": 0.0, "params": 0.0, "micro-batches": trainer.config.accumulation(world.world_size)}
+        for step in range(STEPS):
+            stats = trainer.train_step(step)
+            lr = lr_at(
+                step, lr=config.lr, min_lr=config.min_lr, warmup=config.warmup_steps, steps=config.steps
+            )
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            optimizer.zero_grad()
+            inputs, targets = train_batch(trainer.splits, 32, config.global_batch, config.seed, step, 0, 1)
+            losses = []
+            for x, y in zip(inputs.split(2), targets.split(2), strict=True):
+                loss = language_model_loss(reference(x), y)
+                (loss / 6).backward()
+                losses.append(loss.item())
+            torch.nn.utils.clip_grad_norm_(reference.parameters(), config.grad_clip)
+            optimizer.step()
+            worst["loss"] = max(worst["loss"], abs(stats.loss - sum(losses) / 6))
+            ours = trainer.step_runner.full_model()
+            diff = max(
+                (p - q).abs().max().item()
+                for p, q in zip(ours.parameters(), reference.parameters(), strict=True)
+            )
+            worst["params"] = max(worst["params"], diff)
+        return worst
+    finally:
+        meshwise.shutdown()
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_data_parallel_with_accumulation_matches_one_process(text: str, ranks: int) -> None:
+    for result in spawn(_parity, ranks, args=(text,), timeout=100):
+        assert result["micro-batches"] == 6 // ranks  # 12 sequences = ranks × 2 × accumulation
+        assert result["loss"] < 1e-5
+        assert result["params"] < 1e-5
+
+
+# ---------------------------------------------------------------------------------------------- resume
+def _resume(data: str, root: str) -> dict[str, object]:
+    world = meshwise.init("gloo", timeout=60)
+    try:
+        small = {"steps": 6, "eval_every": 3, "global_batch": 4, "micro_batch": None}
+        straight = GPTTrainer(world, _tiny(data, **small))
+        expected = [straight.train_step(step).loss for step in range(6)]
+        config = _tiny(data, **small, checkpoint=root)
+        interrupted = GPTTrainer(world, config)
+        for step in range(3):
+            interrupted.history.append(interrupted.train_step(step))
+        interrupted.save_checkpoint(3)  # the job dies after this checkpoint
+        del interrupted
+        resumed = GPTTrainer(world, replace(config, resume=True))
+        losses = [resumed.train_step(step).loss for step in range(3, 6)]
+        ours, theirs = (
+            straight.step_runner.full_model().state_dict(),
+            resumed.step_runner.full_model().state_dict(),
+        )
+        bf16 = GPTTrainer(world, _tiny(data, **small, dtype="bf16"))
+        bf16_losses = [bf16.train_step(step).loss for step in range(3)]
+        return {
+            "mesh": (world.mesh.shape, world.mesh.dp.world_size, world.mesh.tp.world_size),
+            "bf16 close to fp32": all(abs(x - y) < 0.05 for x, y in zip(bf16_losses, expected, strict=False)),
+            "first step": resumed.first_step,
+            "same losses": losses == expected[3:],
+            "same parameters": all(torch.equal(ours[k], theirs[k]) for k in ours),
+            "history": len(resumed.history),
+        }
+    finally:
+        meshwise.shutdown()
+
+
+def test_resume_continues_exactly_and_bf16_trains(text: str, tmp_path) -> None:
+    for result in spawn(_resume, 2, args=(text, str(tmp_path / "ckpt")), timeout=100):
+        assert result == {
+            "mesh": (MeshShape(dp=2), 2, 1),
+            "bf16 close to fp32": True,
+            "first step": 3,
+            "same losses": True,
+            "same parameters": True,
+            "history": 3,
+        }
+    run = json.loads((tmp_path / "ckpt" / "run.json").read_text())
+    assert run["step"] == 3 and (tmp_path / "ckpt" / "step-000003" / ".metadata").is_file()
+
+
+# ---------------------------------------------------------------------------------------------- learning
+def test_two_ranks_lower_validation_loss_by_30_percent_in_200_steps(text: str, tmp_path, capsys) -> None:
+    report = tmp_path / "run.json"
+    argv = [
+        "train",
+        "gpt",
+        "-np",
+        "2",
+        "--config",
+        "gpt-tiny",
+        "--data",
+        text,
+        "--seq-len",
+        "32",
+        "--global-batch",
+        "4",
+        "--steps",
+        "200",
+        "--eval-every",
+        "100",
+        "--eval-windows",
+        "32",
+        "--checkpoint",
+        str(tmp_path / "ckpt"),
+        "--sample",
+        "40",
+        "--json",
+        str(report),
+        "--backend",
+        "gloo",
+    ]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "===== GPT TRAINING SUMMARY =====" in out and "----- sample -----" in out
+    data = json.loads(report.read_text())
+    assert data["world_size"] == 2 and len(data["history"]) == 200
+    assert data["final_val_loss"] <= 0.7 * data["initial_val_loss"]
+    assert data["tokens_per_second"] > 0 and 0 < data["mfu"] < 1
+    assert len(data["sample"]) > len("\ndef ")
+    assert json.loads((tmp_path / "ckpt" / "run.json").read_text())["step"] == 200
+    # finishing is refused, continuing further is accepted, before any rank starts
+    assert main([*argv[:-6], "--checkpoint", str(tmp_path / "ckpt"), "--resume"]) == 2
+    assert "already completed 200 of --steps 200" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+def _bad_cases(text: str, tmp: Path) -> list[tuple[dict, str]]:
+    odd = tmp / "odd.bin"
+    odd.write_bytes(b"\x01\x00\x02")
+    big = write_tokens(tmp / "big.bin", np.array([1, 2, 300] * 1000))
+    short = tmp / "short.txt"
+    short.write_text("x = 1\n")
+    return [
+        ({"config": "gpt5"}, "unknown GPT config 'gpt5'"),
+        ({"heads": 5}, "not divisible by 5 heads"),
+        ({"seq_len": 65}, r"--seq-len 65 is outside 1\.\.64"),
+        ({"data": str(tmp / "missing.bin")}, "does not exist"),
+        ({"data": str(odd)}, "odd number"),
+        ({"data": str(big)}, "token id 300 but the model's vocabulary is 256: pass --vocab 301"),
+        ({"data": str(short)}, "fewer than one window"),
+        ({"nproc": 3, "dp": 2}, r"dp·tp·pp = 2·1·1 = 2 but 3 ranks were started"),
+        ({"nproc": 4, "tp": 2}, r"--tp: tensor parallelism \(issue 17\) is not available"),
+        ({"nproc": 2, "pp": 2}, r"--pp: pipeline parallelism \(issue 18\)"),
+        ({"zero": 1}, r"--zero: ZeRO \(issue 16\)"),
+        ({"nproc": 5}, "--global-batch 12 is not divisible by dp = 5"),
+        ({"nproc": 2, "micro_batch": 4}, "--micro-batch 4 does not divide the per-rank batch 6"),
+        ({"steps": 0}, "--steps must be at least 1"),
+        ({"warmup": 50}, "--warmup must be in 0..49"),
+        ({"min_lr": 1.0}, "--min-lr 1.0 is above --lr"),
+        ({"lr": float("nan")}, "--lr must be a positive number"),
+        ({"dtype": "fp8"}, "--dtype 'fp8' is unknown"),
+        ({"grad_clip": -1.0}, "--grad-clip must be ≥ 0"),
+        ({"resume": True}, "--resume needs --checkpoint"),
+        ({"checkpoint": str(odd)}, "is a file; pass a directory"),
+    ]
+
+
+def test_every_bad_setting_is_one_clear_error_before_any_rank_starts(text: str, tmp_path) -> None:
+    for overrides, match in _bad_cases(text, tmp_path):
+        with pytest.raises((ValueError, FileNotFoundError), match=match):
+            _tiny(text, **overrides).validate()
+    with pytest.raises(FileNotFoundError, match="nothing to resume"):
+        _tiny(text, checkpoint=str(tmp_path), resume=True).validate()
+
+
+def test_resume_refuses_a_different_run(text: str, tmp_path) -> None:
+    run = {
+        "format": "meshwise-gpt/1",
+        "step": 3,
+        "model": {"layers": 2, "hidden": 64, "heads": 4, "seq_len": 64, "vocab": 256, "dropout": 0.0},
+        "run": {"global_batch": 12, "seed": 0, "train_seq_len": 32},
+    }
+    (tmp_path / "step-000003").mkdir()
+    (tmp_path / "run.json").write_text(json.dumps(run))
+    with pytest.raises(ValueError, match="already exists; pass --resume"):
+        _tiny(text, checkpoint=str(tmp_path)).validate()
+    with pytest.raises(ValueError, match="holds a run of"):
+        _tiny(text, checkpoint=str(tmp_path), resume=True).validate()
+    _tiny(text, checkpoint=str(tmp_path), resume=True, layers=2).validate()
+    with pytest.raises(ValueError, match="trained with global_batch 12, not 6"):
+        _tiny(
+            text, checkpoint=str(tmp_path), resume=True, layers=2, global_batch=6, micro_batch=None
+        ).validate()
+
+
+def test_the_command_line_prints_one_error_line(capsys) -> None:
+    assert main(["train", "gpt", "-np", "2", "--tp", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("meshwise train gpt: error: --tp: tensor parallelism")
+
+
+def test_mesh_shape_is_inferred_from_the_ranks(text: str) -> None:
+    assert _tiny(text, dp=None).mesh_shape(4) == MeshShape(dp=4)
+    assert _tiny(text).accumulation(3) == 2 and _tiny(text, micro_batch=None).accumulation(3) == 1

@@ -1,0 +1,131 @@
+"""``meshwise train`` stopping safely: divergence, unusable or unwritable checkpoints, changed settings.
+
+Each failure must be one line on stderr with the right exit code, found before training where it can be,
+and must leave a good checkpoint on disk untouched.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import pytest
+
+from meshwise.cli import main
+from meshwise.train import TrainingError, read_checkpoint, save_checkpoint
+from meshwise.train.checkpoint import KEYS
+from meshwise.train.resume import resume_notes
+
+
+def _train(capsys, *args: str) -> tuple[int, str, str]:
+    code = main(["train", "mlp", "--backend", "gloo", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _one_line(err: str) -> str:
+    assert err.count("\n") == 1 and err.startswith("meshwise train: error: "), err
+    return err
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory):
+    """A real one-epoch mlp checkpoint (bytes), trained once for the whole module."""
+    directory = tmp_path_factory.mktemp("good")
+    assert main(["train", "mlp", "--backend", "gloo", "--epochs", "1", "--checkpoint", str(directory)]) == 0
+    return (directory / "checkpoint.pt").read_bytes()
+
+
+def _with_checkpoint(tmp_path, data: bytes):
+    (tmp_path / "checkpoint.pt").write_bytes(data)
+    return str(tmp_path)
+
+
+def test_divergence_stops_with_one_line_and_keeps_the_good_checkpoint(tmp_path, capsys, good):
+    directory = _with_checkpoint(tmp_path, good)
+    code, _, err = _train(capsys, "--epochs", "3", "--lr", "1e6", "--checkpoint", directory, "--resume")
+    assert code == 1
+    assert "training diverged: the loss became nan in epoch 2" in _one_line(err)
+    assert "the epoch-1 checkpoint is kept" in err and "lower --lr" in err
+    assert (tmp_path / "checkpoint.pt").read_bytes() == good
+
+
+def test_divergence_on_two_ranks_is_one_line_too(capsys):
+    code = main(["train", "mlp", "-np", "2", "--backend", "gloo", "--epochs", "1", "--lr", "1e6"])
+    assert code == 1
+    assert "training diverged" in _one_line(capsys.readouterr().err)
+
+
+def test_changed_hyper_parameters_on_resume_are_noted(tmp_path, capsys, good):
+    directory = _with_checkpoint(tmp_path, good)
+    code, out, _ = _train(
+        capsys, "--epochs", "2", "--lr", "0.02", "--seed", "3", "--checkpoint", directory, "--resume"
+    )
+    assert code == 0
+    assert "note: the checkpoint's run used lr 0.01; the remaining epochs use 0.02" in out
+    assert "note: --seed 3 differs from the checkpoint's 0" in out
+    assert "note: --epochs 2 differs from the checkpoint's 1" in out
+    assert read_checkpoint(directory)["epoch"] == 2
+
+
+def test_resume_notes_are_plain_data():
+    run = {"world_size": 2, "batch_size": 32, "base_lr": 0.01, "lr": 0.02, "seed": 0, "epochs": 4}
+    assert resume_notes(run, dict(run)) == []
+    notes = resume_notes(run, {**run, "world_size": 4, "lr": 0.04})
+    assert len(notes) == 2 and "4 × 32 changes the shards" in notes[0] and "use 0.04" in notes[1]
+
+
+def test_a_checkpoint_of_other_data_is_named(tmp_path, capsys):
+    state = {key: {} for key in KEYS} | {"model": "cnn", "epoch": 1, "dataset": "mnist"}
+    save_checkpoint(tmp_path, state)
+    code = main(
+        ["train", "cnn", "--backend", "gloo", "--epochs", "2", "--checkpoint", str(tmp_path), "--resume"]
+    )
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "was trained on mnist, but this run loads digits" in _one_line(err)
+
+
+@pytest.mark.parametrize(
+    "damage,message",
+    [
+        (lambda good: b"", "is empty: not a meshwise checkpoint (truncated or corrupt)"),
+        (lambda good: good[: len(good) // 2], "not a meshwise checkpoint (truncated or corrupt)"),
+        (lambda good: os.urandom(4096), "not a meshwise checkpoint (truncated or corrupt)"),
+    ],
+    ids=["empty", "truncated", "garbage"],
+)
+def test_damaged_checkpoints_are_one_line_with_exit_code_2(tmp_path, capsys, good, damage, message):
+    directory = _with_checkpoint(tmp_path, damage(good))
+    code, _, err = _train(capsys, "--epochs", "3", "--checkpoint", directory, "--resume")
+    assert code == 2 and message in _one_line(err)
+
+
+def test_an_incomplete_checkpoint_names_what_it_lacks(tmp_path, capsys):
+    save_checkpoint(tmp_path, {"model": "mlp"})
+    code, _, err = _train(capsys, "--epochs", "3", "--checkpoint", str(tmp_path), "--resume")
+    assert code == 2 and "not a complete meshwise checkpoint (no epoch, model_state" in _one_line(err)
+
+
+def test_an_unwritable_checkpoint_directory_is_refused_before_training(tmp_path, capsys):
+    (tmp_path / "file").write_text("x")
+    for directory in ("/proc/meshwise-checkpoints", str(tmp_path / "file" / "sub")):
+        code, out, err = _train(capsys, "--checkpoint", directory)
+        assert code == 2 and f"--checkpoint {directory} is not writable" in _one_line(err)
+        assert "epoch" not in out  # refused before any epoch ran
+
+
+def test_a_full_disk_keeps_the_previous_checkpoint(tmp_path, capsys, good):
+    directory = _with_checkpoint(tmp_path, good)
+    # the in-process rank (-np 1) writes its temporary file here: make it /dev/full, a device whose
+    # every write fails with ENOSPC, exactly as a full filesystem does
+    (tmp_path / f".checkpoint.pt.{os.getpid()}.tmp").symlink_to("/dev/full")
+    code, _, err = _train(capsys, "--epochs", "2", "--checkpoint", directory, "--resume")
+    assert code == 1
+    assert "no space left on device" in _one_line(err) and "the epoch-1 checkpoint is kept" in err
+    assert (tmp_path / "checkpoint.pt").read_bytes() == good
+
+
+def test_training_errors_keep_their_exit_code_across_processes():
+    error = pickle.loads(pickle.dumps(TrainingError("x", exit_code=2)))
+    assert (str(error), error.exit_code) == ("x", 2)
