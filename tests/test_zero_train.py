@@ -9,13 +9,15 @@ import meshwise
 from meshwise.cli import main
 from meshwise.runtime.spawn import spawn
 from meshwise.train import TrainConfig, run_training, save_checkpoint
+from meshwise.train.checkpoint import KEYS
 from meshwise.train.loop import Trainer
 
 
 def test_bad_strategies_are_refused_before_any_rank_starts(tmp_path):
     with pytest.raises(ValueError, match="--strategy 'zero4' is unknown"):
         TrainConfig("mlp", strategy="zero4").validate()
-    save_checkpoint(tmp_path, {"model": "mlp", "epoch": 1, "strategy": "zero2"})
+    written = {key: None for key in KEYS} | {"model": "mlp", "epoch": 1, "strategy": "zero2"}
+    save_checkpoint(tmp_path, written)
     with pytest.raises(ValueError, match="written with --strategy zero2; resume it with --strategy zero2"):
         TrainConfig("mlp", epochs=3, checkpoint=str(tmp_path), resume=True).validate()
 
