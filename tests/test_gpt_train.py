@@ -215,7 +215,6 @@ def _bad_cases(text: str, tmp: Path) -> list[tuple[dict, str]]:
         ({"data": str(short)}, "fewer than one window"),
         ({"nproc": 3, "dp": 2}, r"dp·tp·pp = 2·1·1 = 2 but 3 ranks were started"),
         ({"nproc": 4, "tp": 2}, r"--tp: tensor parallelism \(issue 17\) is not available"),
-        ({"nproc": 2, "pp": 2}, r"--pp: pipeline parallelism \(issue 18\)"),
         ({"zero": 1}, r"--zero: ZeRO \(issue 16\)"),
         ({"nproc": 5}, "--global-batch 12 is not divisible by dp = 5"),
         ({"nproc": 2, "micro_batch": 4}, "--micro-batch 4 does not divide the per-rank batch 6"),

@@ -19,7 +19,9 @@ broadcast, reduce, sendrecv                            1               the buffe
 
 The "count" column is the element count of the operation's parameter, as in nccl-tests: the whole buffer
 for all_reduce/broadcast/reduce/sendrecv and one slot (S / n) for the slotted collectives. A requested
-size is rounded down so every slot holds a whole number of elements.
+size is rounded down to whole elements; a slot is further rounded down to a multiple of 16 bytes, as
+nccl-tests does (3 ranks of float32 asked for 1K move 3 × 336 B = 1008 B), so that the same ``-b/-e``
+give the same rows in both tools. A size too small for one 16-byte slot per rank is a count-0 row.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ ROOTED = frozenset({"broadcast", "reduce", "gather", "scatter"})
 
 #: 1 GB/s as nccl-tests prints it: 10^9 bytes per second, not 2^30.
 GB = 1.0e9
+#: Slots of the slotted collectives are whole multiples of this many bytes (nccl-tests' alignment).
+SLOT_ALIGN_BYTES = 16
 
 
 def bus_factor(collective: str, world_size: int) -> float:
@@ -76,16 +80,15 @@ class Layout:
 
 
 def layout_for(collective: str, size_bytes: int, world_size: int, itemsize: int) -> Layout:
-    """The layout of a requested size, rounded down to whole elements (and whole slots)."""
+    """The layout of a requested size: whole elements, and for slotted collectives slots of whole
+    16-byte blocks (nccl-tests' ``(count / nranks) & -(16 / eltSize)``); count 0 when none fits."""
     bus_factor(collective, world_size)  # validates both
     elements = size_bytes // itemsize
-    count = elements // world_size if collective in SLOTTED else elements
+    if collective not in SLOTTED:
+        return Layout(collective, world_size, itemsize, elements)
+    block = max(1, SLOT_ALIGN_BYTES // itemsize)
+    count = (elements // world_size) // block * block
     return Layout(collective, world_size, itemsize, count)
-
-
-def min_size_bytes(collective: str, world_size: int, itemsize: int) -> int:
-    """The smallest size that holds one element per slot."""
-    return itemsize * (world_size if collective in SLOTTED else 1)
 
 
 def algbw(nbytes: int, seconds: float) -> float:

@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from meshwise.cli import train_gpt
+from meshwise.cli import summary, train_gpt
 from meshwise.cli.outputs import check_output, write_outputs
 from meshwise.runtime.spawn import SpawnError
 from meshwise.train import WORKLOADS, TrainConfig, TrainingError, run_training
@@ -20,15 +20,15 @@ from meshwise.train.config import STRATEGIES
 
 
 def add_parser(subparsers: argparse._SubParsersAction, name: str, help_text: str) -> None:
-    parser = subparsers.add_parser(name, help=help_text, description=__doc__.splitlines()[0])
+    parser = subparsers.add_parser(name, help=help_text, description=summary(__doc__))
     models = parser.add_subparsers(dest="model", metavar="MODEL", required=True)
     for workload in WORKLOADS.values():
         add_workload_parser(models, workload.name, workload.summary)
     train_gpt.add_parser(models)
 
 
-def add_workload_parser(models: argparse._SubParsersAction, model: str, summary: str) -> None:
-    parser = models.add_parser(model, help=summary, description=f"{__doc__.splitlines()[0]}\n\n{summary}")
+def add_workload_parser(models: argparse._SubParsersAction, model: str, blurb: str) -> None:
+    parser = models.add_parser(model, help=blurb, description=f"{summary(__doc__)}\n\n{blurb}")
     parser.add_argument("-np", "--nproc", dest="np", type=int, default=None, help="local ranks to start")
     parser.add_argument("--epochs", type=int, default=None, help="total epochs (default: per model)")
     parser.add_argument("--batch-size", type=int, default=None, help="samples per rank per step")

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from meshwise.cli.outputs import check_output, write_outputs
 from meshwise.models.gpt import CONFIGS
+from meshwise.parallel.pipeline_parallel.schedules import SCHEDULES
 from meshwise.runtime.spawn import SpawnError
 from meshwise.train.gpt import GPTTrainConfig, run_gpt_training
 
@@ -34,7 +35,7 @@ def add_parser(models: argparse._SubParsersAction) -> None:
     ranks.add_argument("-np", "--nproc", dest="nproc", type=int, default=None, help="local ranks to start")
     ranks.add_argument("--dp", type=int, default=None, help="data-parallel size (default: ranks / (tp·pp))")
     ranks.add_argument("--tp", type=int, default=1, help="tensor-parallel size (not yet: issue 17)")
-    ranks.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (not yet: issue 18)")
+    ranks.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (stages)")
     ranks.add_argument(
         "--zero", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage (not yet: issue 16)"
     )
@@ -61,6 +62,19 @@ def add_parser(models: argparse._SubParsersAction) -> None:
     run.add_argument(
         "--micro-batch", type=int, default=None, help="sequences per rank per forward (accumulate)"
     )
+    run.add_argument(
+        "--micro-batches",
+        type=int,
+        default=None,
+        help="micro-batches per rank per step (instead of --micro-batch)",
+    )
+    pipe = parser.add_argument_group("pipeline (--pp > 1)")
+    pipe.add_argument("--schedule", default=d["schedule"], choices=SCHEDULES, help="default %(default)s")
+    pipe.add_argument(
+        "--virtual-stages", type=int, default=1, help="chunks per rank (--schedule interleaved)"
+    )
+    pipe.add_argument("--trace", default=None, metavar="FILE", help="Chrome trace of the last step (JSON)")
+    pipe.add_argument("--timeline", default=None, metavar="FILE", help="diagram of the last step (PNG)")
     run.add_argument("--lr", type=float, default=d["lr"], help="peak learning rate (default %(default)s)")
     run.add_argument(
         "--warmup", type=int, default=d["warmup"], help="linear warmup steps (default %(default)s)"

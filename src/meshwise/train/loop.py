@@ -286,6 +286,13 @@ class Trainer:
                     str(world.device),
                 )
             )
+            shard = len(self.sampler)
+            if self.config.per_rank_batch > shard:  # legal (full-batch steps), but rarely what was meant
+                self.console.print(
+                    f"note: --batch-size {self.config.per_rank_batch} is above the {shard} training "
+                    f"samples of each rank's shard: every step uses the whole shard ({self.steps_per_epoch} "
+                    "step per epoch)"
+                )
         started = time.perf_counter()
         with Progress(
             TextColumn("{task.description}"),

@@ -44,6 +44,11 @@ class GPTTrainConfig:
     steps: int = 100
     global_batch: int = 8
     micro_batch: int | None = None
+    micro_batches: int | None = None  # alternative to micro_batch: how many per rank per step
+    schedule: str = "1f1b"  # pipeline schedule (--pp > 1)
+    virtual_stages: int = 1  # model chunks per pipeline rank (interleaved schedule)
+    trace: str | None = None  # Chrome trace of the last pipeline step
+    timeline: str | None = None  # PNG diagram of the last pipeline step
     lr: float = 2e-3
     warmup: int | None = None  # default: a tenth of the steps
     min_lr: float = 1e-4
@@ -89,6 +94,8 @@ class GPTTrainConfig:
         return self.global_batch // (dp * self.per_rank_micro_batch(dp))
 
     def per_rank_micro_batch(self, dp: int) -> int:
+        if self.micro_batches is not None:
+            return self.global_batch // dp // self.micro_batches
         return self.micro_batch if self.micro_batch is not None else self.global_batch // dp
 
     @property
@@ -136,6 +143,7 @@ class GPTTrainConfig:
                 f"--global-batch {self.global_batch} is not divisible by dp = {shape.dp}: choose a multiple "
                 f"of {shape.dp} so every data-parallel rank gets the same number of sequences"
             )
+        self._check_pipeline(shape)
         micro = self.per_rank_micro_batch(shape.dp)
         if micro < 1 or self.global_batch % (shape.dp * micro):
             raise ValueError(
@@ -182,6 +190,42 @@ class GPTTrainConfig:
             raise ValueError(f"--seed must be in 0 .. 2**63-1, got {self.seed}")
         if self.timeout <= 0:
             raise ValueError(f"--timeout must be positive seconds, got {self.timeout}")
+
+    def _check_pipeline(self, shape: MeshShape) -> None:
+        """--micro-batches and the pipeline flags: consistent, and a pipeline that can be built."""
+        if self.micro_batches is not None:
+            if self.micro_batch is not None:
+                raise ValueError("give --micro-batch (sequences) or --micro-batches (how many), not both")
+            per_rank = self.global_batch // shape.dp
+            if self.micro_batches < 1 or per_rank % self.micro_batches:
+                raise ValueError(
+                    f"--micro-batches {self.micro_batches} does not divide the per-rank batch {per_rank} "
+                    f"(--global-batch {self.global_batch} / dp {shape.dp}): choose a divisor of it"
+                )
+        if shape.pp == 1:
+            asked = [
+                flag
+                for flag, on in (
+                    ("--schedule", self.schedule != "1f1b"),
+                    ("--virtual-stages", self.virtual_stages != 1),
+                    ("--trace", self.trace is not None),
+                    ("--timeline", self.timeline is not None),
+                )
+                if on
+            ]
+            if asked:
+                raise ValueError(f"{' '.join(asked)} configure pipeline parallelism: add --pp 2 or more")
+            return
+        from meshwise.parallel.pipeline_parallel.builder import validate_pipeline
+
+        if self.global_batch % shape.dp == 0 and self.per_rank_micro_batch(shape.dp) >= 1:
+            m = self.accumulation(shape.dp)
+            validate_pipeline(self.model_config, shape.pp, m, self.schedule, self.virtual_stages)
+        for flag, on in (("--checkpoint", self.checkpoint is not None), ("--sample", self.sample > 0)):
+            if on:
+                raise ValueError(
+                    f"{flag} is not available with --pp yet (issue 18 follow-up); drop it or --pp"
+                )
 
     def _check_checkpoint(self, model: GPTConfig) -> None:
         from meshwise.train.gpt.checkpoint import RUN_FILE, read_run

@@ -43,7 +43,6 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 NOT_YET = {
     "tp": "tensor parallelism (issue 17)",
     "sp": "sequence parallelism (issue 17)",
-    "pp": "pipeline parallelism (issue 18)",
     "zero": "ZeRO (issue 16)",
 }
 
@@ -171,3 +170,9 @@ def parallelize(model: GPT, mesh: Mesh, config: GPTTrainConfig) -> ParallelStep:
     """This rank's :class:`ParallelStep` for ``model`` (built identically on every rank) over ``mesh``."""
     check_supported(config)
     return STRATEGIES[strategy_name(config)](model, mesh, config)
+
+
+# Strategies in their own modules register here (they import this module's ParallelStep: at the end).
+from meshwise.train.gpt.pipeline_step import PipelineStep  # noqa: E402
+
+STRATEGIES["pp"] = PipelineStep

@@ -1,0 +1,276 @@
+"""Pipeline parallel on 2 ranks: meshwise vs torch.distributed.pipelining, bubble and activation memory.
+
+The same GPT is cut the same way (our balanced partition) for every contender; in one run the same two
+processes hold:
+
+- ``torch/gloo``: ``torch.distributed.pipelining`` ``PipelineStage`` + ``ScheduleGPipe`` / ``Schedule1F1B``
+  over the default gloo group (the baseline);
+- ``meshwise/gloo``: our executor over the same gloo group;
+- ``meshwise/shm``: our executor over the shared-memory transport.
+
+Each round times ``--steps`` training steps (zero_grad, pipeline step, SGD) of every contender in turn,
+the order rotating each round; a step's time is the slower rank's. Reported: median step time, the median
+of per-round ratios to torch with the same schedule and m, our measured bubble (median over the steps of
+the last round) next to the theory (p−1)/(m+p−1) and to the *replayed* bubble (the schedule re-run in
+the simulator with the measured op times and free messages: measured − replay is what messages,
+overheads and a busy machine cost; replay − theory is what uneven op times cost), and the peak bytes
+of activations autograd holds on stage 0 (tensors saved for backward, parameters excluded; same
+accounting for both libraries).
+
+    python benchmarks/bench_pipeline.py --json benchmarks/results/pipeline.json \
+        --timeline-dir benchmarks/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+import meshwise
+from meshwise.comm.shm import ShmCommunicator
+from meshwise.models.gpt import GPT, GPTConfig
+from meshwise.parallel.pipeline_parallel import chunk_parameters, partition, theoretical_bubble
+from meshwise.parallel.pipeline_parallel.builder import micro_batches_of, pipeline_gpt
+from meshwise.parallel.pipeline_parallel.timeline import (
+    draw,
+    gather_events,
+    measured_bubble,
+    replay_bubble,
+    write_trace,
+)
+from meshwise.runtime.spawn import spawn
+
+CONFIG = GPTConfig(layers=4, hidden=64, heads=4, seq_len=64, vocab=256)  # gpt-tiny
+MICRO = 4  # sequences per micro-batch
+TORCH_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+TARGETS = {"meshwise/gloo": 1.0, "meshwise/shm": 0.8}  # step time vs torch/gloo, at most
+
+
+class SavedBytes:
+    """Bytes of non-parameter tensors autograd keeps for backward, current and peak."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self._params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+        self.current = self.peak = 0
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, lambda held: held.tensor)
+
+    def _pack(self, tensor: torch.Tensor) -> object:
+        return _Held(tensor, self, tensor.untyped_storage().data_ptr() not in self._params)
+
+
+class _Held:
+    def __init__(self, tensor: torch.Tensor, owner: SavedBytes, counted: bool) -> None:
+        self.tensor, self._owner = tensor, owner
+        self._bytes = tensor.numel() * tensor.element_size() if counted else 0
+        owner.current += self._bytes
+        owner.peak = max(owner.peak, owner.current)
+
+    def __del__(self) -> None:
+        self._owner.current -= self._bytes
+
+
+def _measured(module: nn.Module) -> SavedBytes:
+    """Wrap ``module.forward`` so every forward records its saved tensors."""
+    meter, forward = SavedBytes(module), module.forward
+
+    def counted(*args: torch.Tensor) -> torch.Tensor:
+        with meter.hooks():
+            return forward(*args)
+
+    module.forward = counted  # type: ignore[method-assign]
+    return meter
+
+
+def _data(m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.randint(
+        0, CONFIG.vocab, (MICRO * m, CONFIG.seq_len + 1), generator=torch.Generator().manual_seed(0)
+    )
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _contenders(rank: int, m: int, schedule: str, shm: ShmCommunicator, gloo) -> dict[str, tuple]:
+    """name → (step function, stage-0 memory meter, executor or None) for one (schedule, m)."""
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    x, y = _data(m)
+    out: dict[str, tuple] = {}
+    for name, comm in (("meshwise/gloo", gloo), ("meshwise/shm", shm)):
+        executor, chunks = pipeline_gpt(model, comm, schedule=schedule, micro_batches=m)
+        meter = _measured(chunks[0])
+        opt = torch.optim.SGD(chunk_parameters(chunks), lr=0.01)
+        inputs, targets = micro_batches_of(x, m), micro_batches_of(y, m)
+
+        def ours(executor=executor, opt=opt, inputs=inputs, targets=targets) -> list:
+            opt.zero_grad()
+            result = executor.step(inputs if rank == 0 else None, targets if rank == 1 else None)
+            opt.step()
+            return result.events
+
+        out[name] = (ours, meter, executor)
+    chunk = partition(model, 2)[rank]
+    meter = _measured(chunk)
+    stage = PipelineStage(chunk, rank, 2, torch.device("cpu"))
+    pipe = TORCH_SCHEDULES[schedule](stage, m, loss_fn=chunk.loss)
+    opt = torch.optim.SGD(chunk.parameters(), lr=0.01)
+
+    def theirs() -> list:
+        opt.zero_grad()
+        if rank == 0:
+            pipe.step(x)
+        else:
+            pipe.step(target=y, losses=[])
+        opt.step()
+        return []
+
+    out["torch/gloo"] = (theirs, meter, None)
+    return out
+
+
+def _time(step: Callable[[], list], steps: int) -> tuple[list[float], list[list]]:
+    times, events = [], []
+    for _ in range(steps):
+        dist.barrier()
+        start = time.perf_counter()
+        events.append(step())
+        elapsed = torch.tensor([time.perf_counter() - start])
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        times.append(elapsed.item())
+    return times, events
+
+
+def _worker(
+    micro_batches: list[int],
+    schedules: list[str],
+    rounds: int,
+    steps: int,
+    warmup: int,
+    timeline_dir: str | None,
+) -> list[dict]:
+    world = meshwise.init(backend="gloo")
+    shm = ShmCommunicator(None)
+    rows = []
+    try:
+        for m in micro_batches:
+            for schedule in schedules:
+                contenders = _contenders(world.rank, m, schedule, shm, world.comm)
+                names = list(contenders)
+                for name in names:  # warm-up: shapes, allocator, first-call costs
+                    _time(contenders[name][0], warmup)
+                per_round: dict[str, list[float]] = {n: [] for n in names}
+                bubbles: list[float] = []
+                replays: list[float] = []
+                for r in range(rounds):
+                    for name in names[r % len(names) :] + names[: r % len(names)]:
+                        times, events = _time(contenders[name][0], steps)
+                        per_round[name].append(statistics.median(times))
+                        if name == "meshwise/gloo" and r == rounds - 1:
+                            gathered = [gather_events(world.comm, e) for e in events]
+                            if world.rank == 0:
+                                bubbles = [measured_bubble(g) for g in gathered]  # type: ignore[arg-type]
+                                plan = contenders[name][2].schedule
+                                replays = [replay_bubble(plan, g) for g in gathered]  # type: ignore[arg-type]
+                                _save_timeline(timeline_dir, schedule, m, gathered[-1])  # type: ignore[arg-type]
+                for name in names:
+                    base = per_round["torch/gloo"]
+                    rows.append(
+                        {
+                            "schedule": schedule,
+                            "micro_batches": m,
+                            "contender": name,
+                            "step_ms": statistics.median(per_round[name]) * 1e3,
+                            "ratio_vs_torch": statistics.median(
+                                a / b for a, b in zip(per_round[name], base, strict=True)
+                            ),
+                            "stage0_peak_activation_bytes": contenders[name][1].peak,
+                            "bubble_measured": _median_if(bubbles, name == "meshwise/gloo"),
+                            "bubble_replayed": _median_if(replays, name == "meshwise/gloo"),
+                            "bubble_theory": theoretical_bubble(2, m),
+                        }
+                    )
+                for _, _, executor in contenders.values():
+                    if executor is not None:
+                        executor.close()
+        return rows
+    finally:
+        shm.close()
+        meshwise.shutdown()
+
+
+def _save_timeline(directory: str | None, schedule: str, m: int, events: list) -> None:
+    if directory is None:
+        return
+    stem = Path(directory) / f"pipeline_{schedule}_m{m}"
+    write_trace(events, f"{stem}.json")
+    draw(
+        events,
+        f"{stem}.png",
+        title=f"meshwise {schedule}, p=2, m={m} (gloo)",
+        theory=theoretical_bubble(2, m),
+    )
+
+
+def _median_if(values: list[float], wanted: bool) -> float | None:
+    return statistics.median(values) if values and wanted else None
+
+
+def _percent(value: float | None) -> str:
+    return "" if value is None else f"{value:.1%}"
+
+
+def _table(rows: list[dict]) -> str:
+    lines = [
+        f"{'schedule':>8} {'m':>3} {'contender':>14} {'step ms':>9} {'vs torch':>9} {'target':>7} "
+        f"{'stage0 act MiB':>15} {'bubble':>7} {'replay':>7} {'theory':>7}"
+    ]
+    for r in rows:
+        target = TARGETS.get(r["contender"])
+        lines.append(
+            f"{r['schedule']:>8} {r['micro_batches']:>3} {r['contender']:>14} {r['step_ms']:>9.1f} "
+            f"{r['ratio_vs_torch']:>8.2f}x {('≤' + format(target, '.1f')) if target else '':>7} "
+            f"{r['stage0_peak_activation_bytes'] / 2**20:>15.2f} {_percent(r['bubble_measured']):>7} "
+            f"{_percent(r['bubble_replayed']):>7} {r['bubble_theory']:>7.1%}"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--micro-batches", default="4,8", help="comma-separated m values (default 4,8)")
+    parser.add_argument("--schedules", default="gpipe,1f1b", help="comma-separated, of gpipe,1f1b")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per contender (default 2)")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds of every contender (default 5)")
+    parser.add_argument(
+        "--steps", type=int, default=3, help="timed steps per contender per round (default 3)"
+    )
+    parser.add_argument("--json", default=None, help="write the rows as JSON")
+    parser.add_argument("--timeline-dir", default=None, help="write pipeline_<schedule>_m<m>.{json,png} here")
+    args = parser.parse_args()
+    ms = [int(v) for v in args.micro_batches.split(",")]
+    schedules = args.schedules.split(",")
+    unknown = set(schedules) - set(TORCH_SCHEDULES)
+    if unknown:
+        parser.error(
+            f"--schedules: {sorted(unknown)} not comparable; choose from {', '.join(TORCH_SCHEDULES)}"
+        )
+    work = (ms, schedules, args.rounds, args.steps, args.warmup, args.timeline_dir)
+    rows = spawn(_worker, 2, args=work, timeout=1800)[0]
+    print(_table(rows))
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps({"config": CONFIG.__dict__, "micro_batch": MICRO, "rows": rows}, indent=2)
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,41 @@
+"""Pipeline parallelism: cut a GPT into chunks, schedule micro-batches through them, run the schedule.
+
+- :mod:`.partition` — chunks of a GPT balanced by parameters (or explicit), the tied embedding/head pair;
+- :mod:`.schedules` — GPipe, 1F1B, interleaved 1F1B and ZB-H1 as per-rank instruction lists (plain data);
+- :mod:`.simulator` — unit-time execution proving a schedule complete, matched and deadlock-free, with its
+  bubble and activations in flight;
+- :mod:`.executor` — runs a schedule over a Communicator (batched isend/irecv, loss on the last stage,
+  tied-gradient sum, dp averaging, failure propagation);
+- :mod:`.timeline` — Chrome trace and the classic diagram with measured vs theoretical bubble.
+"""
+
+from meshwise.parallel.pipeline_parallel.executor import Event, PipelineExecutor, PipelineFailure, StepResult
+from meshwise.parallel.pipeline_parallel.partition import (
+    GPTChunk,
+    chunk_parameters,
+    chunks_of_rank,
+    partition,
+    tied_parameters,
+)
+from meshwise.parallel.pipeline_parallel.schedules import SCHEDULES, Instruction, Op, Schedule, build_schedule
+from meshwise.parallel.pipeline_parallel.simulator import ScheduleError, simulate, theoretical_bubble
+
+__all__ = [
+    "SCHEDULES",
+    "Event",
+    "GPTChunk",
+    "Instruction",
+    "Op",
+    "PipelineExecutor",
+    "PipelineFailure",
+    "Schedule",
+    "ScheduleError",
+    "StepResult",
+    "build_schedule",
+    "chunk_parameters",
+    "chunks_of_rank",
+    "partition",
+    "simulate",
+    "theoretical_bubble",
+    "tied_parameters",
+]

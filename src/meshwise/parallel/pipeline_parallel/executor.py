@@ -1,0 +1,444 @@
+"""Run a pipeline :class:`Schedule` on this rank's chunks over a Communicator.
+
+Per step: the instruction list is executed in order. Consecutive transfers are posted together — every
+``isend`` and ``irecv`` at once, then the receives waited in order — so where a rank sends an activation
+forward and receives a gradient back (1F1B's steady state) both directions are in flight together; sends
+are never waited until the end of the step, so neighbours cannot deadlock on each other. Activation
+shapes are exchanged once, along the chain of chunks, on the first step.
+
+The loss is computed on the last chunk, scaled by 1/m so that gradients accumulated over the micro-batches
+equal those of the whole batch. After the last backward: the tied embedding/head gradient is summed between
+the ranks holding the two ends, then gradients are averaged over ``dp`` (one flat all-reduce, the loss
+riding along).
+
+**Failure.** Every message carries three trailing floats: a status and, when set, the chunk and
+micro-batch where a failure started. A rank whose compute raises sends such a *poison* message to its
+neighbours instead of the data they wait for; a rank that receives one forwards it and stops. Ranks past
+their last receive learn of it from a small status all-reduce (MAX over pp, then dp) that every rank joins
+at the end of each step. So every rank raises :class:`PipelineFailure` naming the stage and micro-batch
+within one message latency, and nobody sits in a receive until the timeout. Bad batches (a missing or
+short list of micro-batches, a new shape) fail the same way, on every rank. After a failure the pairs
+may still hold messages nobody received: build a new communicator (restart the job) before training on.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from meshwise.comm.api import Communicator, ReduceOp, Work
+from meshwise.parallel.pipeline_parallel.partition import chunk_parameters
+from meshwise.parallel.pipeline_parallel.schedules import Instruction, Op, Schedule
+from meshwise.parallel.pipeline_parallel.split_backward import SplitBackward, SplitRecord
+
+_HEADER = 3  # status, chunk, micro-batch
+_MAX_DIMS = 8
+_WAIT_WORTH_RECORDING = 20e-6  # seconds; shorter receive waits would only clutter the trace
+
+
+_LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class PipelineFailure(RuntimeError):
+    """A stage failed; every rank of the pipeline raises this, naming where it started."""
+
+    def __init__(self, stage: int, chunk: int, micro_batch: int, detail: str = "") -> None:
+        where = f"pipeline stage {stage} (chunk {chunk}) failed on micro-batch {micro_batch}"
+        super().__init__(f"{where}: {detail}" if detail else where)
+        self.stage, self.chunk, self.micro_batch = stage, chunk, micro_batch
+
+
+@dataclass(frozen=True)
+class Event:
+    """One compute instruction (F, B, W) or a wait for a receive ("wait") as it ran, in wall-clock
+    seconds (so ranks line up: exactly on one host, to NTP's precision across hosts)."""
+
+    rank: int
+    op: str
+    micro_batch: int
+    chunk: int
+    start: float
+    end: float
+
+
+@dataclass
+class StepResult:
+    loss: float  # mean over micro-batches (and over dp replicas), known on every rank
+    events: list[Event] = field(default_factory=list)
+    peak_activation_bytes: int = 0  # most bytes of chunk inputs/outputs held for backward at once
+
+
+class PipelineExecutor:
+    """Executes ``schedule`` for rank ``pp.rank`` holding ``chunks`` (its chunks, in global order).
+
+    ``loss_fn(output, target)`` runs on the last chunk. ``dp`` (optional) averages gradients across
+    pipeline replicas after the last backward. ``tied`` are this rank's copies of a weight shared by the
+    first and last chunk on different ranks (see :func:`partition.tied_parameters`).
+    """
+
+    def __init__(
+        self,
+        chunks: Sequence[nn.Module],
+        schedule: Schedule,
+        pp: Communicator,
+        loss_fn: _LossFn,
+        *,
+        dp: Communicator | None = None,
+        tied: Sequence[torch.Tensor] = (),
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        if pp.world_size != schedule.stages:
+            raise ValueError(
+                f"a {schedule.stages}-stage schedule needs a pp group of {schedule.stages} ranks, "
+                f"got {pp.world_size}"
+            )
+        ids = schedule.local_chunks(pp.rank)
+        if len(chunks) != len(ids):
+            raise ValueError(f"rank {pp.rank} runs chunks {ids} but was given {len(chunks)} modules")
+        self.chunks = dict(zip(ids, chunks, strict=True))
+        self.schedule, self.pp, self.dp, self.loss_fn = schedule, pp, dp, loss_fn
+        self.tied, self.dtype = list(tied), dtype
+        self.rank = pp.rank
+        self._split = SplitBackward(chunks) if schedule.split_backward else None
+        self._shapes: dict[int, torch.Size] = {}  # chunk → shape of its output (hidden states)
+        self._input_shape: torch.Size | None = None
+        self._params = chunk_parameters(chunks)
+        self._neighbours = {i.peer for i in schedule.ranks[self.rank] if i.peer is not None}
+
+    # ------------------------------------------------------------------ public
+    def step(
+        self, inputs: Sequence[torch.Tensor] | None, targets: Sequence[torch.Tensor] | None
+    ) -> StepResult:
+        """One optimizer step's forward and backward over ``m`` micro-batches; gradients accumulate in
+        ``.grad``. ``inputs`` is needed on the rank of chunk 0, ``targets`` on the rank of the last chunk."""
+        run = _StepState(inputs, targets)
+        run.current = (min(self.chunks), 0)
+        failure: PipelineFailure | None = None
+        try:
+            self._check_step(inputs, targets)
+            self._run(run)
+        except PipelineFailure as remote:
+            failure = remote
+            self._poison(run, remote.chunk, remote.micro_batch, skip=run.poison_from)
+        except Exception as exc:
+            chunk, k = run.current
+            failure = PipelineFailure(self.rank, chunk, k, f"{type(exc).__name__}: {exc}")
+            failure.__cause__ = exc
+            self._poison(run, chunk, k, skip=None)
+        loss = self._finish_status(run, failure)
+        if failure is not None:
+            raise failure
+        self._wait_all(run.sends)
+        loss = self._sync_gradients(loss)
+        return StepResult(loss, run.events, run.peak_bytes)
+
+    @torch.no_grad()
+    def forward_only(
+        self, inputs: torch.Tensor | None, targets: torch.Tensor | None, loss_fn: _LossFn
+    ) -> float:
+        """``loss_fn(output, targets)`` of one batch pushed once through every chunk (evaluation), known
+        on every rank. Shapes travel with each batch, so the batch may differ from the training one."""
+        last = self.schedule.chunks - 1
+        x, value = inputs, torch.zeros(1, dtype=torch.float64)
+        sends: list[tuple[Work, torch.Tensor]] = []
+        for c in range(self.schedule.chunks):
+            owner = self.schedule.owner(c)
+            if owner != self.rank:
+                continue
+            if c > 0 and self.schedule.owner(c - 1) != self.rank:
+                meta = torch.empty(_MAX_DIMS + 1, dtype=torch.int64)
+                self.pp.recv(meta, self.schedule.owner(c - 1))
+                x = torch.empty(meta[1 : 1 + int(meta[0])].tolist(), dtype=self.dtype)
+                self.pp.recv(x, self.schedule.owner(c - 1))
+            x = self.chunks[c](x)
+            if c == last:
+                value[0] = float(loss_fn(x, targets))  # type: ignore[arg-type]
+            elif self.schedule.owner(c + 1) != self.rank:
+                x = x.to(self.dtype).contiguous()
+                for message in (_shape_tensor(x.shape), x):
+                    sends.append((self.pp.isend(message, self.schedule.owner(c + 1)), message))
+        self._wait_all(sends)
+        self.pp.broadcast(value, root=self.schedule.owner(last))
+        return float(value.item())
+
+    def close(self) -> None:
+        if self._split is not None:
+            self._split.close()
+
+    # ------------------------------------------------------------------ schedule
+    def _run(self, run: _StepState) -> None:
+        program = self.schedule.ranks[self.rank]
+        run.t0 = time.perf_counter() - time.time()  # perf_counter() - t0: wall clock, perf_counter resolution
+        i = 0
+        while i < len(program):
+            j = i
+            while j < len(program) and program[j].op not in (Op.FORWARD, Op.BACKWARD, Op.WEIGHT):
+                j += 1
+            if j > i:
+                self._transfer(run, program[i:j])
+                i = j
+                continue
+            ins = program[i]
+            run.current = (ins.chunk, ins.micro_batch)
+            start = time.perf_counter()
+            self._compute(run, ins)
+            run.events.append(
+                Event(
+                    self.rank,
+                    ins.op.value,
+                    ins.micro_batch,
+                    ins.chunk,
+                    start - run.t0,
+                    time.perf_counter() - run.t0,
+                )
+            )
+            run.sends = [(w, t) for w, t in run.sends if not w.is_completed()]  # also drives progress
+            i += 1
+
+    def _compute(self, run: _StepState, ins: Instruction) -> None:
+        c, k = ins.chunk, ins.micro_batch
+        chunk, last = self.chunks[c], c == self.schedule.chunks - 1
+        if ins.op is Op.FORWARD:
+            x = run.inputs[k] if c == 0 else run.received.pop((Op.RECV_ACT, c, k))  # type: ignore[index]
+            if self._split is not None:
+                out, run.records[(c, k)] = self._split.forward(chunk, x)
+            else:
+                out = chunk(x)
+            if last:
+                out = self.loss_fn(out, run.targets[k]) / self.schedule.micro_batches  # type: ignore[index]
+                run.loss += out.item()
+            elif self.schedule.owner(c + 1) == self.rank:  # next chunk on this rank: hand over directly
+                run.received[(Op.RECV_ACT, c + 1, k)] = out.detach().requires_grad_()
+            run.saved[(c, k)] = (x, out)
+            run.held_bytes += _bytes(x) + _bytes(out)
+            run.peak_bytes = max(run.peak_bytes, run.held_bytes)
+        elif ins.op is Op.BACKWARD:
+            x, out = run.saved[(c, k)]
+            grad = None if last else run.received.pop((Op.RECV_GRAD, c, k))
+            x_in = x if c > 0 else None
+            if self._split is not None:
+                dx = self._split.backward_input(chunk, run.records[(c, k)], out, grad, x_in)
+            else:
+                torch.autograd.backward(out, grad)
+                dx = x.grad if c > 0 else None
+            if not self.schedule.split_backward:
+                self._release(run, c, k)
+            if c > 0 and self.schedule.owner(c - 1) == self.rank:
+                run.received[(Op.RECV_GRAD, c - 1, k)] = dx
+            else:
+                run.grads[(c, k)] = dx
+        else:
+            record: SplitRecord = run.records.pop((c, k))
+            SplitBackward.backward_weight(record)
+            self._release(run, c, k)
+
+    def _release(self, run: _StepState, c: int, k: int) -> None:
+        x, out = run.saved.pop((c, k))
+        run.held_bytes -= _bytes(x) + _bytes(out)
+
+    # ------------------------------------------------------------------ transfers
+    def _transfer(self, run: _StepState, group: Sequence[Instruction]) -> None:
+        recvs: list[tuple[Instruction, torch.Tensor, Work]] = []
+        for ins in group:
+            if ins.op in (Op.SEND_ACT, Op.SEND_GRAD):
+                run.current = (ins.chunk, ins.micro_batch)
+                data = (
+                    run.saved[(ins.chunk, ins.micro_batch)][1]
+                    if ins.op is Op.SEND_ACT
+                    else run.grads.pop((ins.chunk, ins.micro_batch))
+                )
+                buffer = _pack(data.detach(), self.dtype)
+                run.sends.append((self.pp.isend(buffer, ins.peer), buffer))  # type: ignore[arg-type]
+        for ins in group:
+            if ins.op in (Op.RECV_ACT, Op.RECV_GRAD):
+                buffer = torch.empty(self._boundary(ins).numel() + _HEADER, dtype=self.dtype)
+                recvs.append((ins, buffer, self.pp.irecv(buffer, ins.peer)))  # type: ignore[arg-type]
+        for ins, buffer, work in recvs:
+            run.current = (ins.chunk, ins.micro_batch)
+            start = time.perf_counter()
+            work.wait()
+            end = time.perf_counter()
+            if end - start > _WAIT_WORTH_RECORDING:
+                run.events.append(
+                    Event(self.rank, "wait", ins.micro_batch, ins.chunk, start - run.t0, end - run.t0)
+                )
+            status, chunk, k = buffer[-_HEADER:].tolist()
+            if status:
+                run.poison_from = ins.peer
+                raise PipelineFailure(self.schedule.owner(int(chunk)), int(chunk), int(k))
+            tensor = buffer[:-_HEADER].view(self._boundary(ins))
+            run.received[(ins.op, ins.chunk, ins.micro_batch)] = (
+                tensor.requires_grad_() if ins.op is Op.RECV_ACT else tensor
+            )
+
+    def _boundary(self, ins: Instruction) -> torch.Size:
+        """Shape of what a receive gets: the previous chunk's output, or the gradient of this one's."""
+        return self._shapes[ins.chunk - 1 if ins.op is Op.RECV_ACT else ins.chunk]
+
+    def _poison(self, run: _StepState, chunk: int, k: int, *, skip: int | None) -> None:
+        """Send every neighbour a message that says where the failure started."""
+        if not self._shapes:
+            return  # failed before any activation shape was known: the status all-reduce tells everyone
+        size = next(iter(self._shapes.values())).numel() + _HEADER  # every boundary has one shape
+        for peer in self._neighbours - {skip}:
+            buffer = torch.zeros(size, dtype=self.dtype)
+            buffer[-_HEADER:] = torch.tensor([1.0, chunk, k], dtype=self.dtype)
+            run.sends.append((self.pp.isend(buffer, peer), buffer))
+
+    def _finish_status(self, run: _StepState, failure: PipelineFailure | None) -> float:
+        """MAX over pp (then dp) of [failure code, loss]: every rank learns of a failure and the loss."""
+        m = self.schedule.micro_batches
+        code = 0.0 if failure is None else 1.0 + failure.chunk * m + failure.micro_batch
+        has_loss = self.schedule.chunks - 1 in self.chunks
+        status = torch.tensor([code, run.loss if has_loss else float("-inf")], dtype=torch.float64)
+        self.pp.all_reduce(status, ReduceOp.MAX)
+        if self.dp is not None and self.dp.world_size > 1:
+            self.dp.all_reduce(status[:1], ReduceOp.MAX)
+        if failure is None and status[0] > 0:
+            chunk, k = divmod(int(status[0].item()) - 1, m)
+            failure = PipelineFailure(self.schedule.owner(chunk), chunk, k, "raised on another rank")
+            raise failure
+        return float(status[1].item())
+
+    def _wait_all(self, sends: list[tuple[Work, torch.Tensor]]) -> None:
+        for work, _ in sends:
+            work.wait()
+        sends.clear()
+
+    # ------------------------------------------------------------------ gradients
+    def _sync_gradients(self, loss: float) -> float:
+        """Sum the tied weight's two copies, then average every gradient (and the loss) over dp."""
+        if self.tied:
+            peer = 0 if self.rank == self.schedule.stages - 1 else self.schedule.stages - 1
+            theirs = [torch.empty_like(p) for p in self.tied]
+            works = [self.pp.isend(_grad(p), peer) for p in self.tied]
+            works += [self.pp.irecv(t, peer) for t in theirs]
+            for w in works:
+                w.wait()
+            for p, t in zip(self.tied, theirs, strict=True):
+                _grad(p).add_(t)
+        if self.dp is not None and self.dp.world_size > 1:
+            grads = [_grad(p) for p in self._params]
+            flat = torch.cat([g.reshape(-1) for g in grads] + [torch.tensor([loss], dtype=grads[0].dtype)])
+            self.dp.all_reduce(flat, ReduceOp.AVG)
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+            loss = float(flat[-1].item())
+        return loss
+
+    def _check_step(
+        self, inputs: Sequence[torch.Tensor] | None, targets: Sequence[torch.Tensor] | None
+    ) -> None:
+        """Inputs where chunk 0 lives, targets where the last chunk lives, one shape for every step.
+
+        Runs inside the failure protocol, so a bad batch on one rank stops every rank with its message.
+        """
+        m = self.schedule.micro_batches
+        problem = None
+        if 0 in self.chunks:
+            problem = _micro_batch_problem("inputs", inputs, m)
+        if problem is None and self.schedule.chunks - 1 in self.chunks:
+            problem = _micro_batch_problem("targets", targets, m)
+        shape = inputs[0].shape if 0 in self.chunks and problem is None else None  # type: ignore[index]
+        if not self._shapes:
+            self._exchange_shapes(shape)
+        elif problem is None and shape is not None and shape != self._input_shape:
+            problem = (
+                f"micro-batch shape changed from {tuple(self._input_shape or ())} to {tuple(shape)}; "
+                "build a new executor for a new shape"
+            )
+        if problem is not None:
+            raise ValueError(f"rank {self.rank}: {problem}")
+
+    def _exchange_shapes(self, input_shape: torch.Size | None) -> None:
+        """Once: the output shape of every chunk, passed down the chain of chunks.
+
+        A rank that cannot compute its shape sends ``ndim = −1`` instead and every rank downstream passes
+        it on, so all ranks finish the chain and then stop together (the status all-reduce).
+        """
+        self._input_shape = input_shape
+        shape, broken = input_shape, 0 in self.chunks and input_shape is None  # chunk 0 got no inputs
+        for c in range(self.schedule.chunks - 1):
+            owner, receiver = self.schedule.owner(c), self.schedule.owner(c + 1)
+            if owner == self.rank:
+                shape = None if broken else self.chunks[c].output_shape(shape)  # type: ignore[operator]
+                if receiver != self.rank:
+                    self.pp.send(_shape_tensor(shape), receiver)
+            if receiver == self.rank and owner != self.rank:
+                meta = torch.empty(_MAX_DIMS + 1, dtype=torch.int64)
+                self.pp.recv(meta, owner)
+                broken = broken or int(meta[0]) < 0
+                shape = None if broken else torch.Size(meta[1 : 1 + int(meta[0])].tolist())
+            if shape is not None and self.rank in (owner, receiver):
+                self._shapes[c] = shape
+        if broken:  # every rank knows: no poison needed, and the next step exchanges again
+            self._shapes.clear()
+            if 0 not in self.chunks:
+                raise PipelineFailure(0, 0, 0, "the rank of chunk 0 could not start this step")
+        if len(set(self._shapes.values())) > 1:
+            raise ValueError(
+                f"pipeline chunks hand over different shapes {sorted(set(self._shapes.values()))}; "
+                "the executor needs one activation shape at every boundary"
+            )
+
+
+class _StepState:
+    """Everything one step keeps between instructions."""
+
+    def __init__(self, inputs: Sequence[torch.Tensor] | None, targets: Sequence[torch.Tensor] | None) -> None:
+        self.inputs, self.targets = inputs, targets
+        self.received: dict[tuple[Op, int, int], torch.Tensor] = {}
+        self.saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.grads: dict[tuple[int, int], torch.Tensor] = {}
+        self.records: dict[tuple[int, int], SplitRecord] = {}
+        self.sends: list[tuple[Work, torch.Tensor]] = []
+        self.events: list[Event] = []
+        self.current: tuple[int, int] = (0, 0)
+        self.poison_from: int | None = None
+        self.loss = 0.0
+        self.t0 = 0.0
+        self.held_bytes = 0
+        self.peak_bytes = 0
+
+
+def _pack(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    buffer = torch.empty(tensor.numel() + _HEADER, dtype=dtype)
+    buffer[:-_HEADER].copy_(tensor.reshape(-1))
+    buffer[-_HEADER:] = 0
+    return buffer
+
+
+def _micro_batch_problem(what: str, values: Sequence[torch.Tensor] | None, m: int) -> str | None:
+    if values is None or len(values) != m:
+        got = "none" if values is None else len(values)
+        return f"this rank holds chunk 0 or the last chunk and needs {m} micro-batch {what}, got {got}"
+    return None
+
+
+def _shape_tensor(shape: torch.Size | None) -> torch.Tensor:
+    """``[ndim, d0, d1, …]``; ``ndim = −1`` says the sender could not start the step."""
+    meta = torch.zeros(_MAX_DIMS + 1, dtype=torch.int64)
+    if shape is None:
+        meta[0] = -1
+        return meta
+    if len(shape) > _MAX_DIMS:
+        raise ValueError(f"pipeline activations of {len(shape)} dims are not supported (at most {_MAX_DIMS})")
+    meta[0] = len(shape)
+    meta[1 : 1 + len(shape)] = torch.tensor(list(shape))
+    return meta
+
+
+def _grad(p: torch.Tensor) -> torch.Tensor:
+    if p.grad is None:
+        p.grad = torch.zeros_like(p)
+    return p.grad
+
+
+def _bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()

@@ -1,0 +1,111 @@
+"""Backward split into B (input gradient) and W (weight gradient) for zero-bubble schedules.
+
+Autograd computes only the gradients it is asked for: asking for the gradient of a chunk's input and of
+every ``nn.Linear`` *output* walks the graph once and skips each Linear's weight matmul, because no weight
+is requested. That is B, the part the previous stage waits for. W is then two small matmuls per Linear,
+done by hand from what B left behind — ``weight.grad += gᵀ·x`` and ``bias.grad += Σg``, with ``x`` the
+Linear's input saved at forward time and ``g`` the output gradient from B — so no graph is walked twice.
+Parameters of other modules (LayerNorms, embeddings, and a head whose weight is also an embedding) are
+cheap and get their gradients in B.
+
+The price is memory: a micro-batch's Linear inputs and output gradients live until its W runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+
+@dataclass
+class LinearRecord:
+    module: nn.Linear
+    input: torch.Tensor
+    output: torch.Tensor
+    grad: torch.Tensor | None = None
+
+
+@dataclass
+class SplitRecord:
+    """What B of one (chunk, micro-batch) leaves for its W."""
+
+    linears: list[LinearRecord] = field(default_factory=list)
+
+
+class SplitBackward:
+    """Records the Linear inputs of forwards and runs B and W for the chunks of one rank."""
+
+    def __init__(self, chunks: Sequence[nn.Module]) -> None:
+        shared = {
+            id(p)
+            for c in chunks
+            for m in c.modules()
+            if not isinstance(m, nn.Linear)
+            for p in m.parameters(recurse=False)
+        }
+        self._linears = [
+            m for c in chunks for m in c.modules() if isinstance(m, nn.Linear) and id(m.weight) not in shared
+        ]
+        managed = {id(p) for m in self._linears for p in m.parameters()}
+        self._others = {id(c): [p for p in c.parameters() if id(p) not in managed] for c in chunks}
+        self._recording: SplitRecord | None = None
+        self._handles = [m.register_forward_hook(self._hook) for m in self._linears]
+
+    def _hook(self, module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
+        if self._recording is not None and torch.is_grad_enabled():
+            self._recording.linears.append(LinearRecord(module, inputs[0].detach(), output))  # type: ignore[arg-type]
+
+    def forward(self, chunk: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, SplitRecord]:
+        record = SplitRecord()
+        self._recording = record
+        try:
+            return chunk(x), record
+        finally:
+            self._recording = None
+
+    def backward_input(
+        self,
+        chunk: nn.Module,
+        record: SplitRecord,
+        output: torch.Tensor,
+        grad: torch.Tensor | None,
+        inputs: torch.Tensor | None,
+    ) -> torch.Tensor | None:
+        """B: the gradient of ``inputs`` (None for the first chunk); keeps Linear output grads for W."""
+        others = self._others[id(chunk)]
+        wanted = ([inputs] if inputs is not None else []) + [r.output for r in record.linears] + others
+        grads = torch.autograd.grad(output, wanted, grad_outputs=grad, allow_unused=True)
+        offset = 1 if inputs is not None else 0
+        for rec, g in zip(record.linears, grads[offset:], strict=False):
+            rec.grad, rec.output = g, None  # type: ignore[assignment]  # drop the graph, keep the gradient
+        for param, g in zip(others, grads[offset + len(record.linears) :], strict=True):
+            _accumulate(param, g)
+        return grads[0] if inputs is not None else None
+
+    @staticmethod
+    def backward_weight(record: SplitRecord) -> None:
+        """W: weight and bias gradients of every Linear from its saved input and output gradient."""
+        for rec in record.linears:
+            if rec.grad is None:
+                continue
+            g = rec.grad.reshape(-1, rec.grad.shape[-1])
+            _accumulate(rec.module.weight, g.t() @ rec.input.reshape(-1, rec.input.shape[-1]))
+            if rec.module.bias is not None:
+                _accumulate(rec.module.bias, g.sum(0))
+        record.linears.clear()
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+def _accumulate(param: torch.Tensor, grad: torch.Tensor | None) -> None:
+    if grad is None:
+        return
+    if param.grad is None:
+        param.grad = grad.detach().clone()
+    else:
+        param.grad.add_(grad)

@@ -1,0 +1,140 @@
+"""Where a pipeline step's time went: Chrome/Perfetto trace, the classic diagram, the measured bubble.
+
+The trace shows compute (F, B, W) and the receive waits longer than 20 µs, so a stage stalled by its
+neighbour is told apart from one with nothing scheduled; :func:`replay_bubble` splits the gap between the
+measured and the theoretical bubble into what uneven op times cost and what messages and overheads cost.
+
+Events are the executor's per-instruction timestamps in wall-clock seconds (monotonic-clock resolution),
+so every rank's row shares one time axis: exactly on one host, to NTP's precision across hosts. The
+measured bubble is the idle share of the step, 1 − mean(busy)/span, where span runs from the first
+instruction on any rank to the last: the same quantity the simulator's unit-time bubble predicts.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from meshwise.comm.api import Communicator
+from meshwise.parallel.pipeline_parallel.executor import Event
+from meshwise.parallel.pipeline_parallel.schedules import Schedule
+from meshwise.parallel.pipeline_parallel.simulator import simulate
+
+_OPS = ("F", "B", "W", "wait")
+COMPUTE_OPS = ("F", "B", "W")
+
+
+def measured_bubble(events: Sequence[Event]) -> float:
+    """Idle fraction of the step averaged over the ranks that appear in ``events`` (waiting for a
+    receive counts as idle)."""
+    events = [e for e in events if e.op in COMPUTE_OPS]
+    if not events:
+        return 0.0
+    span = max(e.end for e in events) - min(e.start for e in events)
+    ranks = {e.rank for e in events}
+    busy = sum(e.end - e.start for e in events)
+    return 1.0 - busy / (len(ranks) * span) if span > 0 else 0.0
+
+
+def replay_bubble(schedule: Schedule, events: Sequence[Event]) -> float:
+    """The bubble a perfect executor would leave with these measured op times and free messages.
+
+    Measured minus replayed is what the run lost to messages and to time spent outside the schedule
+    (overheads, or a busy machine descheduling a rank); replayed minus theory is what uneven op times
+    (unbalanced stages, B ≠ 2F) cost.
+    """
+    durations = {(e.op, e.micro_batch, e.chunk): e.end - e.start for e in events if e.op in COMPUTE_OPS}
+    return simulate(schedule, durations).bubble
+
+
+def chrome_trace(events: Sequence[Event]) -> dict:
+    """Trace Event Format: one thread per rank, one complete event (``ph: X``) per instruction."""
+    trace = [
+        {"name": "thread_name", "ph": "M", "pid": 0, "tid": rank, "args": {"name": f"pp rank {rank}"}}
+        for rank in sorted({e.rank for e in events})
+    ]
+    origin = min((e.start for e in events), default=0.0)
+    for e in events:
+        trace.append(
+            {
+                "name": f"{e.op}{e.micro_batch}",
+                "cat": e.op,
+                "ph": "X",
+                "pid": 0,
+                "tid": e.rank,
+                "ts": (e.start - origin) * 1e6,
+                "dur": (e.end - e.start) * 1e6,
+                "args": {"micro_batch": e.micro_batch, "chunk": e.chunk},
+            }
+        )
+    return {"traceEvents": trace, "displayTimeUnit": "ms"}
+
+
+def write_trace(events: Sequence[Event], path: str | Path) -> None:
+    Path(path).write_text(json.dumps(chrome_trace(events)))
+
+
+def draw(events: Sequence[Event], path: str | Path, *, title: str, theory: float | None = None) -> None:
+    """One row per rank, F/B/W boxes coloured by micro-batch (B hatched, W pale), idle time left blank
+    (receive waits as a thin grey line under the row)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ranks = sorted({e.rank for e in events})
+    micro = max((e.micro_batch for e in events), default=0) + 1
+    colours = plt.get_cmap("tab20" if micro > 10 else "tab10")
+    fig, ax = plt.subplots(figsize=(12, 0.6 * len(ranks) + 1.6))
+    origin = min((e.start for e in events), default=0.0)
+    for e in events:
+        if e.op == "wait":
+            ax.plot(
+                [(e.start - origin) * 1e3, (e.end - origin) * 1e3], [e.rank + 0.45] * 2, color="grey", lw=2
+            )
+            continue
+        style = {"F": {}, "B": {"hatch": "//"}, "W": {"alpha": 0.45}}[e.op]
+        left, width = (e.start - origin) * 1e3, (e.end - e.start) * 1e3
+        ax.barh(
+            e.rank,
+            width,
+            left=left,
+            height=0.8,
+            color=colours(e.micro_batch % colours.N),
+            edgecolor="black",
+            linewidth=0.4,
+            **style,
+        )
+        if width > 0:
+            ax.text(left + width / 2, e.rank, f"{e.op}{e.micro_batch}", ha="center", va="center", fontsize=6)
+    ax.set_yticks(ranks, [f"rank {r}" for r in ranks])
+    ax.invert_yaxis()
+    ax.set_xlabel("ms since the step started")
+    bubble = f"bubble measured {measured_bubble(events):.1%}"
+    if theory is not None:
+        bubble += f", theory {theory:.1%}"
+    ax.set_title(f"{title} — {bubble}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def gather_events(comm: Communicator, events: Sequence[Event], root: int = 0) -> list[Event] | None:
+    """Every rank's events on ``root`` (``None`` elsewhere): counts first, then one gather of rows."""
+    rows = torch.tensor(
+        [[_OPS.index(e.op), e.micro_batch, e.chunk, e.start, e.end] for e in events], dtype=torch.float64
+    ).reshape(-1, 5)
+    counts = torch.zeros(comm.world_size, dtype=torch.int64)
+    comm.all_gather(counts, torch.tensor([len(events)], dtype=torch.int64))
+    slots = [torch.empty(int(n), 5, dtype=torch.float64) for n in counts] if comm.rank == root else None
+    comm.gather(rows.contiguous(), slots, root)
+    if slots is None:
+        return None
+    return [
+        Event(rank, _OPS[int(r[0])], int(r[1]), int(r[2]), float(r[3]), float(r[4]))
+        for rank, block in enumerate(slots)
+        for r in block.tolist()
+    ]

@@ -1,0 +1,118 @@
+"""``--pp``: the GPT training loop's step on a pipeline (× data parallel) mesh.
+
+Each rank keeps only its chunks of the model (cut by :mod:`meshwise.parallel.pipeline_parallel`), and one
+``forward_backward`` is one pipeline step over the rank's micro-batches with the chosen schedule; the
+executor sums the tied embedding/head gradient and averages over dp. Gradient clipping takes the norm of
+the whole model: squares summed over this rank's parameters (the tied matrix counted once, on the first
+stage) and over the pp group — dp replicas hold equal gradients after the executor's average.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from meshwise.comm.api import ReduceOp
+from meshwise.comm.mesh import Mesh
+from meshwise.models.gpt import GPT
+from meshwise.parallel.pipeline_parallel import chunk_parameters, theoretical_bubble
+from meshwise.parallel.pipeline_parallel.builder import pipeline_gpt
+from meshwise.parallel.pipeline_parallel.partition import GPTChunk
+from meshwise.parallel.pipeline_parallel.timeline import draw, gather_events, write_trace
+from meshwise.train.gpt.config import GPTTrainConfig
+from meshwise.train.gpt.parallelize import Batch, ParallelStep, build_optimizer
+
+
+class StageModule(nn.Module):
+    """A rank's chunks as one module whose parameter names are the plain model's (``blocks.5.mlp.fc.weight``),
+    for the optimizer, ``train()``/``eval()`` and name-keyed state."""
+
+    def __init__(self, chunks: Sequence[GPTChunk]) -> None:
+        super().__init__()
+        blocks: dict[str, nn.Module] = {}
+        for chunk in chunks:
+            blocks.update(chunk.blocks.items())
+            if chunk.first:
+                self.wte, self.wpe = chunk.wte, chunk.wpe
+            if chunk.last:
+                self.ln_f, self.head = chunk.ln_f, chunk.head
+        self.blocks = nn.ModuleDict(blocks)
+
+
+class PipelineStep(ParallelStep):
+    """Pipeline parallelism (``--pp``, ``--schedule``, ``--virtual-stages``) for the GPT loop."""
+
+    def __init__(self, model: GPT, mesh: Mesh, config: GPTTrainConfig) -> None:
+        super().__init__(config, next(model.parameters()).device)
+        self.mesh, self.config = mesh, config
+        micro_batches = config.accumulation(mesh.shape.dp)
+        self.executor, self.chunks = pipeline_gpt(
+            model,
+            mesh.pp,
+            schedule=config.schedule,
+            micro_batches=micro_batches,
+            virtual_stages=config.virtual_stages,
+            dp=mesh.dp,
+        )
+        self.model = StageModule(self.chunks)
+        self.optimizer = build_optimizer(self.model, config)
+        self._theory = theoretical_bubble(mesh.shape.pp, micro_batches, config.virtual_stages)
+        self._title = f"{config.schedule} pp={mesh.shape.pp} m={micro_batches} v={config.virtual_stages}"
+        with torch.device("meta"):  # the whole model's shape, for parameter counts, without its memory
+            self._shape_model = GPT(model.config)
+
+    def forward_backward(self, micro_batches: Sequence[Batch]) -> float:
+        with self.autocast():
+            result = self.executor.step([x for x, _ in micro_batches], [y for _, y in micro_batches])
+        if self.config.trace or self.config.timeline:
+            self._write_timeline(result.events)
+        return result.loss
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        params = chunk_parameters(self.chunks)
+        counted = [p for p in params if not (self.mesh.shape.pp > 1 and self._is_head_copy(p))]
+        squares = torch.zeros(1, dtype=torch.float64)
+        for p in counted:
+            if p.grad is not None:
+                squares += p.grad.double().square().sum()
+        self.mesh.pp.all_reduce(squares, ReduceOp.SUM)
+        norm = math.sqrt(squares.item())
+        if max_norm > 0:
+            scale = max_norm / (norm + 1e-6)  # torch.nn.utils.clip_grad_norm_'s rule
+            if scale < 1:
+                for p in params:
+                    if p.grad is not None:
+                        p.grad.mul_(scale)
+        return norm
+
+    def _is_head_copy(self, param: torch.Tensor) -> bool:
+        return any(c.last and not c.first and param is c.head.weight for c in self.chunks)
+
+    @torch.no_grad()
+    def eval_loss_sum(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        def loss_sum(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.cross_entropy(
+                logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="sum"
+            )
+
+        with self.autocast():
+            return torch.tensor(self.executor.forward_only(inputs, targets, loss_sum), dtype=torch.float64)
+
+    def full_model(self) -> GPT:
+        """The model's shape on the meta device: parameter counts work, weights live in the stages."""
+        return self._shape_model
+
+    def state_dict(self) -> dict:
+        raise NotImplementedError("checkpoints with --pp are not available yet (refused before launch)")
+
+    def _write_timeline(self, events: list) -> None:
+        gathered = gather_events(self.mesh.pp, events)
+        if gathered is None or self.mesh.coordinates["dp"] != 0:
+            return
+        if self.config.trace:
+            write_trace(gathered, self.config.trace)
+        if self.config.timeline:
+            draw(gathered, self.config.timeline, title=self._title, theory=self._theory)

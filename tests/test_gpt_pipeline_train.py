@@ -1,0 +1,89 @@
+"""``meshwise train gpt --pp``: the real training loop on a pipeline equals the one-process run; bad flags.
+
+Both runs go through the whole loop (data order, learning-rate schedule, AdamW, gradient clipping,
+validation), one on a single rank, one on 2 pipeline stages with the interleaved schedule (2 chunks per
+rank): per-step training losses, gradient norms and validation losses must agree.
+"""
+
+from __future__ import annotations
+
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+from meshwise.train.gpt import GPTTrainConfig, run_gpt_training
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory) -> str:
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    path = tmp_path_factory.mktemp("data") / "source.txt"
+    path.write_bytes((stdlib / "argparse.py").read_bytes())
+    return str(path)
+
+
+def _tiny(text: str, **overrides) -> GPTTrainConfig:
+    settings = {
+        "config": "gpt-tiny",
+        "data": text,
+        "seq_len": 16,
+        "global_batch": 8,
+        "micro_batches": 4,
+        "steps": 4,
+        "warmup": 1,
+        "lr": 1e-3,
+        "eval_every": 2,
+        "eval_windows": 8,
+        "backend": "gloo",
+        "nproc": 1,
+    }
+    return GPTTrainConfig(**(settings | overrides))
+
+
+def test_pipeline_training_matches_one_process(text: str, tmp_path) -> None:
+    reference = run_gpt_training(_tiny(text))
+    trace, timeline = tmp_path / "pp.json", tmp_path / "pp.png"
+    piped = run_gpt_training(
+        _tiny(
+            text,
+            nproc=2,
+            pp=2,
+            schedule="interleaved",
+            virtual_stages=2,
+            trace=str(trace),
+            timeline=str(timeline),
+        )
+    )
+    assert reference is not None and piped is not None
+    assert piped.mesh == "dp=1 tp=1 pp=2" and piped.parameters == reference.parameters
+    for ours, ref in zip(piped.history, reference.history, strict=True):
+        assert ours.loss == pytest.approx(ref.loss, abs=1e-5), (ours, ref)
+        assert ours.grad_norm == pytest.approx(ref.grad_norm, rel=1e-4), (ours, ref)
+        assert (ours.val_loss is None) == (ref.val_loss is None)
+        if ref.val_loss is not None:
+            assert ours.val_loss == pytest.approx(ref.val_loss, abs=1e-5), (ours, ref)
+    assert trace.read_text().startswith('{"traceEvents"') and timeline.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        ({"nproc": 2, "pp": 2, "schedule": "pipedream"}, "unknown pipeline schedule 'pipedream'"),
+        (
+            {"nproc": 2, "pp": 2, "micro_batches": 2, "schedule": "interleaved", "virtual_stages": 4},
+            "4 layers cannot be cut into 8 pipeline chunks",
+        ),
+        (
+            {"nproc": 4, "pp": 4, "micro_batches": 2, "schedule": "interleaved"},
+            "must be a multiple of --pp 4",
+        ),
+        ({"nproc": 2, "pp": 2, "micro_batch": 2}, "not both"),
+        ({"micro_batches": 3}, "--micro-batches 3 does not divide the per-rank batch 8"),
+        ({"schedule": "zb", "timeline": "x.png"}, "--schedule --timeline configure pipeline parallelism"),
+        ({"nproc": 2, "pp": 2, "sample": 5}, "--sample is not available with --pp yet"),
+    ],
+)
+def test_bad_pipeline_flags_are_refused_before_launch(text: str, overrides: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        _tiny(text, **overrides).validate()

@@ -1,0 +1,30 @@
+"""benchmarks/bench_pipeline.py still runs against torch.distributed.pipelining; its JSON is complete."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_pipeline.py"
+
+
+# one subprocess that spawns two ranks and imports torch's pipelining: slow on a busy machine
+@pytest.mark.timeout(170)
+def test_bench_pipeline_writes_every_contender(tmp_path):
+    out = tmp_path / "pipeline.json"
+    args = ["--schedules", "1f1b", "--warmup", "0", "--micro-batches", "2", "--rounds", "1", "--steps", "1"]
+    args += ["--json", str(out), "--timeline-dir", str(tmp_path)]
+    done = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=160)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["schedule"], r["contender"]) for r in rows} == {
+        ("1f1b", c) for c in ("meshwise/gloo", "meshwise/shm", "torch/gloo")
+    }
+    assert all(r["step_ms"] > 0 and r["stage0_peak_activation_bytes"] > 0 for r in rows)
+    ours = [r for r in rows if r["contender"] == "meshwise/gloo"]
+    assert all(0 <= r["bubble_measured"] < 1 and r["bubble_theory"] == 1 / 3 for r in ours)
+    assert all(0 <= r["bubble_replayed"] <= r["bubble_measured"] + 1e-9 for r in ours)
+    assert (tmp_path / "pipeline_1f1b_m2.png").exists() and (tmp_path / "pipeline_1f1b_m2.json").exists()
+    assert "torch/gloo" in done.stdout
