@@ -76,7 +76,7 @@ def test_bench_gpt_compares_both_pairs_on_equal_models(tmp_path):
 def test_bench_zero_compares_every_configuration_and_they_agree(tmp_path):
     out = tmp_path / "zero.json"
     text = _run("bench_zero.py", "--config", "gpt-tiny", "--seq", "16", "--rounds", "1", "--steps", "1",
-                "--warmup", "0", "--json", str(out))  # fmt: skip
+                "--warmup", "0", "--json", str(out)).stdout  # fmt: skip
     result = json.loads(out.read_text())
     names = {"fsdp2/gloo", "zero3/gloo", "zero3/shm", "ddp/gloo", "zero1/gloo", "zero2/gloo"}
     assert set(result["ratios"]) == names and set(result["memory"]) == names
