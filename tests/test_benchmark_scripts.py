@@ -71,3 +71,18 @@ def test_bench_gpt_compares_both_pairs_on_equal_models(tmp_path):
     assert result["two_ranks"]["max_weight_difference"] < 1e-5  # DDP and ours took the same steps
     assert len(result["ratios"]) == 2 and all(r > 0 for r in result["ratios"].values())
     assert "torch DDP on gloo" in text
+
+
+def test_bench_zero_compares_every_configuration_and_they_agree(tmp_path):
+    out = tmp_path / "zero.json"
+    text = _run("bench_zero.py", "--config", "gpt-tiny", "--seq", "16", "--rounds", "1", "--steps", "1",
+                "--warmup", "0", "--json", str(out)).stdout  # fmt: skip
+    result = json.loads(out.read_text())
+    names = {"fsdp2/gloo", "zero3/gloo", "zero3/shm", "ddp/gloo", "zero1/gloo", "zero2/gloo"}
+    assert set(result["ratios"]) == names and set(result["memory"]) == names
+    assert all(d < 1e-5 for d in result["max_weight_difference_vs_ddp"].values())
+    kinds = ("parameters", "gradients", "optimizer_state")
+    state = {n: sum(result["memory"][n][k] for k in kinds) for n in names}
+    assert state["zero3/gloo"] == state["fsdp2/gloo"] < state["zero2/gloo"] < state["zero1/gloo"]
+    assert state["zero1/gloo"] < state["ddp/gloo"]
+    assert "zero3/shm" in text

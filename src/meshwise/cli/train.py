@@ -16,6 +16,7 @@ from meshwise.cli import summary, train_gpt
 from meshwise.cli.outputs import check_output, write_outputs
 from meshwise.runtime.spawn import SpawnError
 from meshwise.train import WORKLOADS, TrainConfig, TrainingError, run_training
+from meshwise.train.config import STRATEGIES
 
 
 def add_parser(subparsers: argparse._SubParsersAction, name: str, help_text: str) -> None:
@@ -39,6 +40,12 @@ def add_workload_parser(models: argparse._SubParsersAction, model: str, blurb: s
         dest="lr_scaling",
         action="store_false",
         help="keep --lr as is instead of multiplying it by the number of ranks",
+    )
+    parser.add_argument(
+        "--strategy",
+        choices=STRATEGIES,
+        default="ddp",
+        help="ddp (replicas) or zero1/zero2/zero3 (shard optimizer state / + gradients / + parameters)",
     )
     parser.add_argument("--seed", type=int, default=0, help="initial weights and shuffling (default 0)")
     parser.add_argument("--backend", default="auto", help="communicator backend (auto, gloo, nccl, shm, mpi)")
@@ -72,6 +79,7 @@ def handler(args: argparse.Namespace) -> int:
         resume=args.resume,
         data_dir=args.data_dir,
         timeout=args.timeout,
+        strategy=args.strategy,
     )
     try:
         check_output("--json", args.json)
