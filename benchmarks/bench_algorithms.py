@@ -199,11 +199,11 @@ def _fit(collective: str, rows: list[dict], algos: list[str], label: str) -> tup
     natives = [
         CostSample(collective, "native", r["nbytes"], r["world_size"], r["seconds"]["native"]) for r in rows
     ]
-    intra, err_intra = fit_link_params(ours)
-    native, err_native = fit_link_params(natives)
+    intra, excess_intra = fit_link_params(ours)  # fit_link_params returns the worst factor minus one
+    native, excess_native = fit_link_params(natives)
     print(
-        f"{label}: fitted intra {intra} (worst factor − 1: {err_intra:.2f});\n"
-        f"{label}: fitted native {native} (worst factor − 1: {err_native:.2f})"
+        f"{label}: fitted intra {intra} (worst factor {1 + excess_intra:.2f}x);\n"
+        f"{label}: fitted native {native} (worst factor {1 + excess_native:.2f}x)"
     )
     return intra, native
 

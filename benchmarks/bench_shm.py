@@ -82,7 +82,7 @@ def _rank_main(
     shm = ShmCommunicator.from_process_group(None, timeout=120)
     n, rank = world.world_size, world.rank
     rows = []
-    for collective in collectives:
+    for done, collective in enumerate(collectives, 1):
         for nbytes in sizes:
             source, out = _buffers(collective, nbytes, n, rank)
             if collective == "all_to_all":
@@ -119,6 +119,8 @@ def _rank_main(
             wrong = torch.tensor([int((results[0] != results[1]).sum())], dtype=torch.int64)
             gloo.all_reduce(wrong)
             rows.append((collective, layout_for(collective, nbytes, n, 4).nbytes, seconds, int(wrong.item())))
+        if rank == 0:  # progress: a full sweep takes a quarter of an hour
+            print(f"#   {n} ranks: {collective} done ({done}/{len(collectives)})", file=sys.stderr)
     shm.close()
     meshwise.shutdown()
     return rows
@@ -175,6 +177,13 @@ def main() -> None:
         if index and args.pause:
             time.sleep(args.pause)
         for n in worlds:
+            minutes = len(collectives) * len(sizes) * 2 * args.budget / 60  # timed calls alone
+            print(
+                f"# run {index + 1}/{args.repeat}, {n} ranks: {len(collectives)} collectives x {len(sizes)} "
+                f"sizes, at least {minutes:.1f} min …",
+                file=sys.stderr,
+                flush=True,
+            )
             job = (sizes, collectives, args.warmup, args.budget, args.rounds, args.threads)
             runs[n].append(spawn(_rank_main, n, args=job, timeout=3600)[0])
         copies.append(copy_bandwidth())

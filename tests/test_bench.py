@@ -14,10 +14,11 @@ from meshwise.bench.calibrate import merge_fit
 from meshwise.bench.cases import Case, pattern
 from meshwise.bench.jsonio import from_dict, read_json, to_dict
 from meshwise.bench.plot import plot_runs
-from meshwise.bench.runner import Row, RunResult, SweepConfig, run_sweep
+from meshwise.bench.runner import Figures, Row, RunResult, SweepConfig, run_sweep
 from meshwise.bench.sizes import format_size, parse_size, size_sweep
 from meshwise.cli import build_parser, main
 from meshwise.cli.bench import build_job
+from meshwise.comm.algorithms.registry import predict_seconds
 from meshwise.comm.api import Communicator, CompletedWork, ReduceOp
 from meshwise.comm.cost import Calibration, LinkParams, WorldLinks
 from meshwise.runtime.spawn import spawn
@@ -52,7 +53,14 @@ def test_parse_size(text, expected):
     assert parse_size(format_size(expected)) == expected
 
 
-@pytest.mark.parametrize("text", ["1.5K", "-4", "4X", "", "K"])
+def test_fractional_sizes_are_read_as_nccl_tests_reads_them():
+    """nccl-tests takes `-b 1.5K`; a fraction of a byte is dropped as its integer conversion does."""
+    assert parse_size("1.5K") == 1536 and parse_size("0.5M") == 1 << 19 and parse_size(".25G") == 1 << 28
+    assert parse_size("1.1K") == 1126 and parse_size("2.5") == 2
+    assert parse_size("1.1T") == 11 * (1 << 40) // 10  # exact, no float rounding at terabytes
+
+
+@pytest.mark.parametrize("text", ["1.5.K", "-4", "4X", "", "K", "."])
 def test_parse_size_refuses_what_it_cannot_read(text):
     with pytest.raises(ValueError, match="write bytes like"):
         parse_size(text)
@@ -96,11 +104,21 @@ def test_layout_is_nccl_tests_size_and_count():
     # all_reduce: S = the buffer, count = its elements; the size is rounded down to whole elements.
     lay = layout_for("all_reduce", 1002, 4, 4)
     assert (lay.count, lay.nbytes) == (250, 1000)
-    # slotted collectives: count = one slot, S = all n slots.
+    # slotted collectives: count = one slot of whole 16-byte blocks (nccl-tests), S = all n slots.
     for collective in ("all_gather", "reduce_scatter", "all_to_all", "gather", "scatter"):
         lay = layout_for(collective, 1000, 4, 4)
-        assert (lay.count, lay.total_elements, lay.nbytes) == (62, 248, 992), collective
-    assert layout_for("all_gather", 8, 4, 4).count == 0  # too small: skipped by the runner
+        assert (lay.count, lay.total_elements, lay.nbytes) == (60, 240, 960), collective
+    assert layout_for("all_gather", 8, 4, 4).count == 0  # too small: a count-0 row, as nccl-tests prints
+
+
+def test_slots_round_down_to_16_bytes_as_nccl_tests():
+    """3 ranks of float32 asked for 64/256/1K/4K B: nccl-tests' all_gather_perf prints 48/240/1008/4080."""
+    got = [layout_for("all_gather", s, 3, 4) for s in (64, 256, 1024, 4096)]
+    assert [lay.nbytes for lay in got] == [48, 240, 1008, 4080]
+    assert [lay.count for lay in got] == [4, 20, 84, 340]
+    assert layout_for("reduce_scatter", 1024, 3, 8).count == 42  # float64: blocks of 2 elements
+    assert layout_for("all_to_all", 1024, 3, 2).count == 168  # float16: blocks of 8 elements
+    assert layout_for("all_reduce", 1022, 3, 4).count == 255  # unslotted: whole elements only
 
 
 # ---------------------------------------------------------------------------------------------- options
@@ -127,6 +145,63 @@ def test_options_are_parsed_into_a_job():
     )
 
 
+def test_nccl_tests_spellings_are_accepted():
+    """An all_reduce_perf command line carries over: -o/-d/-r, nccl-tests' type names, -r -1 for every
+    root, -f 1 with -i stepping (and -f 1 alone stepping by nccl-tests' default 1M), -b 1.5K."""
+    argv = "reduce -np 3 -o max -d float -r 2 -b 1.5K -e 3K -f 1 -i 768"
+    sweep = build_job(_args(*argv.split()))[0].sweep
+    assert (sweep.op, sweep.dtype, sweep.root, sweep.sizes) == ("max", "float32", 2, (1536, 2304, 3072))
+    assert build_job(_args("all_reduce", "-d", "half"))[0].sweep.dtype == "float16"
+    assert build_job(_args("all_reduce", "-d", "double"))[0].sweep.dtype == "float64"
+    assert build_job(_args("broadcast", "-np", "3", "-r", "-1"))[0].sweep.root == -1
+    assert build_job(_args("all_reduce", "-b", "1M", "-e", "3M", "-f", "1"))[0].sweep.sizes == (
+        1 << 20, 2 << 20, 3 << 20
+    )  # fmt: skip
+
+
+def _docs_flag_table() -> dict[str, str]:
+    """docs/bench.md's "flag / nccl-tests / meshwise" table: flag → meshwise column."""
+    from pathlib import Path
+
+    text = (Path(__file__).parents[1] / "docs" / "bench.md").read_text()
+    table = text.split("| flag | nccl-tests | meshwise |", 1)[1].split("\n\n", 1)[0]
+    rows = {}
+    for line in table.splitlines()[2:]:
+        flags, _, mine = (cell.strip() for cell in line.strip("|").split("|"))
+        for flag in flags.replace("`", "").split(","):
+            rows[flag.strip()] = mine
+    return rows
+
+
+#: One nccl-tests spelling per shared flag, and what the job must hold after parsing it.
+_NCCL_TESTS_FLAGS = {
+    "-b": ("1.5K", lambda job: job.sweep.sizes[0] == 1536),
+    "-e": ("4K", lambda job: job.sweep.sizes[-1] == 4096),
+    "-i": ("1K", lambda job: job.sweep.sizes[:2] == (8, 1032)),
+    "-f": ("4", lambda job: job.sweep.sizes[:2] == (8, 32)),
+    "-n": ("3", lambda job: job.sweep.iters == 3),
+    "-w": ("2", lambda job: job.sweep.warmup == 2),
+    "-c": ("2", lambda job: job.sweep.checks == 2),
+    "-d": ("half", lambda job: job.sweep.dtype == "float16"),
+    "-o": ("max", lambda job: job.sweep.op == "max"),
+    "-r": ("-1", lambda job: job.sweep.root == -1),
+}
+
+
+def test_docs_flag_table_matches_the_parser(capsys):
+    """Every flag the table says meshwise shares is parsed with nccl-tests' meaning; every flag it says
+    is not offered is refused."""
+    rows = _docs_flag_table()
+    shared = {flag for flag, mine in rows.items() if mine.startswith("same") or mine.startswith("the same")}
+    assert shared == set(_NCCL_TESTS_FLAGS)
+    for flag, (value, holds) in _NCCL_TESTS_FLAGS.items():
+        assert holds(build_job(_args("reduce", "-np", "3", flag, value))[0]), flag
+    for flag in (flag for flag, mine in rows.items() if mine == "not offered" or mine.startswith("`-np")):
+        with pytest.raises(SystemExit):
+            _args("all_reduce", flag, "1")
+    capsys.readouterr()
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -136,7 +211,9 @@ def test_options_are_parsed_into_a_job():
         (("all_reduce", "--backend", "gloo,tcp"), "--backend 'tcp' is unknown"),
         (("all_reduce", "--algo", "ring,butterfly"), "unknown algorithm"),
         (("all_reduce", "--backend", "mpi"), "mpirun"),
-        (("all_gather", "-np", "4", "-b", "4", "-e", "8"), "raise -e to 16"),
+        (("all_reduce", "-f", "4", "-i", "1K"), "give -f 1 or leave -f out"),
+        (("broadcast", "--algo", "native,ring"), "ring does not implement broadcast; choose from native"),
+        (("broadcast", "-r", "-2"), "or -1 for every root"),
         (("all_reduce", "-n", "0"), "-n must be at least 1"),
         (("all_reduce", "--ceiling", "0"), "--ceiling must be"),
         (("sendrecv", "-np", "1"), "at least 2 ranks"),
@@ -247,7 +324,7 @@ def test_chunked_reference_follows_slots(monkeypatch):
     case.prepare(salt=1)
     case.run()
     assert case.check(1) == (0, 0)
-    case.result.view[2 * 20 + 13] += 1  # slot 2, third chunk
+    case.result[2 * 20 + 13] += 1  # slot 2, third chunk
     assert case.check(1) == (1, 0)
 
 
@@ -258,7 +335,7 @@ def _sweep_matrix():
     world = meshwise.init("gloo", timeout=30)
     out = []
     configs = [
-        SweepConfig(c, (8, 100, 4096), dtype=dt, op=op, root=root, iters=1, warmup=0, checks=2)
+        SweepConfig(c, (8, 100, 4096), dtype=dt, op=op, root=root, iters=1, warmup=0, checks=1)
         for c in COLLECTIVES
         for dt, op, root in (("float32", "sum", 0), ("bfloat16", "prod", 1), ("int32", "max", 1),
                              ("float16", "avg", 0), ("int64", "min", 0))
@@ -281,32 +358,63 @@ def test_every_collective_dtype_op_and_root_checks_clean_on_three_ranks():
         assert rows and all(r == (0, 0) for r in rows), (algo, collective, dtype, op, rows)
 
 
+def _every_root_in_place_on_shm():
+    from meshwise.comm.factory import create_communicator
+
+    world = meshwise.init("gloo", timeout=30)
+    shm = create_communicator("shm", timeout=30)
+    out = []
+    for collective in COLLECTIVES:
+        config = SweepConfig(collective, (100, 4096), root=-1, iters=1, warmup=0, checks=1)
+        rows = run_sweep(shm, world.comm, config, torch.device("cpu"))
+        out.append((collective, [(r.root, r.size, r.out_of_place.wrong, r.in_place.wrong, r.out_of_bounds)
+                                 for r in rows]))  # fmt: skip
+    shm.close()
+    meshwise.shutdown()
+    return out
+
+
+def test_in_place_and_every_root_on_shared_memory():
+    """nccl-tests' in-place half (input aliasing the output) of every collective on the raw-pointer
+    transport, and `-r -1`: every root in turn for the rooted ones, one pass with root -1 for the rest."""
+    for collective, rows in spawn(_every_root_in_place_on_shm, 3, timeout=100)[0]:
+        roots = [0, 0, 1, 1, 2, 2] if collective in ("broadcast", "reduce", "gather", "scatter") else [-1, -1]
+        assert [r[0] for r in rows] == roots, collective
+        assert all(r[2:] == (0, 0, 0) for r in rows), (collective, rows)
+
+
 # ---------------------------------------------------------------------------------------------- end to end
 def test_every_collective_on_two_ranks_reports_zero_wrong(tmp_path, capsys):
     path = tmp_path / "bench.json"
-    argv = "bench all -np 2 -b 64 -e 4K -f 8 -n 2 -w 1 -c 1 --backend gloo --json"
+    argv = "bench all -np 2 -b 16 -e 1K -f 8 -n 2 -w 1 -c 1 --backend gloo --json"
     code = main([*argv.split(), str(path)])
     out = capsys.readouterr().out
     assert code == 0, out
-    for column in ("size(B)", "count(elements)", "type", "redop", "root", "time(us)", "algbw(GB/s)",
-                   "busbw(GB/s)", "#wrong"):  # fmt: skip
+    for column in ("size(B)", "count(elements)", "type", "redop", "root", "out-of-place", "in-place"):
         assert column in out
+    for column in ("time(us)", "algbw(GB/s)", "busbw(GB/s)", "#wrong"):
+        assert out.count(column) == 2 * len(COLLECTIVES)  # once per placement in every table
     assert "# Wrong elements       : 0 OK" in out and "Wall time = " in out
     assert "# calibration (prices auto): built-in" in out
     data = json.loads(path.read_text())
     assert [run["collective"] for run in data["runs"]] == list(COLLECTIVES)
     for run in data["runs"]:
         assert run["world_size"] == 2 and run["backend"] == "gloo" and run["algorithm"] == "native"
-        assert [row["size"] for row in run["rows"]] == [64, 512, 4096]
-        assert all(
-            row["wrong"] == 0 and row["out_of_bounds"] == 0 and row["time_us"] > 0 for row in run["rows"]
-        )
+        # 16 B on 2 ranks leaves 8 B a slot, under one 16-byte block: a count-0 row, as nccl-tests
+        slotted = run["collective"] in ("all_gather", "reduce_scatter", "all_to_all", "gather", "scatter")
+        assert [row["size"] for row in run["rows"]] == [0 if slotted else 16, 128, 1024]
+        for row in run["rows"]:
+            for placement in (row["out_of_place"], row["in_place"]):
+                assert placement["wrong"] == 0 and placement["out_of_bounds"] == 0
+                assert placement["time_us"] > 0
+        busbws = [row[p]["busbw"] for row in run["rows"] for p in ("out_of_place", "in_place")]
+        assert run["avg_busbw"] == pytest.approx(sum(busbws) / 6)  # nccl-tests: both halves, every row
     assert data["world_size"] == 2 and data["launcher"] == "local" and data["versions"]["torch"]
     assert data["machine"]["cpu_count"] >= 1
     # the documented schema, key for key (docs/bench.md)
-    assert data["schema"] == "meshwise.bench/1"
+    assert data["schema"] == "meshwise.bench/2"
     assert " ".join(data["command"]) == (  # every effective option, so the record can be replayed
-        "meshwise bench all -np 2 -b 64 -e 4K -f 8 -n 2 -w 1 -c 1 --dtype float32 --op sum --root 0 "
+        "meshwise bench all -np 2 -b 16 -e 1K -f 8 -n 2 -w 1 -c 1 --dtype float32 --op sum --root 0 "
         "--backend gloo --algo native"
     )
     assert set(data) == {"schema", "created", "command", "launcher", "world_size", "timing", "machine",
@@ -324,12 +432,29 @@ def test_every_collective_on_two_ranks_reports_zero_wrong(tmp_path, capsys):
     }
     assert set(data["runs"][0]) == {"collective", "backend", "algorithm", "world_size", "avg_busbw", "wrong",
                                     "out_of_bounds", "rows"}  # fmt: skip
-    assert set(data["runs"][0]["rows"][0]) == {"size", "count", "type", "redop", "root", "time_us", "algbw",
-                                               "busbw", "wrong", "out_of_bounds", "time_us_min",
-                                               "time_us_max"}  # fmt: skip
+    row = data["runs"][0]["rows"][0]
+    assert set(row) == {"size", "count", "type", "redop", "root", "out_of_place", "in_place"}
+    for placement in ("out_of_place", "in_place"):
+        assert set(row[placement]) == {"time_us", "algbw", "busbw", "wrong", "out_of_bounds", "time_us_min",
+                                       "time_us_max"}  # fmt: skip
     # JSON round trip: the record reads back into the same objects and writes the same document.
     record = read_json(str(path))
     assert to_dict(record) == data and to_dict(from_dict(to_dict(record))) == data
+    with pytest.raises(ValueError, match="predates the out-of-place and in-place figures"):
+        from_dict({**data, "schema": "meshwise.bench/1"})
+
+
+def test_tables_written_to_a_file_have_no_trailing_spaces(tmp_path):
+    """`meshwise bench … > log`: rich pads every line to the console width (160 off a terminal)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "meshwise", "bench", "all_reduce", "-np", "1", "-b", "1K", "-e", "2K",
+         "-n", "1", "-w", "0"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert any("busbw(GB/s)" in line for line in lines)
+    assert [line for line in lines if line != line.rstrip()] == []
 
 
 def test_under_a_launcher_it_runs_on_the_launched_ranks(tmp_path):
@@ -359,8 +484,9 @@ def test_injected_wrong_result_fails_the_run(tmp_path, capsys):
     assert code == 1
     assert "FAILED" in captured.out and "check FAILED for all_reduce" in captured.err
     runs = json.loads(path.read_text())["runs"]
-    # one corrupted element per check (2) per size (2) on rank 1, for each algorithm
-    assert [[row["wrong"] for row in run["rows"]] for run in runs] == [[2, 2], [2, 2]]
+    # one corrupted element per check (2) per size (2) on rank 1, for each algorithm and placement
+    wrong = [[(r["out_of_place"]["wrong"], r["in_place"]["wrong"]) for r in run["rows"]] for run in runs]
+    assert wrong == [[(2, 2), (2, 2)], [(2, 2), (2, 2)]]
 
 
 def test_algorithms_side_by_side_and_plot(tmp_path, capsys):
@@ -375,25 +501,27 @@ def test_algorithms_side_by_side_and_plot(tmp_path, capsys):
 
 
 def test_rank_zero_draws_a_progress_bar_over_sizes_and_skips_are_noted(capsys, monkeypatch):
-    """One rank in this process, stderr a terminal: the rich bar counts the sizes of every run; an
-    algorithm that does not implement the collective is skipped with one note, not reported."""
+    """One rank in this process, stderr a terminal: the rich bar counts the sizes of every run; with
+    `all`, an algorithm that does not implement a collective is skipped with one note, not reported."""
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
-    argv = "bench all_reduce -np 1 -b 1K -e 4K -n 1 -w 0 --algo native,ring,pairwise"
+    argv = "bench all -np 1 -b 1K -e 4K -n 1 -w 0 --algo rd,pairwise"
     code = main(argv.split())
     captured = capsys.readouterr()
     assert code == 0, captured.out
-    for label in ("all_reduce gloo/native", "all_reduce gloo/ring"):
+    for label in ("all_reduce gloo/rd", "all_gather gloo/rd", "all_to_all gloo/pairwise"):
         assert label in captured.err
-    assert captured.err.count("3/3") >= 2
-    assert "pairwise" not in captured.err and "algorithm pairwise" not in captured.out
-    assert "# note: pairwise: skipped all_reduce; it implements only all_to_all" in captured.out
+    assert captured.err.count("3/3") >= 3
+    assert "broadcast" not in captured.err and "algorithm pairwise · 1 rank" in captured.out
+    text = " ".join(captured.out.split())  # the console wraps long notes
+    note = text.split("# note: pairwise: skipped ", 1)[1].split("; it implements only all_to_all", 1)[0]
+    assert set(note.split(", ")) == set(COLLECTIVES) - {"all_to_all", "sendrecv"}
 
 
 def test_plot_with_model_ceiling_is_a_png(tmp_path):
     rows = tuple(
-        Row(s, s // 4, "float32", "sum", -1, 10 + s / 1e3, s / 1e4, s / 1e4, 0, 0, 9.0, 11.0)
-        for s in (8, 64, 512)
-    )
+        Row(s, s // 4, "float32", "sum", -1, *[Figures(10 + s / 1e3, s / 1e4, s / 1e4, 0, 0, 9.0, 11.0)] * 2)
+        for s in (0, 8, 64, 512)
+    )  # a count-0 row has no place on the log axis and is left out
     runs = [RunResult("all_reduce", "gloo", algo, 4, rows) for algo in ("native", "ring")]
     runs.append(RunResult("sendrecv", "gloo", "native", 4, rows))
     calibration = Calibration(LinkParams(1e-5, 1e-9, 1e-10), LinkParams(2e-5, 2e-9, 1e-10))
@@ -420,6 +548,29 @@ def test_calibrate_writes_the_cost_model_file_and_keeps_other_world_sizes(tmp_pa
         assert expected in out
     written = f"Calibration written to {target} # for world size 2; the file has entries for world sizes 2, 4"
     assert written in out
+
+
+def test_worst_factor_is_printed_as_is_and_a_poor_fit_is_warned_about():
+    """One definition: the largest of predicted/measured and measured/predicted (11× prints 11.00x, not
+    10.00x), and a fit off by more than 2× says its predictions cannot be trusted."""
+    from meshwise.bench.calibrate import CalibrationOutcome, LinkFit, _fit, format_outcome
+
+    link = LinkParams(1e-5, 1e-9, 0.0)
+    exact = [  # a ring all_gather priced by the model itself: fitted exactly
+        RunResult("all_gather", "gloo", "ring", 4, tuple(
+            Row(s, s // 16, "float32", "none", -1, *[Figures(1, 1, 1, 0, 0, t * 1e6, t * 1e6)] * 2)
+            for s in (4096, 1 << 16, 1 << 20, 1 << 22)
+            for t in [predict_seconds("all_gather", "ring", s, 4, link)]
+        ))
+    ]  # fmt: skip
+    assert _fit("intra", exact).worst_factor == pytest.approx(1.0, abs=1e-6)
+    outcome = CalibrationOutcome(
+        "cal.json", (LinkFit("intra", link, 11.0, 12), LinkFit("native", link, 1.5, 9)), (), 4, (4,)
+    )
+    text = format_outcome(outcome)
+    assert "11.00x" in text and "1.50x" in text and "10.00x" not in text
+    assert "warning: the intra fit is poor: some size is off by 11.00x" in text
+    assert "native fit is poor" not in text
 
 
 def test_merge_fit_sets_this_world_size_and_the_top_level():

@@ -13,17 +13,17 @@ from pathlib import Path
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
-def _run(script: str, *args: str) -> str:
+def _run(script: str, *args: str) -> subprocess.CompletedProcess:
     done = subprocess.run(
         [sys.executable, str(BENCHMARKS / script), *args], capture_output=True, text=True, timeout=100
     )
     assert done.returncode == 0, done.stdout + done.stderr
-    return done.stdout
+    return done
 
 
 def test_bench_shm_writes_a_complete_comparison(tmp_path):
     out = tmp_path / "shm.json"
-    text = _run(
+    done = _run(
         "bench_shm.py", "--np", "2", "--sizes", "4K,64K", "--collectives", "all_reduce,broadcast",
         "--budget", "0.02", "--rounds", "2", "--repeat", "2", "--pause", "0.1", "--json", str(out),
     )  # fmt: skip
@@ -39,14 +39,17 @@ def test_bench_shm_writes_a_complete_comparison(tmp_path):
     assert min(shares) <= first["percent_of_limit"] <= max(shares)
     assert broadcast["percent_of_limit"] is None and len(broadcast["run_shm_seconds"]) == 2
     assert len(result["copy_bandwidth_samples"]) == 3 and result["repeat"] == 2  # before, after each run
-    assert "all_reduce" in text and "memcpy-bound limit" in text
+    assert "all_reduce" in done.stdout and "memcpy-bound limit" in done.stdout
+    # progress on stderr: a full sweep is otherwise silent for a quarter of an hour
+    assert "# run 1/2, 2 ranks: 2 collectives x 2 sizes" in done.stderr and "# run 2/2" in done.stderr
+    assert "2 ranks: all_reduce done (1/2)" in done.stderr and "broadcast done (2/2)" in done.stderr
 
 
 def test_bench_algorithms_calibrates_then_compares(tmp_path):
     cal, first, second = tmp_path / "cal.json", tmp_path / "sweep.json", tmp_path / "compare.json"
     common = ["-np", "2", "-b", "4096", "-e", "262144", "-f", "8", "-n", "3", "--rounds", "2"]
     _run("bench_algorithms.py", *common, "--calibrate", str(cal), "--json", str(first))
-    text = _run("bench_algorithms.py", *common, "--calibration", str(cal), "--json", str(second))
+    text = _run("bench_algorithms.py", *common, "--calibration", str(cal), "--json", str(second)).stdout
     saved = json.loads(cal.read_text())
     assert set(saved["by_world_size"]) == {"2"}
     assert set(saved["intra"]) == {"alpha", "beta", "gamma", "sigma", "delta"}
@@ -62,9 +65,24 @@ def test_bench_algorithms_calibrates_then_compares(tmp_path):
 def test_bench_gpt_compares_both_pairs_on_equal_models(tmp_path):
     out = tmp_path / "gpt.json"
     text = _run("bench_gpt.py", "--config", "gpt-tiny", "--seq-len", "16", "--rounds", "1", "--steps", "1",
-                "--warmup", "1", "--json", str(out))  # fmt: skip
+                "--warmup", "1", "--json", str(out)).stdout  # fmt: skip
     result = json.loads(out.read_text())
     assert result["one_process"]["max_logit_difference"] < 1e-5  # the plain-torch model is the same one
     assert result["two_ranks"]["max_weight_difference"] < 1e-5  # DDP and ours took the same steps
     assert len(result["ratios"]) == 2 and all(r > 0 for r in result["ratios"].values())
     assert "torch DDP on gloo" in text
+
+
+def test_bench_zero_compares_every_configuration_and_they_agree(tmp_path):
+    out = tmp_path / "zero.json"
+    text = _run("bench_zero.py", "--config", "gpt-tiny", "--seq", "16", "--rounds", "1", "--steps", "1",
+                "--warmup", "0", "--json", str(out)).stdout  # fmt: skip
+    result = json.loads(out.read_text())
+    names = {"fsdp2/gloo", "zero3/gloo", "zero3/shm", "ddp/gloo", "zero1/gloo", "zero2/gloo"}
+    assert set(result["ratios"]) == names and set(result["memory"]) == names
+    assert all(d < 1e-5 for d in result["max_weight_difference_vs_ddp"].values())
+    kinds = ("parameters", "gradients", "optimizer_state")
+    state = {n: sum(result["memory"][n][k] for k in kinds) for n in names}
+    assert state["zero3/gloo"] == state["fsdp2/gloo"] < state["zero2/gloo"] < state["zero1/gloo"]
+    assert state["zero1/gloo"] < state["ddp/gloo"]
+    assert "zero3/shm" in text

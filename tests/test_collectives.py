@@ -286,6 +286,43 @@ def test_an_op_a_dtype_cannot_do_is_refused_before_communicating():
     assert "must be contiguous" in errors[6]
 
 
+def _numpy_arrays() -> list:
+    import numpy as np
+
+    world = meshwise.init("gloo", timeout=20)
+    shm = ShmCommunicator.from_process_group(None, timeout=20)
+    out = []
+    for comm in (world.comm, with_algorithm(world.comm, "ring"), shm):
+        summed = np.arange(4, dtype=np.float64) + world.rank
+        comm.all_reduce(summed)  # in place: the result lands in the caller's array
+        gathered = np.zeros((2, 3), dtype=np.float32)
+        comm.all_gather(gathered, np.full(3, world.rank, dtype=np.float32))
+        pieces = [np.zeros(2, dtype=np.int64), np.zeros(2, dtype=np.int64)]
+        comm.all_to_all(pieces, [np.array([world.rank, k]) for k in range(2)])
+        out.append((summed.tolist(), gathered.tolist(), [p.tolist() for p in pieces]))
+    errors = []
+    for bad in ([1.0, 2.0], np.broadcast_to(np.ones(1), (4,))):
+        try:
+            world.comm.all_reduce(bad)
+        except (TypeError, ValueError) as exc:
+            errors.append(str(exc))
+    shm.close()
+    meshwise.shutdown()
+    return [out, errors]
+
+
+def test_numpy_arrays_are_taken_as_tensors_and_other_objects_named():
+    """A numpy array goes through torch.from_numpy (sharing memory, so in-place results land in it);
+    a list is refused by what it is, not with an untrue dtype message."""
+    (out, errors), _ = spawn(_numpy_arrays, 2, timeout=60)
+    for summed, gathered, pieces in out:
+        assert summed == [1.0, 3.0, 5.0, 7.0]
+        assert gathered == [[0.0] * 3, [1.0] * 3]
+        assert pieces == [[0, 0], [1, 0]]  # rank 0 receives slot 0 of every rank
+    assert "tensor is a list, not a tensor; pass a torch.Tensor (or a numpy array" in errors[0]
+    assert "read-only numpy array; pass array.copy()" in errors[1]
+
+
 def test_unknown_algorithm_and_bad_arguments_are_refused():
     class Dummy:
         rank, world_size, timeout, backend = 0, 1, 1.0, "x"

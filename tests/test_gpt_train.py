@@ -12,6 +12,7 @@ coordinate's first update, and then stays constant rather than growing.
 from __future__ import annotations
 
 import json
+import os
 import sysconfig
 from dataclasses import replace
 from pathlib import Path
@@ -61,15 +62,15 @@ def _tiny(text: str, **overrides) -> GPTTrainConfig:
 
 
 # ---------------------------------------------------------------------------------------------- parity
-def _parity(data: str) -> dict[str, float]:
-    world = meshwise.init("gloo", timeout=60)
-    config = _tiny(data)
+def _parity(data: str, overrides: dict) -> dict[str, float]:
+    config = _tiny(data, **overrides)
+    world = meshwise.init("gloo", timeout=60, mesh=config.mesh_shape(int(os.environ["WORLD_SIZE"])))
     try:
         trainer = GPTTrainer(world, config)
         torch.manual_seed(config.seed)
         reference = GPT(config.model_config)
         optimizer = build_optimizer(reference, config)
-        worst = {"loss": 0.0, "params": 0.0, "micro-batches": trainer.config.accumulation(world.world_size)}
+        worst = {"loss": 0.0, "params": 0.0, "micro-batches": trainer.config.accumulation(trainer.dp)}
         for step in range(STEPS):
             stats = trainer.train_step(step)
             lr = lr_at(
@@ -98,10 +99,17 @@ def _parity(data: str) -> dict[str, float]:
         meshwise.shutdown()
 
 
-@pytest.mark.parametrize("ranks", [2, 3])
-def test_data_parallel_with_accumulation_matches_one_process(text: str, ranks: int) -> None:
-    for result in spawn(_parity, ranks, args=(text,), timeout=100):
-        assert result["micro-batches"] == 6 // ranks  # 12 sequences = ranks × 2 × accumulation
+@pytest.mark.parametrize(
+    ("ranks", "overrides"),
+    [(2, {}), (3, {}), (2, {"tp": 2, "sp": True}), (4, {"tp": 2})],
+)
+def test_parallel_training_with_accumulation_matches_one_process(
+    text: str, ranks: int, overrides: dict
+) -> None:
+    """Data parallelism on 2 and 3 ranks; tensor + sequence parallelism (issue 17), and tp 2 × dp 2."""
+    dp = ranks // overrides.get("tp", 1)
+    for result in spawn(_parity, ranks, args=(text, overrides), timeout=100):
+        assert result["micro-batches"] == 6 // dp  # 12 sequences = dp × 2 × accumulation
         assert result["loss"] < 1e-5
         assert result["params"] < 1e-5
 
@@ -214,7 +222,12 @@ def _bad_cases(text: str, tmp: Path) -> list[tuple[dict, str]]:
         ({"data": str(big)}, "token id 300 but the model's vocabulary is 256: pass --vocab 301"),
         ({"data": str(short)}, "fewer than one window"),
         ({"nproc": 3, "dp": 2}, r"dp·tp·pp = 2·1·1 = 2 but 3 ranks were started"),
-        ({"nproc": 4, "tp": 2}, r"--tp: tensor parallelism \(issue 17\) is not available"),
+        ({"nproc": 3, "tp": 3}, r"hidden size 64 is not divisible by --tp 3"),
+        ({"nproc": 4, "tp": 3}, r"4 ranks do not split into groups of --tp 3"),
+        ({"nproc": 2, "tp": 4}, r"--tp 4 is larger than the 2 ranks started"),
+        ({"nproc": 4, "tp": 2, "pp": 2}, r"--tp --pp: this combination is not available"),
+        ({"sp": True}, r"--sp splits the sequence across the tensor-parallel ranks: add --tp 2"),
+        ({"nproc": 4, "tp": 4, "sp": True, "seq_len": 30}, r"sequence of 30 tokens into --tp 4 shards"),
         ({"zero": 1}, r"--zero: ZeRO \(issue 16\)"),
         ({"nproc": 5}, "--global-batch 12 is not divisible by dp = 5"),
         ({"nproc": 2, "micro_batch": 4}, "--micro-batch 4 does not divide the per-rank batch 6"),
@@ -258,9 +271,9 @@ def test_resume_refuses_a_different_run(text: str, tmp_path) -> None:
 
 
 def test_the_command_line_prints_one_error_line(capsys) -> None:
-    assert main(["train", "gpt", "-np", "2", "--tp", "2"]) == 2
+    assert main(["train", "gpt", "-np", "2", "--tp", "4"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("meshwise train gpt: error: --tp: tensor parallelism")
+    assert len(err) == 1 and err[0].startswith("meshwise train gpt: error: --tp 4 is larger than the 2")
 
 
 def test_mesh_shape_is_inferred_from_the_ranks(text: str) -> None:

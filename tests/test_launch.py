@@ -89,6 +89,44 @@ def test_all_reduce_of_the_ranks_is_three_on_every_rank(tmp_path):
     ]
 
 
+def test_ranks_taking_turns_print_in_turn_and_the_launcher_is_named(tmp_path):
+    """Lines written before a barrier come out before the lines written after it whenever the launcher
+    gets the CPU in between (pipes carry no time stamps: lines that pile up in two pipes while it is not
+    scheduled at all come out a pipe at a time); a last line without newline is not lost; and messages
+    name `meshwise run`, not the torchrun contract it speaks."""
+    script = _script(
+        tmp_path,
+        "turns.py",
+        """
+        import sys, time, torch.distributed as dist
+        from meshwise.runtime.env import plan_ranks
+        dist.init_process_group("gloo", init_method="env://")
+        rank, world = dist.get_rank(), dist.get_world_size()
+        for turn in range(6):
+            for who in range(world):
+                if who == rank:
+                    print(f"turn {turn} rank {rank}")
+                    print(f"turn {turn} rank {rank} on stderr", file=sys.stderr)
+                    time.sleep(0.05)  # the launcher's chance to read (a busy machine may need it)
+                dist.barrier()
+        try:
+            plan_ranks(5, default=2)
+        except ValueError as exc:
+            print(exc)
+        dist.destroy_process_group()
+        sys.stdout.write(f"no newline from {rank}")
+        """,
+    )
+    code, out, err, _ = _cli("-n", "2", script)
+    assert code == 0, err
+    turns = [line for line in out.splitlines() if " turn " in line]
+    assert turns == [f"[rank {r}] turn {t} rank {r}" for t in range(6) for r in range(2)]
+    turns = [line for line in err.splitlines() if " turn " in line]
+    assert turns == [f"[rank {r}] turn {t} rank {r} on stderr" for t in range(6) for r in range(2)]
+    assert "-np 5 conflicts with the 2 ranks meshwise run started" in out
+    assert "[rank 0] no newline from 0" in out and "[rank 1] no newline from 1" in out
+
+
 def test_failing_rank_stops_the_group_and_is_named(tmp_path):
     script = _script(
         tmp_path,

@@ -97,9 +97,15 @@ def test_midpoint_kernel_matches_the_formula_and_is_chunk_independent():
 
 
 def _fused_job(samples, chunk):
-    with joined("gloo", timeout=30) as world:
-        report = run_pi(world, "montecarlo", samples, seed=5, chunk=chunk, kernel="fused")
-    return report
+    """The report and what rank 0 said on stderr (captured here: a spawned rank's stderr is not the
+    test's once a forkserver exists)."""
+    import contextlib
+    import io
+
+    said = io.StringIO()
+    with joined("gloo", timeout=30) as world, contextlib.redirect_stderr(said):
+        report = run_pi(world, "montecarlo", samples, seed=5, chunk=chunk, kernel="fused", progress=True)
+    return report, said.getvalue()
 
 
 @pytest.mark.slow
@@ -111,9 +117,11 @@ def test_fused_kernels_match_the_eager_ones():
     assert montecarlo_hits_fused(0, 5, 9, chunk=4096) == _reference_hits(0, 5, 9)
     expected = midpoint_partial(3, 10_000, 10**6)
     assert midpoint_partial_fused(3, 10_000, 10**6, chunk=4096) == pytest.approx(expected, rel=1e-13)
-    # the job path on a spawned rank: compiled before the barrier (the kernel is cached by now)
-    report = spawn(_fused_job, 1, (20_001, 4096), timeout=120)[0]
+    # the job path on a spawned rank: compiled before the barrier (the kernel is cached by now), and
+    # rank 0 says so instead of going silent for the ~30 s a cold compile takes
+    report, err = spawn(_fused_job, 1, (20_001, 4096), timeout=120)[0]
     assert report.total_hits == montecarlo_hits(0, 20_001, 5)
+    assert "meshwise pi: preparing the fused kernel" in err and "meshwise pi: kernel ready in" in err
 
 
 def test_auto_kernel_compiles_only_for_large_shares():
@@ -218,6 +226,35 @@ def test_cli_refuses_bad_input_before_launching(capsys):
     if not torch.cuda.is_available():
         assert main(["pi", "montecarlo", "100", "--device", "cuda"]) == 2
         assert "CUDA is not available" in capsys.readouterr().err
+
+
+def test_seed_is_taken_positionally_as_the_lecture_passes_it(capsys):
+    """`mpi_cuda_pi_mc.x N 123` carries over as `meshwise pi montecarlo N 123`."""
+    assert main(["pi", "montecarlo", "3001", "7"]) == 0
+    assert f"Total hits     = {montecarlo_hits(0, 3001, 7)}" in capsys.readouterr().out
+    assert main(["pi", "montecarlo", "3001", "7", "--seed", "8"]) == 2
+    assert "SEED 7 and --seed 8 disagree" in capsys.readouterr().err
+    assert main(["pi", "midpoint", "3001", "7"]) == 2
+    assert "midpoint takes no SEED" in capsys.readouterr().err
+
+
+def test_heartbeat_speaks_during_long_work_and_not_after():
+    import io
+    import time as clock
+
+    from meshwise.runtime.heartbeat import heartbeat
+
+    sink = io.StringIO()
+    with heartbeat("meshwise pi: computing", every=0.05, stream=sink):
+        clock.sleep(0.3)
+    beats = sink.getvalue().splitlines()
+    assert len(beats) >= 2 and all(b.startswith("meshwise pi: computing: ") for b in beats)
+    clock.sleep(0.15)
+    assert sink.getvalue().splitlines() == beats  # stopped with the block
+    quiet = io.StringIO()
+    with heartbeat("x", every=0.01, stream=quiet, enabled=False):
+        clock.sleep(0.05)
+    assert quiet.getvalue() == ""
 
 
 def test_cli_spawns_ranks_and_prints_the_final_block(capsys):

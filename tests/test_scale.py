@@ -94,6 +94,29 @@ def test_causes_name_communication_imbalance_and_oversubscription():
     assert "load imbalance: slowest rank 129% above the mean" in points[2].causes
 
 
+def test_a_multi_threaded_baseline_is_named_instead_of_a_serial_fraction():
+    """pi montecarlo 1e10 on one rank kept both cores busy: its 'serial fraction' of 77 % was the
+    baseline's own threads, not a serial part of the program."""
+    samples = {1: [Sample(10.0)], 2: [Sample(8.6)]}
+    plain = analyse("strong", samples, cores=2)[1].causes
+    assert plain == ("fixed overhead: serial fraction ≈ 72.0% (Karp–Flatt)",)  # (1/S − 1/2)/(1 − 1/2)
+    threaded = analyse("strong", samples, cores=2, baseline_cores=1.9)[1].causes
+    assert threaded[0].startswith("multi-threaded baseline: the 1-rank run kept 1.9 cores busy")
+    assert not any("serial fraction" in cause for cause in threaded)
+    # a baseline of 2 ranks is a parallel run by definition: no such note
+    assert not any("multi-threaded" in c for c in analyse("strong", {2: samples[1], 4: samples[2]},
+                                                          baseline_cores=1.9)[1].causes)  # fmt: skip
+
+
+def test_cores_busy_measures_child_processes():
+    import subprocess
+
+    from meshwise.scale.runner import cores_busy
+
+    done, busy = cores_busy(lambda: subprocess.run([sys.executable, "-c", "import time; time.sleep(0.5)"]))
+    assert done.returncode == 0 and 0 <= busy < 0.9  # a sleeping child keeps no core busy
+
+
 def test_invalid_measurements_are_refused():
     with pytest.raises(ValueError, match="positive"):
         speedup_efficiency("strong", 1, 1.0, 2, 0.0)
@@ -201,6 +224,7 @@ def test_command_without_a_wall_time_line_is_timed_around_the_process(tmp_path, 
         (["pi-montecarlo", "--work", "0"], "positive"),
         (["pi-midpoint", "extra"], "takes no extra arguments"),
         (["train:"], "needs a model name"),
+        (["train:resnet9000", "-np", "1,2"], "`meshwise train` has no model 'resnet9000'; use train:<model>"),
         (["pi-midpoint", "--backend", "carrier-pigeon"], "is unknown"),
         (["pi-midpoint", "--mode", "weak", "--work", "4e15", "--np", "1,4"], "exceeds the supported maximum"),
         (["--mode", "weak", "--", sys.executable, "-c", "pass", "{np}"], "put {work} in the command"),
@@ -271,9 +295,12 @@ def test_plot_writes_an_image(tmp_path):
 def test_pi_study_on_spawned_ranks(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     out_json, out_png = tmp_path / "pi.json", tmp_path / "pi.png"
-    argv = ["scale", "pi-montecarlo", "--np", "1,2", "--repeat", "2", "--work", "200000", "--json",
-            str(out_json), "--plot", str(out_png)]  # fmt: skip
+    argv = ["scale", "pi-montecarlo", "-np", "1,2", "--repeat", "2", "--work", "200000", "--json",
+            str(out_json), "--plot", str(out_png)]  # fmt: skip  (-np as in every other command)
     assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "n=1: running 2 runs" in out and "n=2: running 2 runs" in out  # progress before each scale
+    assert f"JSON written to {out_json}" in out and f"plot written to {out_png}" in out
     record = json.loads(out_json.read_text())
     assert record["work"] == 200_000 and len(record["points"]) == 2
     for point in record["points"]:

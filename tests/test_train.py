@@ -126,6 +126,14 @@ def test_resuming_after_epoch_one_ends_exactly_where_two_straight_epochs_end(tmp
         }
 
 
+def test_a_batch_above_the_shard_is_noted(capsys):
+    """mlp's 1024 samples less the validation split, on one rank: a batch of 5000 cannot be filled."""
+    assert main(["train", "mlp", "-np", "1", "--epochs", "1", "--batch-size", "5000"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "note: --batch-size 5000 is above the" in out
+    assert "training samples of each rank's shard: every step uses the whole shard (1 step per epoch)" in out
+
+
 # ---------------------------------------------------------------------------------------------- default run
 def test_default_cnn_run_on_two_ranks_reaches_97_percent(tmp_path, capsys):
     report = tmp_path / "run.json"

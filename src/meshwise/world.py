@@ -135,8 +135,8 @@ def _init_process_group(layout: LaunchEnv, device: torch.device, timeout: float)
         return
     if layout.master_addr is None or layout.master_port is None:
         raise RuntimeError(
-            f"{layout.launcher} launched {layout.world_size} ranks but no rendezvous address is known: set "
-            "MASTER_ADDR and MASTER_PORT, or launch with `meshwise run`"
+            f"{layout.launcher_name} launched {layout.world_size} ranks but no rendezvous address is known: "
+            "set MASTER_ADDR and MASTER_PORT, or launch with `meshwise run`"
         )
     dist.init_process_group(
         init_method=f"tcp://{resolve_ipv4(layout.master_addr)}:{layout.master_port}",

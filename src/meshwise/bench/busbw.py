@@ -19,7 +19,9 @@ broadcast, reduce, sendrecv                            1               the buffe
 
 The "count" column is the element count of the operation's parameter, as in nccl-tests: the whole buffer
 for all_reduce/broadcast/reduce/sendrecv and one slot (S / n) for the slotted collectives. A requested
-size is rounded down so every slot holds a whole number of elements.
+size is rounded down to whole elements; a slot is further rounded down to a multiple of 16 bytes, as
+nccl-tests does (3 ranks of float32 asked for 1K move 3 × 336 B = 1008 B), so that the same ``-b/-e``
+give the same rows in both tools. A size too small for one 16-byte slot per rank is a count-0 row.
 """
 
 from __future__ import annotations
@@ -27,11 +29,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshwise.comm.api import Collective
+from meshwise.comm.bus_factor import SLOTTED, bus_factor
 
 #: what ``meshwise bench`` measures: every collective, then the point-to-point ring
 COLLECTIVES = (*(c.value for c in Collective), "sendrecv")
-#: Collectives whose buffer is cut into one slot per rank.
-SLOTTED = frozenset({"all_gather", "reduce_scatter", "all_to_all", "gather", "scatter"})
 #: Collectives that apply a reduce op (the others print ``none`` in the redop column).
 REDUCING = frozenset({"all_reduce", "reduce_scatter", "reduce"})
 #: Collectives with a root (the others print ``-1`` in the root column, as nccl-tests).
@@ -39,20 +40,8 @@ ROOTED = frozenset({"broadcast", "reduce", "gather", "scatter"})
 
 #: 1 GB/s as nccl-tests prints it: 10^9 bytes per second, not 2^30.
 GB = 1.0e9
-
-
-def bus_factor(collective: str, world_size: int) -> float:
-    """busbw / algbw for ``collective`` on ``world_size`` ranks."""
-    if world_size < 1:
-        raise ValueError(f"world size must be at least 1, got {world_size}")
-    n = world_size
-    if collective == "all_reduce":
-        return 2.0 * (n - 1) / n
-    if collective in SLOTTED:
-        return (n - 1) / n
-    if collective in ("broadcast", "reduce", "sendrecv"):
-        return 1.0
-    raise ValueError(f"unknown collective {collective!r}; choose one of {', '.join(COLLECTIVES)}")
+#: Slots of the slotted collectives are whole multiples of this many bytes (nccl-tests' alignment).
+SLOT_ALIGN_BYTES = 16
 
 
 @dataclass(frozen=True)
@@ -76,16 +65,17 @@ class Layout:
 
 
 def layout_for(collective: str, size_bytes: int, world_size: int, itemsize: int) -> Layout:
-    """The layout of a requested size, rounded down to whole elements (and whole slots)."""
-    bus_factor(collective, world_size)  # validates both
+    """The layout of a requested size: whole elements, and for slotted collectives slots of whole
+    16-byte blocks (nccl-tests' ``(count / nranks) & -(16 / eltSize)``); count 0 when none fits."""
+    if collective not in COLLECTIVES:
+        raise ValueError(f"unknown collective {collective!r}; choose one of {', '.join(COLLECTIVES)}")
+    bus_factor(collective, world_size)  # validates the world size
     elements = size_bytes // itemsize
-    count = elements // world_size if collective in SLOTTED else elements
+    if collective not in SLOTTED:
+        return Layout(collective, world_size, itemsize, elements)
+    block = max(1, SLOT_ALIGN_BYTES // itemsize)
+    count = (elements // world_size) // block * block
     return Layout(collective, world_size, itemsize, count)
-
-
-def min_size_bytes(collective: str, world_size: int, itemsize: int) -> int:
-    """The smallest size that holds one element per slot."""
-    return itemsize * (world_size if collective in SLOTTED else 1)
 
 
 def algbw(nbytes: int, seconds: float) -> float:

@@ -12,9 +12,10 @@ express as a·α + b·β + c·γ + s·σ + d·δ:
 
 A class that cannot be measured in this job (one node → no ``inter``; one rank per node → no ``intra``)
 keeps its value from the existing file, or the built-in default, and the outcome says so. The fit is
-:func:`~meshwise.comm.cost.fit.fit_link_params` (non-negative least squares on relative error); its worst
-factor between predicted and measured time, minus one, is reported, since a poor fit means the model's
-predictions (and ``auto``) are off too.
+:func:`~meshwise.comm.cost.fit.fit_link_params` (non-negative least squares on relative error). Its *worst
+factor* — the largest of predicted/measured and measured/predicted over the samples, 1.0 for a perfect
+fit, and the only meaning the words have in meshwise's output — is reported, and a warning is printed
+above :data:`POOR_FIT_FACTOR`, since a poor fit means the model's predictions (and ``auto``) are off too.
 The fit is stored for this job's world size in the file's ``by_world_size`` and merged with the entries
 already there (other world sizes are kept; the top-level links become this fit), because α depends on how
 many ranks share the cores: running ``-np 2`` and then ``-np 4`` leaves a calibration for both.
@@ -39,6 +40,8 @@ from meshwise.comm.cost.fit import fit_link_params
 
 NATIVE_PLAN = (("all_reduce", "native"), ("all_gather", "native"), ("reduce_scatter", "native"))
 LINK_PLAN = (("all_reduce", "ring"), ("all_gather", "ring"), ("all_reduce", "rd"), ("all_reduce", "tree"))
+#: A fit whose worst factor exceeds this has some size off by more than 2×: warned about.
+POOR_FIT_FACTOR = 2.0
 
 
 @dataclass(frozen=True)
@@ -47,7 +50,7 @@ class LinkFit:
 
     name: str
     params: LinkParams
-    worst_factor: float | None  # predicted vs measured, either way (1.0 = exact); None: not measured
+    worst_factor: float | None  # max of predicted/measured and measured/predicted (1.0 = exact); None: kept
     samples: int
     note: str = ""
 
@@ -91,12 +94,13 @@ def _sweep(
 
 def _fit(name: str, runs: list[RunResult]) -> LinkFit:
     samples = [
-        CostSample(run.collective, run.algorithm, row.size, run.world_size, row.time_us_min * 1e-6)
+        CostSample(run.collective, run.algorithm, row.size, run.world_size, row.fastest_us * 1e-6)
         for run in runs
         for row in run.rows
+        if row.count > 0
     ]
-    params, error = fit_link_params(samples)
-    return LinkFit(name, params, 1.0 + error, len(samples))
+    params, excess = fit_link_params(samples)  # the worst factor minus one
+    return LinkFit(name, params, 1.0 + excess, len(samples))
 
 
 def _kept(name: str, params: LinkParams, why: str, source: str) -> LinkFit:
@@ -214,6 +218,13 @@ def format_outcome(outcome: CalibrationOutcome) -> str:
             line += f"  ({fit.samples} samples)"
         lines.append(line)
     lines.append(f"# auto prices with it when named: --calibration-file {outcome.path}")
+    for fit in outcome.links:
+        if fit.worst_factor is not None and fit.worst_factor > POOR_FIT_FACTOR:
+            lines.append(
+                f"# warning: the {fit.name} fit is poor: some size is off by {fit.worst_factor:.2f}x; the "
+                "model's predictions and auto's choices cannot be trusted that far here (a busy machine? "
+                "rerun with more iterations, -n, or when it is quiet)"
+            )
     return "\n".join(lines)
 
 

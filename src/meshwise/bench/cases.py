@@ -56,13 +56,14 @@ def reduce_reference(parts: list[torch.Tensor], op: ReduceOp) -> torch.Tensor:
 
 
 def buffer_bytes(layout: Layout, rank: int = 0, root: int = 0) -> int:
-    """Bytes of the buffers :class:`Case` allocates on ``rank`` for ``layout`` (guards aside): what the
-    CLI adds up before launching, so that an oversized sweep is refused instead of OOM-killed."""
+    """Bytes of the buffers :class:`Case` allocates on ``rank`` for ``layout`` (guards aside), out of
+    place (the larger placement): what the CLI adds up before launching, so that an oversized sweep is
+    refused instead of OOM-killed."""
     slot = layout.count * layout.itemsize
     whole = layout.nbytes
     name = layout.collective
     if name in ("all_reduce", "broadcast", "reduce"):
-        return whole
+        return 2 * whole  # input and output
     if name in ("all_gather", "reduce_scatter"):
         return whole + slot
     if name in ("all_to_all", "sendrecv"):
@@ -86,8 +87,18 @@ class Guarded:
         return int((guards != _SENTINEL).sum().item())
 
 
+PLACEMENTS = ("out-of-place", "in-place")
+
+
 class Case:
-    """One collective of a benchmark row on this rank: prepare inputs, run it, check it.
+    """One collective of a benchmark row on this rank, out of place or in place: prepare, run, check.
+
+    In place means what nccl-tests means: the operation's input is a part of its output (all_gather: this
+    rank's slot of the output; reduce_scatter and scatter: the output is this rank's slot of the input;
+    all_reduce, broadcast, reduce, all_to_all and sendrecv: one buffer). Out of place, input and output
+    are separate buffers; broadcast and reduce, whose Communicator form is in place only, then copy the
+    input into the output first, which is what an out-of-place call costs a user of that interface (the
+    same as ``all_reduce(output=…)``'s default).
 
     ``prepare(None)`` fills timing inputs that stay finite however often the operation repeats in place
     (zeros, or ones for PROD); ``prepare(salt)`` fills the check inputs for ``salt``.
@@ -101,57 +112,83 @@ class Case:
         op: ReduceOp,
         root: int,
         device: torch.device,
+        *,
+        in_place: bool = False,
     ) -> None:
         self.comm, self.layout, self.dtype, self.op, self.root = comm, layout, dtype, op, root
         self.rank, self.n = comm.rank, comm.world_size
-        self.device = device
-        c, total = layout.count, layout.total_elements
+        self.device, self.in_place = device, in_place
         name = layout.collective
-        self.result: Guarded | None = None  # the checked buffer (None: nothing to check on this rank)
-        self.input: torch.Tensor | None = None
-        if name in ("all_reduce", "broadcast", "reduce"):
-            self.result = Guarded(c, dtype, device)
-        elif name == "all_gather":
-            self.input, self.result = self._plain(c), Guarded(total, dtype, device)
-        elif name == "reduce_scatter":
-            self.input, self.result = self._plain(total), Guarded(c, dtype, device)
-        elif name == "all_to_all":
-            self.input, self.result = self._plain(total), Guarded(total, dtype, device)
-        elif name == "gather":
-            self.input = self._plain(c)
-            self.result = Guarded(total, dtype, device) if self.rank == root else None
-        elif name == "scatter":
-            self.input = self._plain(total) if self.rank == root else None
-            self.result = Guarded(c, dtype, device)
-        elif name == "sendrecv":
-            self.input, self.result = self._plain(c), Guarded(c, dtype, device)
-        else:
+        if name not in _BUFFERS:
             raise ValueError(f"unknown collective {name!r}")
+        #: The buffer whose guards are watched (None: nothing to check here, e.g. non-roots of gather).
+        self.guarded: Guarded | None = None
+        #: The checked part of it, and the operation's input (either may alias the other in place).
+        self.result: torch.Tensor | None = None
+        self.input: torch.Tensor | None = None
+        _BUFFERS[name](self)
         self.run: Callable[[], None] = getattr(self, f"_run_{name}")
 
     def _plain(self, count: int) -> torch.Tensor:
         return torch.empty(count, dtype=self.dtype, device=self.device)
+
+    def _guard(self, count: int) -> torch.Tensor:
+        self.guarded = Guarded(count, self.dtype, self.device)
+        return self.guarded.view
+
+    def _my_slot(self, whole: torch.Tensor) -> torch.Tensor:
+        c = self.layout.count
+        return whole[self.rank * c : (self.rank + 1) * c]
+
+    # ------------------------------------------------------------------ buffers per collective
+    def _one_buffer(self) -> None:
+        """all_reduce, reduce, sendrecv, all_to_all: the input is the output in place."""
+        self.result = self._guard(self.layout.total_elements)
+        self.input = self.result if self.in_place else self._plain(self.layout.total_elements)
+
+    def _broadcast_buffers(self) -> None:
+        self.result = self._guard(self.layout.count)
+        if self.rank == self.root:
+            self.input = self.result if self.in_place else self._plain(self.layout.count)
+
+    def _all_gather_buffers(self) -> None:
+        self.result = self._guard(self.layout.total_elements)
+        self.input = self._my_slot(self.result) if self.in_place else self._plain(self.layout.count)
+
+    def _gather_buffers(self) -> None:
+        if self.rank != self.root:
+            self.input = self._plain(self.layout.count)
+            return
+        self._all_gather_buffers()
+
+    def _reduce_scatter_buffers(self) -> None:
+        if self.in_place:
+            self.input = self._guard(self.layout.total_elements)
+            self.result = self._my_slot(self.input)
+        else:
+            self.input, self.result = self._plain(self.layout.total_elements), self._guard(self.layout.count)
+
+    def _scatter_buffers(self) -> None:
+        if self.rank == self.root:
+            self._reduce_scatter_buffers()
+        else:
+            self.result = self._guard(self.layout.count)
 
     # ------------------------------------------------------------------ inputs
     def _values(self, rank: int, start: int, count: int, salt: int) -> torch.Tensor:
         return pattern(rank, start, count, self.dtype, self.op, self.n, salt)
 
     def prepare(self, salt: int | None) -> None:
-        name = self.layout.collective
-        if self.result is not None:
-            self.result.reset()
+        if self.guarded is not None:
+            self.guarded.reset()
         if salt is None:
             neutral = 1.0 if self.op is ReduceOp.PROD else 0.0
-            if self.result is not None:
-                self.result.view.fill_(neutral)
-            if self.input is not None:
-                self.input.fill_(neutral)
+            for buffer in (self.result, self.input):
+                if buffer is not None:
+                    buffer.fill_(neutral)
             return
-        mine = self.rank
-        if name in ("all_reduce", "reduce") or (name == "broadcast" and mine == self.root):
-            self._fill(self.result.view, mine, salt)
         if self.input is not None:
-            self._fill(self.input, mine, salt)
+            self._fill(self.input, self.rank, salt)
 
     def _fill(self, target: torch.Tensor, rank: int, salt: int) -> None:
         for a in range(0, target.numel(), CHUNK_ELEMENTS):
@@ -193,9 +230,9 @@ class Case:
         ``corrupt`` adds 1 to the first result element first: the test hook that proves a wrong value
         is counted and fails the run.
         """
-        if self.result is None:
+        if self.result is None or self.guarded is None:
             return 0, 0
-        got = self.result.view
+        got = self.result
         if corrupt and got.numel() > 0:
             got[0] += 1
         wrong, position = 0, 0
@@ -205,35 +242,59 @@ class Case:
                 want = self._expected(ranks, offset + a, m, salt).to(self.dtype).to(got.device)
                 wrong += int((got[position + a : position + a + m] != want).sum().item())
             position += length
-        return wrong, self.result.out_of_bounds()
+        return wrong, self.guarded.out_of_bounds()
 
     # ------------------------------------------------------------------ operations
     def _run_all_reduce(self) -> None:
-        self.comm.all_reduce(self.result.view, self.op)
+        if self.in_place:
+            self.comm.all_reduce(self.result, self.op)
+        else:
+            self.comm.all_reduce(self.input, self.op, output=self.result)
 
     def _run_broadcast(self) -> None:
-        self.comm.broadcast(self.result.view, self.root)
+        if not self.in_place and self.input is not None:
+            self.result.copy_(self.input)
+        self.comm.broadcast(self.result, self.root)
 
     def _run_reduce(self) -> None:
-        self.comm.reduce(self.result.view, self.root, self.op)
+        if not self.in_place:
+            self.result.copy_(self.input)
+        self.comm.reduce(self.result, self.root, self.op)
 
     def _run_all_gather(self) -> None:
-        self.comm.all_gather(self.result.view, self.input)
+        self.comm.all_gather(self.result, self.input)
 
     def _run_reduce_scatter(self) -> None:
-        self.comm.reduce_scatter(self.result.view, self.input, self.op)
+        self.comm.reduce_scatter(self.result, self.input, self.op)
 
     def _run_all_to_all(self) -> None:
-        self.comm.all_to_all(self.result.view, self.input)
+        self.comm.all_to_all(self.result, self.input)
 
     def _run_gather(self) -> None:
-        self.comm.gather(self.input, self.result.view if self.result is not None else None, self.root)
+        self.comm.gather(self.input, self.result, self.root)
 
     def _run_scatter(self) -> None:
-        self.comm.scatter(self.result.view, self.input, self.root)
+        self.comm.scatter(self.result, self.input, self.root)
 
     def _run_sendrecv(self) -> None:
-        send = self.comm.isend(self.input, (self.rank + 1) % self.n)
-        recv = self.comm.irecv(self.result.view, (self.rank - 1) % self.n)
+        """Send to the next rank, receive from the previous one. In place the receive overwrites the
+        buffer being sent; two-sided messages cannot order every send before every receive without a
+        deadlock (each rank would wait on its neighbour), so the send goes out of a copy taken first."""
+        outgoing = self.input.clone() if self.in_place else self.input
+        send = self.comm.isend(outgoing, (self.rank + 1) % self.n)
+        recv = self.comm.irecv(self.result, (self.rank - 1) % self.n)
         send.wait()
         recv.wait()
+
+
+_BUFFERS: dict[str, Callable[[Case], None]] = {
+    "all_reduce": Case._one_buffer,
+    "reduce": Case._one_buffer,
+    "sendrecv": Case._one_buffer,
+    "all_to_all": Case._one_buffer,
+    "broadcast": Case._broadcast_buffers,
+    "all_gather": Case._all_gather_buffers,
+    "gather": Case._gather_buffers,
+    "reduce_scatter": Case._reduce_scatter_buffers,
+    "scatter": Case._scatter_buffers,
+}

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from meshwise.bench.calibrate import CalibrationOutcome, calibrate
 from meshwise.bench.live import EventProgress, Sink, emitter
-from meshwise.bench.runner import RunResult, SweepConfig, run_sweep
+from meshwise.bench.runner import RunResult, SweepConfig, run_sweep, sweep_length
 from meshwise.comm.algorithms import registry, with_algorithm
 from meshwise.comm.api import Communicator
 from meshwise.comm.cost import PARAMETERS, Calibration, LinkParams
@@ -129,7 +129,9 @@ def _run(job: BenchJob, world: World, emit: Callable[[tuple], None] | None) -> J
                 config = replace(job.sweep, collective=collective)
                 task = None
                 if progress is not None and emit is not None:
-                    task = progress.add_task(f"{collective} {backend}/{algorithm}", len(config.sizes))
+                    task = progress.add_task(
+                        f"{collective} {backend}/{algorithm}", sweep_length(config, world.world_size)
+                    )
                     emit(("run", collective, backend, algorithm, world.world_size))
                 rows = run_sweep(
                     comm,

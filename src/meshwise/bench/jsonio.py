@@ -1,14 +1,15 @@
 """The JSON record of a benchmark: every row, plus what a reader needs to compare two records.
 
-Schema ``meshwise.bench/1`` (one object)::
+Schema ``meshwise.bench/2`` (one object; ``/1`` kept one set of figures per row)::
 
     schema, created (UTC ISO 8601), command (argv), launcher, world_size, timing (definition),
     machine  {hostname, platform, processor, cpu_count, gpus [names]},
     versions {meshwise, python, torch, numpy, nccl?, mpi?},
     config   {dtype, op, root, iters, warmup, checks},
     runs     [{collective, backend, algorithm, world_size, avg_busbw, wrong, out_of_bounds,
-               rows [{size, count, type, redop, root, time_us, algbw, busbw, wrong, out_of_bounds,
-                      time_us_min, time_us_max}]}]
+               rows [{size, count, type, redop, root,
+                      out_of_place {time_us, algbw, busbw, wrong, out_of_bounds, time_us_min, time_us_max},
+                      in_place     {the same}}]}]
 
 Bandwidths are GB/s (10^9 B/s) and times µs, as in nccl-tests. A record written after a failure (a
 timeout, a dead rank, Ctrl-C) holds the rows that finished and one more key, ``incomplete``, the reason.
@@ -28,9 +29,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from meshwise.bench.runner import Row, RunResult
+from meshwise.bench.runner import Figures, Row, RunResult
 
-SCHEMA = "meshwise.bench/1"
+SCHEMA = "meshwise.bench/2"
 TIMING = "mean over iterations of the max over ranks of one operation (barrier before each iteration)"
 
 
@@ -104,15 +105,21 @@ def to_dict(record: BenchRecord) -> dict[str, Any]:
 
 
 def from_dict(data: dict[str, Any]) -> BenchRecord:
-    if data.get("schema") != SCHEMA:
-        raise ValueError(f"not a meshwise bench record: schema {data.get('schema')!r}, expected {SCHEMA!r}")
+    schema = data.get("schema")
+    if schema == "meshwise.bench/1":
+        raise ValueError(
+            "a meshwise.bench/1 record (one set of figures per row) predates the out-of-place and in-place "
+            f"figures of {SCHEMA}; run the benchmark again to get them"
+        )
+    if schema != SCHEMA:
+        raise ValueError(f"not a meshwise bench record: schema {schema!r}, expected {SCHEMA!r}")
     runs = tuple(
         RunResult(
             collective=run["collective"],
             backend=run["backend"],
             algorithm=run["algorithm"],
             world_size=run["world_size"],
-            rows=tuple(Row(**row) for row in run["rows"]),
+            rows=tuple(_row(row) for row in run["rows"]),
         )
         for run in data["runs"]
     )
@@ -124,6 +131,11 @@ def from_dict(data: dict[str, Any]) -> BenchRecord:
         incomplete=data.get("incomplete"),
         **fields,
     )
+
+
+def _row(data: dict[str, Any]) -> Row:
+    placements = {key: Figures(**data[key]) for key in ("out_of_place", "in_place")}
+    return Row(**{**data, **placements})
 
 
 def write_json(path: str, record: BenchRecord) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from meshwise.bench.report import COLUMNS, footer, row_cells, run_title
+from meshwise.bench.report import COLUMNS, GROUPS, KEY_COLUMNS, footer, row_cells, run_title
 from meshwise.bench.runner import RunResult
 
 #: ("task", id, label, total) | ("advance", id) | ("run", collective, backend, algorithm, world_size)
@@ -29,8 +29,8 @@ from meshwise.bench.runner import RunResult
 Event = tuple[Any, ...]
 Sink = Callable[[Event], None] | Connection
 
-#: right-aligned column widths; type and redop are left-aligned as in the tables
-_WIDTHS = (12, 15, 8, 6, 5, 11, 11, 11, 6)
+#: right-aligned column widths (key, out-of-place, in-place); type and redop are left-aligned as in the tables
+_WIDTHS = (12, 15, 8, 6, 5, *(11, 11, 11, 6) * 2)
 _LEFT = ("type", "redop")
 
 
@@ -54,6 +54,14 @@ class EventProgress:
 
     def advance(self, task: int) -> None:
         self._emit(("advance", task))
+
+
+def _groups_line() -> str:
+    """nccl-tests' line above the column names: where the out-of-place and the in-place figures start."""
+    keys = len(KEY_COLUMNS)
+    key = sum(_WIDTHS[:keys]) + 2 * keys  # the key columns and their separators
+    half = sum(_WIDTHS[keys : keys + 4]) + 2 * 4
+    return " " * key + GROUPS[0].ljust(half) + GROUPS[1]
 
 
 def _line(cells: tuple[str, ...]) -> str:
@@ -132,6 +140,7 @@ class LiveReport:
                 self.print_header()
                 self.runs.append(RunResult(*event[1:], rows=()))
                 self._print(run_title(self.runs[-1]))
+                self._print(_groups_line())
                 self._print(_line(COLUMNS))
             elif kind == "row":
                 run = self.runs[-1]

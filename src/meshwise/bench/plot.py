@@ -1,7 +1,8 @@
 """busbw against message size, one panel per collective, one line per backend/algorithm (PNG).
 
 Bus bandwidth is the figure that compares across collectives and rank counts and against the hardware
-(nccl-tests' rationale), so it is what we draw, with sizes on a log-2 axis. Two ceilings are drawn when
+(nccl-tests' rationale), so it is what we draw — the out-of-place figure, nccl-tests' first — with sizes
+on a log-2 axis. Two ceilings are drawn when
 known: the link bandwidth a user states (``--ceiling``, e.g. a NIC's or NVLink's GB/s per direction),
 and, with a calibration of this machine, the busbw the α-β-γ model predicts for each algorithm (dashed,
 same colour) plus its asymptote 1/β, both from the calibration's entry for the run's world size
@@ -13,25 +14,25 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from meshwise.bench.busbw import bus_factor
-from meshwise.bench.runner import RunResult
+from meshwise.bench.runner import Row, RunResult
 from meshwise.bench.sizes import format_size
 from meshwise.comm.algorithms.registry import predict_seconds
 from meshwise.comm.cost import Calibration
 
 
-def _model_busbw(run: RunResult, calibration: Calibration) -> list[float] | None:
-    """Predicted busbw (GB/s) per row, or None when the model has no formula for this run."""
+def _model_busbw(run: RunResult, rows: Sequence[Row], calibration: Calibration) -> list[float] | None:
+    """Predicted busbw (GB/s) per row of ``rows``, or None when the model has no formula for this run."""
     world = calibration.for_world(run.world_size)
     link = world.native if run.algorithm == "native" else world.intra
     factor = bus_factor(run.collective, run.world_size)
     try:
         seconds = [
-            predict_seconds(run.collective, run.algorithm, r.size, run.world_size, link) for r in run.rows
+            predict_seconds(run.collective, run.algorithm, r.size, run.world_size, link) for r in rows
         ]
     except (KeyError, ValueError):  # sendrecv, auto, hierarchical: no single-link formula
         return None
     return [
-        r.size / s / 1e9 * factor if s > 0 else float("nan") for r, s in zip(run.rows, seconds, strict=True)
+        r.size / s / 1e9 * factor if s > 0 else float("nan") for r, s in zip(rows, seconds, strict=True)
     ]
 
 
@@ -61,17 +62,18 @@ def plot_runs(
         mine = [run for run in runs if run.collective == collective and run.rows]
         for i, run in enumerate(mine):
             colour = colours[i % len(colours)]
-            sizes = [r.size for r in run.rows]
+            moved = [r for r in run.rows if r.count > 0]  # a count-0 row has no place on a log axis
+            sizes = [r.size for r in moved]
             ax.plot(
                 sizes,
-                [r.busbw for r in run.rows],
+                [r.out_of_place.busbw for r in moved],
                 marker="o",
                 ms=3,
                 color=colour,
                 label=f"{run.backend}/{run.algorithm}",
             )
             if calibration is not None:
-                model = _model_busbw(run, calibration)
+                model = _model_busbw(run, moved, calibration)
                 if model is not None:
                     ax.plot(
                         sizes,
@@ -95,7 +97,7 @@ def plot_runs(
         ax.set_xscale("log", base=2)
         ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: format_size(round(x)) if x >= 1 else ""))
         ax.set_xlabel("size (bytes, nccl-tests S)")
-        ax.set_ylabel("busbw (GB/s)")
+        ax.set_ylabel("busbw (GB/s, out of place)")
         ax.set_title(f"{collective} · {n} rank{'' if n == 1 else 's'}")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)

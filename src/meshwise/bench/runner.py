@@ -12,12 +12,16 @@ iterations are kept for the JSON record.
 Checking (``checks`` ≥ 1) runs the operation again on fresh exact inputs after timing and counts wrong
 elements and out-of-bounds writes on every rank; both counts are summed over ranks, so every rank
 returns identical rows.
+
+As in nccl-tests every size is measured twice, out of place and in place (:mod:`meshwise.bench.cases`),
+and a rooted collective with root -1 is swept once per root; sizes too small for one element per slot
+are count-0 rows (the operation still runs, on empty buffers).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +38,10 @@ DTYPES = {
     "int32": torch.int32,
     "int64": torch.int64,
 }
+#: nccl-tests' ``-d`` spellings of our types.
+DTYPE_ALIASES = {"float": "float32", "half": "float16", "double": "float64"}
+#: ``root`` value that sweeps every root in turn (nccl-tests' ``-r -1``).
+ALL_ROOTS = -1
 
 
 @dataclass(frozen=True)
@@ -44,7 +52,7 @@ class SweepConfig:
     sizes: tuple[int, ...]
     dtype: str = "float32"
     op: str = "sum"
-    root: int = 0
+    root: int = 0  # ALL_ROOTS: every root in turn
     iters: int = 20
     warmup: int = 5
     checks: int = 1
@@ -53,14 +61,9 @@ class SweepConfig:
 
 
 @dataclass(frozen=True)
-class Row:
-    """One line of the nccl-tests table (times in µs, bandwidths in GB/s = 1e9 B/s)."""
+class Figures:
+    """One placement's measurement of a row (times in µs, bandwidths in GB/s = 1e9 B/s)."""
 
-    size: int
-    count: int
-    type: str
-    redop: str
-    root: int
     time_us: float
     algbw: float
     busbw: float
@@ -68,6 +71,49 @@ class Row:
     out_of_bounds: int
     time_us_min: float
     time_us_max: float
+
+
+@dataclass(frozen=True)
+class Row:
+    """One line of the nccl-tests table: the operation out of place and in place."""
+
+    size: int
+    count: int
+    type: str
+    redop: str
+    root: int
+    out_of_place: Figures
+    in_place: Figures
+
+    @property
+    def placements(self) -> tuple[Figures, Figures]:
+        return self.out_of_place, self.in_place
+
+    @property
+    def wrong(self) -> int:
+        return sum(f.wrong for f in self.placements)
+
+    @property
+    def out_of_bounds(self) -> int:
+        return sum(f.out_of_bounds for f in self.placements)
+
+    @property
+    def fastest_us(self) -> float:
+        """The fastest iteration of either placement: what the transport can do at this size."""
+        return min(f.time_us_min for f in self.placements)
+
+
+def sweep_roots(config: SweepConfig, world_size: int) -> tuple[int, ...]:
+    """The roots a sweep visits: every rank for ``ALL_ROOTS`` on a rooted collective, else one (-1 for
+    a collective without a root, as nccl-tests prints it)."""
+    if config.collective not in ROOTED:
+        return (-1,)
+    return tuple(range(world_size)) if config.root == ALL_ROOTS else (config.root,)
+
+
+def sweep_length(config: SweepConfig, world_size: int) -> int:
+    """Rows a sweep produces (what a progress bar counts)."""
+    return len(config.sizes) * len(sweep_roots(config, world_size))
 
 
 def _synchronize(device: torch.device) -> None:
@@ -97,68 +143,60 @@ def run_sweep(
     on_size: Callable[[int], None] | None = None,
     on_row: Callable[[Row], None] | None = None,
 ) -> list[Row]:
-    """Measure ``config.collective`` on ``comm`` for every size; identical rows on every rank.
+    """Measure ``config.collective`` on ``comm`` for every root and size; identical rows on every rank.
 
     ``control`` (same ranks, any transport) carries the barriers and the reductions of times and error
     counts, so a broken transport under test cannot corrupt its own verdict. ``on_size`` is called with
-    the index of each finished size (rank 0 drives a progress bar with it), ``on_row`` with each row as
+    the index of each finished row (rank 0 drives a progress bar with it), ``on_row`` with each row as
     soon as it is measured (rank 0 streams it to the printing process, so a failure later loses nothing).
     """
     if comm.world_size != control.world_size or comm.rank != control.rank:
         raise ValueError("the communicator under test and the control communicator must span the same ranks")
-    dtype = DTYPES[config.dtype]
-    op = ReduceOp(config.op)
-    n = comm.world_size
-    rooted = config.collective in ROOTED
+    dtype, op = DTYPES[config.dtype], ReduceOp(config.op)
     rows = []
-    for index, size in enumerate(config.sizes):
-        layout = layout_for(config.collective, size, n, dtype.itemsize)
-        if layout.count == 0:  # below one element per slot: nothing to move (the CLI warns up front)
+    for root in sweep_roots(config, comm.world_size):
+        for size in config.sizes:
+            layout = layout_for(config.collective, size, comm.world_size, dtype.itemsize)
+            figures = []
+            for in_place in (False, True):
+                case = Case(comm, layout, dtype, op, max(root, 0), device, in_place=in_place)
+                figures.append(_measure(case, control, config, device))
+            redop = config.op if config.collective in REDUCING else "none"
+            rows.append(Row(layout.nbytes, layout.count, config.dtype, redop, root, *figures))
+            if on_row is not None:
+                on_row(rows[-1])
             if on_size is not None:
-                on_size(index)
-            continue
-        case = Case(comm, layout, dtype, op, config.root, device)
-        case.prepare(None)
-        for _ in range(config.warmup):
-            case.run()
-        _synchronize(device)
-        times = _timed(case, control, config.iters, device)
-        control.all_reduce(times, ReduceOp.MAX)
-        counts = torch.zeros(2, dtype=torch.int64)
-        for check in range(config.checks):
-            case.prepare(salt=check + 1)
-            case.run()
-            _synchronize(device)
-            wrong, oob = case.check(check + 1, corrupt=config.corrupt_rank == comm.rank)
-            counts += torch.tensor([wrong, oob], dtype=torch.int64)
-        control.all_reduce(counts, ReduceOp.SUM)
-        seconds = float(times.mean())
-        rows.append(
-            Row(
-                size=layout.nbytes,
-                count=layout.count,
-                type=config.dtype,
-                redop=config.op if config.collective in REDUCING else "none",
-                root=config.root if rooted else -1,
-                time_us=seconds * 1e6,
-                algbw=algbw(layout.nbytes, seconds),
-                busbw=busbw(config.collective, layout.nbytes, seconds, n),
-                wrong=int(counts[0]),
-                out_of_bounds=int(counts[1]),
-                time_us_min=float(times.min()) * 1e6,
-                time_us_max=float(times.max()) * 1e6,
-            )
-        )
-        if on_row is not None:
-            on_row(rows[-1])
-        if on_size is not None:
-            on_size(index)
+                on_size(len(rows) - 1)
     return rows
 
 
-def sizes_with_elements(collective: str, sizes: Sequence[int], world_size: int, itemsize: int) -> list[int]:
-    """The sizes that hold at least one element per rank (smaller requests cannot run)."""
-    return [s for s in sizes if layout_for(collective, s, world_size, itemsize).count > 0]
+def _measure(case: Case, control: Communicator, config: SweepConfig, device: torch.device) -> Figures:
+    """Warm up, time and check one placement of one row."""
+    comm = case.comm
+    case.prepare(None)
+    for _ in range(config.warmup):
+        case.run()
+    _synchronize(device)
+    times = _timed(case, control, config.iters, device)
+    control.all_reduce(times, ReduceOp.MAX)
+    counts = torch.zeros(2, dtype=torch.int64)
+    for check in range(config.checks):
+        case.prepare(salt=check + 1)
+        case.run()
+        _synchronize(device)
+        wrong, oob = case.check(check + 1, corrupt=config.corrupt_rank == comm.rank)
+        counts += torch.tensor([wrong, oob], dtype=torch.int64)
+    control.all_reduce(counts, ReduceOp.SUM)
+    seconds = float(times.mean())
+    return Figures(
+        time_us=seconds * 1e6,
+        algbw=algbw(case.layout.nbytes, seconds),
+        busbw=busbw(case.layout.collective, case.layout.nbytes, seconds, comm.world_size),
+        wrong=int(counts[0]),
+        out_of_bounds=int(counts[1]),
+        time_us_min=float(times.min()) * 1e6,
+        time_us_max=float(times.max()) * 1e6,
+    )
 
 
 @dataclass(frozen=True)
@@ -173,8 +211,10 @@ class RunResult:
 
     @property
     def avg_busbw(self) -> float:
-        """Mean busbw over the rows, nccl-tests' footer figure."""
-        return sum(r.busbw for r in self.rows) / len(self.rows) if self.rows else 0.0
+        """nccl-tests' footer figure: the mean busbw over every row's out-of-place and in-place figures
+        (count-0 rows included, as there)."""
+        figures = [f for row in self.rows for f in row.placements]
+        return sum(f.busbw for f in figures) / len(figures) if figures else 0.0
 
     @property
     def wrong(self) -> int:

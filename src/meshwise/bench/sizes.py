@@ -1,6 +1,7 @@
 """Message sizes as people write them (``8``, ``4K``, ``64M``, ``1G``) and the sweeps built from them.
 
 Suffixes are binary (K = 1024 B), as in nccl-tests' ``-b/-e`` options; a size is always a byte count.
+Fractions are accepted as nccl-tests accepts them (``1.5K`` = 1536 B) and rounded down to whole bytes.
 """
 
 from __future__ import annotations
@@ -8,16 +9,20 @@ from __future__ import annotations
 import re
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-_PATTERN = re.compile(r"^\s*(\d+)\s*([KMGT]?)(I?B)?\s*$", re.IGNORECASE)
+_PATTERN = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([KMGT]?)(I?B)?\s*$", re.IGNORECASE)
 
 
 def parse_size(text: str) -> int:
-    """Bytes from ``8``, ``4K``, ``4KB``, ``4KiB``, ``64M`` or ``1G`` (binary units, whole numbers only)."""
+    """Bytes from ``8``, ``4K``, ``1.5K``, ``4KiB``, ``64M`` or ``1G`` (binary units, rounded down)."""
     match = _PATTERN.match(text)
     if match is None:
-        raise ValueError(f"size {text!r} is not understood; write bytes like 8, 4K, 64M or 1G")
-    number, unit = int(match.group(1)), match.group(2).upper()
-    return number * _UNITS[unit]
+        raise ValueError(f"size {text!r} is not understood; write bytes like 8, 1.5K, 64M or 1G")
+    number, unit = match.group(1), match.group(2).upper()
+    whole, _, fraction = number.partition(".")
+    # Exact arithmetic: a float would turn 1.1T into a byte count one off.
+    scale = _UNITS[unit]
+    fraction_bytes = int(fraction) * scale // 10 ** len(fraction) if fraction else 0
+    return int(whole or 0) * scale + fraction_bytes
 
 
 def format_size(nbytes: int) -> str:
@@ -34,7 +39,8 @@ def size_sweep(
 ) -> list[int]:
     """Sizes from ``minimum`` to ``maximum`` (inclusive) multiplying by ``factor`` or adding ``step``.
 
-    Exactly one of ``factor`` (≥ 2) and ``step`` (≥ 1) is used, as nccl-tests' ``-f``/``-i``.
+    Exactly one of ``factor`` (≥ 2) and ``step`` (≥ 1) is used, as nccl-tests' ``-f``/``-i`` (whose
+    ``-f 1`` means "no factor, add -i": the CLI maps it to ``factor=None``).
     """
     if minimum < 1:
         raise ValueError(f"minimum size must be at least 1 byte, got {minimum}")

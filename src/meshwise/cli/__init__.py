@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import sys
 from collections.abc import Sequence
 
@@ -17,15 +18,25 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("run", "start N workers with torchrun's environment; fail fast, restart, or print an sbatch"),
     "info": ("info", "what this process sees: launcher, rank layout, backends, devices, topology, /dev/shm"),
     "bench": ("bench", "collective benchmarks as nccl-tests: time, algbw, busbw, checks, JSON, plots"),
-    "pi": ("pi", "compute π by the midpoint rule or Monte Carlo on N ranks (the seeds' exercises)"),
+    "pi": ("pi", "compute π by the midpoint rule or Monte Carlo on N ranks (the lecture's exercises)"),
     "scale": ("scale", "strong/weak scaling study of a workload or command: speedup, efficiency, causes"),
     "train": ("train", "data-parallel training of the reference models: progress, validation, checkpoints"),
     "doctor": ("doctor", "check this machine for what breaks distributed jobs: pass/warn/fail with the fix"),
 }
 
 
+_RST_ROLE = re.compile(r":[a-z]+:`~?([^`]+)`")
+
+
+def summary(doc: str | None) -> str:
+    """The first line of a module docstring as help text: without reStructuredText markup
+    (````x```` and ``:func:`x```` read as plain ``x`` in a terminal)."""
+    first = (doc or "").strip().splitlines()[0]
+    return _RST_ROLE.sub(r"\1", first).replace("``", "")
+
+
 def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="meshwise", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="meshwise", description=summary(__doc__))
     from meshwise import __version__
 
     parser.add_argument("--version", action="version", version=f"meshwise {__version__}")

@@ -17,15 +17,16 @@ from dataclasses import replace
 
 import torch
 
-from meshwise.bench.busbw import COLLECTIVES, REDUCING, layout_for, min_size_bytes
+from meshwise.bench.busbw import COLLECTIVES, REDUCING, layout_for
 from meshwise.bench.calibrate import calibration_target, format_outcome, previous_calibration
 from meshwise.bench.cases import buffer_bytes
-from meshwise.bench.job import BenchJob, JobResult, bench_rank_main
+from meshwise.bench.job import BenchJob, JobResult, bench_rank_main, covers
 from meshwise.bench.jsonio import BenchRecord, write_json
 from meshwise.bench.live import LiveReport, Sink, emitter, pump
 from meshwise.bench.report import output_console, print_runs
-from meshwise.bench.runner import DTYPES, RunResult, SweepConfig, sizes_with_elements
-from meshwise.bench.sizes import format_size, parse_size, size_sweep
+from meshwise.bench.runner import ALL_ROOTS, DTYPE_ALIASES, DTYPES, RunResult, SweepConfig
+from meshwise.bench.sizes import parse_size, size_sweep
+from meshwise.cli import summary
 from meshwise.cli.outputs import check_output, check_plot, write_outputs
 from meshwise.comm.algorithms.registry import ALGORITHMS, ALIASES, canonical_algorithm, reference_table
 from meshwise.comm.api import CommError, ReduceOp
@@ -38,6 +39,8 @@ from meshwise.runtime.on_ranks import run_on_ranks
 from meshwise.runtime.spawn import SpawnError
 from meshwise.runtime.timeouts import wait_timeout
 
+#: nccl-tests' -i default, used when -f 1 asks for stepping without giving -i.
+DEFAULT_STEP_BYTES = 1 << 20
 _DRAIN_SECONDS = 5.0  # the last events are read after the ranks exit: bounded, never a hang
 
 
@@ -53,7 +56,7 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str, help_text: str
     parser = subparsers.add_parser(
         name,
         help=help_text,
-        description=__doc__.splitlines()[0],
+        description=summary(__doc__),
         epilog=f"algorithms (--algo):\n{reference_table()}",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -67,15 +70,22 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str, help_text: str
     parser.add_argument("-np", "--nproc", dest="np", type=int, default=None, help="local ranks (default 2)")
     parser.add_argument("-b", "--minbytes", default="8", help="smallest size, e.g. 8, 4K (default 8)")
     parser.add_argument("-e", "--maxbytes", default="64M", help="largest size, e.g. 64M, 1G (default 64M)")
-    step = parser.add_mutually_exclusive_group()
-    step.add_argument("-f", "--stepfactor", type=int, default=None, help="multiply the size by F (default 2)")
-    step.add_argument("-i", "--stepbytes", default=None, help="add this many bytes instead, e.g. 1M")
+    parser.add_argument(
+        "-f", "--stepfactor", type=int, default=None, help="multiply the size by F (default 2; 1: add -i)"
+    )
+    parser.add_argument("-i", "--stepbytes", default=None, help="add this many bytes instead, e.g. 1M")
     parser.add_argument("-n", "--iters", type=int, default=20, help="timed iterations per size (default 20)")
     parser.add_argument("-w", "--warmup", type=int, default=5, help="untimed iterations per size (default 5)")
     parser.add_argument("-c", "--check", type=int, default=1, help="check results K times per size (0: off)")
-    parser.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
-    parser.add_argument("--op", choices=[o.value for o in ReduceOp], default="sum", help="reduction op")
-    parser.add_argument("--root", type=int, default=0, help="root of broadcast/reduce/gather/scatter")
+    parser.add_argument(
+        "-d", "--dtype", choices=(*DTYPES, *DTYPE_ALIASES), default="float32", help="element type (float32)"
+    )
+    parser.add_argument(
+        "-o", "--op", choices=[o.value for o in ReduceOp], default="sum", help="reduction op (sum)"
+    )
+    parser.add_argument(
+        "-r", "--root", type=int, default=0, help="root of broadcast/reduce/gather/scatter; -1: every root"
+    )
     parser.add_argument(
         "--backend", default=None, help="comma list of gloo,nccl,shm,mpi (default nccl on GPUs)"
     )
@@ -116,11 +126,12 @@ def _check_memory(
     """Refuse a sweep whose largest size cannot fit in this machine's memory: per rank, the buffers the
     check-and-time case allocates plus one working copy of S for the transport (gloo's and our
     algorithms' temporaries), times the ranks on this machine. nccl's buffers live on the GPUs."""
-    itemsize = DTYPES[args.dtype].itemsize
+    itemsize = DTYPES[DTYPE_ALIASES.get(args.dtype, args.dtype)].itemsize
+    root = max(args.root, 0)  # -r -1 visits every root; any of them holds the most
     per_rank = 0
     for collective in collectives or ("all_reduce",):  # --calibrate alone sweeps all_reduce-sized buffers
         layout = layout_for(collective, largest, world_size, itemsize)
-        per_rank = max(per_rank, buffer_bytes(layout, rank=args.root, root=args.root) + layout.nbytes)
+        per_rank = max(per_rank, buffer_bytes(layout, rank=root, root=root) + layout.nbytes)
     check_memory(
         per_rank * local_ranks,
         f"-e {args.maxbytes} on {local_ranks} rank{'s' if local_ranks > 1 else ''}",
@@ -141,6 +152,29 @@ def _check_backends(backends: tuple[str, ...], launcher: str) -> None:
             raise ValueError(f"backend {backend} is not available in this installation ({module} is missing)")
 
 
+def _stepping(args: argparse.Namespace) -> tuple[int | None, int | None]:
+    """(factor, step) of the sweep. As in nccl-tests, ``-f 1`` means "no factor: add -i bytes" (1M when
+    -i is not given); a factor of 2 or more and -i together are ambiguous."""
+    if args.stepbytes is None:
+        if args.stepfactor == 1:
+            return None, DEFAULT_STEP_BYTES
+        return (args.stepfactor if args.stepfactor is not None else 2), None
+    if args.stepfactor not in (None, 1):
+        raise ValueError(f"-f {args.stepfactor} and -i {args.stepbytes} conflict: give -f 1 or leave -f out")
+    return None, parse_size(args.stepbytes)
+
+
+def _check_coverage(collective: str, algorithms: tuple[str, ...]) -> None:
+    """A named collective must be implemented by every named algorithm: the backend's own operation
+    reported under the algorithm's name would be a wrong answer (``all`` skips such pairs instead)."""
+    lacking = [a for a in algorithms if not covers(a, collective)]
+    if lacking:
+        able = [a for a in ALGORITHMS if covers(a, collective)]
+        raise ValueError(
+            f"--algo {','.join(lacking)} does not implement {collective}; choose from {', '.join(able)}"
+        )
+
+
 def build_job(args: argparse.Namespace) -> tuple[BenchJob, int, str]:
     """The validated job, its world size and launcher; ValueError says which option to change."""
     if args.collective is None and not args.calibrate:
@@ -153,23 +187,15 @@ def build_job(args: argparse.Namespace) -> tuple[BenchJob, int, str]:
         raise ValueError("sendrecv needs at least 2 ranks (each rank sends to the next); use -np 2")
     if args.calibrate and world_size < 2:
         raise ValueError("--calibrate measures links between ranks: use at least -np 2")
-    step = parse_size(args.stepbytes) if args.stepbytes is not None else None
-    factor = None if step is not None else (args.stepfactor if args.stepfactor is not None else 2)
+    factor, step = _stepping(args)
     sizes = size_sweep(parse_size(args.minbytes), parse_size(args.maxbytes), factor=factor, step=step)
-    itemsize = DTYPES[args.dtype].itemsize
-    for collective in collectives:
-        if not sizes_with_elements(collective, sizes, world_size, itemsize):
-            smallest = min_size_bytes(collective, world_size, itemsize)
-            raise ValueError(
-                f"{collective} of {args.dtype} on {world_size} ranks needs at least {smallest} B per "
-                f"operation; raise -e to {format_size(smallest)} or more"
-            )
+    dtype = DTYPE_ALIASES.get(args.dtype, args.dtype)
     if args.iters < 1 or args.warmup < 0 or args.check < 0:
         raise ValueError("-n must be at least 1, and -w and -c at least 0")
-    if args.op == "avg" and not DTYPES[args.dtype].is_floating_point and set(collectives) & REDUCING:
-        raise ValueError(f"--op avg is not defined for {args.dtype}: use --op sum or a floating --dtype")
-    if not 0 <= args.root < world_size:
-        raise ValueError(f"--root {args.root} is outside 0..{world_size - 1}")
+    if args.op == "avg" and not DTYPES[dtype].is_floating_point and set(collectives) & REDUCING:
+        raise ValueError(f"--op avg is not defined for {dtype}: use --op sum or a floating --dtype")
+    if not (args.root == ALL_ROOTS or 0 <= args.root < world_size):
+        raise ValueError(f"--root {args.root} is outside 0..{world_size - 1} (or -1 for every root)")
     if args.inject_error is not None and not 0 <= args.inject_error < world_size:
         raise ValueError(f"--inject-error {args.inject_error} is outside 0..{world_size - 1}")
     if args.ceiling is not None and not args.ceiling > 0:
@@ -187,6 +213,8 @@ def build_job(args: argparse.Namespace) -> tuple[BenchJob, int, str]:
     if set(backends) - {"nccl"}:
         _check_memory(collectives, sizes[-1], world_size, local_ranks, args)
     algorithms = tuple(dict.fromkeys(canonical_algorithm(n) for n in _split(args.algo, "--algo")))
+    if args.collective not in (None, "all"):
+        _check_coverage(args.collective, algorithms)
     # a missing or malformed file fails here, before any rank starts; a calibrating run prices auto with
     # what its target file held before (the built-in calibration for a new file)
     pricing_file = args.calibration_file
@@ -205,7 +233,7 @@ def build_job(args: argparse.Namespace) -> tuple[BenchJob, int, str]:
     sweep = SweepConfig(
         collective=collectives[0] if collectives else "all_reduce",
         sizes=tuple(sizes),
-        dtype=args.dtype,
+        dtype=dtype,
         op=args.op,
         root=args.root,
         iters=args.iters,
@@ -256,7 +284,8 @@ def replay_command(
     """The run spelled out with every option's effective value, so the record says how to repeat it
     (whatever defaults a later version has, and however the command was typed or launched)."""
     sweep = job.sweep
-    step = ("-i", args.stepbytes) if args.stepbytes is not None else ("-f", str(args.stepfactor or 2))
+    factor, step_bytes = _stepping(args)
+    step = ("-f", str(factor)) if factor is not None else ("-i", str(step_bytes))
     words = ["meshwise", "bench"]
     words += [args.collective] if args.collective is not None else []
     words += ["-np", str(world_size)] if launcher == "local" else []

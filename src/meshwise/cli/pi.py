@@ -1,4 +1,4 @@
-"""``meshwise pi {midpoint,montecarlo} N``: the seeds' π exercises on any number of ranks.
+"""``meshwise pi {midpoint,montecarlo} N [SEED]``: the lecture's π exercises on any number of ranks.
 
 With ``-np P`` it starts P local ranks itself; under a launcher (``meshwise run``, torchrun, mpirun, srun)
 it runs on the ranks it was started on and rank 0 prints. Inputs are checked before any rank starts.
@@ -12,6 +12,7 @@ from decimal import Decimal, InvalidOperation
 
 import torch
 
+from meshwise.cli import summary
 from meshwise.runtime.env import plan_ranks
 from meshwise.runtime.memory import check_memory
 from meshwise.runtime.on_ranks import run_on_ranks
@@ -32,12 +33,19 @@ def parse_count(text: str, what: str = "N") -> int:
 
 
 def add_parser(subparsers: argparse._SubParsersAction, name: str, help_text: str) -> None:
-    parser = subparsers.add_parser(name, help=help_text, description=__doc__.splitlines()[0])
+    parser = subparsers.add_parser(name, help=help_text, description=summary(__doc__))
     parser.add_argument("method", choices=METHODS, help="midpoint-rule integration or Monte Carlo sampling")
     parser.add_argument("n", metavar="N", help="bins (midpoint) or samples (montecarlo), e.g. 10000 or 1e13")
+    parser.add_argument(
+        "seed_arg",
+        nargs="?",
+        type=int,
+        metavar="SEED",
+        help="Monte Carlo stream, as the lecture's `mpi_cuda_pi_mc.x N SEED` (same as --seed)",
+    )
     parser.add_argument("-np", "--nproc", dest="np", type=int, default=None, help="local ranks to start")
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if present")
-    parser.add_argument("--seed", type=int, default=0, help="Monte Carlo stream (default 0)")
+    parser.add_argument("--seed", type=int, default=None, help="Monte Carlo stream (default 0)")
     parser.add_argument("--backend", default="auto", help="communicator backend (auto, gloo, nccl, shm, mpi)")
     parser.add_argument("--chunk", default=None, help="items per kernel call, e.g. 65536 or 1e6")
     parser.add_argument(
@@ -50,6 +58,15 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str, help_text: str
     parser.set_defaults(func=handler)
 
 
+def _seed(args: argparse.Namespace) -> int:
+    """The seed, given positionally (the lecture's spelling) or with --seed; both must agree."""
+    if args.seed_arg is not None and args.method != "montecarlo":
+        raise ValueError(f"{args.method} takes no SEED ({args.seed_arg}); only montecarlo samples randomly")
+    if args.seed_arg is not None and args.seed not in (None, args.seed_arg):
+        raise ValueError(f"SEED {args.seed_arg} and --seed {args.seed} disagree; give one of them")
+    return next((s for s in (args.seed_arg, args.seed) if s is not None), 0)
+
+
 def build_job(args: argparse.Namespace) -> PiJob:
     """The validated job; ValueError says which option to change."""
     if args.np is not None and args.np < 1:  # checked again by plan_ranks; refused here before any work
@@ -57,12 +74,13 @@ def build_job(args: argparse.Namespace) -> PiJob:
     job = PiJob(
         method=args.method,
         n=parse_count(args.n),
-        seed=args.seed,
+        seed=_seed(args),
         backend=args.backend,
         device=args.device,
         chunk=None if args.chunk is None else parse_count(args.chunk, "--chunk"),
         kernel=args.kernel,
         timeout=args.timeout,
+        progress=True,  # rank 0 on stderr: the kernel compile and a heartbeat while computing
     )
     _check_memory(job.validate(), args.np)
     return job

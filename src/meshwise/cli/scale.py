@@ -12,6 +12,7 @@ import sys
 
 import torch
 
+from meshwise.cli import summary
 from meshwise.cli.outputs import check_output, check_plot, write_outputs
 from meshwise.cli.pi import parse_count
 from meshwise.comm.cost import Calibration
@@ -21,7 +22,8 @@ from meshwise.runtime.spawn import SpawnError
 from meshwise.scale.metrics import MODES, Sample, analyse
 from meshwise.scale.model import predicted_times
 from meshwise.scale.report import format_table, plot, to_json, write_json
-from meshwise.scale.runner import ScaleError, Workload, parse_workload, run_command, run_pi
+from meshwise.scale.runner import ScaleError, Workload, cores_busy, parse_workload, run_command, run_pi
+from meshwise.train.workloads import WORKLOADS as TRAIN_MODELS
 from meshwise.workloads.pi import check_work
 from meshwise.workloads.pi_job import KERNELS, resolve_kernel
 
@@ -41,11 +43,13 @@ def parse_scales(text: str) -> list[int]:
 
 
 def add_parser(subparsers: argparse._SubParsersAction, name: str, help_text: str) -> None:
-    parser = subparsers.add_parser(name, help=help_text, description=__doc__.splitlines()[0])
+    parser = subparsers.add_parser(name, help=help_text, description=summary(__doc__))
     parser.add_argument(
         "workload", nargs="+", help="pi-midpoint | pi-montecarlo | train:<model> | -- CMD ARGS"
     )
-    parser.add_argument("--np", dest="scales", default="1,2,4", help="rank counts to run (default 1,2,4)")
+    parser.add_argument(
+        "-np", "--np", "--nproc", dest="scales", default="1,2,4", help="rank counts to run (default 1,2,4)"
+    )
     parser.add_argument(
         "--mode", choices=MODES, default="strong", help="fixed work (strong) or work ∝ n (weak)"
     )
@@ -65,6 +69,12 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str, help_text: str
 
 def _validate(args: argparse.Namespace) -> tuple[Workload, list[int], int | None]:
     workload = parse_workload(args.workload)
+    model = workload.name.removeprefix("train:") if workload.name.startswith("train:") else None
+    if model is not None and model not in TRAIN_MODELS:
+        raise ValueError(
+            f"{workload.name}: `meshwise train` has no model {model!r}; use train:<model> with one of "
+            f"{', '.join(TRAIN_MODELS)}"
+        )
     scales = parse_scales(args.scales)
     if args.repeat < 1:
         raise ValueError(f"--repeat must be at least 1, got {args.repeat}")
@@ -140,16 +150,22 @@ def handler(args: argparse.Namespace) -> int:
         )
     samples: dict[int, list[Sample]] = {}
     sources: set[str] = set()
+    baseline_cores = None
     try:
         for ranks in scales:
-            samples[ranks], used = _measure(args, workload, ranks, work, scales[0])
+            # progress: a study of big runs is silent for minutes otherwise
+            print(f"n={ranks}: running {args.repeat} run{'s' if args.repeat > 1 else ''} …", flush=True)
+            (samples[ranks], used), busy = cores_busy(
+                lambda ranks=ranks: _measure(args, workload, ranks, work, scales[0])
+            )
+            baseline_cores = busy if ranks == 1 and on_cpu else baseline_cores
             sources |= used
             times = " ".join(f"{s.wall_seconds:.6f}" for s in samples[ranks])
             print(f"n={ranks}: {times} s", flush=True)
     except (ScaleError, SpawnError) as exc:
         print(f"meshwise scale: {exc}", file=sys.stderr)
         return 1
-    points = analyse(args.mode, samples, cores if on_cpu else None)
+    points = analyse(args.mode, samples, cores if on_cpu else None, baseline_cores)
     comm_bytes = (
         args.comm_bytes
         if args.comm_bytes is not None

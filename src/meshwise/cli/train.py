@@ -12,22 +12,23 @@ import json
 import sys
 from pathlib import Path
 
-from meshwise.cli import train_gpt
+from meshwise.cli import summary, train_gpt
 from meshwise.cli.outputs import check_output, write_outputs
 from meshwise.runtime.spawn import SpawnError
 from meshwise.train import WORKLOADS, TrainConfig, TrainingError, run_training
+from meshwise.train.config import STRATEGIES
 
 
 def add_parser(subparsers: argparse._SubParsersAction, name: str, help_text: str) -> None:
-    parser = subparsers.add_parser(name, help=help_text, description=__doc__.splitlines()[0])
+    parser = subparsers.add_parser(name, help=help_text, description=summary(__doc__))
     models = parser.add_subparsers(dest="model", metavar="MODEL", required=True)
     for workload in WORKLOADS.values():
         add_workload_parser(models, workload.name, workload.summary)
     train_gpt.add_parser(models)
 
 
-def add_workload_parser(models: argparse._SubParsersAction, model: str, summary: str) -> None:
-    parser = models.add_parser(model, help=summary, description=f"{__doc__.splitlines()[0]}\n\n{summary}")
+def add_workload_parser(models: argparse._SubParsersAction, model: str, blurb: str) -> None:
+    parser = models.add_parser(model, help=blurb, description=f"{summary(__doc__)}\n\n{blurb}")
     parser.add_argument("-np", "--nproc", dest="np", type=int, default=None, help="local ranks to start")
     parser.add_argument("--epochs", type=int, default=None, help="total epochs (default: per model)")
     parser.add_argument("--batch-size", type=int, default=None, help="samples per rank per step")
@@ -39,6 +40,12 @@ def add_workload_parser(models: argparse._SubParsersAction, model: str, summary:
         dest="lr_scaling",
         action="store_false",
         help="keep --lr as is instead of multiplying it by the number of ranks",
+    )
+    parser.add_argument(
+        "--strategy",
+        choices=STRATEGIES,
+        default="ddp",
+        help="ddp (replicas) or zero1/zero2/zero3 (shard optimizer state / + gradients / + parameters)",
     )
     parser.add_argument("--seed", type=int, default=0, help="initial weights and shuffling (default 0)")
     parser.add_argument("--backend", default="auto", help="communicator backend (auto, gloo, nccl, shm, mpi)")
@@ -84,6 +91,7 @@ def handler(args: argparse.Namespace) -> int:
         resume=args.resume,
         data_dir=args.data_dir,
         timeout=args.timeout,
+        strategy=args.strategy,
         profile=args.profile,
         trace=args.trace,
         debug=args.debug,

@@ -34,12 +34,12 @@ def add_parser(models: argparse._SubParsersAction) -> None:
     ranks = parser.add_argument_group("ranks and mesh")
     ranks.add_argument("-np", "--nproc", dest="nproc", type=int, default=None, help="local ranks to start")
     ranks.add_argument("--dp", type=int, default=None, help="data-parallel size (default: ranks / (tp·pp))")
-    ranks.add_argument("--tp", type=int, default=1, help="tensor-parallel size (not yet: issue 17)")
+    ranks.add_argument("--tp", type=int, default=1, help="tensor-parallel size (must divide the heads)")
     ranks.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (stages)")
     ranks.add_argument(
         "--zero", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage (not yet: issue 16)"
     )
-    ranks.add_argument("--sp", action="store_true", help="sequence parallelism with --tp (not yet: issue 17)")
+    ranks.add_argument("--sp", action="store_true", help="sequence parallelism, with --tp")
     ranks.add_argument("--backend", default="auto", help="communicator backend (auto, gloo, nccl, shm, mpi)")
     ranks.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if present")
     model = parser.add_argument_group("model")
@@ -91,6 +91,9 @@ def add_parser(models: argparse._SubParsersAction) -> None:
     io.add_argument("--checkpoint", default=None, metavar="DIR", help="DCP checkpoint at every validation")
     io.add_argument("--resume", action="store_true", help="continue the run checkpointed in --checkpoint DIR")
     io.add_argument("--sample", type=int, default=0, metavar="N", help="print N generated tokens at the end")
+    io.add_argument(
+        "--comm-stats", action="store_true", help="count calls and bytes of every collective per mesh axis"
+    )
     io.add_argument("--json", default=None, metavar="FILE", help="write the run's metrics as JSON")
     io.add_argument("--timeout", type=float, default=3600.0, help="deadline for the whole job, seconds")
     parser.set_defaults(func=handler)

@@ -30,6 +30,7 @@ import enum
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -175,6 +176,23 @@ class AllWork(Work):
 TensorOrList = torch.Tensor | Sequence[torch.Tensor]
 
 
+def as_tensor(value: object, what: str, op_name: str, rank: int) -> torch.Tensor:
+    """``value`` as a tensor: a numpy array is wrapped with ``torch.from_numpy`` (no copy: a result
+    written in place lands in the array); anything else that is not a tensor is refused by name."""
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, np.ndarray):
+        if not value.flags.writeable:  # torch cannot share it, and a result could not land in it
+            raise ValueError(
+                f"[rank {rank} · {op_name}] {what} is a read-only numpy array; pass array.copy()"
+            )
+        return torch.from_numpy(value)
+    raise TypeError(
+        f"[rank {rank} · {op_name}] {what} is a {type(value).__name__}, not a tensor; pass a torch.Tensor "
+        "(or a numpy array, used through torch.from_numpy)"
+    )
+
+
 def check_dtype(tensor: torch.Tensor, op_name: str, rank: int) -> None:
     if tensor.dtype not in SUPPORTED_DTYPES:
         names = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES)
@@ -246,9 +264,13 @@ class Communicator(ABC):
         )
 
     # ------------------------------------------------------------------ helpers
-    def _check(self, tensor: torch.Tensor, what: str, op_name: str) -> None:
+    def _check(self, tensor: torch.Tensor, what: str, op_name: str) -> torch.Tensor:
+        """``tensor`` checked, a numpy array as the tensor that shares its memory (so a result written
+        in place lands in the array the caller passed)."""
+        tensor = as_tensor(tensor, what, op_name, self.rank)
         check_dtype(tensor, op_name, self.rank)
         _check_contiguous(tensor, what, op_name, self.rank)
+        return tensor
 
     def _check_peer(self, peer: int, what: str, op_name: str) -> None:
         if not 0 <= peer < self.world_size:
@@ -257,8 +279,8 @@ class Communicator(ABC):
             )
 
     def _slots(self, value: TensorOrList, what: str, op_name: str) -> list[torch.Tensor]:
-        if isinstance(value, torch.Tensor):
-            self._check(value, what, op_name)
+        if isinstance(value, torch.Tensor | np.ndarray):
+            value = self._check(value, what, op_name)
             return split_slots(value, self.world_size, what, op_name, self.rank)
         slots = list(value)
         if len(slots) != self.world_size:
@@ -266,9 +288,7 @@ class Communicator(ABC):
                 f"[rank {self.rank} · {op_name}] {what} holds {len(slots)} tensors; need one per rank "
                 f"({self.world_size})"
             )
-        for slot in slots:
-            self._check(slot, what, op_name)
-        return slots
+        return [self._check(slot, what, op_name) for slot in slots]
 
     def _same_dtype(self, tensors: Sequence[torch.Tensor], op_name: str) -> None:
         dtypes = {t.dtype for t in tensors}
@@ -290,18 +310,18 @@ class Communicator(ABC):
         self.irecv(tensor, src, tag).wait()
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Work:
-        self._check(tensor, "tensor", "send")
+        tensor = self._check(tensor, "tensor", "send")
         self._check_peer(dst, "dst", "send")
         return self._isend(tensor, dst, tag)
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Work:
-        self._check(tensor, "tensor", "recv")
+        tensor = self._check(tensor, "tensor", "recv")
         self._check_peer(src, "src", "recv")
         return self._irecv(tensor, src, tag)
 
     # ------------------------------------------------------------------ collectives
     def broadcast(self, tensor: torch.Tensor, root: int = 0, *, async_op: bool = False) -> Work | None:
-        self._check(tensor, "tensor", "broadcast")
+        tensor = self._check(tensor, "tensor", "broadcast")
         self._check_peer(root, "root", "broadcast")
         return self._finish(self._broadcast(tensor, root), async_op)
 
@@ -313,7 +333,7 @@ class Communicator(ABC):
         *,
         async_op: bool = False,
     ) -> Work | None:
-        self._check(tensor, "tensor", "reduce")
+        tensor = self._check(tensor, "tensor", "reduce")
         self._check_peer(root, "root", "reduce")
         op = check_reduce_op(tensor.dtype, op, "reduce", self.rank)
         return self._finish(self._reduce(tensor, root, op), async_op)
@@ -327,10 +347,10 @@ class Communicator(ABC):
         async_op: bool = False,
     ) -> Work | None:
         """Reduce in place, or into ``output`` (same shape and dtype) leaving ``tensor`` untouched."""
-        self._check(tensor, "tensor", "all_reduce")
+        tensor = self._check(tensor, "tensor", "all_reduce")
         op = check_reduce_op(tensor.dtype, op, "all_reduce", self.rank)
         if output is not None:
-            self._check(output, "output", "all_reduce")
+            output = self._check(output, "output", "all_reduce")
             if output.shape != tensor.shape or output.dtype != tensor.dtype:
                 raise ValueError(
                     f"[rank {self.rank} · all_reduce] output {tuple(output.shape)}/{output.dtype} must match "
@@ -341,7 +361,7 @@ class Communicator(ABC):
 
     def all_gather(self, output: TensorOrList, input: torch.Tensor, *, async_op: bool = False) -> Work | None:
         """Gather every rank's ``input`` into ``output``; in place when ``input`` is this rank's slot."""
-        self._check(input, "input", "all_gather")
+        input = self._check(input, "input", "all_gather")
         slots = self._slots(output, "output", "all_gather")
         self._same_dtype([input, *slots], "all_gather")
         if slots[self.rank].numel() != input.numel():
@@ -360,7 +380,7 @@ class Communicator(ABC):
         async_op: bool = False,
     ) -> Work | None:
         """Rank i receives the reduction of slot i of every rank's ``input``."""
-        self._check(output, "output", "reduce_scatter")
+        output = self._check(output, "output", "reduce_scatter")
         slots = self._slots(input, "input", "reduce_scatter")
         self._same_dtype([output, *slots], "reduce_scatter")
         op = check_reduce_op(output.dtype, op, "reduce_scatter", self.rank)
@@ -387,6 +407,7 @@ class Communicator(ABC):
         self, output: Tensor, input: TensorOrList | None = None, root: int = 0, *, async_op: bool = False
     ) -> Work | None:
         """Root's slot i lands in rank i's ``output``; ``input`` is only read (and required) on root."""
+        output = as_tensor(output, "output", "scatter", self.rank)
         slots = self._rooted_slots(output, "output", input, "input", root, "scatter")
         return self._finish(self._scatter(output, slots, root), async_op)
 
@@ -394,6 +415,7 @@ class Communicator(ABC):
         self, input: Tensor, output: TensorOrList | None = None, root: int = 0, *, async_op: bool = False
     ) -> Work | None:
         """Rank i's ``input`` lands in root's slot i; ``output`` is only written (and required) on root."""
+        input = as_tensor(input, "input", "gather", self.rank)
         slots = self._rooted_slots(input, "input", output, "output", root, "gather")
         return self._finish(self._gather(input, slots, root), async_op)
 
@@ -408,7 +430,7 @@ class Communicator(ABC):
     ) -> list[torch.Tensor] | None:
         """Check a scatter's or gather's arguments: this rank's tensor, the root, and the root's slots
         (required on the root, ignored elsewhere); the root's normalised slots, None on the others."""
-        self._check(mine, mine_name, op)
+        mine = self._check(mine, mine_name, op)
         self._check_peer(root, "root", op)
         if self.rank != root:
             return None

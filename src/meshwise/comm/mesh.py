@@ -16,7 +16,8 @@ validated before any work starts, with an error that says what to change.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import copy
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from meshwise.comm.api import Communicator
@@ -120,6 +121,7 @@ class Mesh:
                         raise RuntimeError(f"rank {comm.rank} got no communicator for its {axis} group")
                     self._comms[axis] = sub
         self._parent = comm
+        self._owns = True
 
     def __getitem__(self, axis: str) -> Communicator:
         if axis not in self._comms:
@@ -138,8 +140,19 @@ class Mesh:
     def pp(self) -> Communicator:
         return self._comms["pp"]
 
+    def map_axes(self, wrap: Callable[[Communicator], Communicator]) -> Mesh:
+        """The same mesh with every axis communicator replaced by ``wrap(comm)`` — e.g. a
+        :class:`~meshwise.comm.counting.CountingCommunicator` to account for each axis's traffic. The
+        communicators stay this mesh's to close; closing the view closes nothing."""
+        view = copy.copy(self)
+        view._comms = {axis: wrap(comm) for axis, comm in self._comms.items()}
+        view._owns = False
+        return view
+
     def close(self) -> None:
         """Close the sub-communicators this mesh created (not the parent it was split from)."""
+        if not self._owns:
+            return
         for comm in {id(c): c for c in self._comms.values()}.values():
             if comm is not self._parent:
                 comm.close()

@@ -114,16 +114,23 @@ class CausalSelfAttention(nn.Module):
         self.dropout = config.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq, _ = x.shape
+        return self.attend(*self.project(x))
 
-        def heads(projection: nn.Module) -> torch.Tensor:
-            y = projection(x)
-            return y.view(batch, seq, y.shape[-1] // self.head_dim, self.head_dim).transpose(1, 2)
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k and v of (batch, seq, hidden) inputs; tensor parallelism overrides it to add communication."""
+        return self.q(x), self.k(x), self.v(x)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention over the heads of the projections, then the output projection."""
+        batch, seq, width = q.shape
+
+        def heads(y: torch.Tensor) -> torch.Tensor:
+            return y.view(batch, seq, width // self.head_dim, self.head_dim).transpose(1, 2)
 
         attended = F.scaled_dot_product_attention(
-            heads(self.q),
-            heads(self.k),
-            heads(self.v),
+            heads(q),
+            heads(k),
+            heads(v),
             dropout_p=self.dropout if self.training else 0.0,
             is_causal=True,
         )

@@ -1,6 +1,7 @@
 """Parallel training strategies over a Communicator, one folder per strategy.
 
-``data_parallel/`` (DDP) is here; ZeRO, tensor and pipeline parallelism get folders of their own beside it.
+``data_parallel/`` (DDP) and ``zero/`` (ZeRO stages 1–3) are here; tensor and pipeline parallelism get
+folders of their own beside them.
 """
 
 from meshwise.parallel.data_parallel import (

@@ -39,6 +39,11 @@ class LaunchEnvError(ValueError):
     """The launcher's variables are incomplete, conflicting or out of range."""
 
 
+#: ``meshwise run`` gives its workers TORCHELASTIC_RUN_ID values with this prefix; a torchrun started
+#: inside them sets its own, so the prefix tells who really started a torchrun-contract rank.
+MESHWISE_RUN_ID_PREFIX = "meshwise-"
+
+
 @dataclass(frozen=True)
 class LaunchEnv:
     """Where this process sits in the job, as its launcher described it."""
@@ -59,6 +64,14 @@ class LaunchEnv:
     #: nodes in the job when the launcher says so (SLURM's node list, torchrun's GROUP_WORLD_SIZE, the MPI
     #: bootstrap's host names); None when only the local world size hints at it.
     node_count: int | None = None
+    #: the program that started the ranks when it is not the one whose contract they follow
+    #: (``meshwise run`` speaks torchrun's): messages name it, logic keys on ``launcher``.
+    started_by: str | None = None
+
+    @property
+    def launcher_name(self) -> str:
+        """Who started the ranks, for messages: "meshwise run", "torchrun", "openmpi", …"""
+        return self.started_by or self.launcher
 
     @property
     def num_nodes(self) -> int:
@@ -133,7 +146,7 @@ def _master(env: Mapping[str, str], default_addr: str | None = None) -> tuple[st
 
 
 def _validate(layout: LaunchEnv, env: Mapping[str, str]) -> LaunchEnv:
-    where = f"{layout.launcher} layout"
+    where = f"{layout.launcher_name} layout"
     if layout.world_size < 1:
         raise LaunchEnvError(f"{where}: world size {layout.world_size} must be at least 1")
     if not 0 <= layout.rank < layout.world_size:
@@ -170,8 +183,10 @@ def _torchrun(env: Mapping[str, str]) -> LaunchEnv:
         )
     local_world = _int(env, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in env else world
     rank = _int(env, "RANK")
+    ours = env.get("TORCHELASTIC_RUN_ID", "").startswith(MESHWISE_RUN_ID_PREFIX)
     return LaunchEnv(
         launcher="torchrun",
+        started_by="meshwise run" if ours else None,
         rank=rank,
         local_rank=_int(env, "LOCAL_RANK"),
         world_size=world,
@@ -360,8 +375,8 @@ def plan_ranks(requested: int | None, default: int, environ: Mapping[str, str] |
     if layout.launcher != "local" or layout.world_size > 1:
         if requested not in (None, layout.world_size):
             raise ValueError(
-                f"-np {requested} conflicts with the {layout.world_size} ranks {layout.launcher} started; "
-                "drop -np when running under a launcher"
+                f"-np {requested} conflicts with the {layout.world_size} ranks {layout.launcher_name} "
+                "started; drop -np when running under a launcher"
             )
         return RankPlan(layout.world_size, True, layout)
     if requested is not None and requested < 1:

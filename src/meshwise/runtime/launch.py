@@ -30,10 +30,12 @@ from dataclasses import dataclass
 from typing import IO
 
 from meshwise.runtime.cores import threads_per_rank
+from meshwise.runtime.env import MESHWISE_RUN_ID_PREFIX
 from meshwise.runtime.flight_dumps import DEBUG_ENV, FLIGHT_DIR_ENV, FlightCollector
+from meshwise.runtime.output_pump import OutputPump, PrefixedOutput
 from meshwise.runtime.reaper import Reaper
 from meshwise.runtime.spawn import free_port
-from meshwise.runtime.worker import PrefixedOutput, WorkerExit, WorkerProcess
+from meshwise.runtime.worker import WorkerExit, WorkerProcess
 
 #: seconds between SIGTERM and SIGKILL when tearing a group down.
 GRACE_SECONDS = 5.0
@@ -141,6 +143,7 @@ class _Group:
         flight: FlightCollector,
     ) -> None:
         self.plan, self.env, self.output, self.reaper, self.flight = plan, env, output, reaper, flight
+        self.pump = OutputPump(output)
         self.workers: list[WorkerProcess] = []
         self.exits: queue.Queue[WorkerExit] = queue.Queue()
 
@@ -156,7 +159,7 @@ class _Group:
                         break
                     env = {**self.env, **plan.worker_environment(local, port, attempt, run_id)}
                     label = f"[rank {plan.first_rank + local}] " if plan.prefix_output else ""
-                    self.workers.append(WorkerProcess(local, plan.cmd, env, self.output, label))
+                    self.workers.append(WorkerProcess(local, plan.cmd, env, self.pump, label))
                     self.reaper.track(self.workers[-1].proc.pid)
                     self.workers[-1].watch(self.exits)
                 status = None if stop else self._supervise(stop)
@@ -235,6 +238,7 @@ class _Group:
             worker.proc.wait()
             self.reaper.release(worker.proc.pid)
             worker.drain(1.0)
+        self.pump.close(1.0)
 
 
 @contextlib.contextmanager
@@ -303,7 +307,7 @@ def launch(
     base_env[FLIGHT_DIR_ENV] = str(flight.directory)
     if debug:
         base_env[DEBUG_ENV] = "1"
-    run_id = f"meshwise-{os.getpid()}-{int(time.time())}"
+    run_id = f"{MESHWISE_RUN_ID_PREFIX}{os.getpid()}-{int(time.time())}"
     reaper = Reaper()
     try:
         attempt = 0
@@ -324,5 +328,6 @@ def python_command(script: str, args: Sequence[str], *, module: bool = False) ->
     if module:
         return [sys.executable, "-u", "-m", script, *args]
     if not os.path.isfile(script):
-        raise LaunchConfigError(f"script {script!r} does not exist (relative to {os.getcwd()})")
+        where = "" if os.path.isabs(script) else f" (relative to {os.getcwd()})"
+        raise LaunchConfigError(f"script {script!r} does not exist{where}")
     return [sys.executable, "-u", script, *args]

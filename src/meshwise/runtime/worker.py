@@ -2,8 +2,9 @@
 
 The process plumbing under :mod:`meshwise.runtime.launch`: a new session per worker (so one signal to
 the group reaches everything the worker started), a parent-death guard (so even a SIGKILLed launcher
-leaves no workers), output pumps that prefix each line with the rank and keep the stderr tail for the
-failure report. The launcher decides *when* to start and stop workers; this module knows *how*.
+leaves no workers), its pipes handed to the launcher's :class:`~meshwise.runtime.output_pump.OutputPump`
+(which prefixes each line with the rank) and the stderr tail kept for the failure report. The launcher
+decides *when* to start and stop workers; this module knows *how*.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import IO
+
+from meshwise.runtime.output_pump import OutputPump, Stream
 
 #: lines of a failed rank's stderr kept for the failure report.
 TAIL_LINES = 20
@@ -55,25 +57,11 @@ class WorkerExit:
         return f"exit code {self.returncode}"
 
 
-class PrefixedOutput:
-    """Serialised, line-prefixed writes to the launcher's streams; a closed stream is tolerated."""
-
-    def __init__(self, out: IO[str], err: IO[str]) -> None:
-        self.out, self.err = out, err
-        self.lock = threading.Lock()
-
-    def write(self, text: str, *, to_err: bool) -> None:
-        with self.lock, contextlib.suppress(OSError, ValueError):  # reader gone: keep draining anyway
-            sink = self.err if to_err else self.out
-            sink.write(text)
-            sink.flush()
-
-
 class WorkerProcess:
-    """One child process and the threads that forward its output line by line with a rank prefix."""
+    """One child process whose output ``pump`` forwards line by line with a rank prefix."""
 
     def __init__(
-        self, rank: int, cmd: Sequence[str], env: Mapping[str, str], output: PrefixedOutput, label: str
+        self, rank: int, cmd: Sequence[str], env: Mapping[str, str], pump: OutputPump, label: str
     ) -> None:
         self.rank = rank
         self.tail: deque[str] = deque(maxlen=TAIL_LINES)
@@ -87,20 +75,13 @@ class WorkerProcess:
             stderr=subprocess.PIPE,
             start_new_session=True,
         )
-        self.readers = [
-            threading.Thread(target=self._pump, args=(self.proc.stdout, output, label, False), daemon=True),
-            threading.Thread(target=self._pump, args=(self.proc.stderr, output, label, True), daemon=True),
-        ]
-        for thread in self.readers:
-            thread.start()
-
-    def _pump(self, stream: IO[bytes], output: PrefixedOutput, label: str, is_err: bool) -> None:
-        for raw in iter(stream.readline, b""):
-            line = raw.decode(errors="replace").rstrip("\r\n")
-            if is_err:
-                self.tail.append(line)
-            output.write(f"{label}{line}\n", to_err=is_err)
-        stream.close()
+        assert self.proc.stdout is not None and self.proc.stderr is not None
+        self.streams = (
+            Stream(self.proc.stdout, rank, label, is_err=False),
+            Stream(self.proc.stderr, rank, label, is_err=True, tail=self.tail),
+        )
+        for stream in self.streams:
+            pump.add(stream)
 
     def watch(self, exits: queue.Queue[WorkerExit]) -> None:
         """Report this worker's end on ``exits`` the moment it happens."""
@@ -114,7 +95,8 @@ class WorkerProcess:
             os.killpg(self.proc.pid, signum)
 
     def drain(self, timeout: float) -> None:
-        """Wait for the output threads, so the failure report shows the last stderr lines."""
+        """Wait until both pipes are forwarded to their end, so a failure report shows the last
+        stderr lines."""
         deadline = time.monotonic() + timeout
-        for thread in self.readers:
-            thread.join(max(0.0, deadline - time.monotonic()))
+        for stream in self.streams:
+            stream.closed.wait(max(0.0, deadline - time.monotonic()))

@@ -22,6 +22,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 BANDS = ((0.95, "excellent"), (0.80, "good"), (0.60, "acceptable"), (0.0, "poor"))
+#: A baseline that keeps more cores than this busy on average is itself parallel (threads).
+MULTI_THREADED_CORES = 1.5
 COMM_BOUND_FRACTION = 0.30
 IMBALANCE_LIMIT = 0.10
 MODES = ("strong", "weak")
@@ -104,10 +106,17 @@ def _causes(
     imbalance: float | None,
     serial: float | None,
     cores: int | None,
+    baseline_cores: float | None,
 ) -> tuple[str, ...]:
     if efficiency > BANDS[0][0]:
         return ()
     causes = []
+    if baseline_cores is not None and baseline_cores > MULTI_THREADED_CORES:
+        causes.append(
+            f"multi-threaded baseline: the 1-rank run kept {baseline_cores:.1f} cores busy, so speedup "
+            "is measured against a parallel run (not a serial part of the program); pin it to one "
+            "thread (OMP_NUM_THREADS=1) to compare rank for rank"
+        )
     if cores is not None and point_ranks > cores:
         causes.append(f"oversubscribed: {point_ranks} ranks share {cores} cores")
     if comm is not None and comm > COMM_BOUND_FRACTION:
@@ -115,7 +124,7 @@ def _causes(
     if imbalance is not None and imbalance > IMBALANCE_LIMIT:
         causes.append(f"load imbalance: slowest rank {imbalance:.0%} above the mean")
     if not causes:
-        if serial is not None and serial > 0:
+        if serial is not None and serial > 0:  # Karp–Flatt assumes a one-core baseline (checked above)
             causes.append(f"fixed overhead: serial fraction ≈ {serial:.1%} (Karp–Flatt)")
         else:
             causes.append(
@@ -125,8 +134,17 @@ def _causes(
     return tuple(causes)
 
 
-def analyse(mode: str, samples: Mapping[int, Sequence[Sample]], cores: int | None = None) -> list[ScalePoint]:
-    """Turn the runs of each rank count into scale points, baseline = the smallest rank count."""
+def analyse(
+    mode: str,
+    samples: Mapping[int, Sequence[Sample]],
+    cores: int | None = None,
+    baseline_cores: float | None = None,
+) -> list[ScalePoint]:
+    """Turn the runs of each rank count into scale points, baseline = the smallest rank count.
+
+    ``baseline_cores`` is how many cores a 1-rank baseline kept busy, when measured: above
+    ``MULTI_THREADED_CORES`` the loss of efficiency is put down to a parallel baseline, not to a serial
+    fraction."""
     if not samples:
         raise ValueError("no measurements to analyse")
     for ranks, runs in samples.items():
@@ -156,7 +174,9 @@ def analyse(mode: str, samples: Mapping[int, Sequence[Sample]], cores: int | Non
                 rating=classify(efficiency),
                 comm_fraction=comm,
                 imbalance=imbalance,
-                causes=_causes(ranks, efficiency, comm, imbalance, serial, cores),
+                causes=_causes(
+                    ranks, efficiency, comm, imbalance, serial, cores, baseline_cores if base == 1 else None
+                ),
             )
         )
     return points

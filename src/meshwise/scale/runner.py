@@ -14,12 +14,14 @@ scale for strong scaling, multiplied by the rank count for weak scaling).
 from __future__ import annotations
 
 import re
+import resource
 import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from meshwise.runtime.spawn import spawn
 from meshwise.scale.metrics import Sample
@@ -33,6 +35,22 @@ COMM_TIME_LINE = re.compile(rf"{_PREFIX}Comm time\s*=\s*{_NUMBER}\s*(s|ms)\s*$",
 RANK_TIME_LINE = re.compile(
     rf"{_PREFIX}rank\s+(\d+)/(\d+)\b.*\|\s*time\s*=\s*{_NUMBER}\s*(s|ms)\s*$", re.MULTILINE
 )
+
+
+T = TypeVar("T")
+
+
+def cores_busy(run: Callable[[], T]) -> tuple[T, float]:
+    """``run()``'s result and how many cores its child processes kept busy on average (their CPU time
+    over the wall time). A 1-rank baseline above one core is itself multi-threaded, which changes what
+    the study's speedups mean."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.perf_counter()
+    result = run()
+    elapsed = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return result, cpu / elapsed if elapsed > 0 else 0.0
 
 
 class ScaleError(RuntimeError):

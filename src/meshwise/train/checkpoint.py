@@ -8,8 +8,11 @@ model              workload name (``mlp``, ``deep-mlp``, ``cnn``)
 dataset            what it was trained on (``digits``, ``mnist``, ``clusters-6d``): a resume on other data
                    is refused by name rather than failing on a tensor shape
 epoch              epochs completed; a resumed run starts at this epoch
-model_state        the plain model's ``state_dict`` (no ``module.`` prefix: loads without the wrapper)
-optimizer_state    the optimizer's ``state_dict``
+strategy           ``ddp`` or ``zero1``/``zero2``/``zero3`` (a run resumes with the one it was written by)
+shards             ZeRO: the sibling directory holding every rank's shards (torch.distributed.checkpoint,
+                   see meshwise.parallel.zero.checkpoint); None for ddp
+model_state        ddp: the plain model's ``state_dict`` (no ``module.`` prefix); None for ZeRO
+optimizer_state    ddp: the optimizer's ``state_dict``; None for ZeRO
 sampler            the training sampler's seed and epoch
 rng                rank 0's torch CPU generator state
 run                world_size, batch_size (per rank), base_lr, lr (after scaling), seed, epochs

@@ -11,8 +11,10 @@ from __future__ import annotations
 import contextlib
 import errno
 import math
+import shutil
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,6 +26,8 @@ from torch import nn
 from meshwise.comm.api import ReduceOp
 from meshwise.data import DistributedSampler, Splits
 from meshwise.parallel import DataParallel
+from meshwise.parallel.zero import ShardedModel, shard
+from meshwise.parallel.zero.checkpoint import load_sharded, save_sharded
 from meshwise.train.checkpoint import checkpoint_file, read_checkpoint, save_checkpoint
 from meshwise.train.config import TrainConfig
 from meshwise.train.errors import TrainingError
@@ -61,8 +65,8 @@ class Trainer:
         self.splits: Splits = workload.load_data(config.data_dir)
         torch.manual_seed(config.seed)
         model = workload.build_model(self.splits).to(world.device)
+        self.parameters = sum(p.numel() for p in model.parameters())
         self.lr = config.base_lr * (world.world_size if config.lr_scaling else 1)
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=self.lr)
         self.sampler = DistributedSampler(
             len(self.splits.train), world.world_size, world.rank, seed=config.seed
         )
@@ -74,20 +78,39 @@ class Trainer:
         self.first_epoch = 0
         self.checkpoint: str | None = None  # path of the last checkpoint written (rank 0)
         self.kept_epoch = 0  # the epoch of the checkpoint on disk: what a failure leaves behind
-        if config.resume:
-            assert config.checkpoint is not None
-            self._restore(model, read_checkpoint(config.checkpoint, map_location=world.device))
-        self.model = DataParallel(model, world.comm)
+        self.model: DataParallel | ShardedModel
+        if config.zero_stage is not None:  # the optimizer must see the shards: built after sharding
+            self.model = shard(model, world.comm, stage=config.zero_stage)
+            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.lr)
+            if config.resume:
+                assert config.checkpoint is not None
+                state = read_checkpoint(config.checkpoint, map_location=world.device)
+                self._check_dataset(state)
+                load_sharded(self.model, self.optimizer, Path(config.checkpoint) / state["shards"])
+                self._restore_progress(state)
+        else:
+            self.optimizer = torch.optim.AdamW(model.parameters(), lr=self.lr)
+            if config.resume:
+                assert config.checkpoint is not None
+                self._restore(model, read_checkpoint(config.checkpoint, map_location=world.device))
+            self.model = DataParallel(model, world.comm)
         self.console = Console(soft_wrap=True)
         profiling = config.profile or config.trace is not None
         self.profiler = StepProfiler(getattr(world.comm, "recorder", None)) if profiling else None
 
     # ------------------------------------------------------------------ checkpoints
-    def _restore(self, model: nn.Module, state: dict[str, Any]) -> None:
+    def _check_dataset(self, state: dict[str, Any]) -> None:
         assert self.config.checkpoint is not None
         check_dataset(state.get("dataset"), self.splits.name, str(checkpoint_file(self.config.checkpoint)))
+
+    def _restore(self, model: nn.Module, state: dict[str, Any]) -> None:
+        self._check_dataset(state)
         model.load_state_dict(state["model_state"])
         self.optimizer.load_state_dict(state["optimizer_state"])
+        self._restore_progress(state)
+
+    def _restore_progress(self, state: dict[str, Any]) -> None:
+        """Everything but the model and optimizer: sampler, generator, epoch, history."""
         self.sampler.load_state_dict(state["sampler"])
         torch.set_rng_state(state["rng"].cpu())
         self.first_epoch = self.kept_epoch = int(state["epoch"])
@@ -115,7 +138,14 @@ class Trainer:
 
     def _checkpoint(self, epoch: int) -> None:
         """Rank 0 writes the checkpoint of ``epoch``; every rank learns whether that worked (one tiny
-        all-reduce), so a failed write stops the whole job at once instead of leaving peers waiting."""
+        all-reduce), so a failed write stops the whole job at once instead of leaving peers waiting.
+
+        With ZeRO every rank first writes its shards of the model and optimizer to a directory per
+        epoch (collective), which checkpoint.pt names; the previous epoch's shards are deleted only
+        once the new checkpoint.pt is in place."""
+        if isinstance(self.model, ShardedModel):
+            assert self.config.checkpoint is not None
+            save_sharded(self.model, self.optimizer, self._shards_dir(epoch), overwrite=True)
         error = None
         if self.world.is_main:
             try:
@@ -129,6 +159,14 @@ class Trainer:
         if failed.item():
             raise TrainingError("rank 0 could not write the checkpoint")
         self.kept_epoch = epoch
+        if isinstance(self.model, ShardedModel) and self.world.is_main:
+            for old in self._shards_dir(epoch).parent.glob("zero-epoch*"):
+                if old != self._shards_dir(epoch):
+                    shutil.rmtree(old, ignore_errors=True)
+
+    def _shards_dir(self, epoch: int) -> Path:
+        assert self.config.checkpoint is not None
+        return Path(self.config.checkpoint) / f"zero-epoch{epoch}"
 
     def _save(self, epoch: int) -> str:
         """Write the checkpoint; a failure becomes one sentence naming what is left on disk."""
@@ -144,12 +182,15 @@ class Trainer:
             raise TrainingError(f"cannot write {path} ({exc.strerror or exc}); {self._kept()}") from None
 
     def _state(self, epoch: int) -> dict[str, Any]:
+        sharded = isinstance(self.model, ShardedModel)
         return {
             "model": self.config.model,
             "dataset": self.splits.name,
             "epoch": epoch,
-            "model_state": self.model.state_dict(),
-            "optimizer_state": self.optimizer.state_dict(),
+            "strategy": self.config.strategy,
+            "shards": self._shards_dir(epoch).name if sharded else None,
+            "model_state": None if sharded else self.model.state_dict(),
+            "optimizer_state": None if sharded else self.optimizer.state_dict(),
             "sampler": self.sampler.state_dict(),
             "rng": torch.get_rng_state(),
             "run": self._run_settings(),
@@ -231,7 +272,8 @@ class Trainer:
         for start in range(0, len(self.val_indices), _EVAL_BATCH):
             chunk = self.val_indices[start : start + _EVAL_BATCH]
             inputs, targets = part.inputs[chunk].to(device), part.targets[chunk].to(device)
-            logits = self.model.module(inputs)
+            # DataParallel's inner model skips its gradient bookkeeping; a sharded model must gather
+            logits = self.model.module(inputs) if isinstance(self.model, DataParallel) else self.model(inputs)
             loss = nn.functional.cross_entropy(logits, targets, reduction="sum")
             totals += torch.stack(
                 [loss.double(), totals.new_tensor(len(chunk)), (logits.argmax(1) == targets).sum()]
@@ -262,7 +304,7 @@ class Trainer:
 
     def run(self) -> TrainResult:
         """Every remaining epoch, with a progress bar and a line per epoch on rank 0."""
-        parameters = sum(p.numel() for p in self.model.parameters())
+        parameters = self.parameters
         world, epochs = self.world, self.config.total_epochs
         if world.is_main:
             self.console.print(
@@ -275,6 +317,13 @@ class Trainer:
                     str(world.device),
                 )
             )
+            shard = len(self.sampler)
+            if self.config.per_rank_batch > shard:  # legal (full-batch steps), but rarely what was meant
+                self.console.print(
+                    f"note: --batch-size {self.config.per_rank_batch} is above the {shard} training "
+                    f"samples of each rank's shard: every step uses the whole shard ({self.steps_per_epoch} "
+                    "step per epoch)"
+                )
         started = time.perf_counter()
         with Progress(
             TextColumn("{task.description}"),
@@ -304,5 +353,22 @@ class Trainer:
             history=tuple(self.history),
             wall_seconds=time.perf_counter() - started,
             checkpoint=self.checkpoint,
+            strategy=self.config.strategy,
+            memory=self._memory_lines(),
             profile=self._profile_result(),
         )
+
+    def _memory_lines(self) -> tuple[str, ...]:
+        """Every rank's ZeRO memory report (gathered to all ranks, printed by rank 0); none for DDP."""
+        if not isinstance(self.model, ShardedModel):
+            return ()
+        report = self.model.memory_report(self.optimizer)
+        fields = ("shard_numel", "parameters", "gradients", "optimizer_state", "peak_gathered")
+        mine = torch.tensor([getattr(report, f) for f in fields], dtype=torch.int64, device=self.world.device)
+        every = torch.zeros(self.world.world_size * len(fields), dtype=torch.int64, device=self.world.device)
+        self.world.comm.all_gather(every, mine)
+        lines = []
+        for rank, values in enumerate(every.view(-1, len(fields)).tolist()):
+            theirs = replace(report, **dict(zip(fields, values, strict=True)))
+            lines.append(f"rank {rank}: {theirs.line()}")
+        return tuple(lines)

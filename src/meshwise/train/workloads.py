@@ -37,7 +37,7 @@ def _images(data_dir: str | None) -> Splits:
 WORKLOADS: dict[str, Workload] = {
     "mlp": Workload(
         "mlp",
-        "the seeds' 6 → 4 → 2 MLP on 1024 synthetic samples (two Gaussian clusters)",
+        "the lecture's 6 → 4 → 2 MLP on 1024 synthetic samples (two Gaussian clusters)",
         epochs=20,
         batch_size=32,
         lr=0.01,

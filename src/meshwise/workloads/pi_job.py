@@ -9,6 +9,7 @@ combine times are kept so a scaling study can tell communication cost from load 
 from __future__ import annotations
 
 import math
+import sys
 import time
 from dataclasses import dataclass
 
@@ -18,6 +19,7 @@ from meshwise.comm.api import ReduceOp
 from meshwise.comm.factory import check_backend
 from meshwise.runtime.cores import threads_per_rank
 from meshwise.runtime.env import check_mpi_launch
+from meshwise.runtime.heartbeat import heartbeat
 from meshwise.runtime.timeouts import wait_timeout
 from meshwise.workloads.pi import (
     METHODS,
@@ -136,11 +138,14 @@ def run_pi(
     chunk: int | None = None,
     threads: int | None = None,
     kernel: str = "auto",
+    progress: bool = False,
 ) -> PiReport:
     """Compute π with ``method`` over ``n`` items split across the world's ranks; every rank must call it.
 
     ``kernel`` is the same on every rank (``auto`` decides from the largest share, identical everywhere).
     A fused kernel is compiled before the barrier, so compilation never lands in the measured time.
+    ``progress``: rank 0 says on stderr when it compiles the kernel and, every 10 s, how long the
+    computation has run (a 10¹¹-sample run is otherwise silent for minutes).
     """
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose one of {METHODS}")
@@ -154,22 +159,29 @@ def run_pi(
         if kernel == "fused"
         else (montecarlo_hits, midpoint_partial)
     )
-    if kernel == "fused" and method == "montecarlo":  # compile (or load it cached) outside the timing
-        hits_fn(0, 1, seed, device=device, chunk=chunk)
-    elif kernel == "fused":
-        midpoint_fn(0, 1, 1, device=device, chunk=chunk)
+    talk = progress and world.rank == 0
+    if kernel == "fused":  # compile (or load it cached) outside the timing
+        _say(talk, "meshwise pi: preparing the fused kernel (compiled on first use, ~30 s; cached after) …")
+        ready = time.perf_counter()
+        if method == "montecarlo":
+            hits_fn(0, 1, seed, device=device, chunk=chunk)
+        else:
+            midpoint_fn(0, 1, 1, device=device, chunk=chunk)
+        _say(talk, f"meshwise pi: kernel ready in {time.perf_counter() - ready:.1f} s")
     comm = world.comm
     start, count = split_range(n, world.world_size, world.rank)
     comm.barrier()
     t0 = time.perf_counter()
-    if method == "montecarlo":
-        hits = hits_fn(start, count, seed, device=device, chunk=chunk)
-        partial = 4.0 * hits / n
-        combined = torch.tensor([hits], dtype=torch.int64, device=device)
-    else:
-        hits = 0
-        partial = midpoint_fn(start, count, n, device=device, chunk=chunk)
-        combined = torch.tensor([partial], dtype=torch.float64, device=device)
+    what = "samples" if method == "montecarlo" else "bins"
+    with heartbeat(f"meshwise pi: computing {n} {what} on {world.world_size} ranks", enabled=talk):
+        if method == "montecarlo":
+            hits = hits_fn(start, count, seed, device=device, chunk=chunk)
+            partial = 4.0 * hits / n
+            combined = torch.tensor([hits], dtype=torch.int64, device=device)
+        else:
+            hits = 0
+            partial = midpoint_fn(start, count, n, device=device, chunk=chunk)
+            combined = torch.tensor([partial], dtype=torch.float64, device=device)
     t1 = time.perf_counter()
     comm.all_reduce(combined, ReduceOp.SUM)
     total = combined.item()
@@ -194,6 +206,11 @@ def run_pi(
     return PiReport(method, n, world.world_size, float(total), None, None, wall, ranks)
 
 
+def _say(enabled: bool, line: str) -> None:
+    if enabled:
+        print(line, file=sys.stderr, flush=True)
+
+
 @dataclass(frozen=True)
 class PiJob:
     """Everything a rank needs for ``repeat`` π runs, checked by :meth:`validate` before any rank starts.
@@ -214,6 +231,7 @@ class PiJob:
     threads: int | None = None
     warmup: bool = False
     timeout: float = 3600.0
+    progress: bool = False  # rank 0 reports the kernel compile and a heartbeat on stderr
 
     def validate(self) -> PiJob:
         """Raise ValueError saying which option to change; return self."""
@@ -246,6 +264,6 @@ def pi_rank_main(job: PiJob) -> list[PiReport]:
         options = {"seed": job.seed, "chunk": job.chunk, "threads": job.threads, "kernel": kernel}
         if job.warmup:
             run_pi(world, job.method, min(job.n, _WARMUP_ITEMS), **options)
-        return [run_pi(world, job.method, job.n, **options) for _ in range(job.repeat)]
+        return [run_pi(world, job.method, job.n, **options, progress=job.progress) for _ in range(job.repeat)]
     finally:
         shutdown()

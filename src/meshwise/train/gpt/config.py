@@ -61,6 +61,7 @@ class GPTTrainConfig:
     checkpoint: str | None = None
     resume: bool = False
     sample: int = 0
+    comm_stats: bool = False  # count calls and bytes per collective on each mesh axis
     seed: int = 0
     backend: str = "auto"
     device: str | None = None

@@ -17,6 +17,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from meshwise.comm.api import ReduceOp
+from meshwise.comm.counting import CountingCommunicator
+from meshwise.comm.mesh import AXES
 from meshwise.data.tokens import ByteTokenizer
 from meshwise.data.windows import train_batch, val_batches
 from meshwise.models.gpt import GPT
@@ -47,7 +49,7 @@ class GPTTrainer:
 
     def __init__(self, world: World, config: GPTTrainConfig) -> None:
         self.world, self.config = world, config
-        self.mesh = world.mesh
+        self.mesh = world.mesh.map_axes(CountingCommunicator) if config.comm_stats else world.mesh
         self.dp, self.dp_rank = self.mesh.shape.dp, self.mesh.coordinates["dp"]
         self.splits = config.load_data()
         self.model_config = config.model_config
@@ -140,9 +142,12 @@ class GPTTrainer:
         self.mesh.dp.all_reduce(totals, ReduceOp.SUM)
         return (totals[0] / totals[1]).item()
 
-    def sample(self, tokens: int) -> str:
-        """``tokens`` generated after a fixed prompt (bytes decoded as text; ids shown for a larger vocab)."""
+    def sample(self, tokens: int) -> str | None:
+        """``tokens`` generated after a fixed prompt (bytes decoded as text; ids shown for a larger vocab)
+        on rank 0; every rank calls it, since reassembling a sharded model is collective."""
         model = self.step_runner.full_model()
+        if not self.world.is_main:
+            return None
         model.eval()
         tokenizer = ByteTokenizer()
         prompt = torch.tensor(tokenizer.encode(SAMPLE_PROMPT).astype("int64"), device=self.world.device)
@@ -201,7 +206,7 @@ class GPTTrainer:
                         progress.console.print(step_line(stats, config.steps, mfu))
                     if config.checkpoint is not None:
                         self.save_checkpoint(step + 1)
-        text = self.sample(config.sample) if config.sample and world.is_main else None
+        text = self.sample(config.sample) if config.sample else None
         return GPTResult(
             model=config.config,
             parameters=parameters,
@@ -225,4 +230,10 @@ class GPTTrainer:
             wall_seconds=time.perf_counter() - started,
             checkpoint=self.checkpoint_path,
             sample=text,
+            comm_stats=self._comm_stats(),
         )
+
+    def _comm_stats(self) -> dict[str, dict[str, dict[str, float]]] | None:
+        if not self.config.comm_stats:
+            return None
+        return {axis: self.mesh[axis].stats.as_dict() for axis in AXES if getattr(self.mesh.shape, axis) > 1}

@@ -35,14 +35,13 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from meshwise.comm.mesh import Mesh
 from meshwise.models.gpt import GPT, language_model_loss
 from meshwise.parallel import DataParallel
+from meshwise.parallel.tensor_parallel import check_tensor_parallel
 from meshwise.train.gpt.config import GPTTrainConfig
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 #: Flags whose strategies have not landed yet → the issue that brings them.
 NOT_YET = {
-    "tp": "tensor parallelism (issue 17)",
-    "sp": "sequence parallelism (issue 17)",
     "zero": "ZeRO (issue 16)",
 }
 
@@ -135,8 +134,18 @@ class DataParallelStep(ParallelStep):
         return self.model.module
 
 
+def _tensor_parallel_step(model: GPT, mesh: Mesh, config: GPTTrainConfig) -> ParallelStep:
+    from meshwise.train.gpt.tensor_parallel_step import TensorParallelStep  # it subclasses ParallelStep
+
+    return TensorParallelStep(model, mesh, config)
+
+
 #: strategy name → builder; the other parallelism issues add their entries here.
-STRATEGIES: dict[str, Callable[[GPT, Mesh, GPTTrainConfig], ParallelStep]] = {"dp": DataParallelStep}
+STRATEGIES: dict[str, Callable[[GPT, Mesh, GPTTrainConfig], ParallelStep]] = {
+    "dp": DataParallelStep,
+    "tp": _tensor_parallel_step,
+    "tp+sp": _tensor_parallel_step,
+}
 
 
 def strategy_name(config: GPTTrainConfig) -> str:
@@ -156,10 +165,25 @@ def strategy_name(config: GPTTrainConfig) -> str:
 
 def check_supported(config: GPTTrainConfig) -> None:
     """A clear error, before any rank starts, for a strategy that has not landed yet."""
+    if config.sp and config.tp < 2:
+        raise ValueError("--sp splits the sequence across the tensor-parallel ranks: add --tp 2 or more")
+    if config.tp > 1:
+        check_tensor_parallel(
+            config.model_config,
+            config.tp,
+            sequence_parallel=config.sp,
+            world_size=config.world_size(),
+            seq_len=config.train_seq_len,
+        )
     name = strategy_name(config)
     if name not in STRATEGIES:
-        missing = [NOT_YET[flag] for flag in name.split("+")]
+        missing = [NOT_YET[flag] for flag in name.split("+") if flag in NOT_YET]
         flags = " ".join(f"--{flag}" for flag in name.split("+"))
+        if not missing:  # each strategy has landed, not their combination
+            raise ValueError(
+                f"{flags}: this combination is not available in meshwise train gpt yet; use one of "
+                f"{', '.join(s.replace('+', ' + ') for s in STRATEGIES)}"
+            )
         raise ValueError(
             f"{flags}: {' and '.join(missing)} is not available in meshwise train gpt yet; train with data "
             "parallelism for now (-np N, optionally --dp N and --micro-batch for accumulation)"

@@ -49,6 +49,8 @@ class GPTResult:
     wall_seconds: float
     checkpoint: str | None
     sample: str | None = None
+    #: with --comm-stats: rank 0's calls, bytes and bus bytes per op on each mesh axis, over the run
+    comm_stats: dict[str, dict[str, dict[str, float]]] | None = None
 
     @property
     def trained(self) -> tuple[StepStats, ...]:
@@ -97,9 +99,25 @@ class GPTResult:
         lines.append(f"Wall time           = {self.wall_seconds:.3f} s")
         if self.checkpoint:
             lines.append(f"Checkpoint          = {self.checkpoint}")
+        if self.comm_stats:
+            lines += self._comm_lines()
         if self.sample is not None:
             lines += ["", "----- sample -----", self.sample, "------------------"]
         return "\n".join(lines)
+
+    def _comm_lines(self) -> list[str]:
+        """Rank 0's collectives per mesh axis: calls and MiB per training step (evaluation included)."""
+        steps = max(1, len(self.trained))
+        lines = [
+            "",
+            f"Communication (rank 0, per step of {steps}; bus MiB: link traffic, nccl-tests factors)",
+        ]
+        lines.append(f"  {'axis':<5}{'op':<16}{'calls':>9}{'MiB':>12}{'bus MiB':>12}")
+        for axis, ops in (self.comm_stats or {}).items():
+            for op, count in ops.items():
+                mib, bus = count["bytes"] / steps / 2**20, count["bus_bytes"] / steps / 2**20
+                lines.append(f"  {axis:<5}{op:<16}{count['calls'] / steps:>9.1f}{mib:>12.3f}{bus:>12.3f}")
+        return lines
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)

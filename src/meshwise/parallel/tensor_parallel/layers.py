@@ -1,0 +1,238 @@
+"""Column- and row-parallel linear layers, built from a full ``nn.Linear`` or from scratch.
+
+For ``Y = X·Wᵀ + b`` with ``W`` of shape (out, in):
+
+- **column parallel** splits ``W`` by output rows: rank ``r`` holds ``out/t`` rows and the matching bias
+  slice, and computes its ``out/t`` output columns from the full input. Nothing is communicated
+  forward unless ``gather_output=True``; the input's gradient is a partial sum, so the region entry
+  (``copy_to_region``) all-reduces it backward. Under sequence parallelism the entry all-gathers the
+  sequence shards instead, fused with the linear (``gathered_linears``) so only the shard is saved.
+- **row parallel** splits ``W`` by input columns: rank ``r`` multiplies its ``in/t`` input columns (the
+  output of a column-parallel layer, ``input_is_parallel=True``) and produces a partial ``Y`` that is
+  summed across ranks (all-reduce, or reduce-scatter into sequence shards). The bias is added once,
+  after the sum, so it is replicated.
+
+Column then row is the pairing Megatron-LM uses for attention (q/k/v column, out row) and the MLP
+(fc column, proj row): the nonlinearity between them is element-wise on the column shards, so a layer
+needs one collective in each direction per pair.
+
+Sharded parameters carry ``tp_shard_dim`` (the dimension they were cut along); every other parameter of a
+tensor-parallel model is replicated. :mod:`~meshwise.parallel.tensor_parallel.shards` uses the mark to
+reassemble full weights and gradients.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshwise.comm.api import Communicator
+from meshwise.parallel.tensor_parallel.regions import (
+    all_reduce_copy,
+    copy_to_region,
+    gather_last,
+    gathered_linears,
+    reduce_from_region,
+    scatter_to_sequence,
+    split_last,
+)
+
+#: The attribute that marks a parameter as a shard and says which dimension it was cut along.
+SHARD_DIM = "tp_shard_dim"
+_SUMMED = "tp_gradient_summed"
+
+
+def shard_dim(param: torch.Tensor) -> int | None:
+    """The dimension ``param`` is sharded along across the tensor-parallel group, or None if replicated."""
+    return getattr(param, SHARD_DIM, None)
+
+
+def shard_parameter(full: torch.Tensor, comm: Communicator, dim: int) -> nn.Parameter:
+    """This rank's ``1/t`` slice of ``full`` along ``dim`` as a new marked Parameter."""
+    if full.shape[dim] % comm.world_size:
+        raise ValueError(
+            f"cannot shard a tensor of shape {tuple(full.shape)} along dimension {dim} over "
+            f"{comm.world_size} tensor-parallel ranks: the size must be a multiple of --tp"
+        )
+    piece = full.detach().chunk(comm.world_size, dim=dim)[comm.rank].clone()
+    param = nn.Parameter(piece, requires_grad=full.requires_grad)
+    setattr(param, SHARD_DIM, dim)
+    return param
+
+
+def sum_gradient_over(param: nn.Parameter, comm: Communicator) -> None:
+    """Make ``param``'s gradient the sum over ``comm`` of the ranks' gradients (once per parameter).
+
+    For a replicated parameter used on sequence shards: each rank sees ``1/t`` of the tokens, so its
+    gradient is a partial sum. The hook runs on each incoming gradient before it is accumulated, so
+    gradient accumulation and a data-parallel wrapper's hooks (after accumulation) see the full sum.
+    """
+    if comm.world_size == 1 or getattr(param, _SUMMED, False):
+        return
+    setattr(param, _SUMMED, True)
+    param.register_hook(lambda grad: all_reduce_copy(grad, comm))
+
+
+def leave_region(x: torch.Tensor, comm: Communicator, sequence_parallel: bool) -> torch.Tensor:
+    """Sum row-parallel partial outputs, into sequence shards under sequence parallelism."""
+    return scatter_to_sequence(x, comm) if sequence_parallel else reduce_from_region(x, comm)
+
+
+class ColumnParallelLinear(nn.Module):
+    """``in → out/t`` per rank; ``gather_output=True`` concatenates the ranks' outputs (all-gather).
+
+    ``enter_region=False`` is for layers that share one input already brought into the region (attention's
+    q, k and v): one all-reduce backward for the three instead of three.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        comm: Communicator,
+        *,
+        bias: bool = True,
+        gather_output: bool = False,
+        sequence_parallel: bool = False,
+        enter_region: bool = True,
+    ) -> None:
+        """A fresh layer: initialised as ``nn.Linear`` would be, then sharded (ranks must share the seed)."""
+        super().__init__()
+        full = nn.Linear(in_features, out_features, bias=bias)
+        self._setup(
+            shard_parameter(full.weight, comm, 0),
+            shard_parameter(full.bias, comm, 0) if bias else None,
+            in_features,
+            comm,
+            gather_output,
+            sequence_parallel,
+            enter_region,
+        )
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, comm: Communicator, **options: bool) -> ColumnParallelLinear:
+        """The shard of an existing layer, so the parallel model computes exactly what ``linear`` did."""
+        bias = shard_parameter(linear.bias, comm, 0) if linear.bias is not None else None
+        return cls.from_shards(shard_parameter(linear.weight, comm, 0), bias, comm, **options)
+
+    @classmethod
+    def from_shards(
+        cls,
+        weight: nn.Parameter,
+        bias: nn.Parameter | None,
+        comm: Communicator,
+        *,
+        gather_output: bool = False,
+        sequence_parallel: bool = False,
+        enter_region: bool = True,
+    ) -> ColumnParallelLinear:
+        """A layer over parameters that are already this rank's rows (e.g. a head tied to an embedding)."""
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer._setup(weight, bias, weight.shape[1], comm, gather_output, sequence_parallel, enter_region)
+        return layer
+
+    def _setup(
+        self,
+        weight: nn.Parameter,
+        bias: nn.Parameter | None,
+        in_features: int,
+        comm: Communicator,
+        gather_output: bool,
+        sequence_parallel: bool,
+        enter: bool,
+    ) -> None:
+        if gather_output and sequence_parallel:
+            raise ValueError("gather_output=True returns a replicated output; it cannot feed sequence shards")
+        self.comm = comm
+        self.in_features = in_features
+        self.out_features = weight.shape[0] * comm.world_size
+        self.gather_output = gather_output
+        self.sequence_parallel = sequence_parallel
+        self.enter_region = enter
+        self.weight = weight
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.enter_region and self.sequence_parallel:
+            (y,) = gathered_linears(x, self.comm, [(self.weight, self.bias)])
+        else:
+            x = copy_to_region(x, self.comm) if self.enter_region else x
+            y = F.linear(x, self.weight, self.bias)
+        return gather_last(y, self.comm) if self.gather_output else y
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features} "
+            f"({self.weight.shape[0]} on this rank of {self.comm.world_size}), "
+            f"gather_output={self.gather_output}, sequence_parallel={self.sequence_parallel}"
+        )
+
+
+class RowParallelLinear(nn.Module):
+    """``in/t → out`` partial sums per rank, reduced across the group; the bias is added after the sum.
+
+    ``input_is_parallel=False`` takes a replicated input and keeps this rank's slice of it first.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        comm: Communicator,
+        *,
+        bias: bool = True,
+        input_is_parallel: bool = True,
+        sequence_parallel: bool = False,
+    ) -> None:
+        """A fresh layer: initialised as ``nn.Linear`` would be, then sharded (ranks must share the seed)."""
+        super().__init__()
+        self._setup(
+            nn.Linear(in_features, out_features, bias=bias), comm, input_is_parallel, sequence_parallel
+        )
+
+    @classmethod
+    def from_linear(
+        cls,
+        linear: nn.Linear,
+        comm: Communicator,
+        *,
+        input_is_parallel: bool = True,
+        sequence_parallel: bool = False,
+    ) -> RowParallelLinear:
+        """The shard of an existing layer, so the parallel model computes exactly what ``linear`` did."""
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer._setup(linear, comm, input_is_parallel, sequence_parallel)
+        return layer
+
+    def _setup(
+        self, full: nn.Linear, comm: Communicator, input_is_parallel: bool, sequence_parallel: bool
+    ) -> None:
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError(
+                "sequence_parallel=True needs input_is_parallel=True (the output of a column layer)"
+            )
+        self.comm = comm
+        self.in_features = full.in_features
+        self.out_features = full.out_features
+        self.input_is_parallel = input_is_parallel
+        self.sequence_parallel = sequence_parallel
+        self.weight = shard_parameter(full.weight, comm, 1)
+        self.bias = nn.Parameter(full.bias.detach().clone()) if full.bias is not None else None
+        if sequence_parallel and self.bias is not None:
+            sum_gradient_over(self.bias, comm)  # added to sequence shards: a partial gradient
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = split_last(x, self.comm)
+        y = leave_region(F.linear(x, self.weight), self.comm, self.sequence_parallel)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features} ({self.weight.shape[1]} on this rank of "
+            f"{self.comm.world_size}), out_features={self.out_features}, "
+            f"sequence_parallel={self.sequence_parallel}"
+        )

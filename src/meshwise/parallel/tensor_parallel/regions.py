@@ -1,0 +1,219 @@
+"""The four communication patterns of Megatron-style tensor parallelism, as autograd functions.
+
+Each op is a pair of collectives, one in forward and its *conjugate* in backward, because the gradient
+of a collective is its transpose: the gradient of "every rank uses the same x" is "sum the ranks'
+gradients", and vice versa. Over a tensor-parallel group of ``t`` ranks:
+
+==========================  =============================  ==========================================
+op                          forward                        backward
+==========================  =============================  ==========================================
+``copy_to_region``          identity (x is replicated)     all-reduce (sum the partial gradients)
+``reduce_from_region``      all-reduce (sum partials)      identity (the gradient is replicated)
+``gather_from_sequence``    all-gather sequence shards     reduce-scatter to sequence shards
+``scatter_to_sequence``     reduce-scatter to sequence     all-gather sequence shards
+``split_last`` / ``gather_last``  take / gather this       the conjugate gather / take
+                            rank's slice of the last dim
+==========================  =============================  ==========================================
+
+Without sequence parallelism a transformer layer enters its parallel region twice
+(``copy_to_region`` before attention's q/k/v and before the MLP's fc) and leaves it twice
+(``reduce_from_region`` after ``out`` and ``proj``): two all-reduces forward, two backward. With
+sequence parallelism the residual stream is split along the sequence between the regions, and each
+all-reduce becomes the all-gather / reduce-scatter pair it is made of (a ring all-reduce *is* a
+reduce-scatter then an all-gather), so the bytes on the wire stay the same while LayerNorm, dropout and
+the residual adds run on ``1/t`` of the tokens.
+
+Entering a region from sequence shards has a memory catch: a linear saves its input for the weight
+gradient, and after the all-gather that input is the full sequence again. :func:`gathered_linears`
+fuses the all-gather with the column-parallel linears that read it, saves only the shard and gathers it
+again in backward (Korthikanti et al. 2022, §4.2.2): one more all-gather per region entry in backward
+buys activations that are all ``1/t``, which is what the ``(sbh/t)(34 + 5as/h)`` formula assumes.
+
+Activations are batch-first ``(batch, seq, hidden)`` as in our GPT, so the sequence dimension is 1;
+the ops take ``dim`` so they work for any layout. With ``t = 1`` every op is the identity and sends
+nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from meshwise.comm.api import Communicator
+
+
+def all_reduce_copy(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+    """The sum over ``comm`` in a new tensor (out of place: shm reads ``x`` directly, saving a copy)."""
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    comm.all_reduce(x.contiguous(), output=out)
+    return out
+
+
+def gather_along(x: torch.Tensor, comm: Communicator, dim: int) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim`` (rank order)."""
+    x = x.contiguous()
+    slots = torch.empty((comm.world_size, *x.shape), dtype=x.dtype, device=x.device)
+    comm.all_gather(slots, x)
+    if dim % x.dim() == 0:
+        return slots.reshape(comm.world_size * x.shape[0], *x.shape[1:])
+    return torch.cat(slots.unbind(0), dim=dim)
+
+
+def _check_divisible(x: torch.Tensor, comm: Communicator, dim: int, op: str) -> None:
+    if x.shape[dim] % comm.world_size:
+        raise ValueError(
+            f"[rank {comm.rank} · {op}] cannot split {x.shape[dim]} positions (dimension {dim} of shape "
+            f"{tuple(x.shape)}) into {comm.world_size} tensor-parallel shards: under sequence parallelism "
+            f"use a sequence length that is a multiple of --tp {comm.world_size}"
+        )
+
+
+def _reduce_scatter(x: torch.Tensor, comm: Communicator, dim: int) -> torch.Tensor:
+    """Sum over ranks, keeping this rank's ``1/t`` slice of ``dim``."""
+    _check_divisible(x, comm, dim, "reduce_scatter")
+    slots = [chunk.contiguous() for chunk in x.chunk(comm.world_size, dim=dim)]
+    out = torch.empty_like(slots[comm.rank])
+    comm.reduce_scatter(out, slots)
+    return out
+
+
+def _take(x: torch.Tensor, comm: Communicator, dim: int) -> torch.Tensor:
+    _check_divisible(x, comm, dim, "split")
+    return x.chunk(comm.world_size, dim=dim)[comm.rank].contiguous()
+
+
+class _CopyToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+        ctx.comm = comm
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return all_reduce_copy(grad, ctx.comm), None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+        return all_reduce_copy(x, comm)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class _GatherFromSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, comm: Communicator, dim: int) -> torch.Tensor:
+        ctx.comm, ctx.dim = comm, dim
+        return gather_along(x, comm, dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _reduce_scatter(grad, ctx.comm, ctx.dim), None, None
+
+
+class _ScatterToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, comm: Communicator, dim: int) -> torch.Tensor:
+        ctx.comm, ctx.dim = comm, dim
+        return _reduce_scatter(x, comm, dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return gather_along(grad, ctx.comm, ctx.dim), None, None
+
+
+class _SplitLast(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+        ctx.comm = comm
+        return _take(x, comm, -1)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return gather_along(grad, ctx.comm, -1), None
+
+
+class _GatherLast(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+        ctx.comm = comm
+        return gather_along(x, comm, -1)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _take(grad, ctx.comm, -1), None
+
+
+class _GatheredLinears(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, comm: Communicator, dim: int, *params: torch.Tensor | None):
+        full = gather_along(x, comm, dim)
+        weights, biases = params[0::2], params[1::2]
+        ctx.save_for_backward(x, *weights)
+        ctx.comm, ctx.dim, ctx.has_bias = comm, dim, [b is not None for b in biases]
+        return tuple(F.linear(full, w, b) for w, b in zip(weights, biases, strict=True))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, *weights = ctx.saved_tensors
+        full = gather_along(x, ctx.comm, ctx.dim)  # the full input was not kept: gather it again
+        # under autocast the outputs (so their gradients) may be bf16 while x and the weights are not
+        grads = tuple(grad.to(w.dtype) for grad, w in zip(grads, weights, strict=True))
+        grad_full = sum(grad @ w for grad, w in zip(grads, weights, strict=True)).to(x.dtype)
+        result: list[torch.Tensor | None] = [_reduce_scatter(grad_full, ctx.comm, ctx.dim), None, None]
+        rows = full.reshape(-1, full.shape[-1])
+        for grad, w, has_bias in zip(grads, weights, ctx.has_bias, strict=True):
+            grad = grad.reshape(-1, grad.shape[-1])
+            result += [grad.t() @ rows.to(w.dtype), grad.sum(0) if has_bias else None]
+        return tuple(result)
+
+
+def gathered_linears(
+    x: torch.Tensor,
+    comm: Communicator,
+    layers: list[tuple[torch.Tensor, torch.Tensor | None]],
+    dim: int = 1,
+) -> tuple[torch.Tensor, ...]:
+    """``F.linear(gather_from_sequence(x), w, b)`` for every ``(w, b)`` in ``layers``, saving only the shard.
+
+    Forward: one all-gather. Backward: one all-gather (the re-gather) and one reduce-scatter of the summed
+    input gradients, however many layers share the input (attention's q, k and v are three).
+    """
+    if comm.world_size == 1:
+        return tuple(F.linear(x, w, b) for w, b in layers)
+    return _GatheredLinears.apply(x, comm, dim, *(t for layer in layers for t in layer))
+
+
+def copy_to_region(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+    """Enter a parallel region with a replicated input: identity forward, all-reduce backward."""
+    return x if comm.world_size == 1 else _CopyToRegion.apply(x, comm)
+
+
+def reduce_from_region(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+    """Leave a parallel region by summing partial results: all-reduce forward, identity backward."""
+    return x if comm.world_size == 1 else _ReduceFromRegion.apply(x, comm)
+
+
+def gather_from_sequence(x: torch.Tensor, comm: Communicator, dim: int = 1) -> torch.Tensor:
+    """Enter a parallel region from sequence shards: all-gather forward, reduce-scatter backward."""
+    return x if comm.world_size == 1 else _GatherFromSequence.apply(x, comm, dim)
+
+
+def scatter_to_sequence(x: torch.Tensor, comm: Communicator, dim: int = 1) -> torch.Tensor:
+    """Leave a parallel region into sequence shards: reduce-scatter forward, all-gather backward."""
+    return x if comm.world_size == 1 else _ScatterToSequence.apply(x, comm, dim)
+
+
+def split_last(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+    """This rank's slice of the last dimension of a replicated tensor (gradient: all-gather)."""
+    return x if comm.world_size == 1 else _SplitLast.apply(x, comm)
+
+
+def gather_last(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+    """Concatenate the ranks' slices of the last dimension (gradient: each rank keeps its slice)."""
+    return x if comm.world_size == 1 else _GatherLast.apply(x, comm)

@@ -1,0 +1,176 @@
+"""Vocabulary-parallel embedding and cross-entropy: the (vocab × hidden) matrix split by rows.
+
+The token embedding and the tied output head are the largest matrices of a small-hidden language model
+(GPT-2: 38.6M of 124M parameters) and its logits are the largest activation ((b·s) × vocab). Megatron-LM
+splits the vocabulary across the tensor-parallel ranks and never assembles the full logits:
+
+- **embedding**: rank ``r`` holds rows ``[r·V/t, (r+1)·V/t)``; a token outside its range looks up zeros,
+  so summing the ranks' outputs (all-reduce, or reduce-scatter into sequence shards) gives the embedding.
+- **cross-entropy** from vocab-sharded logits: the max over the vocabulary (for a stable softmax) is an
+  all-reduce MAX of per-rank maxima; the target's logit (found on exactly one rank), the sum of
+  exponentials and — for label smoothing — the sum of logits are one all-reduce SUM of three numbers per
+  token. Backward needs no communication: the gradient of a rank's logits is its slice of
+  ``softmax − one_hot``, computed from the saved local softmax.
+
+**Padding.** The vocabulary is padded to a multiple of ``t`` so every rank holds the same number of rows
+(GPT-2's 50,257 is prime to most sizes). Padded rows start at zero, are never looked up (token ids are
+``< vocab``), and their logits are masked to −∞ in the loss, so they get zero gradient and stay zero:
+the model computes exactly what the unpadded one does. Megatron pads further (to a multiple of 128·t) for
+matmul efficiency; we pad only as much as the split needs so the shapes stay comparable with one process.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshwise.comm.api import Communicator, ReduceOp
+from meshwise.parallel.tensor_parallel.layers import SHARD_DIM, leave_region
+
+
+def padded_vocab(vocab: int, tp: int) -> int:
+    """The smallest multiple of ``tp`` that holds ``vocab`` rows."""
+    return -(-vocab // tp) * tp
+
+
+def vocab_range(vocab: int, comm: Communicator) -> tuple[int, int]:
+    """``[start, end)`` of the padded vocabulary rows held by this rank."""
+    per_rank = padded_vocab(vocab, comm.world_size) // comm.world_size
+    return comm.rank * per_rank, (comm.rank + 1) * per_rank
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding whose rows are split across the tensor-parallel ranks.
+
+    ``weight`` is this rank's ``padded_vocab/t`` rows; ``vocab`` is the true vocabulary size. The output is
+    the full embedding, replicated (``sequence_parallel=False``) or as this rank's sequence shard.
+    """
+
+    def __init__(
+        self, weight: torch.Tensor, vocab: int, comm: Communicator, *, sequence_parallel: bool
+    ) -> None:
+        super().__init__()
+        self.vocab = vocab
+        self.comm = comm
+        self.sequence_parallel = sequence_parallel
+        self.start, self.end = vocab_range(vocab, comm)
+        if weight.shape[0] != self.end - self.start:
+            raise ValueError(f"weight has {weight.shape[0]} rows; this rank holds {self.end - self.start}")
+        self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight)
+        setattr(self.weight, SHARD_DIM, 0)
+
+    @classmethod
+    def from_embedding(
+        cls, embedding: nn.Embedding, comm: Communicator, *, sequence_parallel: bool = False
+    ) -> VocabParallelEmbedding:
+        """This rank's rows of ``embedding`` (padded with zero rows to a multiple of ``t``)."""
+        vocab, hidden = embedding.weight.shape
+        full = embedding.weight.detach()
+        padding = padded_vocab(vocab, comm.world_size) - vocab
+        if padding:
+            full = torch.cat([full, full.new_zeros(padding, hidden)])
+        start, end = vocab_range(vocab, comm)
+        return cls(nn.Parameter(full[start:end].clone()), vocab, comm, sequence_parallel=sequence_parallel)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        outside = (tokens < self.start) | (tokens >= self.end)
+        local = F.embedding((tokens - self.start).masked_fill(outside, 0), self.weight)
+        local = local.masked_fill(outside.unsqueeze(-1), 0.0)
+        return leave_region(local, self.comm, self.sequence_parallel)
+
+    def extra_repr(self) -> str:
+        return f"vocab={self.vocab}, rows [{self.start}, {self.end}) of {self.comm.world_size} ranks"
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        logits: torch.Tensor,
+        targets: torch.Tensor,
+        comm: Communicator,
+        start: int,
+        vocab: int,
+        ignore_index: int,
+        smoothing: float,
+    ) -> torch.Tensor:
+        logits = logits.float()
+        local_vocab = logits.shape[-1]
+        columns = torch.arange(start, start + local_vocab, device=logits.device)
+        padded = columns >= vocab
+        if padded.any():
+            logits = logits.masked_fill(padded, float("-inf"))
+        maximum = logits.max(dim=-1).values
+        comm.all_reduce(maximum, ReduceOp.MAX)
+        shifted = logits - maximum.unsqueeze(-1)
+        ignored = targets == ignore_index
+        mine = (targets >= start) & (targets < start + local_vocab) & ~ignored
+        local_index = (targets - start).masked_fill(~mine, 0)
+        target_logit = shifted.gather(-1, local_index.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
+        exp = shifted.exp()
+        sums = torch.stack(
+            [target_logit, exp.sum(dim=-1), shifted.masked_fill(padded, 0.0).sum(dim=-1)], dim=0
+        )
+        comm.all_reduce(sums)
+        target_logit, sum_exp, sum_logits = sums.unbind(0)
+        log_z = sum_exp.log()
+        loss = log_z - target_logit
+        if smoothing:
+            # F.cross_entropy's smoothing: (1-ε)·nll + ε·mean over the vocabulary of -log p_j
+            loss = (1 - smoothing) * loss + smoothing * (log_z - sum_logits / vocab)
+        loss = loss.masked_fill(ignored, 0.0)
+        softmax = exp.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(softmax, local_index, mine, ignored, padded)
+        ctx.smoothing, ctx.vocab = smoothing, vocab
+        return loss
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        softmax, local_index, mine, ignored, padded = ctx.saved_tensors
+        grad_logits = softmax
+        if ctx.smoothing:
+            grad_logits = grad_logits - (ctx.smoothing / ctx.vocab) * (~padded).to(softmax.dtype)
+        one_hot = F.one_hot(local_index, softmax.shape[-1]).to(softmax.dtype) * mine.unsqueeze(-1)
+        grad_logits = grad_logits - (1 - ctx.smoothing) * one_hot
+        grad_logits = grad_logits * grad.masked_fill(ignored, 0.0).unsqueeze(-1)
+        return grad_logits, None, None, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    comm: Communicator,
+    *,
+    vocab: int | None = None,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    reduction: str = "mean",
+) -> torch.Tensor:
+    """``F.cross_entropy`` of logits split along the vocabulary, without gathering them.
+
+    ``logits`` is (..., V_local): this rank's slice ``[rank·V_local, (rank+1)·V_local)`` of the padded
+    vocabulary; ``targets`` (...) holds global token ids, the same on every rank of ``comm``. ``vocab`` is
+    the true vocabulary size (columns at or past it are padding and ignored); it defaults to all columns.
+    ``reduction`` is ``"mean"`` (over non-ignored targets, as torch), ``"sum"`` or ``"none"``.
+    """
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction={reduction!r} is unknown; use 'mean', 'sum' or 'none'")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    local_vocab = logits.shape[-1]
+    vocab = vocab if vocab is not None else local_vocab * comm.world_size
+    if not 0 < vocab <= local_vocab * comm.world_size:
+        raise ValueError(f"vocab={vocab} does not fit {comm.world_size} shards of {local_vocab} columns")
+    if logits.shape[:-1] != targets.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)} disagree")
+    losses = _VocabParallelCrossEntropy.apply(
+        logits, targets, comm, comm.rank * local_vocab, vocab, ignore_index, label_smoothing
+    )
+    if reduction == "none":
+        return losses
+    if reduction == "sum":
+        return losses.sum()
+    return losses.sum() / (targets != ignore_index).sum()

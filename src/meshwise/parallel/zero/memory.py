@@ -1,0 +1,119 @@
+"""Per-rank memory of sharded training, measured from the tensors held, and the ZeRO formulas.
+
+The ZeRO paper counts, per parameter, ``b_p`` bytes of parameters and ``b_g`` of gradients in the
+compute precision and ``K`` bytes of optimizer state (mixed-precision Adam: the float32 master copy plus
+two float32 moments, K = 12, so b_p = b_g = 2). With Ψ parameters on N ranks:
+
+=========  ===========================  ======================  =======================
+stage      parameters                   gradients               optimizer state
+=========  ===========================  ======================  =======================
+0 (DDP)    b_p·Ψ                        b_g·Ψ                   K·Ψ
+1          b_p·Ψ                        b_g·Ψ                   K·Ψ/N
+2          b_p·Ψ                        b_g·Ψ/N                 K·Ψ/N
+3          b_p·Ψ/N                      b_g·Ψ/N                 K·Ψ/N
+=========  ===========================  ======================  =======================
+
+i.e. 16Ψ, 4Ψ + KΨ/N, 2Ψ + (2+K)Ψ/N and (4+K)Ψ/N. Full-precision Adam is the analogous 4 + 4 + 8 (the
+float32 parameter is its own master copy, so K = 8). The report matches the table *exactly* once Ψ/N is
+read as the elements a rank really holds — Σ⌈Ψ_g/N⌉ over flat groups g — and Ψ as N times that (the
+padded flat vectors): padding adds fewer than N elements per group, a rounding the paper ignores.
+
+Optimizer state counts the tensors an optimizer keeps per element (Adam's moments, SGD's momentum) and a
+separate master copy; scalar state such as Adam's step counter is not per-element and is left out, as
+the formulas leave it out. ``peak_gathered`` is the most bytes of transient full-size buffers (gathered
+parameters, unsharded gradients) alive at once since the last :meth:`Tracker.reset_peak`; activations
+are not counted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from meshwise.parallel.zero.sharded import ShardedModel
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """Bytes one rank holds between steps, by kind, and the transient peak during a step."""
+
+    stage: int
+    world_size: int
+    shard_numel: int  # elements this rank holds of every group (Σ⌈Ψ_g/N⌉); Ψ = N · shard_numel
+    parameters: int
+    gradients: int
+    optimizer_state: int
+    peak_gathered: int
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.gradients + self.optimizer_state
+
+    def line(self) -> str:
+        return (
+            f"parameters {format_bytes(self.parameters)}, gradients {format_bytes(self.gradients)}, "
+            f"optimizer state {format_bytes(self.optimizer_state)} (total {format_bytes(self.total)}), "
+            f"peak gathered {format_bytes(self.peak_gathered)}"
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self) | {"total": self.total}
+
+
+def format_bytes(nbytes: float) -> str:
+    """Bytes in the largest binary unit that keeps the number ≥ 1 (B, KiB, MiB, GiB)."""
+    for unit in ("B", "KiB", "MiB"):
+        if abs(nbytes) < 1024:
+            return f"{nbytes:.0f} B" if unit == "B" else f"{nbytes:.2f} {unit}"
+        nbytes /= 1024
+    return f"{nbytes:.2f} GiB"
+
+
+def zero_formula(
+    stage: int, shard_numel: int, world_size: int, *, param_bytes: int, grad_bytes: int, k: int
+) -> tuple[int, int, int]:
+    """(parameters, gradients, optimizer state) bytes per rank from the ZeRO table above."""
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage must be 0..3, got {stage}")
+    full, part = shard_numel * world_size, shard_numel
+    return (
+        param_bytes * (part if stage == 3 else full),
+        grad_bytes * (part if stage >= 2 else full),
+        k * (part if stage >= 1 else full),
+    )
+
+
+def _storage(tensor: torch.Tensor | None) -> int:
+    return 0 if tensor is None else tensor.untyped_storage().data_ptr()
+
+
+def measure(model: ShardedModel, optimizer: torch.optim.Optimizer | None) -> MemoryReport:
+    """The report of ``model`` (and of ``optimizer``'s state for its shards, when given)."""
+    parameters = gradients = optimizer_state = 0
+    for group in model.groups:
+        if group.persistent:
+            parameters += group.full.untyped_storage().nbytes()
+        elif group.compute_shard is not None:
+            parameters += group.compute_shard.untyped_storage().nbytes()
+        if group.trainable:
+            kept = group.flat_grad if model.stage == 1 else group.grad_shard
+            gradients += 0 if kept is None else kept.untyped_storage().nbytes()
+        master = group.master
+        if _storage(master) not in (_storage(group.full), _storage(group.compute_shard)):
+            optimizer_state += master.untyped_storage().nbytes()
+        if optimizer is not None:
+            for value in optimizer.state.get(master, {}).values():
+                if isinstance(value, torch.Tensor) and value.numel() == master.numel():
+                    optimizer_state += value.numel() * value.element_size()
+    return MemoryReport(
+        stage=model.stage,
+        world_size=model.comm.world_size,
+        shard_numel=sum(g.layout.shard_numel for g in model.groups),
+        parameters=parameters,
+        gradients=gradients,
+        optimizer_state=optimizer_state,
+        peak_gathered=model.tracker.peak,
+    )

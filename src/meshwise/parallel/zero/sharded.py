@@ -1,0 +1,330 @@
+"""``shard(model, comm, stage=1|2|3)``: ZeRO / FSDP-style sharded data parallelism behind one wrapper.
+
+Usage is DataParallel's, with the optimizer built *after* wrapping, on the wrapper's parameters — which
+are this rank's float32 master shards, one per flat group::
+
+    model = shard(model, stage=3, mixed_precision="bf16")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)   # sees 1/N of the parameters
+    loss_fn(model(x_shard), y_shard).backward()
+    model.clip_grad_norm_(1.0)                                  # global norm, over every shard
+    optimizer.step()                                            # then updated shards are re-gathered
+
+Any ``torch.optim`` optimizer works because it only ever sees ordinary parameters (the shards) with
+ordinary gradients: a hook around every optimizer step hands each shard its reduced gradient just before
+the step and, just after it, pushes the updated shard to the compute copies (stages 1/2 all-gather it;
+stage 3 gathers it when the unit next runs). An optimizer that still holds the original, unsharded
+parameters is refused at its first step, before it changes anything.
+
+``state_dict()``/``load_state_dict()`` speak the plain model's full state dict (collective: every rank
+calls them); sharded, resharding checkpoints are in :mod:`meshwise.parallel.zero.checkpoint`.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from meshwise.comm.api import Communicator, ReduceOp
+from meshwise.parallel.data_parallel.buckets import MIB
+from meshwise.parallel.data_parallel.data import broadcast_module_state
+from meshwise.parallel.zero.flat import FlatGroup, Tracker
+from meshwise.parallel.zero.grads import GradientSync
+from meshwise.parallel.zero.memory import MemoryReport, measure
+from meshwise.parallel.zero.precision import MixedPrecision
+from meshwise.parallel.zero.schedule import UnitSchedule
+from meshwise.parallel.zero.stepping import ORIGINAL, OWNER
+from meshwise.parallel.zero.units import ROOT, default_units, plan_buckets_as_groups, plan_stage3
+from meshwise.world import current_world
+
+
+class ShardedModel(nn.Module):
+    """A model whose parameters, gradients and optimizer state are sharded over ``comm`` (:func:`shard`)."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        comm: Communicator,
+        *,
+        stage: int,
+        mixed_precision: MixedPrecision | None,
+        units: Sequence[nn.Module] | None,
+        reshard_after_forward: bool,
+        prefetch: int,
+        bucket_mb: float,
+        first_bucket_mb: float,
+    ) -> None:
+        super().__init__()
+        named = dict(module.named_parameters())
+        _check_parameters(named, mixed_precision)
+        self.module = module
+        self.comm = comm
+        self.stage = stage
+        self.precision = mixed_precision
+        self.tracker = Tracker()
+        if stage == 3:
+            chosen = list(units) if units is not None else default_units(module)
+            plans = plan_stage3(module, chosen)
+        else:
+            plans = plan_buckets_as_groups(module, round(bucket_mb * MIB), round(first_bucket_mb * MIB))
+        broadcast_module_state(module, comm)  # every rank starts from rank 0's weights
+        self.groups: list[FlatGroup] = []
+        for index, plan in enumerate(plans):
+            params = [named[name] for name in plan.names]
+            first = params[0]
+            compute = mixed_precision.param_dtype if mixed_precision else first.dtype
+            grad = mixed_precision.gradient_dtype if mixed_precision else first.dtype
+            group = FlatGroup(
+                f"shard{index}", params, comm, compute_dtype=compute, grad_dtype=grad,
+                persistent=stage < 3, tracker=self.tracker,
+            )  # fmt: skip
+            group.allocate_gradients(keep_full=stage == 1)
+            setattr(group.master, OWNER, (weakref.ref(self), index))
+            for name, param in zip(plan.names, params, strict=True):
+                setattr(param, ORIGINAL, name)
+            self.groups.append(group)
+        self.param_names = [plan.names for plan in plans]
+        unit_of = [plan.unit for plan in plans]
+        self.schedule: UnitSchedule | None = None
+        self._grads = GradientSync(
+            self.groups,
+            stage=stage,
+            unit_of=unit_of,
+            on_unit_done=self._unit_done,
+            on_backward_end=self._backward_done,
+        )
+        if stage < 3:
+            self._handles = _wait_before_use(module, self.groups)
+        if stage == 3:
+            self.schedule = UnitSchedule(
+                chosen, self.groups, unit_of, prefetch=prefetch,
+                reshard_after_forward=reshard_after_forward, on_backward_start=self._grads.ensure_callback,
+            )  # fmt: skip
+
+    # ------------------------------------------------------------------ parameters the optimizer sees
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        """This rank's master shards (frozen groups' shards have ``requires_grad=False``)."""
+        for group in self.groups:
+            yield (f"{prefix}.{group.name}" if prefix else group.name), group.master
+
+    # ------------------------------------------------------------------ forward / backward
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.schedule is not None:
+            self.schedule.gather_root()
+        if self.precision is not None:
+            args, kwargs = _cast((args, kwargs), self.precision.param_dtype)
+        output = self.module(*args, **kwargs)
+        if self.schedule is not None and not torch.is_grad_enabled():
+            self.schedule.free_all()
+        if self.precision is not None:
+            output = _cast(output, self.precision.output_dtype)
+        return output
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate unsharded gradients locally; the next synchronised one
+        reduce-scatters the sum (stage 1 never communicates in backward, so it is the same there)."""
+        previous, self._grads.sync = self._grads.sync, False
+        try:
+            yield
+        finally:
+            self._grads.sync = previous
+
+    def _unit_done(self, unit: int) -> None:
+        if self.schedule is not None and unit != ROOT:
+            self.schedule.free(unit)
+
+    def _backward_done(self) -> None:
+        if self.schedule is not None:
+            self.schedule.free_all()
+
+    # ------------------------------------------------------------------ around the optimizer step
+    def before_step(self, groups: Sequence[FlatGroup]) -> None:
+        for group in groups:  # an all-gather still reading a slot must land before the slot changes
+            group.wait_gathered()
+        self._grads.reduce_for_step(groups)
+        for group in groups:
+            group.expose_gradient()
+
+    def after_step(self, groups: Sequence[FlatGroup]) -> None:
+        for group in groups:
+            group.release_gradient(keep_shard=self.stage > 1)
+        for group in groups:
+            group.refresh()
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale every gradient shard so the norm of the whole (unsharded) gradient is at most
+        ``max_norm``, exactly as ``torch.nn.utils.clip_grad_norm_`` on the plain model; returns that norm."""
+        if norm_type not in (2.0, math.inf):
+            raise ValueError(f"norm_type must be 2.0 or math.inf, got {norm_type}")
+        self._grads.reduce_for_step(self.groups)
+        shards = [g.grad_shard.float() for g in self.groups if g.has_grad and g.grad_shard is not None]
+        device = self.groups[0].device
+        if norm_type == math.inf:
+            local = max((s.abs().max() for s in shards), default=torch.zeros((), device=device))
+            total = local.reshape(1).clone()
+            self.comm.all_reduce(total, ReduceOp.MAX)
+        else:
+            total = sum((s.square().sum() for s in shards), torch.zeros((), device=device)).reshape(1)
+            self.comm.all_reduce(total, ReduceOp.SUM)
+            total = total.sqrt()
+        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for group in self.groups:
+            if group.has_grad and group.grad_shard is not None:
+                group.grad_shard.mul_(coefficient.to(group.grad_shard.dtype))
+        return total.reshape(())
+
+    # ------------------------------------------------------------------ state
+    def memory_report(self, optimizer: torch.optim.Optimizer | None = None) -> MemoryReport:
+        """Per-rank bytes of parameters, gradients, optimizer state and the peak of gathered buffers."""
+        return measure(self, optimizer)
+
+    @torch.no_grad()
+    def full_flat(self, group: FlatGroup) -> torch.Tensor:
+        """The group's whole flat vector in the master dtype, gathered from every rank's master shard."""
+        out = torch.empty(group.layout.padded_numel, dtype=group.master.dtype, device=group.device)
+        self.comm.all_gather(out, group.master.detach().contiguous())
+        return out
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        """The plain model's full state dict in its own dtypes (collective: call it on every rank)."""
+        values: dict[int, torch.Tensor] = {}
+        for group in self.groups:
+            flat = self.full_flat(group)
+            for param, offset in zip(group.params, group.layout.offsets, strict=True):
+                values[id(param)] = flat[offset : offset + param.numel()].view(param.shape).clone()
+        state = {}
+        for key, value in self.module.state_dict(keep_vars=True).items():
+            state[key] = values[id(value)] if id(value) in values else value.detach().clone()
+        return state
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):  # type: ignore[override]
+        """Load a plain model's full state dict (every rank passes the same one)."""
+        targets = self.module.state_dict(keep_vars=True)
+        missing = sorted(set(targets) - set(state_dict))
+        unexpected = sorted(set(state_dict) - set(targets))
+        if strict and (missing or unexpected):
+            raise KeyError(f"state dict does not match the model: missing {missing}, unexpected {unexpected}")
+        for key, target in targets.items():
+            if key not in state_dict:
+                continue
+            value = state_dict[key]
+            if tuple(value.shape) != tuple(target.shape):
+                raise ValueError(
+                    f"{key}: checkpoint shape {tuple(value.shape)} != model {tuple(target.shape)}"
+                )
+            if not isinstance(target, nn.Parameter):
+                target.copy_(value)
+        for group, names in zip(self.groups, self.param_names, strict=True):
+            flat = torch.zeros(group.layout.padded_numel, dtype=group.master.dtype, device=group.device)
+            for name, offset, numel in zip(names, group.layout.offsets, group.layout.numels, strict=True):
+                flat[offset : offset + numel].copy_(state_dict[name].reshape(-1))
+            self.load_flat(group, flat)
+        return nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+    @torch.no_grad()
+    def load_flat(self, group: FlatGroup, flat: torch.Tensor) -> None:
+        """Set a group's parameters from its whole flat vector (present on every rank)."""
+        start, end = group.layout.shard_range(self.comm.rank)
+        group.wait_gathered()
+        group.master.copy_(flat[start:end])
+        if group.persistent:
+            group.full.copy_(flat)
+        elif group.compute_shard is not None and group.master_is_separate:
+            group.compute_shard.copy_(group.master)
+
+
+def shard(
+    model: nn.Module,
+    comm: Communicator | None = None,
+    *,
+    stage: int = 3,
+    mixed_precision: MixedPrecision | str | None = None,
+    units: Sequence[nn.Module] | None = None,
+    reshard_after_forward: bool = True,
+    prefetch: int = 1,
+    bucket_mb: float = 25.0,
+    first_bucket_mb: float = 1.0,
+) -> ShardedModel:
+    """Shard ``model`` over ``comm`` (default: the world's; pass a mesh axis such as ``mesh.dp``).
+
+    ``stage`` 1 shards optimizer state, 2 also gradients, 3 also parameters (gathered per unit: GPT
+    blocks by default, or ``units``). ``mixed_precision``: ``None``/``"fp32"``, ``"bf16"`` or a
+    :class:`MixedPrecision`. ``prefetch``: how many units ahead stage 3 starts gathering.
+    ``bucket_mb``/``first_bucket_mb``: stages 1/2 group sizes (DataParallel's buckets). Every argument
+    is checked before any communication.
+    """
+    if isinstance(stage, bool) or stage not in (1, 2, 3):
+        raise ValueError(
+            f"stage={stage!r} is not a ZeRO stage: use 1 (optimizer state), 2 (+ gradients) "
+            "or 3 (+ parameters); for plain data parallelism use DataParallel"
+        )
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"shard() takes an nn.Module, got {type(model).__name__}")
+    if isinstance(model, ShardedModel):
+        raise ValueError("this model is already sharded; shard the plain model once")
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+        raise ValueError(f"prefetch must be a whole number of units ≥ 0, got {prefetch!r}")
+    if not (bucket_mb > 0 and first_bucket_mb > 0):
+        raise ValueError(f"bucket sizes must be positive MiB, got {bucket_mb} and {first_bucket_mb}")
+    if units is not None and stage != 3:
+        raise ValueError(f"units only apply to stage 3 (stage {stage} keeps every parameter gathered)")
+    precision = MixedPrecision.parse(mixed_precision)
+    return ShardedModel(
+        model, comm if comm is not None else current_world().comm, stage=stage,
+        mixed_precision=precision, units=units, reshard_after_forward=reshard_after_forward,
+        prefetch=prefetch, bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb,
+    )  # fmt: skip
+
+
+def _check_parameters(named: Mapping[str, nn.Parameter], precision: MixedPrecision | None) -> None:
+    if not named:
+        raise ValueError("the model has no parameters: there is nothing to shard")
+    for name, param in named.items():
+        if hasattr(param, ORIGINAL):
+            raise ValueError(f"parameter {name!r} already belongs to a sharded model; shard a fresh model")
+        if not param.dtype.is_floating_point:
+            raise ValueError(f"parameter {name!r} has dtype {param.dtype}; only floating parameters shard")
+        if precision is not None and param.dtype != torch.float32:
+            raise ValueError(
+                f"mixed precision keeps float32 master weights, but {name!r} is {param.dtype}: "
+                "build the model in float32 (mixed_precision casts the compute copies itself)"
+            )
+
+
+def _wait_before_use(module: nn.Module, groups: Sequence[FlatGroup]) -> list[Any]:
+    """Stages 1/2: forward pre-hooks that wait, module by module, for the all-gathers started after the
+    last step, so the gather of later layers overlaps the forward of earlier ones."""
+    group_of = {id(param): group for group in groups for param in group.params}
+    handles = []
+    for sub in module.modules():
+        mine = {id(group_of[id(p)]): group_of[id(p)] for p in sub.parameters(recurse=False)}
+        if mine:
+            needed = list(mine.values())
+
+            def hook(_module: nn.Module, _args: Any, needed: list[FlatGroup] = needed) -> None:
+                for group in needed:
+                    group.wait_gathered()
+
+            handles.append(sub.register_forward_pre_hook(hook))
+    return handles
+
+
+def _cast(value: Any, dtype: torch.dtype) -> Any:
+    """Floating tensors in nested tuples/lists/dicts cast to ``dtype``; everything else unchanged."""
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, tuple | list):
+        return type(value)(_cast(v, dtype) for v in value)
+    if isinstance(value, dict):
+        return {k: _cast(v, dtype) for k, v in value.items()}
+    return value

@@ -1,0 +1,109 @@
+"""Which parameters are flattened together, in which order: the sharding plan as plain data.
+
+A *group* is one flat vector sharded over the ranks (one all-gather, one reduce-scatter). Groups never
+mix trainable and frozen parameters (frozen ones have no gradient to reduce and must not reach the
+optimizer) nor dtypes.
+
+- Stages 1 and 2 keep every parameter gathered, so a group is only a communication bucket: trainable
+  parameters are bucketed exactly as DataParallel's all-reduces are (reverse parameter order, small first
+  bucket), so the first reduce-scatter starts while backward is still busy with the early layers.
+- Stage 3 gathers parameters unit by unit. A unit is a module — a GPT block by default, or any list the
+  user passes — and its groups are gathered just before its forward and backward and freed after them.
+  Everything no unit owns (embeddings, final norm, the tied head), and any parameter used by two units,
+  belongs to the *root*, which stays gathered from the start of forward to the end of backward.
+
+Groups are listed in the order their gradients become ready (the order reduce-scatters are launched in,
+identical on every rank): for stage 3 the last unit first and the root last.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from torch import nn
+
+from meshwise.parallel.data_parallel.buckets import plan_buckets
+
+ROOT = 0  # unit index of the root
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    """One flat group: parameter names (module order), whether they train, the unit that gathers them."""
+
+    names: tuple[str, ...]
+    trainable: bool
+    unit: int = ROOT
+
+
+def default_units(model: nn.Module) -> list[nn.Module]:
+    """Stage 3's units when none are given: GPT blocks; otherwise the parameter-holding children, with
+    ModuleLists and Sequentials opened up (so a layer stack shards layer by layer)."""
+    from meshwise.models.gpt import GPT
+
+    if isinstance(model, GPT):
+        return list(model.blocks)
+    units: list[nn.Module] = []
+    for child in model.children():
+        if isinstance(child, nn.ModuleList | nn.Sequential):
+            units.extend(default_units(child) if len(child) else [])
+        elif any(True for _ in child.parameters()):
+            units.append(child)
+    return units
+
+
+def unit_names(model: nn.Module, units: Sequence[nn.Module]) -> list[str]:
+    """The module path of each unit; a clear error for a module that is not part of ``model``."""
+    paths = {id(module): name for name, module in model.named_modules()}
+    names = []
+    for index, unit in enumerate(units):
+        if not isinstance(unit, nn.Module):
+            raise TypeError(f"units[{index}] is a {type(unit).__name__}, not an nn.Module")
+        if unit is model or id(unit) not in paths:
+            raise ValueError(
+                f"units[{index}] ({type(unit).__name__}) is not a submodule of the model being sharded: "
+                "pass modules taken from the model itself (e.g. list(model.blocks))"
+            )
+        names.append(paths[id(unit)])
+    return names
+
+
+def plan_stage3(model: nn.Module, units: Sequence[nn.Module]) -> list[GroupPlan]:
+    """Groups per unit (index 1.. in forward order), root (index 0) last, in gradient-ready order."""
+    unit_names(model, units)
+    named = dict(model.named_parameters())
+    owner_of: dict[str, int] = {}
+    by_id = {id(p): name for name, p in named.items()}
+    for index, unit in enumerate(units, start=1):
+        for param in unit.parameters():
+            name = by_id[id(param)]
+            owner_of[name] = ROOT if name in owner_of and owner_of[name] != index else index
+    plans = []
+    for unit in [*range(len(units), 0, -1), ROOT]:
+        members = [name for name in named if owner_of.get(name, ROOT) == unit]
+        plans.extend(_split(members, named, unit))
+    return plans
+
+
+def plan_buckets_as_groups(model: nn.Module, bucket_bytes: int, first_bucket_bytes: int) -> list[GroupPlan]:
+    """Stages 1/2: trainable parameters in DataParallel's buckets, frozen ones in groups of their own."""
+    named = list(model.named_parameters())
+    trainable = [(name, p) for name, p in named if p.requires_grad]
+    plans = []
+    if trainable:
+        for bucket in plan_buckets([p for _, p in trainable], bucket_bytes, first_bucket_bytes):
+            members = sorted(bucket.params)  # module order inside the flat vector
+            plans.append(GroupPlan(tuple(trainable[i][0] for i in members), True))
+    frozen = [name for name, p in named if not p.requires_grad]
+    plans.extend(_split(frozen, dict(named), ROOT))
+    return plans
+
+
+def _split(names: list[str], named: dict[str, nn.Parameter], unit: int) -> list[GroupPlan]:
+    """Trainable and frozen members of one unit as separate groups, each of a single dtype and device."""
+    keyed: dict[tuple, list[str]] = {}
+    for name in names:
+        param = named[name]
+        keyed.setdefault((not param.requires_grad, str(param.dtype), str(param.device)), []).append(name)
+    return [GroupPlan(tuple(members), not key[0], unit) for key, members in keyed.items()]

@@ -1,0 +1,144 @@
+"""``meshwise train gpt --tp T [--sp]``: tensor (and sequence) parallelism inside ``mesh.tp``, data
+parallelism across ``mesh.dp``.
+
+The model is cut in place by :func:`~meshwise.parallel.tensor_parallel.tensor_parallel` from the full
+model every rank built from the same seed, so a tp run starts where a one-process run starts; the loss is
+the vocabulary-parallel cross-entropy (logits are never gathered). What the seam's contract asks of a
+sharded strategy, and how it is met here:
+
+- the gradient norm for clipping is the whole model's: squares of the shards are summed over ``mesh.tp``,
+  replicated parameters (identical on every tp rank) counted once;
+- checkpoints hold full tensors under the plain model's names, model and AdamW state alike (gathered
+  from the shards, vocabulary padding removed), so a tp checkpoint has the layout of a data-parallel one
+  and each rank takes its slices back on load;
+- ``full_model()`` reassembles a plain GPT: it is collective over ``mesh.tp``, so every rank calls it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+
+from meshwise.comm.mesh import Mesh
+from meshwise.models.gpt import GPT
+from meshwise.parallel import DataParallel
+from meshwise.parallel.tensor_parallel import full_tensors, shard_dim, tensor_parallel
+from meshwise.parallel.tensor_parallel import vocab_parallel_cross_entropy as parallel_loss
+from meshwise.parallel.tensor_parallel.shards import gather_full, local_shard
+from meshwise.train.gpt.config import GPTTrainConfig
+from meshwise.train.gpt.parallelize import Batch, ParallelStep, build_optimizer
+
+
+class TensorParallelStep(ParallelStep):
+    """This rank's shard of the model, AdamW over the shard, DataParallel over ``mesh.dp``."""
+
+    def __init__(self, model: GPT, mesh: Mesh, config: GPTTrainConfig) -> None:
+        super().__init__(config, next(model.parameters()).device)
+        self.tp = mesh.tp
+        self.config = model.config
+        self.local = tensor_parallel(model, mesh.tp, sequence_parallel=config.sp)
+        self.model = DataParallel(self.local, mesh.dp)
+        self.optimizer = build_optimizer(self.local, config)
+
+    def _loss(self, inputs: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        with self.autocast():
+            logits = self.model(inputs) if reduction == "mean" else self.local(inputs)
+        return parallel_loss(logits.float(), targets, self.tp, vocab=self.config.vocab, reduction=reduction)
+
+    def forward_backward(self, micro_batches: Sequence[Batch]) -> float:
+        total = 0.0
+        for i, (inputs, targets) in enumerate(micro_batches):
+            last = i == len(micro_batches) - 1
+            with self.model.no_sync() if not last else nullcontext():
+                loss = self._loss(inputs, targets)
+                (loss / len(micro_batches)).backward()
+            total += loss.item()
+        return total / len(micro_batches)
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        squares = torch.zeros(2, dtype=torch.float64)
+        grads = [p.grad for p in self.local.parameters() if p.grad is not None]
+        for param in self.local.parameters():
+            if param.grad is not None:
+                squares[int(shard_dim(param) is None)] += param.grad.double().square().sum()
+        sharded = squares[:1].clone()
+        self.tp.all_reduce(sharded)
+        norm = float((sharded[0] + squares[1]).sqrt())
+        coefficient = max_norm / (norm + 1e-6)  # torch's clip_grad_norm_ rule
+        if max_norm > 0 and coefficient < 1:
+            for grad in grads:
+                grad.mul_(coefficient)
+        return norm
+
+    @torch.no_grad()
+    def eval_loss_sum(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self._loss(inputs, targets, reduction="sum")
+
+    def full_model(self) -> GPT:
+        full = GPT(self.config).to(self.device)
+        full.load_state_dict(full_tensors(self.local, self.tp), strict=False)  # the tied head is wte
+        return full
+
+    def _init_optimizer_state(self) -> None:
+        """Create AdamW's state before the first step (a step at learning rate 0 on zero gradients), so a
+        fresh run's state dict has the slots a checkpoint loads into — as torch's ``get_state_dict`` does."""
+        if len(self.optimizer.state) == len(list(self.local.parameters())):
+            return
+        lrs = [group["lr"] for group in self.optimizer.param_groups]
+        for group in self.optimizer.param_groups:
+            group["lr"] = 0.0
+        for param in self.local.parameters():
+            param.grad = torch.zeros_like(param)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        for group, lr in zip(self.optimizer.param_groups, lrs, strict=True):
+            group["lr"] = lr
+
+    def state_dict(self) -> dict[str, Any]:
+        self._init_optimizer_state()
+        names = {param: name for name, param in self.local.named_parameters()}
+        model = full_tensors(self.local, self.tp)
+        state = {
+            names[param]: {
+                key: gather_full(value, param, self.tp, model[names[param]].shape)
+                if isinstance(value, torch.Tensor) and value.shape == param.shape
+                else value
+                for key, value in entry.items()
+            }
+            for param, entry in self.optimizer.state.items()
+        }
+        groups = [
+            {
+                **{k: v for k, v in group.items() if k != "params"},
+                "params": [names[p] for p in group["params"]],
+            }
+            for group in self.optimizer.param_groups
+        ]
+        return {"model": model, "optim": {"state": state, "param_groups": groups}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        named = dict(self.local.named_parameters())
+        with torch.no_grad():
+            for name, param in named.items():
+                param.copy_(local_shard(state["model"][name], param, self.tp))
+        order = [name for group in state["optim"]["param_groups"] for name in group["params"]]
+        index = {name: i for i, name in enumerate(order)}
+        optim = {
+            "state": {
+                index[name]: {
+                    key: local_shard(value, named[name], self.tp)
+                    if isinstance(value, torch.Tensor) and value.dim() > 0
+                    else value
+                    for key, value in entry.items()
+                }
+                for name, entry in state["optim"]["state"].items()
+            },
+            "param_groups": [
+                {**group, "params": [index[name] for name in group["params"]]}
+                for group in state["optim"]["param_groups"]
+            ],
+        }
+        self.optimizer.load_state_dict(optim)
