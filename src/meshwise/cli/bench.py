@@ -139,7 +139,7 @@ def _check_memory(
     )
 
 
-def _check_backends(backends: tuple[str, ...], launcher: str) -> None:
+def _check_backends(backends: tuple[str, ...]) -> None:
     for backend in backends:
         if backend == "nccl" and not torch.cuda.is_available():
             raise ValueError(
@@ -209,7 +209,7 @@ def build_job(args: argparse.Namespace) -> tuple[BenchJob, int, str]:
         check_backend(name, allow_auto=False, what="--backend")
         for name in _split(args.backend or default_backend, "--backend")
     )
-    _check_backends(backends, launcher)
+    _check_backends(backends)
     if set(backends) - {"nccl"}:
         _check_memory(collectives, sizes[-1], world_size, local_ranks, args)
     algorithms = tuple(dict.fromkeys(canonical_algorithm(n) for n in _split(args.algo, "--algo")))

@@ -13,6 +13,8 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
+from meshwise.cli import summary
+
 _STYLE = {"pass": "green", "warn": "yellow", "fail": "bold red"}
 
 
@@ -21,7 +23,7 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str, help_text: str
         name,
         help=help_text,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        description=__doc__.split("\n\n")[0],
+        description=summary(__doc__),
         epilog="examples:\n" + __doc__.split("\n\n")[1],
     )
     parser.add_argument(
