@@ -8,10 +8,12 @@ at the end, so that one failed write neither hides the others nor turns into a t
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 
 def check_output(option: str, path: str | None) -> None:
@@ -70,3 +72,14 @@ def write_outputs(command: str, writers: list[tuple[str, str, Callable[[], None]
         else:
             print(f"# {what} written to {path}", flush=True)
     return ok
+
+
+def finish_training(command: str, result: Any, json_path: str | None) -> int:
+    """The end of every ``meshwise train`` flavour: rank 0 prints the summary and writes ``--json``; a
+    launched rank other than 0 (``result`` None) exits quietly. The exit code of the command."""
+    if result is None:
+        return 0
+    print(result.summary(), flush=True)
+    text = json.dumps(result.to_json(), indent=2) + "\n"
+    writers = [("JSON", json_path, lambda: Path(json_path).write_text(text))] if json_path else []
+    return 0 if write_outputs(command, writers) else 1

@@ -8,12 +8,10 @@ its own flags (:mod:`meshwise.cli.train_gpt`).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from pathlib import Path
 
 from meshwise.cli import summary, train_gpt
-from meshwise.cli.outputs import check_output, write_outputs
+from meshwise.cli.outputs import check_output, finish_training
 from meshwise.runtime.spawn import SpawnError
 from meshwise.train import WORKLOADS, TrainConfig, TrainingError, run_training
 from meshwise.train.config import STRATEGIES
@@ -109,9 +107,4 @@ def handler(args: argparse.Namespace) -> int:
     except SpawnError as exc:
         print(f"meshwise train: {exc}", file=sys.stderr)
         return 1
-    if result is None:  # a launched rank other than 0
-        return 0
-    print(result.summary(), flush=True)
-    text = json.dumps(result.to_json(), indent=2) + "\n"
-    writers = [("JSON", args.json, lambda: Path(args.json).write_text(text))] if args.json else []
-    return 0 if write_outputs("train", writers) else 1
+    return finish_training("train", result, args.json)

@@ -9,12 +9,10 @@ micro-batches, so the run computes the same thing on any number of ranks.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import fields
-from pathlib import Path
 
-from meshwise.cli.outputs import check_output, write_outputs
+from meshwise.cli.outputs import check_output, finish_training
 from meshwise.models.gpt import CONFIGS
 from meshwise.parallel.pipeline_parallel.schedules import SCHEDULES
 from meshwise.runtime.spawn import SpawnError
@@ -111,9 +109,4 @@ def handler(args: argparse.Namespace) -> int:
     except SpawnError as exc:
         print(f"meshwise train gpt: {exc}", file=sys.stderr)
         return 1
-    if result is None:  # a launched rank other than 0
-        return 0
-    print(result.summary(), flush=True)
-    text = json.dumps(result.to_json(), indent=2) + "\n"
-    writers = [("JSON", args.json, lambda: Path(args.json).write_text(text))] if args.json else []
-    return 0 if write_outputs("train gpt", writers) else 1
+    return finish_training("train gpt", result, args.json)
