@@ -100,3 +100,16 @@ def read_checkpoint(directory: str | Path, map_location: str | torch.device = "c
     if missing:
         raise ValueError(f"{path} is not a complete meshwise checkpoint (no {', '.join(missing)})")
     return state
+
+
+def checkpoint_directory(checkpoint: str | None, resume: bool) -> Path | None:
+    """The ``--checkpoint``/``--resume`` checks every trainer makes first: None when no checkpoint is
+    asked for, else the directory (which, if it exists, is one)."""
+    if checkpoint is None:
+        if resume:
+            raise ValueError("--resume needs --checkpoint DIR: the directory of the run to continue")
+        return None
+    directory = Path(checkpoint)
+    if directory.exists() and not directory.is_dir():
+        raise ValueError(f"--checkpoint {directory} is a file; pass a directory")
+    return directory

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -12,7 +11,7 @@ from meshwise.comm.factory import check_backend
 from meshwise.data.mnist import find_mnist_files
 from meshwise.runtime.env import check_mpi_launch
 from meshwise.runtime.timeouts import wait_timeout
-from meshwise.train.checkpoint import check_writable, checkpoint_file, read_checkpoint
+from meshwise.train.checkpoint import check_writable, checkpoint_directory, checkpoint_file, read_checkpoint
 from meshwise.train.workloads import WORKLOADS, Workload
 
 #: ``--strategy`` names: DataParallel, or ZeRO stage 1/2/3 (meshwise.parallel.zero).
@@ -102,13 +101,9 @@ class TrainConfig:
         return self
 
     def _check_checkpoint(self) -> None:
-        if self.checkpoint is None:
-            if self.resume:
-                raise ValueError("--resume needs --checkpoint DIR: the directory of the run to continue")
+        directory = checkpoint_directory(self.checkpoint, self.resume)
+        if directory is None:
             return
-        directory = Path(self.checkpoint)
-        if directory.exists() and not directory.is_dir():
-            raise ValueError(f"--checkpoint {directory} is a file; pass a directory")
         path = checkpoint_file(directory)
         if not self.resume:
             if path.exists():

@@ -19,6 +19,7 @@ from meshwise.data.windows import TokenSplits
 from meshwise.models.gpt import GPTConfig, gpt_config
 from meshwise.runtime.env import plan_ranks
 from meshwise.runtime.timeouts import wait_timeout
+from meshwise.train.checkpoint import checkpoint_directory
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 #: Default training context on a CPU: a longer one makes the default run take far more than minutes.
@@ -231,13 +232,9 @@ class GPTTrainConfig:
     def _check_checkpoint(self, model: GPTConfig) -> None:
         from meshwise.train.gpt.checkpoint import RUN_FILE, read_run
 
-        if self.checkpoint is None:
-            if self.resume:
-                raise ValueError("--resume needs --checkpoint DIR: the directory of the run to continue")
+        directory = checkpoint_directory(self.checkpoint, self.resume)
+        if directory is None:
             return
-        directory = Path(self.checkpoint)
-        if directory.exists() and not directory.is_dir():
-            raise ValueError(f"--checkpoint {directory} is a file; pass a directory")
         if not self.resume:
             if (directory / RUN_FILE).exists():
                 raise ValueError(
