@@ -15,7 +15,7 @@ from torch import nn
 
 import meshwise
 from meshwise.models.gpt import GPT, GPTConfig, language_model_loss
-from meshwise.parallel.zero import MixedPrecision, shard, zero_formula
+from meshwise.parallel.zero import shard, zero_formula
 from meshwise.parallel.zero.layout import FlatLayout
 from meshwise.parallel.zero.units import ROOT, default_units, plan_stage3
 from meshwise.runtime.spawn import spawn
@@ -335,8 +335,3 @@ def test_zero_formula_is_the_paper_table():
 def test_bad_arguments_fail_before_any_communication(kwargs, error, match):
     with pytest.raises(error, match=match):
         shard(_mlp(), comm=None, **kwargs)  # no world exists: the check must come first
-
-
-def test_float16_is_refused_until_loss_scaling_exists():
-    with pytest.raises(ValueError, match="loss scaling"):
-        MixedPrecision(param_dtype=torch.float16)

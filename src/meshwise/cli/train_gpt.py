@@ -35,7 +35,11 @@ def add_parser(models: argparse._SubParsersAction) -> None:
     ranks.add_argument("--tp", type=int, default=1, help="tensor-parallel size (must divide the heads)")
     ranks.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (stages)")
     ranks.add_argument(
-        "--zero", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage (not yet: issue 16)"
+        "--zero",
+        type=int,
+        default=0,
+        choices=(0, 1, 2, 3),
+        help="ZeRO stage over the dp ranks: 1 optimizer state, 2 +gradients, 3 +parameters (0 = off)",
     )
     ranks.add_argument("--sp", action="store_true", help="sequence parallelism, with --tp")
     ranks.add_argument("--backend", default="auto", help="communicator backend (auto, gloo, nccl, shm, mpi)")
@@ -80,7 +84,12 @@ def add_parser(models: argparse._SubParsersAction) -> None:
     run.add_argument("--min-lr", type=float, default=d["min_lr"], help="cosine floor (default %(default)s)")
     run.add_argument("--weight-decay", type=float, default=d["weight_decay"], help="AdamW decay of matrices")
     run.add_argument("--grad-clip", type=float, default=d["grad_clip"], help="max gradient norm, 0 = off")
-    run.add_argument("--dtype", choices=("fp32", "bf16"), default=d["dtype"], help="compute precision")
+    run.add_argument(
+        "--dtype",
+        choices=("fp32", "bf16", "fp16"),
+        default=d["dtype"],
+        help="compute precision (fp16: with --zero)",
+    )
     run.add_argument("--seed", type=int, default=0, help="initial weights and data order (default 0)")
     io = parser.add_argument_group("data, evaluation, output")
     io.add_argument("--data", default=None, metavar="PATH", help="text file, or uint16 .bin token file")

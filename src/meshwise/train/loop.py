@@ -13,7 +13,7 @@ import errno
 import math
 import shutil
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,7 @@ from meshwise.data import DistributedSampler, Splits
 from meshwise.parallel import DataParallel
 from meshwise.parallel.zero import ShardedModel, shard
 from meshwise.parallel.zero.checkpoint import load_sharded, save_sharded
+from meshwise.parallel.zero.memory import rank_lines
 from meshwise.train.checkpoint import checkpoint_file, read_checkpoint, save_checkpoint
 from meshwise.train.config import TrainConfig
 from meshwise.train.errors import TrainingError
@@ -362,13 +363,4 @@ class Trainer:
         """Every rank's ZeRO memory report (gathered to all ranks, printed by rank 0); none for DDP."""
         if not isinstance(self.model, ShardedModel):
             return ()
-        report = self.model.memory_report(self.optimizer)
-        fields = ("shard_numel", "parameters", "gradients", "optimizer_state", "peak_gathered")
-        mine = torch.tensor([getattr(report, f) for f in fields], dtype=torch.int64, device=self.world.device)
-        every = torch.zeros(self.world.world_size * len(fields), dtype=torch.int64, device=self.world.device)
-        self.world.comm.all_gather(every, mine)
-        lines = []
-        for rank, values in enumerate(every.view(-1, len(fields)).tolist()):
-            theirs = replace(report, **dict(zip(fields, values, strict=True)))
-            lines.append(f"rank {rank}: {theirs.line()}")
-        return tuple(lines)
+        return tuple(rank_lines(self.model, self.optimizer))

@@ -2,6 +2,7 @@
 
 from meshwise.parallel.zero.memory import MemoryReport, zero_formula
 from meshwise.parallel.zero.precision import MixedPrecision
+from meshwise.parallel.zero.scaler import LossScaler
 from meshwise.parallel.zero.sharded import ShardedModel, shard
 
-__all__ = ["MemoryReport", "MixedPrecision", "ShardedModel", "shard", "zero_formula"]
+__all__ = ["LossScaler", "MemoryReport", "MixedPrecision", "ShardedModel", "shard", "zero_formula"]

@@ -92,6 +92,7 @@ class FlatGroup:
         self.flat_grad: torch.Tensor | None = None
         self.grad_shard: torch.Tensor | None = None
         self.has_grad = False  # a reduced gradient is waiting for the optimizer
+        self.exposed = False  # ... and is already master.grad (possibly unscaled: not to be exposed again)
         self._reduce_work: Work | None = None
         self._reduce_out: torch.Tensor | None = None
         if not persistent:
@@ -202,16 +203,32 @@ class FlatGroup:
             self.tracker.sub(self.flat_grad.untyped_storage().nbytes())
             self.flat_grad = None
 
-    def expose_gradient(self) -> None:
-        """Give the optimizer this rank's reduced gradient as ``master.grad`` (in the master's dtype)."""
-        if self.has_grad and self.grad_shard is not None:
-            grad = self.grad_shard
-            self.master.grad = grad if grad.dtype == self.master.dtype else grad.to(self.master.dtype)
+    def expose_gradient(self, float32: bool = False) -> torch.Tensor | None:
+        """Give the optimizer this rank's reduced gradient as ``master.grad`` (in the master's dtype; a
+        separate float32 tensor when asked, so unscaling cannot touch the kept shard) and return it.
+        Once exposed, later calls return the same tensor: an unscaled gradient is not exposed again."""
+        if self.exposed or not self.has_grad or self.grad_shard is None:
+            return self.master.grad if self.exposed else None
+        grad = self.grad_shard
+        if grad.dtype != self.master.dtype:
+            grad = grad.to(self.master.dtype)
+        elif float32:
+            grad = grad.clone()
+        self.master.grad = grad
+        self.exposed = True
+        return grad
+
+    def pending_gradient(self) -> torch.Tensor | None:
+        """The reduced gradient the next step will use: the exposed one, else the shard; None if none."""
+        if self.exposed:
+            return self.master.grad
+        return self.grad_shard if self.has_grad else None
 
     def release_gradient(self, keep_shard: bool) -> None:
-        """After the step: the gradient was consumed."""
+        """After the step (or instead of a skipped one): the gradient was consumed."""
         self.master.grad = None
         self.has_grad = False
+        self.exposed = False
         if self.grad_shard is not None:
             if keep_shard:
                 self.grad_shard.zero_()

@@ -27,7 +27,7 @@ are not counted.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -117,3 +117,37 @@ def measure(model: ShardedModel, optimizer: torch.optim.Optimizer | None) -> Mem
         optimizer_state=optimizer_state,
         peak_gathered=model.tracker.peak,
     )
+
+
+def rank_lines(
+    model: ShardedModel, optimizer: torch.optim.Optimizer | None, k: int | None = None
+) -> list[str]:
+    """Collective over ``model.comm``: every rank's report, one line each (for rank 0 to print), and with
+    ``k`` (optimizer-state bytes per element, master copy included) the ZeRO formula's line beside them."""
+    report = measure(model, optimizer)
+    fields = ("shard_numel", "parameters", "gradients", "optimizer_state", "peak_gathered")
+    device = model.groups[0].device
+    mine = torch.tensor([getattr(report, f) for f in fields], dtype=torch.int64, device=device)
+    every = torch.zeros(model.comm.world_size * len(fields), dtype=torch.int64, device=device)
+    model.comm.all_gather(every, mine)
+    lines = []
+    for rank, values in enumerate(every.view(-1, len(fields)).tolist()):
+        lines.append(f"rank {rank}: {replace(report, **dict(zip(fields, values, strict=True))).line()}")
+    if k is not None:
+        group = model.groups[0]
+        param_bytes = group.full.element_size()
+        grad_bytes = torch.empty((), dtype=group.grad_dtype).element_size()
+        p, g, o = zero_formula(
+            model.stage,
+            report.shard_numel,
+            report.world_size,
+            param_bytes=param_bytes,
+            grad_bytes=grad_bytes,
+            k=k,
+        )
+        lines.append(
+            f"formula: parameters {format_bytes(p)}, gradients {format_bytes(g)}, optimizer state "
+            f"{format_bytes(o)} (total {format_bytes(p + g + o)}; stage {model.stage}, "
+            f"{param_bytes}+{grad_bytes}+{k} bytes per parameter, N = {report.world_size})"
+        )
+    return lines

@@ -4,8 +4,10 @@ The optimizer always updates float32 master shards, so small updates are not rou
 parameters a unit computes with are a copy in ``param_dtype`` (bf16 halves the bytes of every all-gather
 and of the gathered buffers), and gradients are reduce-scattered in ``reduce_dtype``. Our backends
 accumulate half-precision reductions in float32 and round once, so bf16 gradients lose only their own
-rounding. float16 would need loss scaling to keep small gradients from flushing to zero; that is not
-built, so it is refused rather than silently allowed to underflow.
+rounding. float16 has bf16's bytes but a range that ends at 65504 and flushes gradients below ~6e-8 to
+zero, so it only trains with loss scaling (:class:`~meshwise.parallel.zero.scaler.LossScaler`): the loss
+is multiplied by a large power of two before backward and the reduced gradient shards divided by it, in
+float32, before clipping and the step. :attr:`MixedPrecision.needs_loss_scaling` says when that applies.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-_NAMES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_HALF = (torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True)
@@ -31,25 +34,26 @@ class MixedPrecision:
             value = getattr(self, name)
             if value is None:
                 continue
-            if value == torch.float16:
-                raise ValueError(
-                    f"{name}=float16 needs loss scaling, which sharded training does not do yet; "
-                    "use torch.bfloat16 (same bytes, float32's range)"
-                )
-            if value not in (torch.bfloat16, torch.float32):
-                raise ValueError(f"{name} must be torch.bfloat16 or torch.float32, got {value}")
+            if value not in (*_HALF, torch.float32):
+                raise ValueError(f"{name} must be torch.bfloat16, float16 or float32, got {value}")
 
     @property
     def gradient_dtype(self) -> torch.dtype:
         return self.reduce_dtype or self.param_dtype
 
+    @property
+    def needs_loss_scaling(self) -> bool:
+        """float16 compute or reduction: gradients must travel scaled or small ones underflow."""
+        return torch.float16 in (self.param_dtype, self.gradient_dtype)
+
     @classmethod
     def parse(cls, value: MixedPrecision | str | None) -> MixedPrecision | None:
-        """``None``/``"fp32"`` (full precision), ``"bf16"``, or a MixedPrecision as given."""
+        """``None``/``"fp32"`` (full precision), ``"bf16"``, ``"fp16"`` (with a LossScaler), or a
+        MixedPrecision as given."""
         if value is None or isinstance(value, MixedPrecision):
             return value
         if value not in _NAMES:
             raise ValueError(
-                f"mixed_precision={value!r} is unknown; use None, 'bf16', 'fp32' or MixedPrecision"
+                f"mixed_precision={value!r} is unknown; use None, 'bf16', 'fp16', 'fp32' or MixedPrecision"
             )
         return None if value == "fp32" else cls(param_dtype=_NAMES[value])

@@ -39,7 +39,7 @@ from meshwise.parallel.zero.memory import MemoryReport, measure
 from meshwise.parallel.zero.precision import MixedPrecision
 from meshwise.parallel.zero.schedule import UnitSchedule
 from meshwise.parallel.zero.stepping import ORIGINAL, OWNER
-from meshwise.parallel.zero.units import ROOT, default_units, plan_buckets_as_groups, plan_stage3
+from meshwise.parallel.zero.units import ROOT, SeparateBy, default_units, plan_buckets_as_groups, plan_stage3
 from meshwise.world import current_world
 
 
@@ -58,6 +58,7 @@ class ShardedModel(nn.Module):
         prefetch: int,
         bucket_mb: float,
         first_bucket_mb: float,
+        separate_by: SeparateBy | None = None,
     ) -> None:
         super().__init__()
         named = dict(module.named_parameters())
@@ -69,9 +70,10 @@ class ShardedModel(nn.Module):
         self.tracker = Tracker()
         if stage == 3:
             chosen = list(units) if units is not None else default_units(module)
-            plans = plan_stage3(module, chosen)
+            plans = plan_stage3(module, chosen, separate_by)
         else:
-            plans = plan_buckets_as_groups(module, round(bucket_mb * MIB), round(first_bucket_mb * MIB))
+            bucket, first = round(bucket_mb * MIB), round(first_bucket_mb * MIB)
+            plans = plan_buckets_as_groups(module, bucket, first, separate_by)
         broadcast_module_state(module, comm)  # every rank starts from rank 0's weights
         self.groups: list[FlatGroup] = []
         for index, plan in enumerate(plans):
@@ -113,6 +115,15 @@ class ShardedModel(nn.Module):
         """This rank's master shards (frozen groups' shards have ``requires_grad=False``)."""
         for group in self.groups:
             yield (f"{prefix}.{group.name}" if prefix else group.name), group.master
+
+    def parameters_where(self, keep: SeparateBy) -> list[nn.Parameter]:
+        """The master shards of the groups whose first parameter ``keep(name, param)`` accepts — one
+        optimizer param group's worth when ``shard(separate_by=keep)`` kept the kinds apart."""
+        return [
+            group.master
+            for group, names in zip(self.groups, self.param_names, strict=True)
+            if keep(names[0], group.params[0])
+        ]
 
     # ------------------------------------------------------------------ forward / backward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -160,13 +171,35 @@ class ShardedModel(nn.Module):
             group.refresh()
 
     @torch.no_grad()
+    def unscale_gradients_(self, inv_scale: float) -> bool:
+        """Loss scaling: hand every reduced gradient shard to the optimizer in float32, multiplied by
+        ``inv_scale``, before clipping sees it (float16 shards would flush small unscaled values to zero).
+        Returns whether *this rank's* shards hold an inf or nan; the caller agrees on it over the ranks."""
+        self._grads.reduce_for_step(self.groups)
+        found = torch.zeros((), dtype=torch.bool, device=self.groups[0].device)
+        for group in self.groups:
+            grad = group.expose_gradient(float32=True)
+            if grad is not None:
+                grad.mul_(torch.tensor(inv_scale, dtype=torch.float32, device=grad.device))
+                found |= ~torch.isfinite(grad).all()
+        return bool(found)
+
+    def discard_gradients(self) -> None:
+        """Forget this step's reduced gradients (a loss-scaled step with an overflow is skipped): the
+        optimizer then finds no gradient and changes neither parameters nor its state."""
+        for group in self.groups:
+            group.release_gradient(keep_shard=self.stage > 1)
+
+    @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale every gradient shard so the norm of the whole (unsharded) gradient is at most
-        ``max_norm``, exactly as ``torch.nn.utils.clip_grad_norm_`` on the plain model; returns that norm."""
+        ``max_norm``, exactly as ``torch.nn.utils.clip_grad_norm_`` on the plain model; returns that norm.
+        ``max_norm=math.inf`` only measures."""
         if norm_type not in (2.0, math.inf):
             raise ValueError(f"norm_type must be 2.0 or math.inf, got {norm_type}")
         self._grads.reduce_for_step(self.groups)
-        shards = [g.grad_shard.float() for g in self.groups if g.has_grad and g.grad_shard is not None]
+        pending = [g.pending_gradient() for g in self.groups]
+        shards = [grad.float() for grad in pending if grad is not None]
         device = self.groups[0].device
         if norm_type == math.inf:
             local = max((s.abs().max() for s in shards), default=torch.zeros((), device=device))
@@ -176,10 +209,12 @@ class ShardedModel(nn.Module):
             total = sum((s.square().sum() for s in shards), torch.zeros((), device=device)).reshape(1)
             self.comm.all_reduce(total, ReduceOp.SUM)
             total = total.sqrt()
+        if max_norm == math.inf:
+            return total.reshape(())
         coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for group in self.groups:
-            if group.has_grad and group.grad_shard is not None:
-                group.grad_shard.mul_(coefficient.to(group.grad_shard.dtype))
+        for grad in pending:
+            if grad is not None:
+                grad.mul_(coefficient.to(grad.dtype))
         return total.reshape(())
 
     # ------------------------------------------------------------------ state
@@ -254,6 +289,7 @@ def shard(
     prefetch: int = 1,
     bucket_mb: float = 25.0,
     first_bucket_mb: float = 1.0,
+    separate_by: SeparateBy | None = None,
 ) -> ShardedModel:
     """Shard ``model`` over ``comm`` (default: the world's; pass a mesh axis such as ``mesh.dp``).
 
@@ -261,7 +297,9 @@ def shard(
     blocks by default, or ``units``). ``mixed_precision``: ``None``/``"fp32"``, ``"bf16"`` or a
     :class:`MixedPrecision`. ``prefetch``: how many units ahead stage 3 starts gathering.
     ``bucket_mb``/``first_bucket_mb``: stages 1/2 group sizes (DataParallel's buckets). Every argument
-    is checked before any communication.
+    is checked before any communication. ``separate_by(name, param)``: a key; parameters with different
+    keys get different flat groups, so an optimizer param group can hold exactly one kind (weight decay
+    on matrices only, say — see :meth:`ShardedModel.parameters_where`).
     """
     if isinstance(stage, bool) or stage not in (1, 2, 3):
         raise ValueError(
@@ -282,7 +320,7 @@ def shard(
     return ShardedModel(
         model, comm if comm is not None else current_world().comm, stage=stage,
         mixed_precision=precision, units=units, reshard_after_forward=reshard_after_forward,
-        prefetch=prefetch, bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb,
+        prefetch=prefetch, bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb, separate_by=separate_by,
     )  # fmt: skip
 
 

@@ -4,6 +4,9 @@ A *group* is one flat vector sharded over the ranks (one all-gather, one reduce-
 mix trainable and frozen parameters (frozen ones have no gradient to reduce and must not reach the
 optimizer) nor dtypes.
 
+- A caller may add its own key (``separate_by``): parameters with different keys never share a group, so an
+  optimizer can treat them differently, e.g. AdamW decaying matrices but not biases and LayerNorm gains —
+  exactly, because each flat shard then belongs to a single optimizer param group.
 - Stages 1 and 2 keep every parameter gathered, so a group is only a communication bucket: trainable
   parameters are bucketed exactly as DataParallel's all-reduces are (reverse parameter order, small first
   bucket), so the first reduce-scatter starts while backward is still busy with the early layers.
@@ -18,7 +21,7 @@ identical on every rank): for stage 3 the last unit first and the root last.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 from torch import nn
@@ -26,6 +29,9 @@ from torch import nn
 from meshwise.parallel.data_parallel.buckets import plan_buckets
 
 ROOT = 0  # unit index of the root
+
+#: A caller's key for a parameter (name, parameter): parameters of different keys never share a group.
+SeparateBy = Callable[[str, nn.Parameter], Hashable]
 
 
 @dataclass(frozen=True)
@@ -69,7 +75,9 @@ def unit_names(model: nn.Module, units: Sequence[nn.Module]) -> list[str]:
     return names
 
 
-def plan_stage3(model: nn.Module, units: Sequence[nn.Module]) -> list[GroupPlan]:
+def plan_stage3(
+    model: nn.Module, units: Sequence[nn.Module], separate_by: SeparateBy | None = None
+) -> list[GroupPlan]:
     """Groups per unit (index 1.. in forward order), root (index 0) last, in gradient-ready order."""
     unit_names(model, units)
     named = dict(model.named_parameters())
@@ -82,28 +90,36 @@ def plan_stage3(model: nn.Module, units: Sequence[nn.Module]) -> list[GroupPlan]
     plans = []
     for unit in [*range(len(units), 0, -1), ROOT]:
         members = [name for name in named if owner_of.get(name, ROOT) == unit]
-        plans.extend(_split(members, named, unit))
+        plans.extend(_split(members, named, unit, separate_by))
     return plans
 
 
-def plan_buckets_as_groups(model: nn.Module, bucket_bytes: int, first_bucket_bytes: int) -> list[GroupPlan]:
-    """Stages 1/2: trainable parameters in DataParallel's buckets, frozen ones in groups of their own."""
+def plan_buckets_as_groups(
+    model: nn.Module, bucket_bytes: int, first_bucket_bytes: int, separate_by: SeparateBy | None = None
+) -> list[GroupPlan]:
+    """Stages 1/2: trainable parameters in DataParallel's buckets (each split by ``separate_by``), frozen
+    ones in groups of their own."""
     named = list(model.named_parameters())
     trainable = [(name, p) for name, p in named if p.requires_grad]
     plans = []
     if trainable:
         for bucket in plan_buckets([p for _, p in trainable], bucket_bytes, first_bucket_bytes):
             members = sorted(bucket.params)  # module order inside the flat vector
-            plans.append(GroupPlan(tuple(trainable[i][0] for i in members), True))
+            plans.extend(_split([trainable[i][0] for i in members], dict(named), ROOT, separate_by))
     frozen = [name for name, p in named if not p.requires_grad]
-    plans.extend(_split(frozen, dict(named), ROOT))
+    plans.extend(_split(frozen, dict(named), ROOT, separate_by))
     return plans
 
 
-def _split(names: list[str], named: dict[str, nn.Parameter], unit: int) -> list[GroupPlan]:
-    """Trainable and frozen members of one unit as separate groups, each of a single dtype and device."""
+def _split(
+    names: list[str], named: dict[str, nn.Parameter], unit: int, separate_by: SeparateBy | None
+) -> list[GroupPlan]:
+    """Trainable and frozen members of one unit as separate groups, each of a single dtype, device and
+    caller's key."""
     keyed: dict[tuple, list[str]] = {}
     for name in names:
         param = named[name]
-        keyed.setdefault((not param.requires_grad, str(param.dtype), str(param.device)), []).append(name)
+        mine = separate_by(name, param) if separate_by is not None else None
+        key = (not param.requires_grad, str(param.dtype), str(param.device), mine)
+        keyed.setdefault(key, []).append(name)
     return [GroupPlan(tuple(members), not key[0], unit) for key, members in keyed.items()]

@@ -21,7 +21,7 @@ from meshwise.runtime.env import plan_ranks
 from meshwise.runtime.timeouts import wait_timeout
 from meshwise.train.checkpoint import checkpoint_directory
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 #: Default training context on a CPU: a longer one makes the default run take far more than minutes.
 CPU_SEQ_LEN = 128
 
@@ -186,6 +186,11 @@ class GPTTrainConfig:
             raise ValueError(f"--weight-decay must be in [0, 1), got {self.weight_decay}")
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype {self.dtype!r} is unknown; choose {' or '.join(DTYPES)}")
+        if self.dtype == "fp16" and not self.zero:
+            raise ValueError(
+                "--dtype fp16 needs loss scaling, which meshwise train gpt does with --zero 1|2|3: add "
+                "--zero (or train in bf16: fp16's bytes, fp32's range, no scaling needed)"
+            )
         if self.sample < 0:
             raise ValueError(f"--sample must be a number of tokens ≥ 0, got {self.sample}")
         if not 0 <= self.seed < 2**63:

@@ -207,6 +207,7 @@ class GPTTrainer:
                     if config.checkpoint is not None:
                         self.save_checkpoint(step + 1)
         text = self.sample(config.sample) if config.sample else None
+        notes = tuple(self.step_runner.summary_lines())
         return GPTResult(
             model=config.config,
             parameters=parameters,
@@ -231,6 +232,7 @@ class GPTTrainer:
             checkpoint=self.checkpoint_path,
             sample=text,
             comm_stats=self._comm_stats(),
+            notes=notes,
         )
 
     def _comm_stats(self) -> dict[str, dict[str, dict[str, float]]] | None:

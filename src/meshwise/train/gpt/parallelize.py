@@ -41,9 +41,7 @@ from meshwise.train.gpt.config import GPTTrainConfig
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 #: Flags whose strategies have not landed yet → the issue that brings them.
-NOT_YET = {
-    "zero": "ZeRO (issue 16)",
-}
+NOT_YET: dict[str, str] = {}
 
 
 class ParallelStep(ABC):
@@ -73,6 +71,10 @@ class ParallelStep(ABC):
 
     @abstractmethod
     def full_model(self) -> GPT: ...
+
+    def summary_lines(self) -> list[str]:
+        """Strategy-specific lines for the run's summary (collective: every rank calls it at the end)."""
+        return []
 
     def state_dict(self) -> dict[str, Any]:
         model, optim = get_state_dict(self.full_model(), self.optimizer)
@@ -165,6 +167,10 @@ def strategy_name(config: GPTTrainConfig) -> str:
 
 def check_supported(config: GPTTrainConfig) -> None:
     """A clear error, before any rank starts, for a strategy that has not landed yet."""
+    if config.zero:
+        from meshwise.train.gpt.zero_step import check_zero
+
+        check_zero(config)
     if config.sp and config.tp < 2:
         raise ValueError("--sp splits the sequence across the tensor-parallel ranks: add --tp 2 or more")
     if config.tp > 1:
@@ -198,5 +204,7 @@ def parallelize(model: GPT, mesh: Mesh, config: GPTTrainConfig) -> ParallelStep:
 
 # Strategies in their own modules register here (they import this module's ParallelStep: at the end).
 from meshwise.train.gpt.pipeline_step import PipelineStep  # noqa: E402
+from meshwise.train.gpt.zero_step import ZeroStep  # noqa: E402
 
 STRATEGIES["pp"] = PipelineStep
+STRATEGIES["zero"] = ZeroStep

@@ -51,6 +51,8 @@ class GPTResult:
     sample: str | None = None
     #: with --comm-stats: rank 0's calls, bytes and bus bytes per op on each mesh axis, over the run
     comm_stats: dict[str, dict[str, dict[str, float]]] | None = None
+    #: the strategy's own summary lines (ZeRO: per-rank memory vs the formula, the fp16 loss scale)
+    notes: tuple[str, ...] = ()
 
     @property
     def trained(self) -> tuple[StepStats, ...]:
@@ -99,6 +101,7 @@ class GPTResult:
         lines.append(f"Wall time           = {self.wall_seconds:.3f} s")
         if self.checkpoint:
             lines.append(f"Checkpoint          = {self.checkpoint}")
+        lines += self.notes
         if self.comm_stats:
             lines += self._comm_lines()
         if self.sample is not None:
