@@ -228,7 +228,6 @@ def _bad_cases(text: str, tmp: Path) -> list[tuple[dict, str]]:
         ({"nproc": 4, "tp": 2, "pp": 2}, r"--tp --pp: this combination is not available"),
         ({"sp": True}, r"--sp splits the sequence across the tensor-parallel ranks: add --tp 2"),
         ({"nproc": 4, "tp": 4, "sp": True, "seq_len": 30}, r"sequence of 30 tokens into --tp 4 shards"),
-        ({"zero": 1}, r"--zero: ZeRO \(issue 16\)"),
         ({"nproc": 5}, "--global-batch 12 is not divisible by dp = 5"),
         ({"nproc": 2, "micro_batch": 4}, "--micro-batch 4 does not divide the per-rank batch 6"),
         ({"steps": 0}, "--steps must be at least 1"),

@@ -9,12 +9,14 @@ Adam update; see its docstring): ZeRO reduces in a different order than one proc
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
 
 import meshwise
+from meshwise.cli import main
 from meshwise.data.windows import train_batch
 from meshwise.models.gpt import GPT, language_model_loss
 from meshwise.runtime.spawn import spawn
@@ -173,3 +175,39 @@ def test_a_zero3_checkpoint_resumes_as_zero1_as_dp_and_on_another_world_size(tex
     one = spawn(_resume_on_one, 1, args=(text, root), timeout=110)[0]
     assert _close(one["zero2 from zero3"], expected), (one, expected)
     assert _close(one["zero2 from dp"], expected), (one, expected)
+
+
+# ---------------------------------------------------------------------------------------------- command line
+def test_the_command_line_trains_fp16_zero3_prints_memory_and_resumes_as_zero1(text: str, tmp_path, capsys):
+    argv = ["train", "gpt", "-np", "2", "--config", "gpt-tiny", "--data", text, "--seq-len", "32"]
+    argv += ["--global-batch", "4", "--eval-every", "2", "--eval-windows", "4", "--backend", "gloo"]
+    argv += ["--checkpoint", str(tmp_path / "ckpt")]
+    assert main([*argv, "--steps", "2", "--zero", "3", "--dtype", "fp16", "--sample", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "Memory (ZeRO-3, per rank, accounted vs formula)" in out, out
+    lines = {line.split(":")[0].strip(): line.split(":")[1].split("(total")[0] for line in out.splitlines()
+             if line.strip().startswith(("rank ", "formula:"))}  # fmt: skip
+    assert lines["rank 0"] == lines["rank 1"] == lines["formula"], lines  # accounted = the ZeRO formula
+    assert "Loss scale          = 65536 (fp16; 0 steps skipped" in out
+    assert "----- sample -----" in out
+    assert main([*argv, "--steps", "4", "--zero", "1", "--resume", "--json", str(tmp_path / "r.json")]) == 0
+    assert "Memory (ZeRO-1" in capsys.readouterr().out
+    assert json.loads((tmp_path / "r.json").read_text())["first_step"] == 2
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        ({"nproc": 4, "tp": 2, "zero": 1}, r"--zero 1 with --tp: ZeRO inside a tensor- or pipeline-parallel"),
+        ({"nproc": 2, "pp": 2, "zero": 3}, r"--zero 3 with --pp: .* not built yet; drop --pp or --zero"),
+        ({"dtype": "fp16"}, r"--dtype fp16 needs loss scaling, .* with --zero 1\|2\|3: add --zero"),
+    ],
+)
+def test_zero_bad_input_is_one_clear_error_before_any_rank_starts(text: str, overrides, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        _tiny(text, **overrides).validate()
+
+
+def test_zero_on_one_rank_and_fp16_with_zero_are_valid(text: str) -> None:
+    _tiny(text, zero=2, nproc=1).validate()
+    _tiny(text, zero=1, dtype="fp16", nproc=2).validate()
