@@ -178,6 +178,7 @@ def test_a_zero3_checkpoint_resumes_as_zero1_as_dp_and_on_another_world_size(tex
 
 
 # ---------------------------------------------------------------------------------------------- command line
+@pytest.mark.timeout(200)  # two 2-rank CLI runs (peak measurement, eval, sample) on busy cores
 def test_the_command_line_trains_fp16_zero3_prints_memory_and_resumes_as_zero1(text: str, tmp_path, capsys):
     argv = ["train", "gpt", "-np", "2", "--config", "gpt-tiny", "--data", text, "--seq-len", "32"]
     argv += ["--global-batch", "4", "--eval-every", "2", "--eval-windows", "4", "--backend", "gloo"]
