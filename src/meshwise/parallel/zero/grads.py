@@ -1,15 +1,17 @@
 """Gradients of a sharded model: from autograd's hooks into flat buffers, then reduce-scattered.
 
 Every trainable parameter has a post-accumulate-grad hook that adds its gradient into its group's
-unsharded buffer and drops ``param.grad`` (the optimizer never sees full gradients). Then, by stage:
+unsharded buffer and drops ``param.grad`` (the optimizer never sees full gradients). Every stage then
+reduce-scatters a group as soon as its last gradient arrived, strictly in plan order (a complete group
+waits for every earlier one), so all ranks issue the same collectives in the same order and
+communication overlaps the rest of backward; a callback at the end of backward launches what is left and
+waits for all. Inside :meth:`no_sync` nothing is launched and the unsharded buffers keep accumulating:
+k micro-batches cost one reduce-scatter. The stages differ in what stays:
 
-- stage 1 communicates nothing during backward: the unsharded buffers accumulate across backward
-  passes and are reduce-scattered once, when the optimizer steps (or gradients are clipped);
-- stages 2 and 3 reduce-scatter a group as soon as its last gradient arrived, strictly in plan order
-  (a complete group waits for every earlier one), so all ranks issue the same collectives in the same
-  order and communication overlaps the rest of backward; a callback at the end of backward launches
-  what is left, waits for all, and drops the unsharded buffers. Inside :meth:`no_sync` nothing is
-  launched and the unsharded buffers keep accumulating: k micro-batches cost one reduce-scatter.
+- stage 1 keeps its unsharded buffers for the whole run (zeroed once reduced: the ZeRO-1 memory model
+  keeps full gradients) and its reduced shard only until the step; gradients that only ever
+  accumulated under ``no_sync`` are reduce-scattered when the optimizer steps (or clips);
+- stages 2 and 3 drop each unsharded buffer as soon as its reduce-scatter landed and keep the shard.
 
 Stage 3 also learns here when a unit's backward is over (all its gradients arrived) so its gathered
 parameters can be freed at once rather than at the end of backward.
@@ -49,7 +51,7 @@ class GradientSync:
         for group, unit in zip(self.groups, self._unit_of, strict=True):
             self._unit_size[unit] = self._unit_size.get(unit, 0) + len(group.params)
         self._reset()
-        self._unreduced: set[int] = set()  # stage 1: groups that accumulated since their last reduction
+        self._unreduced: set[int] = set()  # groups that accumulated since their last reduction
         this = weakref.ref(self)
         self._handles = [
             param.register_post_accumulate_grad_hook(_hook(this, gi, pi))
@@ -84,9 +86,7 @@ class GradientSync:
         self._unit_pending[unit] -= 1
         if self._unit_pending[unit] == 0:
             self._on_unit_done(unit)
-        if self.stage == 1:
-            self._unreduced.add(gi)
-            return
+        self._unreduced.add(gi)
         if not self.sync:
             return
         self._pending[gi] -= 1
@@ -96,28 +96,35 @@ class GradientSync:
         while self._next < len(self.groups) and self._pending[self._next] == 0:
             self.groups[self._next].launch_reduce()
             self._next += 1
+        keep = self.stage == 1
         in_flight = [group for group in self.groups[: self._next] if group.reducing]
         for index, group in enumerate(in_flight):
             # landed ones drop their unsharded buffer now; past the cap the oldest is waited for, so
-            # unsharded gradients cannot pile up while a slow transport falls behind backward
-            if group.reduce_landed() or len(in_flight) - index > MAX_IN_FLIGHT:
-                group.finish_reduce(keep_full=False)
+            # unsharded gradients cannot pile up while a slow transport falls behind backward (stage 1
+            # keeps its buffers anyway, so nothing piles up there)
+            if group.reduce_landed() or (not keep and len(in_flight) - index > MAX_IN_FLIGHT):
+                self._finish_reduce(group)
+
+    def _finish_reduce(self, group: FlatGroup) -> None:
+        group.finish_reduce(keep_full=self.stage == 1)
+        self._unreduced.discard(self.groups.index(group))
 
     def _finish(self) -> None:
-        """End of backward: every group is reduce-scattered (stages 2/3, synchronised) and awaited."""
+        """End of backward: every group is reduce-scattered (when synchronised) and awaited."""
         try:
-            if self.stage > 1 and self.sync:
+            if self.sync:
                 self._pending = [0] * len(self.groups)
                 self._launch_in_order()
                 for group in self.groups:
                     if group.reducing:
-                        group.finish_reduce(keep_full=False)
+                        self._finish_reduce(group)
         finally:
             self._reset()
             self._on_backward_end()
 
     def reduce_for_step(self, groups: Sequence[FlatGroup]) -> None:
-        """Stage 1: reduce-scatter what backward accumulated, once, before the step or a clip."""
+        """Stage 1: reduce-scatter what backward accumulated under ``no_sync`` only, before the step or
+        a clip (stages 2/3 leave such gradients unreduced, as DataParallel does)."""
         if self.stage != 1:
             return
         asked = {id(group) for group in groups}

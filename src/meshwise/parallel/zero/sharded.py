@@ -141,7 +141,7 @@ class ShardedModel(nn.Module):
     @contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside accumulate unsharded gradients locally; the next synchronised one
-        reduce-scatters the sum (stage 1 never communicates in backward, so it is the same there)."""
+        reduce-scatters the sum (stage 1 also reduces what is left when the optimizer steps)."""
         previous, self._grads.sync = self._grads.sync, False
         try:
             yield
