@@ -72,10 +72,6 @@ class ZeroStep(ParallelStep):
         self.optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.95))
         self.scaler = LossScaler(mesh.dp) if config.dtype == "fp16" else None
 
-    def autocast(self) -> nullcontext[None]:
-        """Half precision is the sharded model's compute copies, not autocast."""
-        return nullcontext()
-
     def forward_backward(self, micro_batches: Sequence[Batch]) -> float:
         total = 0.0
         for i, (inputs, targets) in enumerate(micro_batches):
