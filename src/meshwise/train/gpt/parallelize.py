@@ -99,6 +99,24 @@ def build_optimizer(model: nn.Module, config: GPTTrainConfig) -> torch.optim.Ada
     return torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.95))
 
 
+def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create the optimizer's state before the first step (a step at learning rate 0 on zero gradients),
+    so a fresh run's state dict has the slots a checkpoint loads into — as torch's ``get_state_dict`` does
+    for the data-parallel path. A no-op once every parameter has state."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if all(p in optimizer.state for p in params):
+        return
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    for param in params:
+        param.grad = torch.zeros_like(param)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    for group, lr in zip(optimizer.param_groups, lrs, strict=True):
+        group["lr"] = lr
+
+
 class DataParallelStep(ParallelStep):
     """Every dp rank holds the whole model; gradients are averaged by :class:`DataParallel` once per step
     (the first micro-batches accumulate under ``no_sync``)."""

@@ -29,7 +29,7 @@ from meshwise.parallel.tensor_parallel import full_tensors, shard_dim, tensor_pa
 from meshwise.parallel.tensor_parallel import vocab_parallel_cross_entropy as parallel_loss
 from meshwise.parallel.tensor_parallel.shards import gather_full, local_shard
 from meshwise.train.gpt.config import GPTTrainConfig
-from meshwise.train.gpt.parallelize import Batch, ParallelStep, build_optimizer
+from meshwise.train.gpt.parallelize import Batch, ParallelStep, build_optimizer, init_optimizer_state
 
 
 class TensorParallelStep(ParallelStep):
@@ -82,23 +82,8 @@ class TensorParallelStep(ParallelStep):
         full.load_state_dict(full_tensors(self.local, self.tp), strict=False)  # the tied head is wte
         return full
 
-    def _init_optimizer_state(self) -> None:
-        """Create AdamW's state before the first step (a step at learning rate 0 on zero gradients), so a
-        fresh run's state dict has the slots a checkpoint loads into — as torch's ``get_state_dict`` does."""
-        if len(self.optimizer.state) == len(list(self.local.parameters())):
-            return
-        lrs = [group["lr"] for group in self.optimizer.param_groups]
-        for group in self.optimizer.param_groups:
-            group["lr"] = 0.0
-        for param in self.local.parameters():
-            param.grad = torch.zeros_like(param)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        for group, lr in zip(self.optimizer.param_groups, lrs, strict=True):
-            group["lr"] = lr
-
     def state_dict(self) -> dict[str, Any]:
-        self._init_optimizer_state()
+        init_optimizer_state(self.optimizer)
         names = {param: name for name, param in self.local.named_parameters()}
         model = full_tensors(self.local, self.tp)
         state = {

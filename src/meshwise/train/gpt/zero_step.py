@@ -34,7 +34,7 @@ from meshwise.models.gpt import GPT, language_model_loss
 from meshwise.parallel.zero import LossScaler, shard
 from meshwise.parallel.zero.memory import rank_lines
 from meshwise.train.gpt.config import GPTTrainConfig
-from meshwise.train.gpt.parallelize import Batch, ParallelStep
+from meshwise.train.gpt.parallelize import Batch, ParallelStep, init_optimizer_state
 
 #: --dtype → shard()'s mixed precision (float32 master shards in every case).
 PRECISION = {"fp32": None, "bf16": "bf16", "fp16": "fp16"}
@@ -116,21 +116,6 @@ class ZeroStep(ParallelStep):
         return lines
 
     # ------------------------------------------------------------------ checkpoints
-    def _init_optimizer_state(self) -> None:
-        """AdamW's state slots before the first step (a step at learning rate 0 on zero gradients), so a
-        fresh run's state dict has the tensors a checkpoint loads into."""
-        if self.optimizer.state:
-            return
-        lrs = [group["lr"] for group in self.optimizer.param_groups]
-        for group in self.optimizer.param_groups:
-            group["lr"] = 0.0
-        for param in self.model.parameters():
-            param.grad = torch.zeros_like(param)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        for group, lr in zip(self.optimizer.param_groups, lrs, strict=True):
-            group["lr"] = lr
-
     def _names(self, masters: Sequence[torch.Tensor]) -> list[str]:
         """The plain model's names of the parameters in these master shards, in flat order."""
         sharded = self.model
@@ -139,7 +124,7 @@ class ZeroStep(ParallelStep):
 
     def state_dict(self) -> dict[str, Any]:
         """Full tensors by the plain model's names (collective: every rank gathers, every rank returns)."""
-        self._init_optimizer_state()
+        init_optimizer_state(self.optimizer)
         sharded = self.model
         state: dict[str, dict[str, Any]] = {}
         for group, names in zip(sharded.groups, sharded.param_names, strict=True):
@@ -196,4 +181,3 @@ def _gather(sharded: Any, group: Any, value: torch.Tensor) -> torch.Tensor:
     out = torch.empty(group.layout.padded_numel, dtype=value.dtype, device=group.device)
     sharded.comm.all_gather(out, value.detach().contiguous())
     return out
-
