@@ -118,11 +118,7 @@ def _inject_inf_on_one_rank() -> dict[int, dict[str, object]]:
             x, y = torch.randn(4, 7, generator=generator), torch.randn(4, 3, generator=generator)
             scaler.scale_loss(nn.functional.mse_loss(model(x), y)).backward()
             if step == 1 and comm.rank == 1:
-                group = model.groups[-1]
-                if stage == 1:  # not reduced yet: poison an element that lands in rank 1's own shard
-                    group.flat_grad[group.layout.shard_range(1)[0]] = math.inf
-                else:
-                    group.grad_shard[0] = math.inf
+                model.groups[-1].grad_shard[0] = math.inf  # reduced in backward: rank 1's shard only
             before = torch.cat([t.reshape(-1) for t in model.state_dict().values()])
             found = scaler.unscale_(model)
             model.clip_grad_norm_(1.0)
