@@ -1,0 +1,150 @@
+"""``train gpt --pp`` checkpoints and ``--sample`` on 2 ranks: what a pipeline checkpoint costs next to a
+data-parallel one, and whether it is the same checkpoint.
+
+In one run the same two processes train one step of the same GPT as dp 2 and as pp 2 (1F1B), then for
+each layout, ``--rounds`` times: save a DCP checkpoint (``meshwise.train.gpt.checkpoint.save``, as the
+loop does), load it back into a fresh step runner of the *other* layout (pp → dp, dp → pp) and compare
+every parameter with the saver's; for pp also gather the stages into a plain GPT (what ``--sample``
+does). Reported: bytes on disk (the tied embedding/head is written once, so both layouts should write the
+same bytes), median save / load / gather seconds (the slower rank), and the largest parameter
+difference after the cross-layout load (0 when the layouts agree on every name).
+
+    python benchmarks/bench_pipeline_checkpoint.py --json benchmarks/results/pipeline_checkpoint.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import meshwise
+from meshwise.comm.api import ReduceOp
+from meshwise.comm.mesh import Mesh, MeshShape
+from meshwise.models.gpt import CONFIGS, GPT
+from meshwise.runtime.spawn import spawn
+from meshwise.train.gpt import GPTTrainConfig, checkpoint
+from meshwise.train.gpt.parallelize import ParallelStep, parallelize
+
+LAYOUTS = {"dp": MeshShape(dp=2), "pp": MeshShape(pp=2)}
+
+
+def _slowest(comm, seconds: float) -> float:
+    value = torch.tensor([seconds], dtype=torch.float64)
+    comm.all_reduce(value, ReduceOp.MAX)
+    return value.item()
+
+
+def _runner(name: str, meshes: dict[str, Mesh], config_name: str, batch: int) -> ParallelStep:
+    """The GPT loop's step runner for layout ``name``: a step is 4 micro-batches of ``batch`` sequences."""
+    micro_batches = 4 // meshes[name].shape.dp  # a global batch of 4 micro-batches
+    config = GPTTrainConfig(
+        config=config_name,
+        nproc=2,
+        pp=LAYOUTS[name].pp,
+        global_batch=2 * batch * 2,
+        micro_batches=micro_batches,
+    )
+    torch.manual_seed(0)
+    return parallelize(GPT(CONFIGS[config_name]), meshes[name], config)
+
+
+def _weights(runner: ParallelStep) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in runner.state_dict()["model"].items()}
+
+
+def _two_ranks(config_name: str, batch: int, seq: int, rounds: int, root: str) -> dict:
+    world = meshwise.init("gloo", timeout=600)
+    try:
+        meshes = {name: Mesh(world.comm, shape) for name, shape in LAYOUTS.items()}
+        directory = Path(root)
+        generator = torch.Generator().manual_seed(1)
+        vocab = CONFIGS[config_name].vocab
+        tokens = torch.randint(0, vocab, (4 * batch, seq + 1), generator=generator)  # the global batch
+        out: dict[str, dict] = {}
+        for name in LAYOUTS:
+            runner = _runner(name, meshes, config_name, batch)
+            dp_rank = meshes[name].coordinates["dp"]
+            mine = tokens.chunk(meshes[name].shape.dp)[dp_rank]
+            runner.forward_backward([(x[:, :-1], x[:, 1:]) for x in mine.split(batch)])
+            runner.optimizer.step()  # AdamW state exists, as at any real checkpoint
+            other = "dp" if name == "pp" else "pp"
+            saves, loads, gathers, differences = [], [], [], []
+            for r in range(rounds):
+                target = directory / f"{name}-{r}"
+                world.comm.barrier()
+                started = time.perf_counter()
+                checkpoint.save(
+                    target, 1, runner.state_dict(), {}, is_main=world.is_main, barrier=world.comm.barrier
+                )
+                saves.append(_slowest(world.comm, time.perf_counter() - started))
+                loader = _runner(other, meshes, config_name, batch)
+                world.comm.barrier()
+                started = time.perf_counter()
+                state = loader.state_dict()
+                checkpoint.load(target, state)
+                loader.load_state_dict(state)
+                loads.append(_slowest(world.comm, time.perf_counter() - started))
+                theirs, ours = _weights(loader), _weights(runner)
+                difference = max(
+                    (theirs[k] - ours[k]).abs().max().item() for k in ours.keys() & theirs.keys()
+                )
+                differences.append(_slowest(world.comm, difference))
+                if name == "pp":
+                    world.comm.barrier()
+                    started = time.perf_counter()
+                    runner.sampling_model()
+                    gathers.append(_slowest(world.comm, time.perf_counter() - started))
+                size = sum(f.stat().st_size for f in (target / "step-000001").rglob("*") if f.is_file())
+            out[name] = {
+                "bytes": size,
+                "save_s": statistics.median(saves),
+                "load_s": statistics.median(loads),
+                "gather_s": statistics.median(gathers) if gathers else None,
+                "loaded_into": other,
+                "max_difference": max(differences),
+            }
+        for mesh in meshes.values():
+            mesh.close()
+        return out
+    finally:
+        meshwise.shutdown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--config", default="gpt-nano", choices=list(CONFIGS), help="GPT size (default gpt-nano)"
+    )
+    parser.add_argument("--batch", type=int, default=2, help="sequences per micro-batch (default 2)")
+    parser.add_argument("--seq", type=int, default=64, help="tokens per sequence (default 64)")
+    parser.add_argument("--rounds", type=int, default=3, help="timed save/load rounds per layout")
+    parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="bench-pp-checkpoint-") as root:
+        job = (args.config, args.batch, args.seq, args.rounds, root)
+        result = spawn(_two_ranks, 2, args=job, timeout=1800)[0]
+    params = CONFIGS[args.config].num_parameters()
+    print(
+        f"{args.config} ({params / 1e6:.1f}M params) with AdamW state, 2 ranks on gloo; "
+        f"medians of {args.rounds} rounds"
+    )
+    print(f"{'saved by':<9}{'MiB on disk':>12}{'save s':>9}{'loaded into':>13}{'load s':>9}{'gather s':>10}"
+          f"{'max|Δw|':>10}")  # fmt: skip
+    for name, row in result.items():
+        gather = "" if row["gather_s"] is None else f"{row['gather_s']:.3f}"
+        print(f"{name:<9}{row['bytes'] / 2**20:>12.1f}{row['save_s']:>9.3f}{row['loaded_into']:>13}"
+              f"{row['load_s']:>9.3f}{gather:>10}{row['max_difference']:>10.1e}")  # fmt: skip
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"args": vars(args), "layouts": result}, indent=2) + "\n")
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
