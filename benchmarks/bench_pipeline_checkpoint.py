@@ -19,6 +19,7 @@ import json
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -54,15 +55,34 @@ def _runner(name: str, meshes: dict[str, Mesh], config_name: str, batch: int) ->
     return parallelize(GPT(CONFIGS[config_name]), meshes[name], config)
 
 
-def _weights(runner: ParallelStep) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in runner.state_dict()["model"].items()}
+def _tensors(runner: ParallelStep) -> dict[str, torch.Tensor]:
+    """Weights and AdamW slots this rank holds, by plain name."""
+    state = runner.state_dict()
+    out = {k: v.detach().clone() for k, v in state["model"].items()}
+    for name, slots in state["optim"]["state"].items():
+        out |= {f"{name}:{slot}": value.clone() for slot, value in slots.items()}
+    return out
+
+
+def _timed(world: meshwise.World, work: Callable[..., object], *args: object, **kwargs: object) -> float:
+    """Seconds of ``work(*args, **kwargs)`` on the slower rank, started together."""
+    world.comm.barrier()
+    started = time.perf_counter()
+    work(*args, **kwargs)
+    return _slowest(world.comm, time.perf_counter() - started)
+
+
+def _load(loader: ParallelStep, directory: Path) -> None:
+    """What ``--resume`` does: fill the runner's own state template from the checkpoint, then apply it."""
+    template = loader.state_dict()
+    checkpoint.load(directory, template)
+    loader.load_state_dict(template)
 
 
 def _two_ranks(config_name: str, batch: int, seq: int, rounds: int, root: str) -> dict:
     world = meshwise.init("gloo", timeout=600)
     try:
         meshes = {name: Mesh(world.comm, shape) for name, shape in LAYOUTS.items()}
-        directory = Path(root)
         generator = torch.Generator().manual_seed(1)
         vocab = CONFIGS[config_name].vocab
         tokens = torch.randint(0, vocab, (4 * batch, seq + 1), generator=generator)  # the global batch
@@ -73,41 +93,30 @@ def _two_ranks(config_name: str, batch: int, seq: int, rounds: int, root: str) -
             mine = tokens.chunk(meshes[name].shape.dp)[dp_rank]
             runner.forward_backward([(x[:, :-1], x[:, 1:]) for x in mine.split(batch)])
             runner.optimizer.step()  # AdamW state exists, as at any real checkpoint
-            other = "dp" if name == "pp" else "pp"
-            saves, loads, gathers, differences = [], [], [], []
+            ours = _tensors(runner)
+            times: dict[str, list[float]] = {"save": [], **{f"load into {n}": [] for n in LAYOUTS}}
+            difference = 0.0
             for r in range(rounds):
-                target = directory / f"{name}-{r}"
-                world.comm.barrier()
-                started = time.perf_counter()
-                checkpoint.save(
-                    target, 1, runner.state_dict(), {}, is_main=world.is_main, barrier=world.comm.barrier
-                )
-                saves.append(_slowest(world.comm, time.perf_counter() - started))
-                loader = _runner(other, meshes, config_name, batch)
-                world.comm.barrier()
-                started = time.perf_counter()
-                state = loader.state_dict()
-                checkpoint.load(target, state)
-                loader.load_state_dict(state)
-                loads.append(_slowest(world.comm, time.perf_counter() - started))
-                theirs, ours = _weights(loader), _weights(runner)
-                difference = max(
-                    (theirs[k] - ours[k]).abs().max().item() for k in ours.keys() & theirs.keys()
-                )
-                differences.append(_slowest(world.comm, difference))
-                if name == "pp":
-                    world.comm.barrier()
-                    started = time.perf_counter()
-                    runner.sampling_model()
-                    gathers.append(_slowest(world.comm, time.perf_counter() - started))
-                size = sum(f.stat().st_size for f in (target / "step-000001").rglob("*") if f.is_file())
+                target = Path(root) / f"{name}-{r}"
+                state = runner.state_dict()
+                times["save"].append(
+                    _timed(world, checkpoint.save, target, 1, state, {}, is_main=world.is_main,
+                           barrier=world.comm.barrier)
+                )  # fmt: skip
+                for into in LAYOUTS:
+                    loader = _runner(into, meshes, config_name, batch)
+                    times[f"load into {into}"].append(_timed(world, _load, loader, target))
+                    theirs = _tensors(loader)
+                    common = ours.keys() & theirs.keys()
+                    mine = max((theirs[k] - ours[k]).abs().max().item() for k in common)
+                    difference = max(difference, _slowest(world.comm, mine))
+            size = sum(f.stat().st_size for f in (target / "step-000001").rglob("*") if f.is_file())
+            gather = _timed(world, runner.sampling_model) if name == "pp" else None
             out[name] = {
                 "bytes": size,
-                "save_s": statistics.median(saves),
-                "load_s": statistics.median(loads),
-                "gather_s": statistics.median(gathers) if gathers else None,
-                "loaded_into": other,
-                "max_difference": max(differences),
+                **{f"{what}_s": statistics.median(values) for what, values in times.items()},
+                "gather_s": gather,
+                "max_difference": difference,
             }
         for mesh in meshes.values():
             mesh.close()
@@ -134,12 +143,12 @@ def main() -> None:
         f"{args.config} ({params / 1e6:.1f}M params) with AdamW state, 2 ranks on gloo; "
         f"medians of {args.rounds} rounds"
     )
-    print(f"{'saved by':<9}{'MiB on disk':>12}{'save s':>9}{'loaded into':>13}{'load s':>9}{'gather s':>10}"
-          f"{'max|Δw|':>10}")  # fmt: skip
+    print(f"{'saved by':<9}{'MiB on disk':>12}{'save s':>9}{'load into dp s':>16}{'load into pp s':>16}"
+          f"{'gather s':>10}{'max|Δ|':>9}")  # fmt: skip
     for name, row in result.items():
         gather = "" if row["gather_s"] is None else f"{row['gather_s']:.3f}"
-        print(f"{name:<9}{row['bytes'] / 2**20:>12.1f}{row['save_s']:>9.3f}{row['loaded_into']:>13}"
-              f"{row['load_s']:>9.3f}{gather:>10}{row['max_difference']:>10.1e}")  # fmt: skip
+        print(f"{name:<9}{row['bytes'] / 2**20:>12.1f}{row['save_s']:>9.3f}{row['load into dp_s']:>16.3f}"
+              f"{row['load into pp_s']:>16.3f}{gather:>10}{row['max_difference']:>9.1e}")  # fmt: skip
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"args": vars(args), "layouts": result}, indent=2) + "\n")
