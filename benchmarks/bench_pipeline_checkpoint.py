@@ -1,13 +1,14 @@
 """``train gpt --pp`` checkpoints and ``--sample`` on 2 ranks: what a pipeline checkpoint costs next to a
 data-parallel one, and whether it is the same checkpoint.
 
-In one run the same two processes train one step of the same GPT as dp 2 and as pp 2 (1F1B), then for
-each layout, ``--rounds`` times: save a DCP checkpoint (``meshwise.train.gpt.checkpoint.save``, as the
-loop does), load it back into a fresh step runner of the *other* layout (pp → dp, dp → pp) and compare
-every parameter with the saver's; for pp also gather the stages into a plain GPT (what ``--sample``
-does). Reported: bytes on disk (the tied embedding/head is written once, so both layouts should write the
-same bytes), median save / load / gather seconds (the slower rank), and the largest parameter
-difference after the cross-layout load (0 when the layouts agree on every name).
+In one run the same two processes train one step of the same GPT as dp 2 and as pp 2 (1F1B), then,
+``--rounds`` times, for each layout (alternating which goes first; each checkpoint is deleted after its
+round): save a DCP checkpoint (``meshwise.train.gpt.checkpoint.save``, as the loop does), load it into a
+fresh step runner of each layout, as ``--resume`` does, and compare every weight and AdamW slot with the
+saver's. At the end the pp stages are gathered into a plain GPT once (what ``--sample`` does).
+Reported: bytes on disk (the tied embedding/head is written once, so both layouts should write the same
+bytes), median save / load seconds and the gather seconds (the slower rank), and the largest difference
+of a weight or AdamW slot after a load (0 when the layouts agree on every name).
 
     python benchmarks/bench_pipeline_checkpoint.py --json benchmarks/results/pipeline_checkpoint.json
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import tempfile
 import time
@@ -86,38 +88,46 @@ def _two_ranks(config_name: str, batch: int, seq: int, rounds: int, root: str) -
         generator = torch.Generator().manual_seed(1)
         vocab = CONFIGS[config_name].vocab
         tokens = torch.randint(0, vocab, (4 * batch, seq + 1), generator=generator)  # the global batch
-        out: dict[str, dict] = {}
+        runners, ours = {}, {}
         for name in LAYOUTS:
-            runner = _runner(name, meshes, config_name, batch)
+            runner = runners[name] = _runner(name, meshes, config_name, batch)
             dp_rank = meshes[name].coordinates["dp"]
             mine = tokens.chunk(meshes[name].shape.dp)[dp_rank]
             runner.forward_backward([(x[:, :-1], x[:, 1:]) for x in mine.split(batch)])
             runner.optimizer.step()  # AdamW state exists, as at any real checkpoint
-            ours = _tensors(runner)
-            times: dict[str, list[float]] = {"save": [], **{f"load into {n}": [] for n in LAYOUTS}}
-            difference = 0.0
-            for r in range(rounds):
+            ours[name] = _tensors(runner)
+        times = {name: {"save": [], **{f"load into {n}": [] for n in LAYOUTS}} for name in LAYOUTS}
+        difference, size = dict.fromkeys(LAYOUTS, 0.0), {}
+        for r in range(rounds):
+            order = list(LAYOUTS)[r % 2 :] + list(LAYOUTS)[: r % 2]  # alternate who goes first
+            for name in order:
                 target = Path(root) / f"{name}-{r}"
-                state = runner.state_dict()
-                times["save"].append(
+                state = runners[name].state_dict()
+                times[name]["save"].append(
                     _timed(world, checkpoint.save, target, 1, state, {}, is_main=world.is_main,
                            barrier=world.comm.barrier)
                 )  # fmt: skip
                 for into in LAYOUTS:
                     loader = _runner(into, meshes, config_name, batch)
-                    times[f"load into {into}"].append(_timed(world, _load, loader, target))
+                    times[name][f"load into {into}"].append(_timed(world, _load, loader, target))
                     theirs = _tensors(loader)
-                    common = ours.keys() & theirs.keys()
-                    mine = max((theirs[k] - ours[k]).abs().max().item() for k in common)
-                    difference = max(difference, _slowest(world.comm, mine))
-            size = sum(f.stat().st_size for f in (target / "step-000001").rglob("*") if f.is_file())
-            gather = _timed(world, runner.sampling_model) if name == "pp" else None
-            out[name] = {
-                "bytes": size,
-                **{f"{what}_s": statistics.median(values) for what, values in times.items()},
-                "gather_s": gather,
-                "max_difference": difference,
+                    common = ours[name].keys() & theirs.keys()
+                    mine = max((theirs[k] - ours[name][k]).abs().max().item() for k in common)
+                    difference[name] = max(difference[name], _slowest(world.comm, mine))
+                size[name] = sum(f.stat().st_size for f in (target / "step-000001").rglob("*") if f.is_file())
+                world.comm.barrier()
+                if world.is_main:  # written-back pages of old rounds must not slow the next save
+                    shutil.rmtree(target)
+        gather = _timed(world, runners["pp"].sampling_model)
+        out = {
+            name: {
+                "bytes": size[name],
+                **{f"{what}_s": statistics.median(values) for what, values in times[name].items()},
+                "gather_s": gather if name == "pp" else None,
+                "max_difference": difference[name],
             }
+            for name in LAYOUTS
+        }
         for mesh in meshes.values():
             mesh.close()
         return out
