@@ -25,6 +25,7 @@ from meshwise.models.gpt import CONFIGS, GPT
 from meshwise.runtime.spawn import spawn
 from meshwise.train.gpt import GPTTrainConfig
 from meshwise.train.gpt.loop import GPTTrainer
+from test_gpt_pipeline_train import _tiny as tiny_run
 
 STEPS, INTERRUPT = 6, 3
 
@@ -38,21 +39,9 @@ def text(tmp_path_factory) -> str:
 
 
 def _tiny(text: str, **overrides) -> GPTTrainConfig:
-    settings = {
-        "config": "gpt-tiny",
-        "data": text,
-        "seq_len": 16,
-        "global_batch": 4,
-        "micro_batches": 2,
-        "steps": STEPS,
-        "warmup": 1,
-        "lr": 1e-3,
-        "eval_every": INTERRUPT,
-        "eval_windows": 4,
-        "backend": "gloo",
-        "nproc": 2,
-    }
-    return GPTTrainConfig(**(settings | overrides))
+    """The pipeline loop test's tiny run, on 2 ranks, validated (and checkpointed) at the interruption."""
+    small = {"global_batch": 4, "micro_batches": 2, "steps": STEPS, "eval_every": INTERRUPT, "nproc": 2}
+    return tiny_run(text, **(small | overrides))
 
 
 def _interrupted(world, config: GPTTrainConfig) -> None:
