@@ -54,29 +54,30 @@ def _slots(optimizer: torch.optim.Optimizer, param: nn.Parameter) -> dict[str, t
     }
 
 
-def full_param_groups(
-    optimizer: torch.optim.Optimizer, shape_model: GPT, whole: torch.optim.Optimizer
-) -> list[dict]:
-    """This stage's optimizer groups (hyper-parameters) with the plain model's parameter names per group,
-    as a data-parallel run's ``get_state_dict`` records them; ``whole`` is the same optimizer built over
-    the meta-device ``shape_model`` (it only supplies the grouping)."""
+def group_names(shape_model: GPT, whole: torch.optim.Optimizer) -> list[list[str]]:
+    """The plain model's parameter names of each optimizer group, as a data-parallel run's
+    ``get_state_dict`` records them; ``whole`` is the run's optimizer built over the meta-device
+    ``shape_model`` (it only supplies the grouping)."""
     names = {param: name for name, param in shape_model.named_parameters()}
-    return [
-        {**{k: v for k, v in mine.items() if k != "params"}, "params": [names[p] for p in group["params"]]}
-        for mine, group in zip(optimizer.param_groups, whole.param_groups, strict=True)
-    ]
+    return [[names[p] for p in group["params"]] for group in whole.param_groups]
 
 
 def stage_state_dict(
-    stage: nn.Module, optimizer: torch.optim.Optimizer, param_groups: list[dict]
+    stage: nn.Module, optimizer: torch.optim.Optimizer, groups: list[list[str]]
 ) -> dict[str, Any]:
-    """``{"model": …, "optim": …}`` of this stage under the plain model's names (see the module docstring)."""
+    """``{"model": …, "optim": …}`` of this stage under the plain model's names (see the module docstring);
+    ``groups`` from :func:`group_names`, the hyper-parameters (current learning rate included) this
+    stage's own."""
     model: dict[str, torch.Tensor] = {}
     state: dict[str, dict[str, torch.Tensor]] = {}
     for name, param in stage.named_parameters():
         for key in TIED if name in TIED else (name,):
             model[key] = param.detach()
         state[_optimizer_key(name)] = _slots(optimizer, param)
+    param_groups = [
+        {**{k: v for k, v in mine.items() if k != "params"}, "params": names}
+        for mine, names in zip(optimizer.param_groups, groups, strict=True)
+    ]
     return {"model": model, "optim": {"state": state, "param_groups": param_groups}}
 
 

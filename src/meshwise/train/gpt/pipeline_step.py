@@ -26,8 +26,8 @@ from meshwise.parallel.pipeline_parallel.timeline import draw, gather_events, wr
 from meshwise.train.gpt.config import GPTTrainConfig
 from meshwise.train.gpt.parallelize import Batch, ParallelStep, build_optimizer
 from meshwise.train.gpt.pipeline_state import (
-    full_param_groups,
     gather_plain_model,
+    group_names,
     load_stage_state_dict,
     stage_state_dict,
 )
@@ -70,9 +70,7 @@ class PipelineStep(ParallelStep):
         self._title = f"{config.schedule} pp={mesh.shape.pp} m={micro_batches} v={config.virtual_stages}"
         with torch.device("meta"):  # the whole model's shape, for parameter counts, without its memory
             self._shape_model = GPT(model.config)
-            self._param_groups = full_param_groups(
-                self.optimizer, self._shape_model, build_optimizer(self._shape_model, config)
-            )
+            self._group_names = group_names(self._shape_model, build_optimizer(self._shape_model, config))
 
     def forward_backward(self, micro_batches: Sequence[Batch]) -> float:
         with self.autocast():
@@ -124,7 +122,7 @@ class PipelineStep(ParallelStep):
         return self._shape_model if gathered is None else gathered
 
     def state_dict(self) -> dict:
-        return stage_state_dict(self.model, self.optimizer, self._param_groups)
+        return stage_state_dict(self.model, self.optimizer, self._group_names)
 
     def load_state_dict(self, state: dict) -> None:
         load_stage_state_dict(self.model, self.optimizer, state)
