@@ -71,7 +71,6 @@ def add_parser(models: argparse._SubParsersAction) -> None:
     pipe.add_argument(
         "--virtual-stages", type=int, default=1, help="chunks per rank (--schedule interleaved)"
     )
-    pipe.add_argument("--trace", default=None, metavar="FILE", help="Chrome trace of the last step (JSON)")
     pipe.add_argument("--timeline", default=None, metavar="FILE", help="diagram of the last step (PNG)")
     run.add_argument("--lr", type=float, default=d["lr"], help="peak learning rate (default %(default)s)")
     run.add_argument(
@@ -93,6 +92,26 @@ def add_parser(models: argparse._SubParsersAction) -> None:
         "--comm-stats", action="store_true", help="count calls and bytes of every collective per mesh axis"
     )
     io.add_argument("--json", default=None, metavar="FILE", help="write the run's metrics as JSON")
+    measure = parser.add_argument_group("profile")
+    measure.add_argument(
+        "--profile",
+        action="store_true",
+        help="time each step (data, forward, backward, exposed/hidden communication, optimizer, pipeline "
+        "bubble) and print the breakdown with a verdict",
+    )
+    measure.add_argument(
+        "--trace",
+        default=None,
+        metavar="FILE",
+        help="Chrome/Perfetto trace of every rank's steps: phases, communication and, with --pp, the "
+        "pipeline instructions (implies --profile)",
+    )
+    measure.add_argument(
+        "--torch-profile",
+        default=None,
+        metavar="DIR",
+        help="torch.profiler's operators (and CUDA kernels) of a few steps, DIR/rank{R}.json",
+    )
     io.add_argument("--timeout", type=float, default=3600.0, help="deadline for the whole job, seconds")
     parser.set_defaults(func=handler)
 
@@ -102,6 +121,7 @@ def handler(args: argparse.Namespace) -> int:
     config = GPTTrainConfig(**{k: v for k, v in vars(args).items() if k in names})
     try:
         check_output("--json", args.json)
+        check_output("--trace", args.trace)
         result = run_gpt_training(config)
     except (ValueError, FileNotFoundError) as exc:
         print(f"meshwise train gpt: error: {exc}", file=sys.stderr)

@@ -20,6 +20,7 @@ from meshwise.models.gpt import GPTConfig, gpt_config
 from meshwise.runtime.env import plan_ranks
 from meshwise.runtime.timeouts import wait_timeout
 from meshwise.train.checkpoint import checkpoint_directory
+from meshwise.train.torch_profile import check_directory
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 #: Default training context on a CPU: a longer one makes the default run take far more than minutes.
@@ -48,7 +49,7 @@ class GPTTrainConfig:
     micro_batches: int | None = None  # alternative to micro_batch: how many per rank per step
     schedule: str = "1f1b"  # pipeline schedule (--pp > 1)
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved schedule)
-    trace: str | None = None  # Chrome trace of the last pipeline step
+    trace: str | None = None  # Chrome/Perfetto trace of the profiled steps, every rank (implies profile)
     timeline: str | None = None  # PNG diagram of the last pipeline step
     lr: float = 2e-3
     warmup: int | None = None  # default: a tenth of the steps
@@ -63,6 +64,8 @@ class GPTTrainConfig:
     resume: bool = False
     sample: int = 0
     comm_stats: bool = False  # count calls and bytes per collective on each mesh axis
+    profile: bool = False  # time each step's phases, print the breakdown and a verdict
+    torch_profile: str | None = None  # directory for torch.profiler's per-rank traces of a few steps
     seed: int = 0
     backend: str = "auto"
     device: str | None = None
@@ -99,6 +102,10 @@ class GPTTrainConfig:
         if self.micro_batches is not None:
             return self.global_batch // dp // self.micro_batches
         return self.micro_batch if self.micro_batch is not None else self.global_batch // dp
+
+    @property
+    def profiling(self) -> bool:
+        return self.profile or self.trace is not None
 
     @property
     def warmup_steps(self) -> int:
@@ -155,6 +162,8 @@ class GPTTrainConfig:
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda was asked for but CUDA is not available here; use --device cpu")
         check_backend(self.backend, what="--backend")
+        if self.torch_profile is not None:
+            check_directory(self.torch_profile)
         self.load_data().check_vocab(model.vocab)  # builds the default corpus once, before ranks start
         self._check_checkpoint(model)
         return self
@@ -210,7 +219,6 @@ class GPTTrainConfig:
                 for flag, on in (
                     ("--schedule", self.schedule != "1f1b"),
                     ("--virtual-stages", self.virtual_stages != 1),
-                    ("--trace", self.trace is not None),
                     ("--timeline", self.timeline is not None),
                 )
                 if on

@@ -26,6 +26,7 @@ from meshwise.train.gpt import checkpoint
 from meshwise.train.gpt.config import GPTTrainConfig
 from meshwise.train.gpt.parallelize import parallelize
 from meshwise.train.gpt.peak import peak_flops
+from meshwise.train.gpt.profiling import GPTProfiling
 from meshwise.train.gpt.report import GPTResult, StepStats, step_line
 from meshwise.train.gpt.schedule import lr_at
 from meshwise.world import World, init, shutdown
@@ -65,6 +66,7 @@ class GPTTrainer:
         if config.resume:
             self._restore()
         self.console = Console(soft_wrap=True)
+        self.profiling = GPTProfiling(world, config, self.step_runner, config.steps - self.first_step)
 
     # ------------------------------------------------------------------ checkpoints
     def _run_record(self) -> dict:
@@ -113,20 +115,25 @@ class GPTTrainer:
 
     def train_step(self, step: int) -> StepStats:
         """One optimizer step (0-based ``step``); the returned loss is the global batch's mean."""
-        config, runner = self.config, self.step_runner
-        started = time.perf_counter()
+        config, runner, profiling = self.config, self.step_runner, self.profiling
         lr = lr_at(step, lr=config.lr, min_lr=config.min_lr, warmup=config.warmup_steps, steps=config.steps)
-        for group in runner.optimizer.param_groups:
-            group["lr"] = lr
-        runner.optimizer.zero_grad(set_to_none=True)
-        local = runner.forward_backward(self.micro_batches(step))
-        norm = runner.clip_grad_norm(config.grad_clip)
-        runner.optimizer.step()
-        loss = torch.tensor([local], dtype=torch.float64)
-        self.mesh.dp.all_reduce(loss, ReduceOp.AVG)
-        return StepStats(
-            step + 1, loss.item(), lr, norm, time.perf_counter() - started, config.global_batch * self.seq_len
-        )
+        with profiling.step():
+            started = time.perf_counter()
+            with profiling.phase("optimizer"):
+                for group in runner.optimizer.param_groups:
+                    group["lr"] = lr
+                runner.optimizer.zero_grad(set_to_none=True)
+            with profiling.phase("data"):
+                batches = self.micro_batches(step)
+            with profiling.phase("forward_backward"):
+                local = runner.forward_backward(batches)
+            with profiling.phase("optimizer"):
+                norm = runner.clip_grad_norm(config.grad_clip)
+                runner.optimizer.step()
+            loss = torch.tensor([local], dtype=torch.float64)
+            self.mesh.dp.all_reduce(loss, ReduceOp.AVG)
+            seconds = time.perf_counter() - started
+        return StepStats(step + 1, loss.item(), lr, norm, seconds, config.global_batch * self.seq_len)
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -206,6 +213,7 @@ class GPTTrainer:
                         progress.console.print(step_line(stats, config.steps, mfu))
                     if config.checkpoint is not None:
                         self.save_checkpoint(step + 1)
+        self.step_runner.finish()
         text = self.sample(config.sample) if config.sample else None
         return GPTResult(
             model=config.config,
@@ -231,6 +239,7 @@ class GPTTrainer:
             checkpoint=self.checkpoint_path,
             sample=text,
             comm_stats=self._comm_stats(),
+            profile=self.profiling.finish(),
         )
 
     def _comm_stats(self) -> dict[str, dict[str, dict[str, float]]] | None:
