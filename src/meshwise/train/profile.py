@@ -370,9 +370,11 @@ def write_trace(path: str, events: Sequence[dict]) -> None:
         3: "blocked in wait",
         4: "pipeline instructions",
     }
-    meta = [
+    ranks = sorted({e["pid"] for e in events})
+    meta = [{"name": "process_name", "ph": "M", "pid": pid, "args": {"name": f"rank {pid}"}} for pid in ranks]
+    meta += [
         {"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": name}}
-        for pid in sorted({e["pid"] for e in events})
+        for pid in ranks
         for tid, name in names.items()
     ]
     Path(path).write_text(json.dumps({"traceEvents": [*meta, *events], "displayTimeUnit": "ms"}))
