@@ -123,6 +123,15 @@ def test_data_parallel_profile_trace_and_torch_profiler(text: str, tmp_path) -> 
         )
 
 
+def test_tensor_parallel_communication_is_carved_out_of_forward_and_backward(text: str) -> None:
+    result = run_gpt_training(_tiny(text, tp=2, sp=True, steps=3, eval_every=3))
+    assert result is not None
+    parts = _adds_up(result)
+    # the tp all-reduces / all-gathers run inside forward and backward; they count as communication
+    assert parts["forward"] > 0 and parts["backward"] > 0 and parts["comm_exposed"] > 0
+    assert parts["bubble"] == 0
+
+
 def test_pipeline_bubble_matches_the_timeline_and_sets_the_verdict(text: str, tmp_path) -> None:
     trace = tmp_path / "pp.json"
     result = run_gpt_training(_tiny(text, pp=2, micro_batches=1, trace=str(trace)))
