@@ -96,7 +96,8 @@ class Trainer:
             self.model = DataParallel(model, world.comm)
         self.console = Console(soft_wrap=True)
         profiling = config.profile or config.trace is not None
-        self.profiler = StepProfiler(getattr(world.comm, "recorder", None)) if profiling else None
+        recorder = getattr(world.comm, "recorder", None)
+        self.profiler = StepProfiler(recorder, synchronize=world.device) if profiling else None
 
     # ------------------------------------------------------------------ checkpoints
     def _check_dataset(self, state: dict[str, Any]) -> None:
