@@ -6,6 +6,11 @@
    same weights (the script checks the two give the same logits first). Target: ours ≤ 1.02× plain.
 2. Two ranks: our data-parallel step (``parallelize`` → DataParallel over the shared-memory mesh) against
    ``torch.nn.parallel.DistributedDataParallel`` on gloo, same model and per-rank batch. Target ≤ 0.8×.
+   The same rounds also time a third replica stepped with no communication at all ("compute only"): the
+   floor of any 2-rank step, so its ratio to DDP says how far below DDP a data-parallel step can get on
+   this machine. Both ranks run one torch thread each (the cores shared out, as every launcher here
+   does), on all three sides; rank 0's median forward / backward / optimizer times show where the time
+   goes (backward includes the communication it waits for).
 
 Each round times ``--steps`` steps of every configuration back to back (order rotating per round); the
 table reports median step times and the median of the per-round ratios, which cancels most of the drift
@@ -39,8 +44,12 @@ from meshwise.train.gpt.parallelize import build_optimizer, parallelize
 
 TARGETS = {"one process: ours / plain torch.nn": 1.02, "2 ranks: ours on shm / torch DDP on gloo": 0.80}
 #: the 2-rank configurations, timed in the same rounds
-LABELS = ("torch DDP/gloo", "ours/shm", "compute only")
+LABELS = ("torch DDP/gloo", "ours/shm", "ours/shm, mid-backward", "compute only")
 PHASES = ("forward", "backward", "optimizer")
+INFO = {
+    "2 ranks: compute only / torch DDP on gloo": "floor: no step can be faster",
+    "2 ranks: ours, mid-backward launch / DDP": "before: buckets launched during backward",
+}
 
 
 class PlainGPT(nn.Module):
@@ -134,19 +143,25 @@ def _two_ranks(name: str, batch: int, seq: int, rounds: int, steps: int, warmup:
         torch.manual_seed(0)
         models[label] = GPT(config)
     runner = parallelize(models["ours/shm"], world.mesh, train)
+    # A/B of the reducer's choice: the same DataParallel launching each bucket as soon as it is complete
+    # (as over gloo), although the shm all-reduce blocks backward until the peer arrives
+    eager = parallelize(models["ours/shm, mid-backward"], world.mesh, train)
+    eager.model._reducer._launch_during_backward = True
     wrapped = {
         "torch DDP/gloo": DistributedDataParallel(models["torch DDP/gloo"]),
         "ours/shm": runner.model,
+        "ours/shm, mid-backward": eager.model,
         "compute only": models["compute only"],  # no communication: the floor of any 2-rank step
     }
     optimizers = {label: build_optimizer(models[label], train) for label in LABELS}
-    optimizers["ours/shm"] = runner.optimizer
+    optimizers["ours/shm"], optimizers["ours/shm, mid-backward"] = runner.optimizer, eager.optimizer
     phases = {label: {phase: [] for phase in PHASES} for label in LABELS}
     steppers = {label: _stepper(wrapped[label], optimizers[label], x, y, phases[label]) for label in LABELS}
     samples = _time_rounds(steppers, rounds, steps, warmup, dist.barrier)
-    disagreement = max(
+    disagreement = max(  # the compute-only replica averaged nothing: it is not expected to agree
         (p - q).abs().max().item()
-        for p, q in zip(runner.full_model().parameters(), models["torch DDP/gloo"].parameters(), strict=True)
+        for label in ("ours/shm", "ours/shm, mid-backward")
+        for p, q in zip(models[label].parameters(), models["torch DDP/gloo"].parameters(), strict=True)
     )
     del wrapped, steppers  # torch's DDP holds the process group: release it before shutdown
     meshwise.shutdown()
@@ -163,7 +178,7 @@ def _phase_table(phases: dict[str, dict[str, list[float]]]) -> None:
     print(f"rank 0 phases, median ms {''.join(f'{phase:>10}' for phase in PHASES)}")
     for label, by_phase in phases.items():
         cells = "".join(f"{1e3 * statistics.median(by_phase[phase]):>10.1f}" for phase in PHASES)
-        print(f"  {label:<24}{cells}")
+        print(f"  {label:<26}{cells}")
 
 
 def main() -> None:
@@ -184,6 +199,7 @@ def main() -> None:
         "one process: ours / plain torch.nn": (one, "ours", "plain"),
         "2 ranks: ours on shm / torch DDP on gloo": (two, "ours/shm", "torch DDP/gloo"),
         "2 ranks: compute only / torch DDP on gloo": (two, "compute only", "torch DDP/gloo"),
+        "2 ranks: ours, mid-backward launch / DDP": (two, "ours/shm, mid-backward", "torch DDP/gloo"),
     }
     print(f"{args.config}, {args.batch} × {args.seq_len} tokens per rank per step, AdamW; "
           f"medians of {args.rounds} rounds × {args.steps} steps")  # fmt: skip
@@ -195,7 +211,7 @@ def main() -> None:
         medians, ratio = _medians(result["samples"]), _paired_ratios(result["samples"], base)[ours]
         ratios[label] = ratio
         target = TARGETS.get(label)
-        verdict = "floor: no step can be faster" if target is None else (
+        verdict = INFO.get(label, "") if target is None else (
             f"≤ {target:.2f} {'ok' if ratio <= target else 'MISSED'}")  # fmt: skip
         print(f"{label:<44}{1e3 * medians[ours]:>10.1f}{1e3 * medians[base]:>10.1f}{ratio:>8.3f}  {verdict}")
     if one is not None:
