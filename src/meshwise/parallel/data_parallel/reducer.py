@@ -11,7 +11,7 @@ gradients in a different order. They are launched during backward only over a co
 collectives progress in the background (``Communicator.overlaps_compute``: gloo, nccl, mpi). On shm an
 all-reduce completes on the calling thread, so launching one mid-backward overlaps nothing and makes the
 ranks wait for one another once per bucket; every wait costs whatever skew the ranks have at that moment
-(on a busy 2-core machine, gpt-nano's backward took 1.6× as long as with no communication at all, see
+(on a busy 2-core machine gpt-nano's backward took 1.5–1.8× as long as with no communication at all, see
 benchmarks/RESULTS.md). There the buckets are all launched when backward ends: one meeting per step.
 
 A callback queued on the autograd engine runs when backward ends; it launches whatever is left, waits for
