@@ -113,12 +113,20 @@ def test_data_parallel_fine_tune_starts_from_the_weights_exports_them_and_resume
     assert [s["step"] for s in history] == [1, 2, 3] and torch.isfinite(torch.tensor(history[2]["loss"]))
 
 
-def test_tensor_parallel_fine_tune_starts_from_the_weights(text: str, hf_dir: Path, tmp_path: Path) -> None:
-    report = tmp_path / "run.json"
-    assert main(_argv(text, hf_dir / "model.safetensors", report, "--tp", "2")) == 0
+@pytest.mark.parametrize(
+    ("flags", "mesh"),
+    [(("--tp", "2"), "dp=1 tp=2 pp=1"), (("--pp", "2", "--micro-batches", "2"), "dp=1 tp=1 pp=2")],
+    ids=["tp", "pp"],
+)
+def test_model_parallel_fine_tune_starts_from_the_weights_and_exports_them_whole(
+    text: str, hf_dir: Path, tmp_path: Path, flags: tuple[str, ...], mesh: str
+) -> None:
+    report, exported = tmp_path / "run.json", tmp_path / "export"
+    assert main(_argv(text, hf_dir / "model.safetensors", report, *flags, "--export-hf", str(exported))) == 0
     data = json.loads(report.read_text())
-    assert data["mesh"] == "dp=1 tp=2 pp=1"
+    assert data["mesh"] == mesh
     assert data["history"][0]["loss"] == pytest.approx(_hf_losses(hf_dir, text)[0], abs=1e-5)
+    assert _hf_losses(exported, text)[1] == pytest.approx(data["final_val_loss"], abs=1e-5)
 
 
 def test_bad_init_and_export_settings_are_one_clear_error_before_any_rank_starts(
@@ -144,7 +152,6 @@ def test_bad_init_and_export_settings_are_one_clear_error_before_any_rank_starts
         ({"init_from": str(liar)}, "config.json says layers 3, .* the files do not belong together"),
         ({"init_from": str(bare), "heads": 5}, "not divisible by 5 heads"),
         ({"export_hf": str(a_file)}, "--export-hf .*file.txt is a file; name a folder"),
-        ({"nproc": 2, "pp": 2, "export_hf": str(tmp_path / "out")}, "--export-hf is not available with --pp"),
     ]
     base = {"init_from": str(hf_dir), "data": text, "seq_len": SEQ, "global_batch": BATCH, "backend": "gloo"}
     for overrides, match in cases:

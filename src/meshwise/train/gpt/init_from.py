@@ -141,10 +141,8 @@ def load_weights(model: GPT, path: str) -> None:
         raise ValueError(f"--init-from {path}: weights do not fit the model ({missing=}, {unexpected=})")
 
 
-def check_export_dir(directory: str, *, pipeline: bool) -> None:
+def check_export_dir(directory: str) -> None:
     """``--export-hf DIR`` must be a writable folder (created if missing), checked before launch."""
-    if pipeline:
-        raise ValueError("--export-hf is not available with --pp yet (the stages hold the weights); drop one")
     path = Path(directory)
     if path.exists() and not path.is_dir():
         raise ValueError(f"--export-hf {directory} is a file; name a folder (it is created if missing)")

@@ -148,7 +148,7 @@ class GPTTrainer:
     def sample(self, tokens: int) -> str | None:
         """``tokens`` generated after a fixed prompt (bytes decoded as text; ids shown for a larger vocab)
         on rank 0; every rank calls it, since reassembling a sharded model is collective."""
-        model = self.step_runner.full_model()
+        model = self.step_runner.sampling_model()
         if not self.world.is_main:
             return None
         model.eval()
@@ -161,8 +161,8 @@ class GPTTrainer:
 
     def export_hf(self, directory: str) -> str | None:
         """Rank 0 writes the trained weights in Hugging Face GPT-2 format; every rank calls it, since
-        reassembling a sharded model is collective."""
-        model = self.step_runner.full_model()
+        reassembling a sharded model is collective (the model --sample uses: whole on rank 0)."""
+        model = self.step_runner.sampling_model()
         return export(model, directory) if self.world.is_main else None
 
     # ------------------------------------------------------------------ the run
