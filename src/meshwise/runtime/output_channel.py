@@ -84,7 +84,7 @@ class OutputChannel:
                 return received
             origin = self._names.get(_decoded(sender))
             if origin is not None:  # anything else was not sent by one of our workers
-                received.append((*origin, bytes(self._buffer[:size])))
+                received.append((*origin, bytes(memoryview(self._buffer)[:size])))
 
     def close(self) -> None:
         self._socket.close()

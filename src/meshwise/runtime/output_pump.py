@@ -95,22 +95,41 @@ class OutputPump:
             self._flush(key)
 
     def _receive(self) -> None:
+        """Forward every queued datagram. Consecutive lines for the same stream are written together (one
+        write and flush instead of one per line: a flooding rank is paced by this loop)."""
+        runs: list[tuple[bool, list[str]]] = []
         for rank, is_err, data in self.channel.receive():
-            pending = self._pending.setdefault((rank, is_err), bytearray())
-            pending += data
-            complete, newline, rest = bytes(pending).rpartition(b"\n")
-            if newline:
-                self._pending[(rank, is_err)] = bytearray(rest)
-                self._emit(rank, is_err, complete.split(b"\n"))
+            key = (rank, is_err)
+            end = data.rfind(b"\n")
+            if end < 0:
+                self._pending.setdefault(key, bytearray()).extend(data)
+                continue
+            pending = self._pending.pop(key, None)
+            complete = data[:end] if pending is None else bytes(pending + data[:end])
+            if end + 1 < len(data):
+                self._pending[key] = bytearray(data[end + 1 :])
+            self._lines(rank, is_err, complete.split(b"\n"), runs)
+        self._write(runs)
 
     def _flush(self, key: tuple[int, bool]) -> None:
         pending = self._pending.pop(key, None)
         if pending:
-            self._emit(*key, [bytes(pending)])
+            runs: list[tuple[bool, list[str]]] = []
+            self._lines(*key, [bytes(pending)], runs)
+            self._write(runs)
 
-    def _emit(self, rank: int, is_err: bool, raw_lines: list[bytes]) -> None:
+    def _lines(
+        self, rank: int, is_err: bool, raw_lines: list[bytes], runs: list[tuple[bool, list[str]]]
+    ) -> None:
+        """Decode, keep stderr's tail, and add the prefixed lines to ``runs`` (per stream, in order)."""
         lines = [raw.decode(errors="replace").rstrip("\r") for raw in raw_lines]
         if is_err:
             self._tails[rank].extend(lines)
         label = self._labels[rank]
-        self.output.write("".join(f"{label}{line}\n" for line in lines), to_err=is_err)
+        if not runs or runs[-1][0] != is_err:
+            runs.append((is_err, []))
+        runs[-1][1].extend(f"{label}{line}\n" for line in lines)
+
+    def _write(self, runs: list[tuple[bool, list[str]]]) -> None:
+        for is_err, texts in runs:
+            self.output.write("".join(texts), to_err=is_err)
