@@ -44,9 +44,9 @@ class PrefixedOutput:
 class OutputPump:
     """The thread that forwards the lines of every rank's streams to a :class:`PrefixedOutput`."""
 
-    def __init__(self, output: PrefixedOutput, channel: OutputChannel | None = None) -> None:
+    def __init__(self, output: PrefixedOutput) -> None:
         self.output = output
-        self.channel = channel or OutputChannel()
+        self.channel = OutputChannel()
         self._labels: dict[int, str] = {}
         self._tails: dict[int, deque[str]] = {}
         self._pending: dict[tuple[int, bool], bytearray] = {}
