@@ -42,7 +42,16 @@ def add_parser(models: argparse._SubParsersAction) -> None:
     ranks.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if present")
     model = parser.add_argument_group("model")
     model.add_argument(
-        "--config", default=d["config"], help=f"named size: {', '.join(CONFIGS)} (default %(default)s)"
+        "--config",
+        default=None,
+        help=f"named size: {', '.join(CONFIGS)} (default gpt-nano, or the --init-from checkpoint's)",
+    )
+    model.add_argument(
+        "--init-from",
+        default=None,
+        metavar="PATH",
+        help="start from Hugging Face GPT-2 weights: model.safetensors, pytorch_model.bin or their folder "
+        "(its config.json gives the architecture); --resume wins over it",
     )
     for flag in ("layers", "hidden", "heads", "vocab"):
         model.add_argument(f"--{flag}", type=int, default=None, help=f"override the config's {flag}")
@@ -88,6 +97,9 @@ def add_parser(models: argparse._SubParsersAction) -> None:
     io.add_argument("--eval-windows", type=int, default=d["eval_windows"], help="validation windows")
     io.add_argument("--checkpoint", default=None, metavar="DIR", help="DCP checkpoint at every validation")
     io.add_argument("--resume", action="store_true", help="continue the run checkpointed in --checkpoint DIR")
+    io.add_argument(
+        "--export-hf", default=None, metavar="DIR", help="write the trained weights as Hugging Face GPT-2"
+    )
     io.add_argument("--sample", type=int, default=0, metavar="N", help="print N generated tokens at the end")
     io.add_argument(
         "--comm-stats", action="store_true", help="count calls and bytes of every collective per mesh axis"

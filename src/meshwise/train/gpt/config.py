@@ -24,6 +24,7 @@ from meshwise.train.checkpoint import checkpoint_directory
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 #: Default training context on a CPU: a longer one makes the default run take far more than minutes.
 CPU_SEQ_LEN = 128
+DEFAULT_MODEL = "gpt-nano"
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,7 @@ class GPTTrainConfig:
     pp: int = 1
     zero: int = 0
     sp: bool = False
-    config: str = "gpt-nano"
+    config: str | None = None  # named size; None: gpt-nano, or the --init-from checkpoint's architecture
     layers: int | None = None
     hidden: int | None = None
     heads: int | None = None
@@ -68,15 +69,28 @@ class GPTTrainConfig:
     device: str | None = None
     timeout: float = 3600.0
     cache_dir: str | None = None  # where the default corpus is cached (tests use a temporary one)
+    init_from: str | None = None  # Hugging Face GPT-2 weights to start from (train/gpt/init_from.py)
+    export_hf: str | None = None  # folder rank 0 writes Hugging Face GPT-2 weights into at the end
 
     # ------------------------------------------------------------------ derived
     @property
     def model_config(self) -> GPTConfig:
         """The named config with --layers/--hidden/--heads/--vocab applied (its position table is kept:
-        --seq-len trains on windows up to that length)."""
-        return gpt_config(
-            self.config, layers=self.layers, hidden=self.hidden, heads=self.heads, vocab=self.vocab
-        )
+        --seq-len trains on windows up to that length), or the --init-from checkpoint's, checked against
+        those flags."""
+        sizes = {"layers": self.layers, "hidden": self.hidden, "heads": self.heads, "vocab": self.vocab}
+        if self.init_from is not None:
+            from meshwise.train.gpt.init_from import init_model_config
+
+            return init_model_config(self.init_from, self.config, sizes)
+        return gpt_config(self.config or DEFAULT_MODEL, **sizes)
+
+    @property
+    def model_name(self) -> str:
+        """What the run trains, for banners and results: the --config name, or where --init-from points."""
+        if self.config is not None:
+            return self.config
+        return f"GPT-2 from {self.init_from}" if self.init_from is not None else DEFAULT_MODEL
 
     @property
     def train_seq_len(self) -> int:
@@ -136,7 +150,7 @@ class GPTTrainConfig:
         if self.train_seq_len < 1 or self.train_seq_len > model.seq_len:
             raise ValueError(
                 f"--seq-len {self.train_seq_len} is outside 1..{model.seq_len}, the position table of "
-                f"{self.config}: lower --seq-len or pick a config with a longer context"
+                f"{self.model_name}: lower --seq-len or pick a config with a longer context"
             )
         shape = self.mesh_shape(self.world_size())
         self._check_numbers()
@@ -157,6 +171,10 @@ class GPTTrainConfig:
         check_backend(self.backend, what="--backend")
         self.load_data().check_vocab(model.vocab)  # builds the default corpus once, before ranks start
         self._check_checkpoint(model)
+        if self.export_hf is not None:
+            from meshwise.train.gpt.init_from import check_export_dir
+
+            check_export_dir(self.export_hf)
         return self
 
     def _check_numbers(self) -> None:

@@ -26,6 +26,7 @@ from meshwise.models.gpt import GPT
 from meshwise.train.errors import TrainingError, diverged_on
 from meshwise.train.gpt import checkpoint
 from meshwise.train.gpt.config import GPTTrainConfig
+from meshwise.train.gpt.init_from import export, load_weights
 from meshwise.train.gpt.parallelize import parallelize
 from meshwise.train.gpt.peak import peak_flops
 from meshwise.train.gpt.report import GPTResult, StepStats, step_line
@@ -62,6 +63,8 @@ class GPTTrainer:
         self.micro_batch = config.per_rank_micro_batch(self.dp)
         torch.manual_seed(config.seed)
         model = GPT(self.model_config).to(world.device)
+        if config.init_from is not None and not config.resume:  # a resumed run continues its own weights
+            load_weights(model, config.init_from)
         self.step_runner = parallelize(model, self.mesh, config)
         self.history: list[StepStats] = []
         self.first_step = 0
@@ -174,6 +177,12 @@ class GPTTrainer:
         model.train()
         return tokenizer.decode(out) if self.model_config.vocab <= 256 else " ".join(map(str, out))
 
+    def export_hf(self, directory: str) -> str | None:
+        """Rank 0 writes the trained weights in Hugging Face GPT-2 format; every rank calls it, since
+        reassembling a sharded model is collective (the model --sample uses: whole on rank 0)."""
+        model = self.step_runner.sampling_model()
+        return export(model, directory) if self.world.is_main else None
+
     # ------------------------------------------------------------------ the run
     def _peak(self) -> tuple[float, str]:
         """All ranks' peak FLOP/s, measured at the same moment (ranks may share cores)."""
@@ -190,7 +199,7 @@ class GPTTrainer:
         peak, source = self._peak()
         if world.is_main:
             self.console.print(
-                f"meshwise train gpt: {config.config} ({parameters:,} parameters) on {self.splits.name} "
+                f"meshwise train gpt: {config.model_name} ({parameters:,} parameters) on {self.splits.name} "
                 f"({len(self.splits.train):,} training tokens), {world.world_size} rank"
                 f"{'s' if world.world_size > 1 else ''} × {world.device} over {world.backend}, "
                 f"global batch {config.global_batch} × {self.seq_len}"
@@ -225,8 +234,9 @@ class GPTTrainer:
                     if config.checkpoint is not None:
                         self.save_checkpoint(step + 1)
         text = self.sample(config.sample) if config.sample else None
+        exported = self.export_hf(config.export_hf) if config.export_hf is not None else None
         return GPTResult(
-            model=config.config,
+            model=config.model_name,
             parameters=parameters,
             dataset=self.splits.name,
             world_size=world.world_size,
@@ -249,6 +259,7 @@ class GPTTrainer:
             checkpoint=self.checkpoint_path,
             sample=text,
             comm_stats=self._comm_stats(),
+            exported=exported,
         )
 
     def _comm_stats(self) -> dict[str, dict[str, dict[str, float]]] | None:

@@ -51,6 +51,7 @@ class GPTResult:
     sample: str | None = None
     #: with --comm-stats: rank 0's calls, bytes and bus bytes per op on each mesh axis, over the run
     comm_stats: dict[str, dict[str, dict[str, float]]] | None = None
+    exported: str | None = None  # the Hugging Face weights file --export-hf wrote
 
     @property
     def trained(self) -> tuple[StepStats, ...]:
@@ -99,6 +100,8 @@ class GPTResult:
         lines.append(f"Wall time           = {self.wall_seconds:.3f} s")
         if self.checkpoint:
             lines.append(f"Checkpoint          = {self.checkpoint}")
+        if self.exported:
+            lines.append(f"Hugging Face export = {self.exported}")
         if self.comm_stats:
             lines += self._comm_lines()
         if self.sample is not None:
