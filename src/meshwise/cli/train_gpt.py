@@ -13,9 +13,9 @@ import sys
 from dataclasses import fields
 
 from meshwise.cli.outputs import check_output, finish_training
+from meshwise.cli.training_failure import report_failure
 from meshwise.models.gpt import CONFIGS
 from meshwise.parallel.pipeline_parallel.schedules import SCHEDULES
-from meshwise.runtime.spawn import SpawnError
 from meshwise.train.gpt import GPTTrainConfig, run_gpt_training
 
 _DEFAULTS = {f.name: f.default for f in fields(GPTTrainConfig)}
@@ -138,7 +138,6 @@ def handler(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"meshwise train gpt: error: {exc}", file=sys.stderr)
         return 2
-    except SpawnError as exc:
-        print(f"meshwise train gpt: {exc}", file=sys.stderr)
-        return 1
+    except Exception as exc:  # a failed run: one report, by the rank it concerns
+        return report_failure("train gpt", exc)
     return finish_training("train gpt", result, args.json)

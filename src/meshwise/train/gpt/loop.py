@@ -9,6 +9,7 @@ model and optimizer state and continues exactly.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import asdict, replace
 
@@ -22,6 +23,7 @@ from meshwise.comm.mesh import AXES
 from meshwise.data.tokens import ByteTokenizer
 from meshwise.data.windows import train_batch, val_batches
 from meshwise.models.gpt import GPT
+from meshwise.train.errors import TrainingError, diverged_on
 from meshwise.train.gpt import checkpoint
 from meshwise.train.gpt.config import GPTTrainConfig
 from meshwise.train.gpt.init_from import export, load_weights
@@ -35,12 +37,15 @@ from meshwise.world import World, init, shutdown
 SAMPLE_PROMPT = "\ndef "
 
 
-def train_gpt_rank_main(config: GPTTrainConfig) -> GPTResult | None:
+def train_gpt_rank_main(config: GPTTrainConfig) -> GPTResult | TrainingError | None:
     """Join the job on the config's mesh, train, leave; rank 0 returns the result (the others None)."""
     shape = config.mesh_shape(config.world_size())
     world = init(config.backend, device=config.device, timeout=config.comm_timeout, mesh=shape)
     try:
         result = GPTTrainer(world, config).run()
+    except TrainingError as exc:  # returned, as by meshwise train: one sentence, not a traceback
+        exc.rank = world.rank
+        return exc
     finally:
         shutdown()
     return result if world.is_main else None
@@ -136,7 +141,20 @@ class GPTTrainer:
             loss = torch.tensor([local], dtype=torch.float64)
             self.mesh.dp.all_reduce(loss, ReduceOp.AVG)
             seconds = time.perf_counter() - started
+        if not math.isfinite(loss.item()):  # the same on every rank: the loss is known everywhere
+            self._diverged(step, local, loss.item())
         return StepStats(step + 1, loss.item(), lr, norm, seconds, config.global_batch * self.seq_len)
+
+    def _diverged(self, step: int, local: float, loss: float) -> None:
+        """Stop every rank with one sentence naming the ranks whose own loss was non-finite."""
+        flags = torch.zeros(self.world.world_size, dtype=torch.float64)
+        flags[self.world.rank] = 0.0 if math.isfinite(local) else step + 1
+        self.world.comm.all_reduce(flags, ReduceOp.SUM)
+        _, where = diverged_on([int(f) for f in flags.tolist()])
+        raise TrainingError(
+            f"training diverged: the loss became {loss} at step {step + 1}{where} (lr {self.config.lr:g}); "
+            "lower --lr"
+        )
 
     @torch.no_grad()
     def evaluate(self) -> float:
