@@ -77,10 +77,12 @@ class ZeroStep(ParallelStep):
         for i, (inputs, targets) in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
             with self.model.no_sync() if not last else nullcontext():
-                loss = language_model_loss(self.model(inputs), targets)
-                scaled = loss / len(micro_batches)
-                (self.scaler.scale_loss(scaled) if self.scaler else scaled).backward()
-            total += loss.item()
+                with self.phase("forward"):
+                    loss = language_model_loss(self.model(inputs), targets)
+                    total += loss.item()
+                with self.phase("backward"):
+                    scaled = loss / len(micro_batches)
+                    (self.scaler.scale_loss(scaled) if self.scaler else scaled).backward()
         return total / len(micro_batches)
 
     def clip_grad_norm(self, max_norm: float) -> float:
