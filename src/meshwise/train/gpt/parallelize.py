@@ -199,4 +199,4 @@ def parallelize(model: GPT, mesh: Mesh, config: GPTTrainConfig) -> ParallelStep:
 # Strategies in their own modules register here (they import this module's ParallelStep: at the end).
 from meshwise.train.gpt.pipeline_step import PipelineStep  # noqa: E402
 
-STRATEGIES["pp"] = PipelineStep
+STRATEGIES["pp"] = STRATEGIES["tp+pp"] = STRATEGIES["tp+pp+sp"] = PipelineStep
