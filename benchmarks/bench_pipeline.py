@@ -50,6 +50,9 @@ from meshwise.parallel.pipeline_parallel.timeline import (
 from meshwise.runtime.spawn import spawn
 
 CONFIG = GPTConfig(layers=4, hidden=64, heads=4, seq_len=64, vocab=256)  # gpt-tiny
+#: ``--overhead``: so small that compute is a fraction of a millisecond and a step's time is what the
+#: executors themselves cost (instructions, messages, synchronisation)
+OVERHEAD_CONFIG = GPTConfig(layers=4, hidden=16, heads=2, seq_len=8, vocab=32)
 MICRO = 4  # sequences per micro-batch
 TORCH_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 TARGETS = {"meshwise/gloo": 1.0, "meshwise/shm": 0.8}  # step time vs torch/gloo, at most
@@ -92,18 +95,20 @@ def _measured(module: nn.Module) -> SavedBytes:
     return meter
 
 
-def _data(m: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _data(config: GPTConfig, m: int) -> tuple[torch.Tensor, torch.Tensor]:
     tokens = torch.randint(
-        0, CONFIG.vocab, (MICRO * m, CONFIG.seq_len + 1), generator=torch.Generator().manual_seed(0)
+        0, config.vocab, (MICRO * m, config.seq_len + 1), generator=torch.Generator().manual_seed(0)
     )
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def _contenders(rank: int, m: int, schedule: str, shm: ShmCommunicator, gloo) -> dict[str, tuple]:
+def _contenders(
+    config: GPTConfig, rank: int, m: int, schedule: str, shm: ShmCommunicator, gloo
+) -> dict[str, tuple]:
     """name → (step function, stage-0 memory meter, executor or None) for one (schedule, m)."""
     torch.manual_seed(0)
-    model = GPT(CONFIG)
-    x, y = _data(m)
+    model = GPT(config)
+    x, y = _data(config, m)
     out: dict[str, tuple] = {}
     for name, comm in (("meshwise/gloo", gloo), ("meshwise/shm", shm)):
         executor, chunks = pipeline_gpt(model, comm, schedule=schedule, micro_batches=m)
@@ -150,6 +155,7 @@ def _time(step: Callable[[], list], steps: int) -> tuple[list[float], list[list]
 
 
 def _worker(
+    config: GPTConfig,
     micro_batches: list[int],
     schedules: list[str],
     rounds: int,
@@ -163,7 +169,7 @@ def _worker(
     try:
         for m in micro_batches:
             for schedule in schedules:
-                contenders = _contenders(world.rank, m, schedule, shm, world.comm)
+                contenders = _contenders(config, world.rank, m, schedule, shm, world.comm)
                 names = list(contenders)
                 for name in names:  # warm-up: shapes, allocator, first-call costs
                     _time(contenders[name][0], warmup)
@@ -210,6 +216,7 @@ def _worker(
 def _save_timeline(directory: str | None, schedule: str, m: int, events: list) -> None:
     if directory is None:
         return
+    Path(directory).mkdir(parents=True, exist_ok=True)
     stem = Path(directory) / f"pipeline_{schedule}_m{m}"
     write_trace(events, f"{stem}.json")
     draw(
@@ -253,6 +260,11 @@ def main() -> None:
     parser.add_argument(
         "--steps", type=int, default=3, help="timed steps per contender per round (default 3)"
     )
+    parser.add_argument(
+        "--overhead",
+        action="store_true",
+        help="a GPT so small that compute is negligible: times what the executors themselves cost",
+    )
     parser.add_argument("--json", default=None, help="write the rows as JSON")
     parser.add_argument("--timeline-dir", default=None, help="write pipeline_<schedule>_m<m>.{json,png} here")
     args = parser.parse_args()
@@ -263,12 +275,13 @@ def main() -> None:
         parser.error(
             f"--schedules: {sorted(unknown)} not comparable; choose from {', '.join(TORCH_SCHEDULES)}"
         )
-    work = (ms, schedules, args.rounds, args.steps, args.warmup, args.timeline_dir)
+    config = OVERHEAD_CONFIG if args.overhead else CONFIG
+    work = (config, ms, schedules, args.rounds, args.steps, args.warmup, args.timeline_dir)
     rows = spawn(_worker, 2, args=work, timeout=1800)[0]
     print(_table(rows))
     if args.json:
         Path(args.json).write_text(
-            json.dumps({"config": CONFIG.__dict__, "micro_batch": MICRO, "rows": rows}, indent=2)
+            json.dumps({"config": config.__dict__, "micro_batch": MICRO, "rows": rows}, indent=2)
         )
 
 

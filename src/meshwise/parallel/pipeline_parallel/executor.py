@@ -116,6 +116,7 @@ class PipelineExecutor:
         self._params = chunk_parameters(chunks)
         self._neighbours = {i.peer for i in schedule.ranks[self.rank] if i.peer is not None}
         self._receives = [i for i in schedule.ranks[self.rank] if i.op in (Op.RECV_ACT, Op.RECV_GRAD)]
+        self._tied_peer = 0 if self.rank == schedule.stages - 1 else schedule.stages - 1
 
     # ------------------------------------------------------------------ public
     def step(
@@ -141,7 +142,7 @@ class PipelineExecutor:
         if failure is not None:
             raise failure
         self._wait_all(run.sends)
-        loss = self._sync_gradients(loss)
+        loss = self._sync_gradients(run, loss)
         return StepResult(loss, run.events, run.peak_bytes)
 
     @torch.no_grad()
@@ -198,6 +199,15 @@ class PipelineExecutor:
                 self._post_receives(run, RECV_LOOKAHEAD)
                 run.sends = [(w, t) for w, t in run.sends if not w.is_completed()]  # also drives progress
         run.loss = float(run.loss_sum.item()) if run.loss_sum is not None else 0.0
+        self._post_tied(run)
+
+    def _post_tied(self, run: _StepState) -> None:
+        """Send the tied weight's gradient as soon as this rank's last backward is done: the last stage
+        finishes long before the first, so its half has arrived by the time the first stage (the last
+        rank to finish a step) asks for it. The receive is posted only after the status all-reduce, so it
+        can never take a failing neighbour's poison message in place of the gradient."""
+        if self.tied:
+            run.tied_works = [self.pp.isend(_grad(p), self._tied_peer) for p in self.tied]
 
     def _compute(self, run: _StepState, ins: Instruction) -> None:
         c, k = ins.chunk, ins.micro_batch
@@ -318,17 +328,14 @@ class PipelineExecutor:
         sends.clear()
 
     # ------------------------------------------------------------------ gradients
-    def _sync_gradients(self, loss: float) -> float:
-        """Sum the tied weight's two copies, then average every gradient (and the loss) over dp."""
-        if self.tied:
-            peer = 0 if self.rank == self.schedule.stages - 1 else self.schedule.stages - 1
-            theirs = [torch.empty_like(p) for p in self.tied]
-            works = [self.pp.isend(_grad(p), peer) for p in self.tied]
-            works += [self.pp.irecv(t, peer) for t in theirs]
-            for w in works:
-                w.wait()
-            for p, t in zip(self.tied, theirs, strict=True):
-                _grad(p).add_(t)
+    def _sync_gradients(self, run: _StepState, loss: float) -> float:
+        """Sum the tied weight's two copies (exchange posted by :meth:`_post_tied`), then average every
+        gradient (and the loss) over dp."""
+        theirs = [torch.empty_like(p) for p in self.tied]
+        for w in run.tied_works + [self.pp.irecv(t, self._tied_peer) for t in theirs]:
+            w.wait()
+        for p, t in zip(self.tied, theirs, strict=True):
+            _grad(p).add_(t)
         if self.dp is not None and self.dp.world_size > 1:
             grads = [_grad(p) for p in self._params]
             flat = torch.cat([g.reshape(-1) for g in grads] + [torch.tensor([loss], dtype=grads[0].dtype)])
@@ -409,6 +416,7 @@ class _StepState:
         self.posted: deque[tuple[Instruction, torch.Tensor, Work]] = deque()  # receives in flight, in order
         self.next_receive = 0  # index of the next receive of the program to post
         self.loss_sum: torch.Tensor | None = None
+        self.tied_works: list[Work] = []  # sends of this rank's tied gradient
         self.events: list[Event] = []
         self.current: tuple[int, int] = (0, 0)
         self.poison_from: int | None = None
