@@ -34,6 +34,7 @@ import meshwise
 from meshwise.comm.algorithms import with_algorithm
 from meshwise.comm.algorithms.choice import choose_algorithm
 from meshwise.comm.algorithms.registry import predict_seconds
+from meshwise.comm.bus_factor import bus_factor
 from meshwise.comm.cost import Calibration, CostSample, LinkParams, WorldLinks
 from meshwise.comm.cost.fit import fit_link_params
 from meshwise.runtime.spawn import spawn
@@ -42,12 +43,8 @@ from meshwise.runtime.spawn import spawn
 #: run, i.e. the noise floor against which an ``auto`` that kept native is to be read
 CONTROL = "control"
 
-BUS_FACTOR = {
-    "all_reduce": lambda p: 2 * (p - 1) / p,
-    "all_gather": lambda p: (p - 1) / p,
-    "reduce_scatter": lambda p: (p - 1) / p,
-    "broadcast": lambda p: 1.0,
-}
+#: the collectives this benchmark times (their bus factors come from meshwise.comm.bus_factor)
+COLLECTIVES = ("all_gather", "all_reduce", "broadcast", "reduce_scatter")
 
 
 def _run_once(comm, collective: str, data: torch.Tensor, out: torch.Tensor) -> None:
@@ -113,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("-np", "--nproc", default="2,4", help="comma-separated world sizes (default 2,4)")
-    parser.add_argument("--collective", default="all_reduce", choices=sorted(BUS_FACTOR))
+    parser.add_argument("--collective", default="all_reduce", choices=COLLECTIVES)
     parser.add_argument("-b", "--min-bytes", type=int, default=4 << 10)
     parser.add_argument("-e", "--max-bytes", type=int, default=64 << 20)
     parser.add_argument("-f", "--factor", type=int, default=4)
@@ -171,7 +168,7 @@ def _ratio(bw: dict[str, float], algo: str) -> str:
 
 
 def _print_table(collective: str, p: int, rows: list[dict], algos: list[str]) -> None:
-    factor = BUS_FACTOR[collective](p)
+    factor = bus_factor(collective, p)
     print(f"\n{collective} on {p} ranks (gloo): busbw GB/s per algorithm, ratio = algorithm / native")
     head = (
         f"{'size':>9} "

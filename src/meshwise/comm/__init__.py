@@ -7,28 +7,25 @@ in our algorithms (ring, tree, rd, rhd, pairwise, linear, hierarchical, or ``aut
 
 Every rank of a group calls each collective in the same order with matching sizes, dtypes and roots.
 Ranks are ``0 … p−1``; "slot i" is the i-th of p pieces of a buffer (equal for flat tensors, per-rank
-sizes for the list forms). Cost is the α-β-γ model of :mod:`meshwise.comm.cost` (Thakur, Rabenseifner &
-Gropp 2005) for the best algorithm: α per message, β per byte moved, γ per byte reduced, n the bytes of
-the whole vector (all slots together for the slotted collectives), lg = ⌈log₂ p⌉.
+sizes for the list forms). What each algorithm costs is written once, beside its plan, in
+:mod:`meshwise.comm.algorithms.registry` (α-β-γ model, Thakur, Rabenseifner & Gropp 2005, tabulated in
+``docs/collectives.md``); ``meshwise bench --help`` lists the algorithms from the same registry.
 
-==============  =================================================  ===========================================
-collective      result on each rank                                time (algorithm)
-==============  =================================================  ===========================================
-send/recv       ``recv`` gets the tensor ``send`` posted (per       α + nβ
-                pair, in posting order; ``isend``/``irecv`` async)
-broadcast       root's tensor                                      lg·(α + nβ) (tree)
-scatter         rank i: root's slot i                              lg·α + (p−1)/p·nβ (tree; ours sends the
-                                                                   per-rank slot sizes first: + lg·α)
-gather          root: slot i = rank i's tensor                     as scatter
-reduce          root: op over all ranks; others unchanged           lg·(α + nβ + nγ) (tree)
-all_reduce      op over all ranks (in place or into ``output``)    small n: lg p·(α + nβ + nγ) (rd);
-                                                                   large n: 2(p−1)α + 2(p−1)/p·nβ +
-                                                                   (p−1)/p·nγ (ring), 2·lg p·α + same (rhd)
-all_gather      slot r = rank r's tensor                           lg p·α + (p−1)/p·nβ (rd), (p−1)α + … (ring)
-reduce_scatter  op over ranks of slot i, on rank i                  lg p·α + (p−1)/p·n(β + γ) (rhd)
-all_to_all      slot i of rank j = slot j of rank i's input         (p−1)α + (p−1)/p·nβ (pairwise)
-barrier         returns once every rank has entered                 one latency-bound round
-==============  =================================================  ===========================================
+==============  ====================================================================
+collective      result on each rank
+==============  ====================================================================
+send/recv       ``recv`` gets the tensor ``send`` posted (per pair, in posting order;
+                ``isend``/``irecv`` async)
+broadcast       root's tensor
+scatter         rank i: root's slot i
+gather          root: slot i = rank i's tensor
+reduce          root: op over all ranks; others unchanged
+all_reduce      op over all ranks (in place or into ``output``)
+all_gather      slot r = rank r's tensor
+reduce_scatter  op over ranks of slot i, on rank i
+all_to_all      slot i of rank j = slot j of rank i's input
+barrier         returns once every rank has entered
+==============  ====================================================================
 
 Worked example (the seeds, 4 ranks): rank r holding ``[r+1]`` gives reduce → root ``[10]`` (others keep
 their input), all_reduce → ``[10]`` everywhere, all_gather → ``[1 2 3 4]`` everywhere; rank r holding
