@@ -272,9 +272,7 @@ class PipelineExecutor:
 
     def _receive(self, run: _StepState, ins: Instruction) -> None:
         run.current = (ins.chunk, ins.micro_batch)
-        if not run.posted:
-            self._post_receives(run, 1)
-        posted, buffer, work = run.posted.popleft()
+        posted, buffer, work = run.posted.popleft()  # topped up after every instruction: never empty here
         assert posted is ins, f"receive {ins} out of program order (posted {posted})"
         start = time.perf_counter()
         work.wait()
