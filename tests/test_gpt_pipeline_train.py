@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from meshwise.train.gpt import GPTTrainConfig, run_gpt_training
+from meshwise.train.gpt.report import GPTResult
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +42,23 @@ def _tiny(text: str, **overrides) -> GPTTrainConfig:
     return GPTTrainConfig(**(settings | overrides))
 
 
-def test_pipeline_training_matches_one_process(text: str, tmp_path) -> None:
-    reference = run_gpt_training(_tiny(text))
+@pytest.fixture(scope="module")
+def reference(text: str) -> GPTResult:
+    result = run_gpt_training(_tiny(text))
+    assert result is not None
+    return result
+
+
+def _assert_same_run(piped: GPTResult, reference: GPTResult) -> None:
+    for ours, ref in zip(piped.history, reference.history, strict=True):
+        assert ours.loss == pytest.approx(ref.loss, abs=1e-5), (ours, ref)
+        assert ours.grad_norm == pytest.approx(ref.grad_norm, rel=1e-4), (ours, ref)
+        assert (ours.val_loss is None) == (ref.val_loss is None)
+        if ref.val_loss is not None:
+            assert ours.val_loss == pytest.approx(ref.val_loss, abs=1e-5), (ours, ref)
+
+
+def test_pipeline_training_matches_one_process(text: str, reference: GPTResult, tmp_path) -> None:
     trace, timeline = tmp_path / "pp.json", tmp_path / "pp.png"
     piped = run_gpt_training(
         _tiny(
@@ -55,15 +71,31 @@ def test_pipeline_training_matches_one_process(text: str, tmp_path) -> None:
             timeline=str(timeline),
         )
     )
-    assert reference is not None and piped is not None
+    assert piped is not None
     assert piped.mesh == "dp=1 tp=1 pp=2" and piped.parameters == reference.parameters
-    for ours, ref in zip(piped.history, reference.history, strict=True):
-        assert ours.loss == pytest.approx(ref.loss, abs=1e-5), (ours, ref)
-        assert ours.grad_norm == pytest.approx(ref.grad_norm, rel=1e-4), (ours, ref)
-        assert (ours.val_loss is None) == (ref.val_loss is None)
-        if ref.val_loss is not None:
-            assert ours.val_loss == pytest.approx(ref.val_loss, abs=1e-5), (ours, ref)
+    _assert_same_run(piped, reference)
     assert trace.read_text().startswith('{"traceEvents"') and timeline.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_pipeline_times_data_parallel_checkpoints_and_samples(
+    text: str, reference: GPTResult, tmp_path
+) -> None:
+    """pp 2 × dp 2 through the loop: the dp replicas plan the same checkpoint keys (written once), only
+    replica 0 gathers its stages for --sample; a 2-rank data-parallel run resumes the checkpoint."""
+    directory = tmp_path / "ckpt"
+    piped = run_gpt_training(
+        _tiny(text, nproc=4, pp=2, micro_batches=2, checkpoint=str(directory), sample=12)
+    )
+    assert piped is not None and piped.mesh == "dp=2 tp=1 pp=2"
+    _assert_same_run(piped, reference)
+    assert piped.sample is not None and piped.sample.startswith("\ndef ")
+    assert piped.checkpoint == str(directory / "step-000004")
+    resumed = run_gpt_training(
+        _tiny(text, nproc=2, micro_batches=2, steps=5, checkpoint=str(directory), resume=True)
+    )
+    assert resumed is not None and resumed.first_step == 4
+    assert [s.step for s in resumed.history] == [1, 2, 3, 4, 5]
+    assert resumed.history[-1].loss < resumed.history[0].loss
 
 
 @pytest.mark.parametrize(
@@ -81,7 +113,11 @@ def test_pipeline_training_matches_one_process(text: str, tmp_path) -> None:
         ({"nproc": 2, "pp": 2, "micro_batch": 2}, "not both"),
         ({"micro_batches": 3}, "--micro-batches 3 does not divide the per-rank batch 8"),
         ({"schedule": "zb", "timeline": "x.png"}, "--schedule --timeline configure pipeline parallelism"),
-        ({"nproc": 2, "pp": 2, "sample": 5}, "--sample is not available with --pp yet"),
+        ({"nproc": 4, "pp": 2, "tp": 2, "sample": 5}, "--sample is not available with --pp and --tp"),
+        (
+            {"nproc": 4, "pp": 2, "tp": 2, "checkpoint": "ckpt"},
+            "--checkpoint is not available with --pp and --tp",
+        ),
     ],
 )
 def test_bad_pipeline_flags_are_refused_before_launch(text: str, overrides: dict, match: str) -> None:

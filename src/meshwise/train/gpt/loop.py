@@ -145,7 +145,7 @@ class GPTTrainer:
     def sample(self, tokens: int) -> str | None:
         """``tokens`` generated after a fixed prompt (bytes decoded as text; ids shown for a larger vocab)
         on rank 0; every rank calls it, since reassembling a sharded model is collective."""
-        model = self.step_runner.full_model()
+        model = self.step_runner.sampling_model()
         if not self.world.is_main:
             return None
         model.eval()

@@ -18,7 +18,8 @@ What a ParallelStep must guarantee, so the loop and its tests stay valid for eve
   reduces the squares of its shards) and returns that norm;
 - ``state_dict()`` / ``load_state_dict()`` give model and optimizer state keyed by the plain model's
   parameter names (DCP reshards between layouts by those names);
-- ``full_model()`` on rank 0 returns a module whose ``generate`` works (for ``--sample``).
+- ``full_model()`` on rank 0 returns a module whose ``generate`` works (for ``--sample``), unless
+  ``sampling_model()`` is overridden (a strategy whose full model would be costly to assemble early).
 """
 
 from __future__ import annotations
@@ -73,6 +74,10 @@ class ParallelStep(ABC):
 
     @abstractmethod
     def full_model(self) -> GPT: ...
+
+    def sampling_model(self) -> GPT:
+        """The model ``--sample`` generates with on rank 0; every rank calls it (it may be collective)."""
+        return self.full_model()
 
     def state_dict(self) -> dict[str, Any]:
         model, optim = get_state_dict(self.full_model(), self.optimizer)

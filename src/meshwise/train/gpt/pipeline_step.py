@@ -5,6 +5,7 @@ Each rank keeps only its chunks of the model (cut by :mod:`meshwise.parallel.pip
 executor sums the tied embedding/head gradient and averages over dp. Gradient clipping takes the norm of
 the whole model: squares summed over this rank's parameters (the tied matrix counted once, on the first
 stage) and over the pp group — dp replicas hold equal gradients after the executor's average.
+Checkpoints and ``--sample`` are in :mod:`meshwise.train.gpt.pipeline_state`.
 """
 
 from __future__ import annotations
@@ -25,6 +26,12 @@ from meshwise.parallel.pipeline_parallel.timeline import draw, gather_events, wr
 from meshwise.parallel.tensor_parallel import shard_dim, vocab_parallel_cross_entropy
 from meshwise.train.gpt.config import GPTTrainConfig
 from meshwise.train.gpt.parallelize import Batch, ParallelStep, build_optimizer
+from meshwise.train.gpt.pipeline_state import (
+    gather_plain_model,
+    group_names,
+    load_stage_state_dict,
+    stage_state_dict,
+)
 
 
 class StageModule(nn.Module):
@@ -68,6 +75,7 @@ class PipelineStep(ParallelStep):
         self._title = f"{config.schedule} pp={mesh.shape.pp} m={micro_batches} v={config.virtual_stages}"
         with torch.device("meta"):  # the whole model's shape, for parameter counts, without its memory
             self._shape_model = GPT(model.config)
+            self._group_names = group_names(self._shape_model, build_optimizer(self._shape_model, config))
 
     def forward_backward(self, micro_batches: Sequence[Batch]) -> float:
         with self.autocast():
@@ -117,8 +125,19 @@ class PipelineStep(ParallelStep):
         """The model's shape on the meta device: parameter counts work, weights live in the stages."""
         return self._shape_model
 
+    def sampling_model(self) -> GPT:
+        """Collective over the pp group of dp replica 0: its stages' weights gathered into a plain GPT on
+        its first stage (the job's rank 0); the other ranks get the meta-device shape."""
+        if self.mesh.coordinates["dp"] != 0:
+            return self._shape_model
+        gathered = gather_plain_model(self.model, self._shape_model.config, self.mesh.pp, self.device)
+        return self._shape_model if gathered is None else gathered
+
     def state_dict(self) -> dict:
-        raise NotImplementedError("checkpoints with --pp are not available yet (refused before launch)")
+        return stage_state_dict(self.model, self.optimizer, self._group_names)
+
+    def load_state_dict(self, state: dict) -> None:
+        load_stage_state_dict(self.model, self.optimizer, state)
 
     def _write_timeline(self, events: list) -> None:
         gathered = gather_events(self.mesh.pp, events)
