@@ -6,6 +6,11 @@
    same weights (the script checks the two give the same logits first). Target: ours ≤ 1.02× plain.
 2. Two ranks: our data-parallel step (``parallelize`` → DataParallel over the shared-memory mesh) against
    ``torch.nn.parallel.DistributedDataParallel`` on gloo, same model and per-rank batch. Target ≤ 0.8×.
+   The same rounds also time a third replica stepped with no communication at all ("compute only"): the
+   floor of any 2-rank step, so its ratio to DDP says how far below DDP a data-parallel step can get on
+   this machine. Both ranks run one torch thread each (the cores shared out, as every launcher here
+   does), on all three sides; rank 0's median forward / backward / optimizer times show where the time
+   goes (backward includes the communication it waits for).
 
 Each round times ``--steps`` steps of every configuration back to back (order rotating per round); the
 table reports median step times and the median of the per-round ratios, which cancels most of the drift
@@ -18,6 +23,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -36,6 +43,13 @@ from meshwise.train.gpt import GPTTrainConfig
 from meshwise.train.gpt.parallelize import build_optimizer, parallelize
 
 TARGETS = {"one process: ours / plain torch.nn": 1.02, "2 ranks: ours on shm / torch DDP on gloo": 0.80}
+#: the 2-rank configurations, timed in the same rounds
+LABELS = ("torch DDP/gloo", "ours/shm", "ours/shm, mid-backward", "compute only")
+PHASES = ("forward", "backward", "optimizer")
+INFO = {
+    "2 ranks: compute only / torch DDP on gloo": "floor: no step can be faster",
+    "2 ranks: ours, mid-backward launch / DDP": "before: buckets launched during backward",
+}
 
 
 class PlainGPT(nn.Module):
@@ -79,11 +93,24 @@ def _batch(config: GPTConfig, batch: int, seq: int, seed: int) -> tuple[torch.Te
     return data[:, :-1], data[:, 1:]
 
 
-def _stepper(model: nn.Module, optimizer: torch.optim.Optimizer, x, y) -> Callable[[], None]:
+def _stepper(
+    model: nn.Module, optimizer: torch.optim.Optimizer, x, y, phases: dict[str, list[float]] | None = None
+) -> Callable[[], None]:
+    """One training step; with ``phases``, the seconds of its forward, backward and optimizer parts are
+    appended there (backward includes whatever communication it waits for)."""
+
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
-        language_model_loss(model(x), y).backward()
+        began = time.perf_counter()
+        loss = language_model_loss(model(x), y)
+        forward = time.perf_counter()
+        loss.backward()
+        backward = time.perf_counter()
         optimizer.step()
+        if phases is not None:
+            ended = (forward - began, backward - forward, time.perf_counter() - backward)
+            for name, seconds in zip(PHASES, ended, strict=True):
+                phases[name].append(seconds)
 
     return step
 
@@ -111,24 +138,47 @@ def _two_ranks(name: str, batch: int, seq: int, rounds: int, steps: int, warmup:
     config = gpt_config(name)
     train = GPTTrainConfig(config=name)
     x, y = _batch(config, batch, seq, world.rank)
-    torch.manual_seed(0)
-    runner = parallelize(GPT(config), world.mesh, train)
-    torch.manual_seed(0)
-    reference = GPT(config)
-    ddp = DistributedDataParallel(reference)
-    steppers = {
-        "torch DDP/gloo": _stepper(ddp, build_optimizer(reference, train), x, y),
-        "ours/shm": lambda: (runner.optimizer.zero_grad(set_to_none=True),
-                             runner.forward_backward([(x, y)]), runner.optimizer.step()),
-    }  # fmt: skip
+    models = {}
+    for label in LABELS:
+        torch.manual_seed(0)
+        models[label] = GPT(config)
+    runner = parallelize(models["ours/shm"], world.mesh, train)
+    # A/B of the reducer's choice: the same DataParallel launching each bucket as soon as it is complete
+    # (as over gloo), although the shm all-reduce blocks backward until the peer arrives
+    eager = parallelize(models["ours/shm, mid-backward"], world.mesh, train)
+    eager.model._reducer._launch_during_backward = True
+    wrapped = {
+        "torch DDP/gloo": DistributedDataParallel(models["torch DDP/gloo"]),
+        "ours/shm": runner.model,
+        "ours/shm, mid-backward": eager.model,
+        "compute only": models["compute only"],  # no communication: the floor of any 2-rank step
+    }
+    optimizers = {label: build_optimizer(models[label], train) for label in LABELS}
+    optimizers["ours/shm"], optimizers["ours/shm, mid-backward"] = runner.optimizer, eager.optimizer
+    phases = {label: {phase: [] for phase in PHASES} for label in LABELS}
+    steppers = {label: _stepper(wrapped[label], optimizers[label], x, y, phases[label]) for label in LABELS}
     samples = _time_rounds(steppers, rounds, steps, warmup, dist.barrier)
-    disagreement = max(
+    disagreement = max(  # the compute-only replica averaged nothing: it is not expected to agree
         (p - q).abs().max().item()
-        for p, q in zip(runner.full_model().parameters(), reference.parameters(), strict=True)
+        for label in ("ours/shm", "ours/shm, mid-backward")
+        for p, q in zip(models[label].parameters(), models["torch DDP/gloo"].parameters(), strict=True)
     )
-    del ddp, steppers  # torch's DDP holds the process group: release it before shutdown
+    del wrapped, steppers  # torch's DDP holds the process group: release it before shutdown
     meshwise.shutdown()
-    return {"samples": samples, "max_weight_difference": disagreement}
+    timed = {  # the warmup steps are not timed: drop them
+        label: {phase: values[warmup:] for phase, values in by_phase.items()}
+        for label, by_phase in phases.items()
+    }
+    return {"samples": samples, "phases": timed, "max_weight_difference": disagreement,
+            "threads": torch.get_num_threads()}  # fmt: skip
+
+
+def _phase_table(phases: dict[str, dict[str, list[float]]]) -> None:
+    """Rank 0's median milliseconds per phase of each 2-rank configuration."""
+    print(f"rank 0 phases, median ms {''.join(f'{phase:>10}' for phase in PHASES)}")
+    for label, by_phase in phases.items():
+        cells = "".join(f"{1e3 * statistics.median(by_phase[phase]):>10.1f}" for phase in PHASES)
+        print(f"  {label:<26}{cells}")
 
 
 def main() -> None:
@@ -139,27 +189,37 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6, help="timed rounds per configuration")
     parser.add_argument("--steps", type=int, default=2, help="steps per round")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per configuration first")
+    parser.add_argument("--part", choices=("all", "one", "two"), default="all", help="which comparisons")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     args = parser.parse_args()
     job = (args.config, args.batch, args.seq_len, args.rounds, args.steps, args.warmup)
-    one = spawn(_one_process, 1, args=job, timeout=3600)[0]
-    two = spawn(_two_ranks, 2, args=job, timeout=3600)[0]
+    one = spawn(_one_process, 1, args=job, timeout=3600)[0] if args.part in ("all", "one") else None
+    two = spawn(_two_ranks, 2, args=job, timeout=3600)[0] if args.part in ("all", "two") else None
     rows = {
         "one process: ours / plain torch.nn": (one, "ours", "plain"),
         "2 ranks: ours on shm / torch DDP on gloo": (two, "ours/shm", "torch DDP/gloo"),
+        "2 ranks: compute only / torch DDP on gloo": (two, "compute only", "torch DDP/gloo"),
+        "2 ranks: ours, mid-backward launch / DDP": (two, "ours/shm, mid-backward", "torch DDP/gloo"),
     }
     print(f"{args.config}, {args.batch} × {args.seq_len} tokens per rank per step, AdamW; "
           f"medians of {args.rounds} rounds × {args.steps} steps")  # fmt: skip
-    print(f"{'comparison':<42}{'ours ms':>10}{'base ms':>10}{'ratio':>8}  target")
+    print(f"{'comparison':<44}{'ours ms':>10}{'base ms':>10}{'ratio':>8}  target")
     ratios = {}
     for label, (result, ours, base) in rows.items():
+        if result is None:
+            continue
         medians, ratio = _medians(result["samples"]), _paired_ratios(result["samples"], base)[ours]
         ratios[label] = ratio
-        verdict = "ok" if ratio <= TARGETS[label] else "MISSED"
-        print(f"{label:<42}{1e3 * medians[ours]:>10.1f}{1e3 * medians[base]:>10.1f}{ratio:>8.3f}"
-              f"  ≤ {TARGETS[label]:.2f} {verdict}")  # fmt: skip
-    print(f"same logits as plain torch.nn: max |Δ| = {one['max_logit_difference']:.2e}; "
-          f"DDP and ours agree after training: max |Δw| = {two['max_weight_difference']:.2e}")
+        target = TARGETS.get(label)
+        verdict = INFO.get(label, "") if target is None else (
+            f"≤ {target:.2f} {'ok' if ratio <= target else 'MISSED'}")  # fmt: skip
+        print(f"{label:<44}{1e3 * medians[ours]:>10.1f}{1e3 * medians[base]:>10.1f}{ratio:>8.3f}  {verdict}")
+    if one is not None:
+        print(f"same logits as plain torch.nn: max |Δ| = {one['max_logit_difference']:.2e}")
+    if two is not None:
+        print(f"DDP and ours agree after training: max |Δw| = {two['max_weight_difference']:.2e}; "
+              f"{two['threads']} torch thread(s) per rank on both sides")  # fmt: skip
+        _phase_table(two["phases"])
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         data = {"args": vars(args), "ratios": ratios, "one_process": one, "two_ranks": two}

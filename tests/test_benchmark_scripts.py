@@ -69,8 +69,12 @@ def test_bench_gpt_compares_both_pairs_on_equal_models(tmp_path):
     result = json.loads(out.read_text())
     assert result["one_process"]["max_logit_difference"] < 1e-5  # the plain-torch model is the same one
     assert result["two_ranks"]["max_weight_difference"] < 1e-5  # DDP and ours took the same steps
-    assert len(result["ratios"]) == 2 and all(r > 0 for r in result["ratios"].values())
-    assert "torch DDP on gloo" in text
+    assert len(result["ratios"]) == 4 and all(r > 0 for r in result["ratios"].values())
+    assert "2 ranks: compute only / torch DDP on gloo" in result["ratios"]  # the floor is measured alongside
+    phases = result["two_ranks"]["phases"]
+    assert set(phases) == {"torch DDP/gloo", "ours/shm", "ours/shm, mid-backward", "compute only"}
+    assert all(len(times) == 1 and times[0] > 0 for by in phases.values() for times in by.values())
+    assert "torch DDP on gloo" in text and "rank 0 phases" in text
 
 
 def test_bench_zero_compares_every_configuration_and_they_agree(tmp_path):

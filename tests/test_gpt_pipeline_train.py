@@ -118,6 +118,7 @@ def test_pipeline_times_data_parallel_checkpoints_and_samples(
             {"nproc": 4, "pp": 2, "tp": 2, "checkpoint": "ckpt"},
             "--checkpoint is not available with --pp and --tp",
         ),
+        ({"nproc": 4, "pp": 2, "tp": 2, "export_hf": "hf"}, "--export-hf is not available with --pp and"),
     ],
 )
 def test_bad_pipeline_flags_are_refused_before_launch(text: str, overrides: dict, match: str) -> None:

@@ -113,3 +113,63 @@ def test_work_that_fits_passes_the_memory_check(eight_gib):
         ["pi", "montecarlo", "1e11", "--chunk", "1e6", "--kernel", "eager", "-np", "2"]
     )
     pi_build_job(args)
+
+
+@pytest.fixture
+def two_gpus(monkeypatch):
+    """Two visible CUDA devices with 80 and 20 GiB free (no GPU needed); records the devices asked."""
+    import torch
+
+    free = {0: 80 * memory.GIB, 1: 20 * memory.GIB}
+    asked: list[int] = []
+
+    def mem_get_info(index):
+        asked.append(index)
+        return free[index], 80 * memory.GIB
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    return asked
+
+
+def _bench_job(*argv: str):
+    return build_job(build_parser("bench").parse_args(["bench", *argv]))
+
+
+def test_nccl_sweeps_are_checked_against_each_gpus_free_memory(two_gpus, capsys, eight_gib):
+    # all_reduce of 16 GiB: 32 GiB of buffers per rank + NCCL's reserve fits cuda:0 (80 GiB free), not
+    # cuda:1 (20 GiB); the host's 8 GiB do not matter to nccl
+    assert main(["bench", "all_reduce", "-b", "16G", "-e", "16G", "-np", "2", "--backend", "nccl"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "-e 16G on 2 ranks needs about 32.5 GiB on each GPU, cuda:1 has 20.0 GiB free; lower -e" in err
+    assert sorted(two_gpus) == [0, 1]
+    two_gpus.clear()
+    _bench_job("all_reduce", "-e", "9G", "-np", "2", "--backend", "nccl")  # 18.5 GiB fits both
+    # gather's root holds its slot and the whole S: 4 + 16 GiB (+ 0.5) > 20 GiB
+    with pytest.raises(ValueError, match=r"needs about 20\.5 GiB on each GPU"):
+        _bench_job("gather", "-e", "16G", "-np", "4", "--backend", "nccl", "-r", "0")
+
+
+def test_a_launched_rank_checks_its_own_gpu_only(two_gpus, monkeypatch, eight_gib):
+    torchrun = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}  # fmt: skip
+    for name, value in torchrun.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=r"cuda:1 has 20\.0 GiB free"):
+        _bench_job("all_reduce", "-e", "16G", "--backend", "nccl")
+    assert two_gpus == [1]
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    two_gpus.clear()
+    _bench_job("all_reduce", "-e", "16G", "--backend", "nccl")
+    assert two_gpus == [0]
+
+
+def test_free_device_memory_is_checked_against_the_fullest_gpu():
+    memory.check_device_memory(3 * memory.GIB, {0: 4 * memory.GIB, 1: 3 * memory.GIB}, "x", "y")
+    with pytest.raises(ValueError, match=r"x needs about 3.0 GiB on each GPU, cuda:2 has 2.0 GiB free; y"):
+        memory.check_device_memory(3 * memory.GIB, {0: 4 * memory.GIB, 2: 2 * memory.GIB}, "x", "y")

@@ -34,7 +34,12 @@ from meshwise.comm.cost import DEFAULT_FILE, Calibration
 from meshwise.comm.cost.calibration import source_of
 from meshwise.comm.factory import BACKENDS, check_backend
 from meshwise.runtime.env import check_mpi_launch, detect_launch_env, plan_ranks
-from meshwise.runtime.memory import check_memory
+from meshwise.runtime.memory import (
+    NCCL_RESERVE,
+    check_device_memory,
+    check_memory,
+    free_device_memory,
+)
 from meshwise.runtime.on_ranks import run_on_ranks
 from meshwise.runtime.spawn import SpawnError
 from meshwise.runtime.timeouts import wait_timeout
@@ -112,31 +117,45 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str, help_text: str
     parser.set_defaults(func=handler)
 
 
-def _world_size(args: argparse.Namespace) -> tuple[int, str, int]:
-    """World size, launcher, and how many of the ranks run on this machine."""
+def _world_size(args: argparse.Namespace) -> tuple[int, str, int, list[int]]:
+    """World size, launcher, how many ranks share this machine's memory, and the local ranks whose GPU
+    this process checks: every rank it will spawn or, started by a launcher, its own (each peer checks
+    its own GPU; asking creates a CUDA context on the device asked about)."""
     plan = plan_ranks(args.np, default=2)
     if plan.launched:
-        return plan.world_size, plan.layout.launcher, plan.layout.local_world_size
-    return plan.world_size, "local", plan.world_size
+        layout = plan.layout
+        return plan.world_size, layout.launcher, layout.local_world_size, [layout.local_rank]
+    return plan.world_size, "local", plan.world_size, list(range(plan.world_size))
 
 
 def _check_memory(
-    collectives: tuple[str, ...], largest: int, world_size: int, local_ranks: int, args: argparse.Namespace
+    collectives: tuple[str, ...],
+    largest: int,
+    world_size: int,
+    local: tuple[int, list[int]],
+    backends: tuple[str, ...],
+    args: argparse.Namespace,
 ) -> None:
-    """Refuse a sweep whose largest size cannot fit in this machine's memory: per rank, the buffers the
-    check-and-time case allocates plus one working copy of S for the transport (gloo's and our
-    algorithms' temporaries), times the ranks on this machine. nccl's buffers live on the GPUs."""
+    """Refuse a sweep whose largest size cannot fit: per rank, the buffers the check-and-time case
+    allocates. On CPU backends add one working copy of S for the transport (gloo's and our algorithms'
+    temporaries), times the ranks on this machine (``local[0]``), against its available memory; with
+    nccl the buffers live on the GPUs (cuda:local_rank of the ranks in ``local[1]``), each checked for
+    them plus NCCL's own."""
     itemsize = DTYPES[DTYPE_ALIASES.get(args.dtype, args.dtype)].itemsize
     root = max(args.root, 0)  # -r -1 visits every root; any of them holds the most
-    per_rank = 0
+    buffers = working = 0
     for collective in collectives or ("all_reduce",):  # --calibrate alone sweeps all_reduce-sized buffers
         layout = layout_for(collective, largest, world_size, itemsize)
-        per_rank = max(per_rank, buffer_bytes(layout, rank=root, root=root) + layout.nbytes)
-    check_memory(
-        per_rank * local_ranks,
-        f"-e {args.maxbytes} on {local_ranks} rank{'s' if local_ranks > 1 else ''}",
-        "lower -e (or -np)",
-    )
+        case = buffer_bytes(layout, rank=root, root=root)
+        buffers, working = max(buffers, case), max(working, case + layout.nbytes)
+    ranks, gpu_ranks = local
+    what = f"-e {args.maxbytes} on {ranks} rank{'s' if ranks > 1 else ''}"
+    if set(backends) - {"nccl"}:
+        check_memory(working * ranks, what, "lower -e (or -np)")
+    if "nccl" in backends:
+        count = torch.cuda.device_count()
+        free = free_device_memory(sorted({rank % count for rank in gpu_ranks}))
+        check_device_memory(buffers + NCCL_RESERVE, free, what, "lower -e")
 
 
 def _check_backends(backends: tuple[str, ...]) -> None:
@@ -179,7 +198,7 @@ def build_job(args: argparse.Namespace) -> tuple[BenchJob, int, str]:
     """The validated job, its world size and launcher; ValueError says which option to change."""
     if args.collective is None and not args.calibrate:
         raise ValueError("name a COLLECTIVE (or all), or pass --calibrate")
-    world_size, launcher, local_ranks = _world_size(args)
+    world_size, launcher, local_ranks, gpu_ranks = _world_size(args)
     collectives = (
         () if args.collective is None else COLLECTIVES if args.collective == "all" else (args.collective,)
     )
@@ -210,8 +229,7 @@ def build_job(args: argparse.Namespace) -> tuple[BenchJob, int, str]:
         for name in _split(args.backend or default_backend, "--backend")
     )
     _check_backends(backends)
-    if set(backends) - {"nccl"}:
-        _check_memory(collectives, sizes[-1], world_size, local_ranks, args)
+    _check_memory(collectives, sizes[-1], world_size, (local_ranks, gpu_ranks), backends, args)
     algorithms = tuple(dict.fromkeys(canonical_algorithm(n) for n in _split(args.algo, "--algo")))
     if args.collective not in (None, "all"):
         _check_coverage(args.collective, algorithms)

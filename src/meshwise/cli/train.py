@@ -12,8 +12,8 @@ import sys
 
 from meshwise.cli import summary, train_gpt
 from meshwise.cli.outputs import check_output, finish_training
-from meshwise.runtime.spawn import SpawnError
-from meshwise.train import WORKLOADS, TrainConfig, TrainingError, run_training
+from meshwise.cli.training_failure import report_failure
+from meshwise.train import WORKLOADS, TrainConfig, run_training
 from meshwise.train.config import STRATEGIES
 
 
@@ -101,10 +101,6 @@ def handler(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"meshwise train: error: {exc}", file=sys.stderr)
         return 2
-    except TrainingError as exc:
-        print(f"meshwise train: error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    except SpawnError as exc:
-        print(f"meshwise train: {exc}", file=sys.stderr)
-        return 1
+    except Exception as exc:  # a failed run: one report, by the rank it concerns
+        return report_failure("train", exc)
     return finish_training("train", result, args.json)

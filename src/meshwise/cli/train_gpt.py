@@ -13,9 +13,9 @@ import sys
 from dataclasses import fields
 
 from meshwise.cli.outputs import check_output, finish_training
+from meshwise.cli.training_failure import report_failure
 from meshwise.models.gpt import CONFIGS
 from meshwise.parallel.pipeline_parallel.schedules import SCHEDULES
-from meshwise.runtime.spawn import SpawnError
 from meshwise.train.gpt import GPTTrainConfig, run_gpt_training
 
 _DEFAULTS = {f.name: f.default for f in fields(GPTTrainConfig)}
@@ -42,7 +42,16 @@ def add_parser(models: argparse._SubParsersAction) -> None:
     ranks.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if present")
     model = parser.add_argument_group("model")
     model.add_argument(
-        "--config", default=d["config"], help=f"named size: {', '.join(CONFIGS)} (default %(default)s)"
+        "--config",
+        default=None,
+        help=f"named size: {', '.join(CONFIGS)} (default gpt-nano, or the --init-from checkpoint's)",
+    )
+    model.add_argument(
+        "--init-from",
+        default=None,
+        metavar="PATH",
+        help="start from Hugging Face GPT-2 weights: model.safetensors, pytorch_model.bin or their folder "
+        "(its config.json gives the architecture); --resume wins over it",
     )
     for flag in ("layers", "hidden", "heads", "vocab"):
         model.add_argument(f"--{flag}", type=int, default=None, help=f"override the config's {flag}")
@@ -71,7 +80,6 @@ def add_parser(models: argparse._SubParsersAction) -> None:
     pipe.add_argument(
         "--virtual-stages", type=int, default=1, help="chunks per rank (--schedule interleaved)"
     )
-    pipe.add_argument("--trace", default=None, metavar="FILE", help="Chrome trace of the last step (JSON)")
     pipe.add_argument("--timeline", default=None, metavar="FILE", help="diagram of the last step (PNG)")
     run.add_argument("--lr", type=float, default=d["lr"], help="peak learning rate (default %(default)s)")
     run.add_argument(
@@ -88,11 +96,34 @@ def add_parser(models: argparse._SubParsersAction) -> None:
     io.add_argument("--eval-windows", type=int, default=d["eval_windows"], help="validation windows")
     io.add_argument("--checkpoint", default=None, metavar="DIR", help="DCP checkpoint at every validation")
     io.add_argument("--resume", action="store_true", help="continue the run checkpointed in --checkpoint DIR")
+    io.add_argument(
+        "--export-hf", default=None, metavar="DIR", help="write the trained weights as Hugging Face GPT-2"
+    )
     io.add_argument("--sample", type=int, default=0, metavar="N", help="print N generated tokens at the end")
     io.add_argument(
         "--comm-stats", action="store_true", help="count calls and bytes of every collective per mesh axis"
     )
     io.add_argument("--json", default=None, metavar="FILE", help="write the run's metrics as JSON")
+    measure = parser.add_argument_group("profile")
+    measure.add_argument(
+        "--profile",
+        action="store_true",
+        help="time each step (data, forward, backward, exposed/hidden communication, optimizer, pipeline "
+        "bubble) and print the breakdown with a verdict",
+    )
+    measure.add_argument(
+        "--trace",
+        default=None,
+        metavar="FILE",
+        help="Chrome/Perfetto trace of every rank's steps: phases, communication and, with --pp, the "
+        "pipeline instructions (implies --profile)",
+    )
+    measure.add_argument(
+        "--torch-profile",
+        default=None,
+        metavar="DIR",
+        help="torch.profiler's operators (and CUDA kernels) of a few steps, DIR/rank{R}.json",
+    )
     io.add_argument("--timeout", type=float, default=3600.0, help="deadline for the whole job, seconds")
     parser.set_defaults(func=handler)
 
@@ -102,11 +133,11 @@ def handler(args: argparse.Namespace) -> int:
     config = GPTTrainConfig(**{k: v for k, v in vars(args).items() if k in names})
     try:
         check_output("--json", args.json)
+        check_output("--trace", args.trace)
         result = run_gpt_training(config)
     except (ValueError, FileNotFoundError) as exc:
         print(f"meshwise train gpt: error: {exc}", file=sys.stderr)
         return 2
-    except SpawnError as exc:
-        print(f"meshwise train gpt: {exc}", file=sys.stderr)
-        return 1
+    except Exception as exc:  # a failed run: one report, by the rank it concerns
+        return report_failure("train gpt", exc)
     return finish_training("train gpt", result, args.json)

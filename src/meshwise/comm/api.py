@@ -248,6 +248,12 @@ class Communicator(ABC):
     """
 
     backend: str = "abstract"
+    #: Whether an ``async_op=True`` collective returns before its data has moved (torch's gloo and nccl
+    #: engines, MPI's non-blocking requests), so that DDP can launch buckets while backward goes on.
+    #: Where collectives run to completion on the calling thread (shm), DDP launches its buckets once
+    #: backward ends instead: launched mid-backward they would overlap nothing and only add points
+    #: where the ranks wait for one another.
+    overlaps_compute: bool = True
 
     def __init__(self, rank: int, world_size: int, timeout: float) -> None:
         if not 0 <= rank < world_size:

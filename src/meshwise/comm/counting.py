@@ -87,6 +87,7 @@ class CountingCommunicator(Communicator):
         self.inner = inner
         self._owns_inner = owns_inner
         self.backend = inner.backend
+        self.overlaps_compute = inner.overlaps_compute
         self.stats = stats if stats is not None else CommStats(inner.world_size)
 
     def __repr__(self) -> str:

@@ -63,6 +63,7 @@ class InstrumentedCommunicator(Communicator):
         super().__init__(inner.rank, inner.world_size, inner.timeout)
         self.inner, self.checker = inner, checker
         self.backend = inner.backend
+        self.overlaps_compute = inner.overlaps_compute
         self.recorder = FlightRecorder(group, inner.rank, inner.world_size, capacity)
         self._algorithm: str | None = getattr(inner, "algo", None)
         self._seq = 0

@@ -12,10 +12,11 @@ This module knows only file names and JSON, never the comm layer (runtime/ sits 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from meshwise.runtime.hang_report import render, summarize
@@ -78,6 +79,35 @@ def load_dumps(directory: Path, ranks: range) -> dict[int, dict]:
     return dumps
 
 
+def load_directories(directories: Sequence[Path]) -> tuple[dict[int, dict], range]:
+    """Every rank's dump found in ``directories`` (one per node, copied together or on a shared file
+    system; file names carry the global rank), and the job's ranks as the dumps' world size tells.
+
+    A rank found twice keeps its latest dump. Raises FileNotFoundError for a missing directory and
+    ValueError when none holds a dump, each naming what to pass instead.
+    """
+    found: dict[int, dict] = {}
+    for directory in directories:
+        if not directory.is_dir():
+            raise FileNotFoundError(f"{directory} is not a directory; pass each node's --flight-dir")
+        ranks = [
+            int(m.group(1)) for path in directory.glob("rank*.json") if (m := _RANK.fullmatch(path.name))
+        ]
+        for rank, dump in load_dumps(directory, ranks).items():
+            if rank not in found or dump.get("time", 0.0) >= found[rank].get("time", 0.0):
+                found[rank] = dump
+    if not found:
+        names = " ".join(str(d) for d in directories)
+        raise ValueError(
+            f"no rank*.json flight dumps in {names}; pass the --flight-dir of each node's launcher"
+        )
+    sizes = [rec.get("world_size", 0) for dump in found.values() for rec in dump.get("recorders", [])[:1]]
+    return found, range(max([*sizes, max(found) + 1]))
+
+
+_RANK = re.compile(r"rank(\d+)\.json")
+
+
 class FlightCollector:
     """One launch's dump directory: reset per attempt, collected into a report on failure.
 
@@ -85,8 +115,9 @@ class FlightCollector:
     that needed no report.
     """
 
-    def __init__(self, directory: str | None, ranks: range) -> None:
+    def __init__(self, directory: str | None, ranks: range, *, nodes: int = 1) -> None:
         self.keep = directory is not None
+        self.nodes = nodes
         self.directory = Path(directory) if directory else Path(tempfile.mkdtemp(prefix="meshwise-flight-"))
         self.ranks = ranks
         self.reported = False
@@ -110,6 +141,12 @@ class FlightCollector:
         lines = [f"meshwise run: flight report ({reason}):"]
         lines += [f"  {line}" for line in summarize(dumps, self.ranks)]
         lines.append(f"  full report with every rank's recent ops and Python stacks: {report}")
+        if self.nodes > 1:
+            lines.append(
+                f"  this node's ranks {self.ranks.start}-{self.ranks.stop - 1} only: for one report of the "
+                f"{self.nodes} nodes, gather each node's {self.directory} and run "
+                "`meshwise hang-report DIR1 DIR2 ...`"
+            )
         return "\n".join(lines) + "\n"
 
     def close(self) -> None:

@@ -34,3 +34,33 @@ def check_memory(need: int, what: str, advice: str, available: int | None = None
             f"{what} needs about {need / GIB:.1f} GiB of memory, this machine has {have / GIB:.1f} GiB "
             f"available; {advice}"
         )
+
+
+#: GPU memory a rank needs besides its own buffers: NCCL's communication buffers (NCCL_BUFFSIZE, 4 MiB
+#: by default, per channel and peer) and the allocator's rounding; a sweep that only just fits the
+#: buffers would still fail.
+NCCL_RESERVE = 512 * 2**20
+
+
+def free_device_memory(devices: list[int]) -> dict[int, int]:
+    """Free bytes on each CUDA device index (``torch.cuda.mem_get_info``), read before any rank starts.
+
+    Reading creates this process's CUDA context on each device, so a rank started by a launcher asks
+    about its own device only.
+    """
+    import torch  # runtime/ reads the machine; torch only where CUDA is asked about
+
+    return {index: int(torch.cuda.mem_get_info(index)[0]) for index in devices}
+
+
+def check_device_memory(need: int, free: dict[int, int], what: str, advice: str) -> None:
+    """Raise ValueError when ``need`` bytes (per rank, one rank per device) exceed the free memory of
+    the fullest device in ``free`` (index -> bytes), naming it."""
+    if not free:
+        return
+    index = min(free, key=free.__getitem__)
+    if need > free[index]:
+        raise ValueError(
+            f"{what} needs about {need / GIB:.1f} GiB on each GPU, cuda:{index} has {free[index] / GIB:.1f} "
+            f"GiB free; {advice}"
+        )

@@ -20,7 +20,8 @@ T = TypeVar("T")
 def run_on_ranks(
     fn: Callable[..., T], args: tuple, *, nproc: int | None, default: int, deadline: float
 ) -> T | None:
-    """``fn(*args)`` on every rank; rank 0's result here, None on the other ranks of a launched job.
+    """``fn(*args)`` on every rank; rank 0's result here, None on the other ranks of a launched job,
+    unless their result is an exception: a failure every rank returns must end every rank non-zero.
 
     ``nproc`` is the command's ``-np`` (it must agree with a launcher's layout; ``default`` ranks when
     omitted and unlaunched), and ``deadline`` bounds the spawned ranks' whole run in seconds.
@@ -28,7 +29,7 @@ def run_on_ranks(
     plan = plan_ranks(nproc, default=default)
     if plan.launched:
         result = fn(*args)
-        return result if plan.layout.rank == 0 else None
+        return result if plan.layout.rank == 0 or isinstance(result, Exception) else None
     if plan.world_size == 1:
         return fn(*args)
     return spawn(fn, plan.world_size, args, timeout=deadline)[0]

@@ -1,31 +1,30 @@
-"""Forward every worker's stdout and stderr from one thread, a rank's lines in the order it wrote them.
+"""Forward every worker's output from one thread, in the order the ranks wrote it, a line at a time.
 
-Why one thread for all ranks rather than one per stream: with a thread per pipe, each line waits for its
-own thread to be scheduled, so on a busy machine a line rank 0 printed *before* a barrier could reach
-the terminal after the line rank 1 printed once the barrier was passed (seen in 2 of 5 runs of a
-two-rank script). Here one loop waits on every pipe at once and reads them in the order they became
-readable (see :class:`_Poller`): a line written before a barrier is in its pipe before any rank leaves
-the barrier, so it is read no later than the lines written after it. (What pipes cannot tell is the
-order of several lines that pile up in two pipes while the loop is not scheduled at all; those come out
-a pipe at a time.)
+The order comes from :class:`~meshwise.runtime.output_channel.OutputChannel` (one kernel queue for all
+ranks' writes). This thread only turns datagrams back into lines: a partial line (no newline yet) is
+held per rank and stream until its newline arrives or the rank ends, so two ranks' halves of a line
+never mix; bytes are decoded per *line*, so a UTF-8 character split over two writes survives and
+invalid bytes become U+FFFD instead of an exception.
 
-Lines are the unit: a partial line (no newline yet) is held until its newline arrives or the stream
-ends, so two ranks' halves of a line never mix.
+A line is printed as soon as the datagram that completes it is received: the loop blocks on the
+channel, so a line reaches the terminal within a scheduling delay of being written.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
+import queue
 import select
+import socket
 import threading
 from collections import deque
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import IO
 
-#: the loop wakes at least this often (to notice new streams and a stop request), seconds.
+from meshwise.runtime.output_channel import OutputChannel
+
+#: the loop wakes at least this often (to serve requests and a stop), seconds.
 _WAKE_SECONDS = 0.05
-_READ_BYTES = 1 << 16
 
 
 class PrefixedOutput:
@@ -42,124 +41,95 @@ class PrefixedOutput:
             sink.flush()
 
 
-@dataclass
-class Stream:
-    """One worker pipe: where its lines go and what is kept of them."""
-
-    pipe: IO[bytes]
-    rank: int
-    label: str
-    is_err: bool
-    tail: deque[str] | None = None  # keeps the last lines (a failure report shows stderr's)
-    closed: threading.Event = field(default_factory=threading.Event)
-    pending: bytearray = field(default_factory=bytearray)
-
-
 class OutputPump:
-    """The thread that forwards the lines of every added :class:`Stream` to a :class:`PrefixedOutput`."""
+    """The thread that forwards the lines of every rank's streams to a :class:`PrefixedOutput`."""
 
     def __init__(self, output: PrefixedOutput) -> None:
         self.output = output
-        self._streams: dict[int, Stream] = {}  # by file descriptor
-        self._poller = _Poller()
-        self._stop = threading.Event()  # finish once every stream has ended
-        self._abandon = threading.Event()  # finish now
+        self.channel = OutputChannel()
+        self._labels: dict[int, str] = {}
+        self._tails: dict[int, deque[str]] = {}
+        self._pending: dict[tuple[int, bool], bytearray] = {}
+        self._requests: queue.Queue[Callable[[], None]] = queue.Queue()
+        self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="meshwise-output", daemon=True)
         self._thread.start()
 
-    def add(self, stream: Stream) -> None:
-        fd = stream.pipe.fileno()
-        os.set_blocking(fd, False)
-        self._streams[fd] = stream
-        self._poller.register(fd)
+    def add(self, rank: int, label: str, tail: deque[str]) -> tuple[socket.socket, socket.socket]:
+        """Register ``rank`` (its lines prefixed by ``label``, its stderr lines kept in ``tail``) and
+        return the (stdout, stderr) sockets its worker must inherit; close them once it has started."""
+        self._labels[rank], self._tails[rank] = label, tail
+        return self.channel.senders(rank)
+
+    def finish(self, rank: int, timeout: float) -> None:
+        """Forward what ``rank`` wrote, including a last line without newline. Call it once the worker
+        has exited: its writes are then all queued (a write is queued when it returns)."""
+        done = threading.Event()
+
+        def flush() -> None:
+            self._receive()
+            for stream in (False, True):
+                self._flush((rank, stream))
+            done.set()
+
+        self._requests.put(flush)
+        done.wait(timeout)
 
     def close(self, timeout: float) -> None:
-        """Stop once the open streams are drained, or after ``timeout`` seconds (a grandchild may keep
-        a pipe open forever): then what is left unread is dropped."""
+        """Forward everything queued, flush partial lines, stop; give up after ``timeout`` seconds."""
         self._stop.set()
         self._thread.join(timeout)
-        self._abandon.set()
-        self._thread.join()
+        if not self._thread.is_alive():
+            self.channel.close()
 
     def _loop(self) -> None:
-        """Only this thread reads, unregisters and closes, so nothing races with it."""
-        while not self._abandon.is_set() and not (self._stop.is_set() and not self._streams):
-            if not self._streams:
-                self._stop.wait(_WAKE_SECONDS)
+        """Only this thread reads the channel and touches the partial lines, so nothing races."""
+        while not self._stop.is_set():
+            with contextlib.suppress(InterruptedError):
+                select.select([self.channel], [], [], _WAKE_SECONDS)
+            self._receive()
+            while not self._requests.empty():
+                self._requests.get()()
+        self._receive()
+        for key in list(self._pending):
+            self._flush(key)
+
+    def _receive(self) -> None:
+        """Forward every queued datagram. Consecutive lines for the same stream are written together (one
+        write and flush instead of one per line: a flooding rank is paced by this loop)."""
+        runs: list[tuple[bool, list[str]]] = []
+        for rank, is_err, data in self.channel.receive():
+            key = (rank, is_err)
+            end = data.rfind(b"\n")
+            if end < 0:
+                self._pending.setdefault(key, bytearray()).extend(data)
                 continue
-            for fd in self._poller.ready(_WAKE_SECONDS):  # in the order the pipes became readable
-                self._read(self._streams[fd])
-        for stream in list(self._streams.values()):
-            self._finish(stream)
-        self._poller.close()
+            pending = self._pending.pop(key, None)
+            complete = data[:end] if pending is None else bytes(pending + data[:end])
+            if end + 1 < len(data):
+                self._pending[key] = bytearray(data[end + 1 :])
+            self._lines(rank, is_err, complete.split(b"\n"), runs)
+        self._write(runs)
 
-    def _read(self, stream: Stream) -> None:
-        """Everything the pipe holds now (edge-triggered: no second notice for data left behind)."""
-        fd = stream.pipe.fileno()
-        while True:
-            try:
-                data = os.read(fd, _READ_BYTES)
-            except BlockingIOError:
-                break
-            except OSError:
-                data = b""
-            if not data:
-                self._finish(stream)
-                return
-            stream.pending += data
-        complete, newline, rest = bytes(stream.pending).rpartition(b"\n")
-        if newline:
-            stream.pending = bytearray(rest)
-            self._emit(stream, complete.split(b"\n"))
+    def _flush(self, key: tuple[int, bool]) -> None:
+        pending = self._pending.pop(key, None)
+        if pending:
+            runs: list[tuple[bool, list[str]]] = []
+            self._lines(*key, [bytes(pending)], runs)
+            self._write(runs)
 
-    def _emit(self, stream: Stream, raw_lines: list[bytes]) -> None:
+    def _lines(
+        self, rank: int, is_err: bool, raw_lines: list[bytes], runs: list[tuple[bool, list[str]]]
+    ) -> None:
+        """Decode, keep stderr's tail, and add the prefixed lines to ``runs`` (per stream, in order)."""
         lines = [raw.decode(errors="replace").rstrip("\r") for raw in raw_lines]
-        if stream.tail is not None:
-            stream.tail.extend(lines)
-        self.output.write("".join(f"{stream.label}{line}\n" for line in lines), to_err=stream.is_err)
+        if is_err:
+            self._tails[rank].extend(lines)
+        label = self._labels[rank]
+        if not runs or runs[-1][0] != is_err:
+            runs.append((is_err, []))
+        runs[-1][1].extend(f"{label}{line}\n" for line in lines)
 
-    def _finish(self, stream: Stream) -> None:
-        """End of a stream: forward a last line without newline, stop watching, release the pipe."""
-        if stream.closed.is_set():
-            return
-        if stream.pending:
-            self._emit(stream, [bytes(stream.pending)])
-            stream.pending.clear()
-        fd = stream.pipe.fileno()
-        self._poller.unregister(fd)
-        del self._streams[fd]
-        stream.pipe.close()
-        stream.closed.set()
-
-
-class _Poller:
-    """Readiness of pipes in the order they became readable.
-
-    epoll in edge-triggered mode queues a pipe when data arrives into an empty one and reports the
-    queue in that order, which is what keeps lines of ranks that take turns in turn (level-triggered
-    epoll re-queues a pipe it has reported, at the tail, so a later write could be reported first).
-    Without epoll, ``poll`` reports in descriptor order.
-    """
-
-    def __init__(self) -> None:
-        self._epoll = select.epoll() if hasattr(select, "epoll") else None
-        self._poll = None if self._epoll is not None else select.poll()
-
-    def register(self, fd: int) -> None:
-        if self._epoll is not None:
-            self._epoll.register(fd, select.EPOLLIN | select.EPOLLET)
-        else:
-            self._poll.register(fd, select.POLLIN)
-
-    def unregister(self, fd: int) -> None:
-        with contextlib.suppress(KeyError, OSError, ValueError):
-            (self._epoll or self._poll).unregister(fd)
-
-    def ready(self, timeout: float) -> list[int]:
-        if self._epoll is not None:
-            return [fd for fd, _ in self._epoll.poll(timeout)]
-        return [fd for fd, _ in self._poll.poll(timeout * 1000)]
-
-    def close(self) -> None:
-        if self._epoll is not None:
-            self._epoll.close()
+    def _write(self, runs: list[tuple[bool, list[str]]]) -> None:
+        for is_err, texts in runs:
+            self.output.write("".join(texts), to_err=is_err)

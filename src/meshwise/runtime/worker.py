@@ -2,8 +2,9 @@
 
 The process plumbing under :mod:`meshwise.runtime.launch`: a new session per worker (so one signal to
 the group reaches everything the worker started), a parent-death guard (so even a SIGKILLed launcher
-leaves no workers), its pipes handed to the launcher's :class:`~meshwise.runtime.output_pump.OutputPump`
-(which prefixes each line with the rank) and the stderr tail kept for the failure report. The launcher
+leaves no workers), its stdout and stderr connected to the launcher's
+:class:`~meshwise.runtime.output_pump.OutputPump` (which prefixes each line with the rank) and the stderr
+tail kept for the failure report. The launcher
 decides *when* to start and stop workers; this module knows *how*.
 """
 
@@ -16,12 +17,11 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from meshwise.runtime.output_pump import OutputPump, Stream
+from meshwise.runtime.output_pump import OutputPump
 
 #: lines of a failed rank's stderr kept for the failure report.
 TAIL_LINES = 20
@@ -67,21 +67,17 @@ class WorkerProcess:
         self.tail: deque[str] = deque(maxlen=TAIL_LINES)
         if sys.platform.startswith("linux"):
             cmd = [sys.executable, "-S", "-c", _GUARD, str(os.getpid()), *cmd]
-        self.proc = subprocess.Popen(
-            list(cmd),
-            env=dict(env),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            start_new_session=True,
-        )
-        assert self.proc.stdout is not None and self.proc.stderr is not None
-        self.streams = (
-            Stream(self.proc.stdout, rank, label, is_err=False),
-            Stream(self.proc.stderr, rank, label, is_err=True, tail=self.tail),
-        )
-        for stream in self.streams:
-            pump.add(stream)
+        self.pump = pump
+        out, err = pump.add(rank, label, self.tail)
+        with out, err:  # the worker holds its own copies once started
+            self.proc = subprocess.Popen(
+                list(cmd),
+                env=dict(env),
+                stdin=subprocess.DEVNULL,
+                stdout=out.fileno(),
+                stderr=err.fileno(),
+                start_new_session=True,
+            )
 
     def watch(self, exits: queue.Queue[WorkerExit]) -> None:
         """Report this worker's end on ``exits`` the moment it happens."""
@@ -95,8 +91,5 @@ class WorkerProcess:
             os.killpg(self.proc.pid, signum)
 
     def drain(self, timeout: float) -> None:
-        """Wait until both pipes are forwarded to their end, so a failure report shows the last
-        stderr lines."""
-        deadline = time.monotonic() + timeout
-        for stream in self.streams:
-            stream.closed.wait(max(0.0, deadline - time.monotonic()))
+        """Forward everything this exited worker wrote, so a failure report shows its last stderr lines."""
+        self.pump.finish(self.rank, timeout)

@@ -9,11 +9,31 @@ class TrainingError(Exception):
     ``exit_code`` is 2 when the user's input is at fault (a checkpoint of other data, an unwritable
     directory) and 1 otherwise. Ranks return it rather than raise it, so the job that started them can
     print rank 0's sentence instead of a traceback; ``__reduce__`` keeps the code across the pipe.
+    Every rank reaches the same error together (it is decided on reduced values), so ``rank`` says
+    which rank holds this copy: under a launcher only rank 0 prints it, the others exit with its code.
     """
 
-    def __init__(self, message: str, exit_code: int = 1) -> None:
+    def __init__(self, message: str, exit_code: int = 1, rank: int = 0) -> None:
         super().__init__(message)
         self.exit_code = exit_code
+        self.rank = rank
 
-    def __reduce__(self) -> tuple[type, tuple[str, int]]:
-        return type(self), (str(self), self.exit_code)
+    def __reduce__(self) -> tuple[type, tuple[str, int, int]]:
+        return type(self), (str(self), self.exit_code, self.rank)
+
+
+def diverged_on(first_steps: list[int]) -> tuple[int, str]:
+    """(first step, where) from each rank's first step with a non-finite loss (0: none).
+
+    ``where`` names the ranks whose loss went first, as " on rank 1" or " on ranks 0, 2", or "" when it
+    is every rank or a single-rank run (after one step all ranks share the non-finite weights, so the
+    first ranks are where to look). (0, "") when no rank saw one.
+    """
+    seen = [step for step in first_steps if step > 0]
+    if not seen:
+        return 0, ""
+    first = min(seen)
+    ranks = [rank for rank, step in enumerate(first_steps) if step == first]
+    if len(ranks) == len(first_steps):
+        return first, ""
+    return first, f" on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"

@@ -30,7 +30,7 @@ from meshwise.parallel.zero import ShardedModel, shard
 from meshwise.parallel.zero.checkpoint import load_sharded, save_sharded
 from meshwise.train.checkpoint import checkpoint_file, read_checkpoint, save_checkpoint
 from meshwise.train.config import TrainConfig
-from meshwise.train.errors import TrainingError
+from meshwise.train.errors import TrainingError, diverged_on
 from meshwise.train.profile import Breakdown, StepProfiler, write_trace
 from meshwise.train.report import EpochStats, TrainResult, header_line
 from meshwise.train.resume import check_dataset, resume_notes
@@ -50,6 +50,7 @@ def train_rank_main(config: TrainConfig) -> TrainResult | TrainingError | None:
     try:
         result = Trainer(world, config).run()
     except TrainingError as exc:
+        exc.rank = world.rank
         return exc
     finally:
         shutdown()
@@ -96,7 +97,8 @@ class Trainer:
             self.model = DataParallel(model, world.comm)
         self.console = Console(soft_wrap=True)
         profiling = config.profile or config.trace is not None
-        self.profiler = StepProfiler(getattr(world.comm, "recorder", None)) if profiling else None
+        recorder = getattr(world.comm, "recorder", None)
+        self.profiler = StepProfiler(recorder, synchronize=world.device) if profiling else None
 
     # ------------------------------------------------------------------ checkpoints
     def _check_dataset(self, state: dict[str, Any]) -> None:
@@ -205,11 +207,12 @@ class Trainer:
         return self.lr * 0.5 * (1.0 + math.cos(math.pi * step / total))
 
     def _train_epoch(self, epoch: int, progress: Progress | None) -> torch.Tensor:
-        """Run one epoch on this rank's shard; return [loss sum, samples, correct] (float64)."""
+        """Run one epoch on this rank's shard; return [loss sum, samples, correct, first step (1-based)
+        whose loss was non-finite or 0] (float64; the last kept on the device: no sync per step)."""
         data, device, batch = self.splits.train, self.world.device, self.config.per_rank_batch
         self.sampler.set_epoch(epoch)
         indices = self.sampler.indices()
-        totals = torch.zeros(3, dtype=torch.float64, device=device)
+        totals = torch.zeros(4, dtype=torch.float64, device=device)
         task = (
             None if progress is None else progress.add_task(f"epoch {epoch + 1}", total=self.steps_per_epoch)
         )
@@ -231,13 +234,15 @@ class Trainer:
                 with self._phase("optimizer"):
                     self.optimizer.step()
                 with torch.no_grad():  # metric bookkeeping: the profile's "other"
-                    totals += torch.stack(
+                    totals[:3] += torch.stack(
                         [
                             loss.double() * len(chunk),
                             totals.new_tensor(len(chunk)),
                             (logits.argmax(1) == targets).sum(),
                         ]
                     )
+                    first = (totals[3] == 0) & ~torch.isfinite(loss)
+                    totals[3] = torch.where(first, totals.new_tensor(step + 1), totals[3])
                 if progress is not None and task is not None:
                     progress.update(task, advance=1)
         if progress is not None and task is not None:  # (both or neither)
@@ -286,15 +291,19 @@ class Trainer:
         started = time.perf_counter()
         train = self._train_epoch(epoch, progress)
         seconds = time.perf_counter() - started
-        totals = torch.cat([train, self._evaluate()])
+        first_steps = train.new_zeros(self.world.world_size)  # each rank's first non-finite step
+        first_steps[self.world.rank] = train[3]
+        totals = torch.cat([train[:3], self._evaluate(), first_steps])
         self.world.comm.all_reduce(totals, ReduceOp.SUM)
-        t_loss, t_n, t_ok, v_loss, v_n, v_ok = totals.tolist()
+        t_loss, t_n, t_ok, v_loss, v_n, v_ok = totals[:6].tolist()
         if not (math.isfinite(t_loss) and math.isfinite(v_loss)):
             bad = t_loss if not math.isfinite(t_loss) else v_loss
+            step, where = diverged_on([int(s) for s in totals[6:].tolist()])
+            first = f", first{where} at step {step} of {self.steps_per_epoch}" if step else ""
             saved = "" if self.config.checkpoint is None else f" (not saved: {self._kept()})"
             raise TrainingError(
-                f"training diverged: the loss became {bad} in epoch {epoch + 1} at lr {self.lr:g}{saved}; "
-                "lower --lr"
+                f"training diverged: the loss became {bad} in epoch {epoch + 1}{first} at lr {self.lr:g}"
+                f"{saved}; lower --lr"
             )
         stats = EpochStats(epoch + 1, t_loss / t_n, t_ok / t_n, v_loss / v_n, v_ok / v_n, int(t_n), seconds)
         self.history.append(stats)

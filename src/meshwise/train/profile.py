@@ -1,40 +1,52 @@
 """Where a training step's time goes: data, forward, backward, exposed communication, optimizer, bubble.
 
-A loop brackets its phases with :meth:`StepProfiler.phase` inside :meth:`StepProfiler.step`; the
-communication comes from the communicator's flight recorder (each operation's issue time and the time
-a rank spent blocked in its ``wait``). A wait is *exposed* communication and is taken out of the phase
-it happened in (DDP waits for its last buckets at the end of backward); the rest of an operation's
-life ran *hidden* under compute. Phases are consecutive, and the gaps between them are counted as
-``other``, so the parts add up to the step time by construction; the tests check that sum against the
-epoch's wall clock.
+A loop brackets its phases with :meth:`StepProfiler.phase` inside :meth:`StepProfiler.step`; phases may
+nest (a strategy's ``forward``/``backward`` inside the loop's ``forward_backward``: the inner one wins).
+A pipeline adds its executor's instructions after the fact with :meth:`StepProfiler.record`. The
+communication comes from the communicators' flight recorders (each operation's issue time and the time a
+rank spent blocked in its ``wait``): blocked time is *exposed* communication, the rest of an operation's
+life ran *hidden* under compute.
+
+Every instant of a step gets exactly one label, by priority: ``bubble`` (inside the pipeline's window —
+its first instruction on any rank to its last — and outside this rank's own instructions: waiting for a
+neighbour is the bubble, not the network), then exposed communication, then the innermost phase, and
+``other`` for what no phase covers. So the parts add up to the step time by construction; the tests
+check that sum against the trainer's own clock.
 
 The verdict uses the seeds' efficiency bands for the fraction of the step spent computing (forward,
 backward, optimizer): > 95 % excellent, 80–95 % good, 60–80 % acceptable, < 60 % poor. Below 80 % the
-largest overhead names the bound and the knob to turn. Any loop can use it: the pipeline trainer adds a
-``bubble`` phase for its idle slots.
+largest overhead names the bound and the knob to turn.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import statistics
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
+from meshwise.comm.api import Communicator, ReduceOp
 from meshwise.comm.flight_recorder import FlightRecorder
 
 #: phases a loop may bracket, in the order they are reported; exposed communication is carved out.
-PHASES = ("data", "forward", "backward", "optimizer", "bubble")
-COMPUTE = ("forward", "backward", "optimizer")
+#: ``forward_backward`` is a step whose strategy does not tell its forward from its backward.
+PHASES = ("data", "forward", "backward", "forward_backward", "optimizer", "bubble")
+COMPUTE = ("forward", "backward", "forward_backward", "optimizer")
+#: labels of an instant, first wins (see the module docstring).
+_PRIORITY = ("bubble", "comm_exposed", "data", "forward", "backward", "optimizer", "forward_backward")
 #: what to change when this part dominates the overhead.
 KNOBS = {
     "communication": "overlap more or send less: a larger per-rank batch (more compute per byte), another "
     "DataParallel bucket_mb, a faster backend (shm on one host, nccl on GPUs), or fewer ranks",
     "data": "feed faster: more DataLoader workers, pin_memory and prefetching, data kept in memory",
-    "bubble": "shrink the pipeline bubble: more micro-batches per step (m >> p) or an interleaved schedule",
+    "bubble": "shrink the pipeline bubble: more micro-batches per step (m >> p, --micro-batches) or an "
+    "interleaved schedule (--schedule interleaved --virtual-stages 2)",
     "other": "host overhead between phases (logging, metric syncs, lr updates): do it less often",
     "compute": "compute dominates, as it should: add ranks, use a faster device or mixed precision",
 }
@@ -57,85 +69,218 @@ class _Step:
     started: float
     ended: float = 0.0
     phases: list[tuple[str, float, float]] = field(default_factory=list)
+    #: a pipeline's instructions on this rank: (phase, label such as "F3", start, end)
+    instructions: list[tuple[str, str, float, float]] = field(default_factory=list)
+    #: the pipeline's busy window (this rank's until :meth:`StepProfiler.share_windows` widens it)
+    window: tuple[float, float] | None = None
+
+
+def recorders_of(comms: Iterable[Communicator]) -> list[FlightRecorder]:
+    """The flight recorders of ``comms`` (mesh axes may share one communicator: each counted once)."""
+    found: dict[int, FlightRecorder] = {}
+    for comm in comms:
+        recorder = getattr(comm, "recorder", None)
+        if isinstance(recorder, FlightRecorder):
+            found[id(recorder)] = recorder
+    return list(found.values())
 
 
 class StepProfiler:
-    """Times the phases of each step; ``recorder`` (the communicator's) supplies the communication."""
+    """Times the phases of each step; ``recorders`` (the communicators') supply the communication.
 
-    def __init__(self, recorder: FlightRecorder | None) -> None:
-        self.recorder = recorder
+    ``synchronize``: a CUDA device whose queue is drained at every phase boundary — kernels run
+    asynchronously, and without it a phase would be charged for the kernels its predecessor queued.
+    """
+
+    def __init__(
+        self,
+        recorders: FlightRecorder | Sequence[FlightRecorder] | None,
+        *,
+        synchronize: torch.device | None = None,
+    ) -> None:
+        if recorders is None:
+            recorders = []
+        self.recorders = [recorders] if isinstance(recorders, FlightRecorder) else list(recorders)
         self.steps: list[_Step] = []
         self.comm: list[list[_Op]] = []  # per step
+        self._device = synchronize if synchronize is not None and synchronize.type == "cuda" else None
+
+    def _now(self) -> float:
+        if self._device is not None:
+            torch.cuda.synchronize(self._device)
+        return time.time()
 
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
-        current = _Step(time.time())
+        current = _Step(self._now())
         self.steps.append(current)
         try:
             yield
         finally:
-            current.ended = time.time()
+            current.ended = self._now()
             self.comm.append(self._comm_between(current.started, current.ended))
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        if name not in PHASES:
-            raise ValueError(f"unknown phase {name!r}; use one of {PHASES}")
-        started = time.time()
+        _check_phase(name)
+        started = self._now()
         try:
             yield
         finally:
-            self.steps[-1].phases.append((name, started, time.time()))
+            self.steps[-1].phases.append((name, started, self._now()))
+
+    def record(self, name: str, label: str, start: float, end: float) -> None:
+        """An instruction that already ran in this step (a pipeline executor's timeline, wall clock)."""
+        _check_phase(name)
+        step = self.steps[-1]
+        step.instructions.append((name, label, start, end))
+        low, high = step.window or (start, end)
+        step.window = (min(low, start), max(high, end))
+
+    def share_windows(self, comm: Communicator) -> None:
+        """Collective over the pipeline's ranks: every step's window becomes the whole pipeline's, so the
+        idle time before this rank's first and after its last instruction counts as bubble too."""
+        if comm.world_size == 1 or not self.steps:
+            return
+        bounds = torch.tensor(
+            [[-w[0], w[1]] if w else [-float("inf"), -float("inf")] for w in (s.window for s in self.steps)],
+            dtype=torch.float64,
+        )
+        comm.all_reduce(bounds, ReduceOp.MAX)
+        for step, (low, high) in zip(self.steps, bounds.tolist(), strict=True):
+            if high > -float("inf"):
+                step.window = (-low, high)
 
     def _comm_between(self, start: float, end: float) -> list[_Op]:
-        if self.recorder is None:
-            return []
         found = []
-        for record in reversed(self.recorder.records):
-            if record.started < start:
-                break
-            if record.ended is not None and record.issued is not None and record.ended <= end:
-                found.append(
-                    _Op(record.fingerprint.op, record.started, record.issued, record.ended, record.waited)
-                )
-        return found[::-1]
+        for recorder in self.recorders:
+            for record in reversed(recorder.records):
+                if record.started < start:
+                    break
+                if record.ended is not None and record.issued is not None and record.ended <= end:
+                    found.append(
+                        _Op(record.fingerprint.op, record.started, record.issued, record.ended, record.waited)
+                    )
+        return sorted(found, key=lambda op: op.started)
+
+    def _labelled(self, step: _Step, comm: Sequence[_Op]) -> list[tuple[str, float, float]]:
+        """The step cut into consecutive (label, start, end) pieces by the priority of the docstring."""
+        spans = [(name, t0, t1) for name, t0, t1 in step.phases]
+        spans += [(name, t0, t1) for name, _, t0, t1 in step.instructions]
+        for op in comm:  # blocked while issuing (a synchronous transport does all its work here), in wait
+            spans += [
+                ("comm_exposed", op.started, op.issued),
+                ("comm_exposed", op.ended - op.waited, op.ended),
+            ]
+        if step.window is not None:
+            spans += _gaps(step.window, [(t0, t1) for _, _, t0, t1 in step.instructions], "bubble")
+        return _sweep(spans, step.started, step.ended)
 
     def parts(self) -> list[dict[str, float]]:
-        """Per step: seconds of each phase less its exposed waits, ``comm_exposed``, ``comm_hidden``,
-        ``other`` (the gaps) and ``step``; the parts other than ``comm_hidden`` sum to ``step``."""
+        """Per step: seconds of each phase less its exposed waits, ``comm_exposed``, ``comm_hidden``
+        (wall time some operation was in flight while the rank went on), ``other`` (the gaps) and
+        ``step``; the parts other than ``comm_hidden`` sum to ``step``."""
         out = []
         for step, comm in zip(self.steps, self.comm, strict=True):
-            parts = dict.fromkeys(PHASES, 0.0)
-            for name, t0, t1 in step.phases:
-                parts[name] += t1 - t0
-            exposed = hidden = 0.0
-            for op in comm:
-                # blocked while issuing (a synchronous transport does all its work here) and in wait
-                for blocked, at in ((op.issued - op.started, op.started), (op.waited, op.ended)):
-                    exposed += blocked
-                    phase = next((n for n, t0, t1 in step.phases if t0 <= at <= t1), None)
-                    if phase is not None:
-                        parts[phase] -= blocked
-                hidden += max(0.0, op.ended - op.issued - op.waited)
-            parts["comm_exposed"] = exposed
-            total = step.ended - step.started
-            parts["other"] = total - sum(parts.values())
-            parts["comm_hidden"] = hidden
-            parts["step"] = total
+            parts = dict.fromkeys((*PHASES, "comm_exposed", "other"), 0.0)
+            for label, t0, t1 in self._labelled(step, comm):
+                parts[label] += t1 - t0
+            in_flight = [(op.issued, op.ended - op.waited) for op in comm]
+            parts["comm_hidden"] = _covered(in_flight, step.started, step.ended)
+            parts["step"] = step.ended - step.started
             out.append(parts)
         return out
 
+    def idle_fractions(self) -> list[float]:
+        """Per pipeline step: this rank's bubble as a share of the pipeline's window (the quantity the
+        pipeline timeline reports, averaged over ranks there)."""
+        fractions = []
+        for step, part in zip(self.steps, self.parts(), strict=True):
+            if step.window is not None and step.window[1] > step.window[0]:
+                fractions.append(part["bubble"] / (step.window[1] - step.window[0]))
+        return fractions
+
     def events(self, rank: int) -> list[dict]:
-        """Chrome/Perfetto trace events (µs): one track of phases and one of communication per rank."""
+        """Chrome/Perfetto trace events (µs) of this rank: steps, phases (bubble included), communication
+        in flight, blocked waits and pipeline instructions, one track each."""
         events = []
         for index, (step, comm) in enumerate(zip(self.steps, self.comm, strict=True)):
             events.append(_event(f"step {index}", step.started, step.ended, rank, 0))
-            events += [_event(name, t0, t1, rank, 1) for name, t0, t1 in step.phases]
+            events += [
+                _event(name, t0, t1, rank, 1)
+                for name, t0, t1 in _merged(self._labelled(step, comm))
+                if name in PHASES
+            ]
             for op in comm:
                 events.append(_event(op.name, op.started, op.ended, rank, 2))
                 if op.waited > 0:
                     events.append(_event(f"wait {op.name}", op.ended - op.waited, op.ended, rank, 3))
+            events += [_event(label, t0, t1, rank, 4) for _, label, t0, t1 in step.instructions]
         return events
+
+
+def _check_phase(name: str) -> None:
+    if name not in PHASES:
+        raise ValueError(f"unknown phase {name!r}; use one of {PHASES}")
+
+
+def _gaps(
+    window: tuple[float, float], busy: Sequence[tuple[float, float]], label: str
+) -> list[tuple[str, float, float]]:
+    """The parts of ``window`` that no interval of ``busy`` covers."""
+    out, cursor = [], window[0]
+    for t0, t1 in sorted(busy):
+        if t0 > cursor:
+            out.append((label, cursor, min(t0, window[1])))
+        cursor = max(cursor, t1)
+    if cursor < window[1]:
+        out.append((label, cursor, window[1]))
+    return [(n, t0, t1) for n, t0, t1 in out if t1 > t0]
+
+
+def _sweep(
+    spans: Sequence[tuple[str, float, float]], start: float, end: float
+) -> list[tuple[str, float, float]]:
+    """Cut ``[start, end]`` at every span boundary; each piece takes the highest-priority label among the
+    spans covering it, ``other`` when none does."""
+    points = sorted({start, end, *(min(max(t, start), end) for _, t0, t1 in spans for t in (t0, t1))})
+    active = dict.fromkeys(_PRIORITY, 0)
+    changes: dict[float, list[tuple[str, int]]] = {}
+    for label, t0, t1 in spans:
+        t0, t1 = max(t0, start), min(t1, end)
+        if t1 > t0:
+            changes.setdefault(t0, []).append((label, 1))
+            changes.setdefault(t1, []).append((label, -1))
+    pieces = []
+    for t0, t1 in itertools.pairwise(points):
+        for label, delta in changes.get(t0, ()):
+            active[label] += delta
+        label = next((name for name in _PRIORITY if active[name] > 0), "other")
+        pieces.append((label, t0, t1))
+    return pieces
+
+
+def _covered(intervals: Sequence[tuple[float, float]], start: float, end: float) -> float:
+    """Seconds of ``[start, end]`` inside at least one interval: operations in flight at once (a
+    pipeline's posted receives, DDP's buckets) overlap, and hidden time is wall time, not a sum."""
+    total, cursor = 0.0, start
+    for t0, t1 in sorted(intervals):
+        t0, t1 = max(t0, cursor), min(t1, end)
+        if t1 > t0:
+            total += t1 - t0
+            cursor = t1
+    return total
+
+
+def _merged(pieces: Sequence[tuple[str, float, float]]) -> list[tuple[str, float, float]]:
+    """Adjacent pieces of one label joined (fewer, longer trace events)."""
+    out: list[tuple[str, float, float]] = []
+    for label, t0, t1 in pieces:
+        if out and out[-1][0] == label and out[-1][2] == t0:
+            out[-1] = (label, out[-1][1], t1)
+        else:
+            out.append((label, t0, t1))
+    return out
 
 
 def _event(name: str, start: float, end: float, pid: int, tid: int) -> dict:
@@ -197,16 +342,19 @@ def verdict(parts: Mapping[str, float]) -> Verdict:
     return Verdict(efficiency, band, bound, KNOBS[bound])
 
 
+_OPTIONAL_ROWS = ("forward_backward", "bubble")
+
+
 def table(breakdown: Breakdown) -> str:
     """The per-step breakdown as text: median ms and share of the step, then the verdict."""
     parts, step = breakdown.parts, breakdown.parts["step"]
-    rows = [*PHASES[:3], "comm_exposed", "optimizer", "bubble", "other"]
-    lines = [f"step profile (mean of {breakdown.steps} steps, rank 0)", f"  {'part':<14}{'ms':>9}{'%':>7}"]
+    rows = [*PHASES[:4], "comm_exposed", "optimizer", "bubble", "other"]
+    lines = [f"step profile (mean of {breakdown.steps} steps, rank 0)", f"  {'part':<18}{'ms':>9}{'%':>7}"]
     for name in rows:
-        if name == "bubble" and parts[name] == 0:
-            continue  # no pipeline in this loop
-        lines.append(f"  {name:<14}{1e3 * parts[name]:9.2f}{100 * parts[name] / step:7.1f}")
-    lines.append(f"  {'step':<14}{1e3 * step:9.2f}{100.0:7.1f}")
+        if name in _OPTIONAL_ROWS and not parts.get(name):
+            continue  # no pipeline, or a strategy that splits its forward from its backward
+        lines.append(f"  {name:<18}{1e3 * parts[name]:9.2f}{100 * parts[name] / step:7.1f}")
+    lines.append(f"  {'step':<18}{1e3 * step:9.2f}{100.0:7.1f}")
     lines.append(f"  comm hidden under compute: {1e3 * parts['comm_hidden']:.2f} ms")
     lines.append(f"verdict: {breakdown.verdict().line()}")
     return "\n".join(lines)
@@ -214,11 +362,19 @@ def table(breakdown: Breakdown) -> str:
 
 def write_trace(path: str, events: Sequence[dict]) -> None:
     """A Chrome/Perfetto trace (open it in ui.perfetto.dev or chrome://tracing): pid = rank, tracks
-    0 steps, 1 phases, 2 communication in flight, 3 waits."""
-    names = {0: "steps", 1: "phases", 2: "communication (issue to completion)", 3: "blocked in wait"}
-    meta = [
+    0 steps, 1 phases, 2 communication in flight, 3 waits, 4 pipeline instructions (F, B, W)."""
+    names = {
+        0: "steps",
+        1: "phases",
+        2: "communication (issue to completion)",
+        3: "blocked in wait",
+        4: "pipeline instructions",
+    }
+    ranks = sorted({e["pid"] for e in events})
+    meta = [{"name": "process_name", "ph": "M", "pid": pid, "args": {"name": f"rank {pid}"}} for pid in ranks]
+    meta += [
         {"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": name}}
-        for pid in sorted({e["pid"] for e in events})
+        for pid in ranks
         for tid, name in names.items()
     ]
     Path(path).write_text(json.dumps({"traceEvents": [*meta, *events], "displayTimeUnit": "ms"}))

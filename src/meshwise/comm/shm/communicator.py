@@ -46,6 +46,7 @@ class ShmCommunicator(Communicator):
     """Shared-memory Communicator over the ranks of a torch.distributed group that share one host."""
 
     backend = "shm"
+    overlaps_compute = False  # every collective completes on the calling thread (module docstring)
 
     def __init__(
         self,

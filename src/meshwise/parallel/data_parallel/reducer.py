@@ -1,4 +1,4 @@
-"""Gradient averaging driven by autograd hooks: each bucket's all-reduce starts when its last gradient lands.
+"""Gradient averaging driven by autograd hooks: a bucket is reduced once its last gradient has landed.
 
 Every bucket owns one flat buffer and the parameters' ``.grad`` tensors are views into it, so autograd
 accumulates straight into the buffer that is reduced: no copy into a bucket before the all-reduce and none
@@ -7,9 +7,15 @@ back after it. A gradient that arrives as a fresh tensor (the first backward, or
 
 Buckets are launched strictly in plan order: a complete bucket waits until every earlier one has been
 launched, so all ranks issue the same all-reduces in the same order even when autograd finishes their
-gradients in a different order. A callback queued on the autograd engine runs when backward ends; it
-launches whatever is left, waits for every bucket, and so ``loss.backward()`` returns with averaged
-gradients, ready for ``optimizer.step()``.
+gradients in a different order. They are launched during backward only over a communicator whose
+collectives progress in the background (``Communicator.overlaps_compute``: gloo, nccl, mpi). On shm an
+all-reduce completes on the calling thread, so launching one mid-backward overlaps nothing and makes the
+ranks wait for one another once per bucket; every wait costs whatever skew the ranks have at that moment
+(on a busy 2-core machine gpt-nano's backward took 1.5–1.8× as long as with no communication at all, see
+benchmarks/RESULTS.md). There the buckets are all launched when backward ends: one meeting per step.
+
+A callback queued on the autograd engine runs when backward ends; it launches whatever is left, waits for
+every bucket, and so ``loss.backward()`` returns with averaged gradients, ready for ``optimizer.step()``.
 """
 
 from __future__ import annotations
@@ -74,6 +80,7 @@ class GradReducer:
         wire_dtype: torch.dtype | None,
     ) -> None:
         self.comm = comm
+        self._launch_during_backward = comm.overlaps_compute
         self.find_unused_parameters = find_unused_parameters
         self.sync = True  # whether the next backward averages (set by prepare at forward time)
         self._names = [name for name, _ in named_params]
@@ -124,7 +131,7 @@ class GradReducer:
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
             self._queued = True
         bucket.pending -= 1
-        if bucket.pending == 0:
+        if bucket.pending == 0 and self._launch_during_backward:
             self._launch_in_order()
 
     @staticmethod

@@ -20,10 +20,12 @@ from meshwise.models.gpt import GPTConfig, gpt_config
 from meshwise.runtime.env import plan_ranks
 from meshwise.runtime.timeouts import wait_timeout
 from meshwise.train.checkpoint import checkpoint_directory
+from meshwise.train.torch_profile import check_directory
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 #: Default training context on a CPU: a longer one makes the default run take far more than minutes.
 CPU_SEQ_LEN = 128
+DEFAULT_MODEL = "gpt-nano"
 
 
 @dataclass(frozen=True)
@@ -36,7 +38,7 @@ class GPTTrainConfig:
     pp: int = 1
     zero: int = 0
     sp: bool = False
-    config: str = "gpt-nano"
+    config: str | None = None  # named size; None: gpt-nano, or the --init-from checkpoint's architecture
     layers: int | None = None
     hidden: int | None = None
     heads: int | None = None
@@ -48,7 +50,7 @@ class GPTTrainConfig:
     micro_batches: int | None = None  # alternative to micro_batch: how many per rank per step
     schedule: str = "1f1b"  # pipeline schedule (--pp > 1)
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved schedule)
-    trace: str | None = None  # Chrome trace of the last pipeline step
+    trace: str | None = None  # Chrome/Perfetto trace of the profiled steps, every rank (implies profile)
     timeline: str | None = None  # PNG diagram of the last pipeline step
     lr: float = 2e-3
     warmup: int | None = None  # default: a tenth of the steps
@@ -63,20 +65,35 @@ class GPTTrainConfig:
     resume: bool = False
     sample: int = 0
     comm_stats: bool = False  # count calls and bytes per collective on each mesh axis
+    profile: bool = False  # time each step's phases, print the breakdown and a verdict
+    torch_profile: str | None = None  # directory for torch.profiler's per-rank traces of a few steps
     seed: int = 0
     backend: str = "auto"
     device: str | None = None
     timeout: float = 3600.0
     cache_dir: str | None = None  # where the default corpus is cached (tests use a temporary one)
+    init_from: str | None = None  # Hugging Face GPT-2 weights to start from (train/gpt/init_from.py)
+    export_hf: str | None = None  # folder rank 0 writes Hugging Face GPT-2 weights into at the end
 
     # ------------------------------------------------------------------ derived
     @property
     def model_config(self) -> GPTConfig:
         """The named config with --layers/--hidden/--heads/--vocab applied (its position table is kept:
-        --seq-len trains on windows up to that length)."""
-        return gpt_config(
-            self.config, layers=self.layers, hidden=self.hidden, heads=self.heads, vocab=self.vocab
-        )
+        --seq-len trains on windows up to that length), or the --init-from checkpoint's, checked against
+        those flags."""
+        sizes = {"layers": self.layers, "hidden": self.hidden, "heads": self.heads, "vocab": self.vocab}
+        if self.init_from is not None:
+            from meshwise.train.gpt.init_from import init_model_config
+
+            return init_model_config(self.init_from, self.config, sizes)
+        return gpt_config(self.config or DEFAULT_MODEL, **sizes)
+
+    @property
+    def model_name(self) -> str:
+        """What the run trains, for banners and results: the --config name, or where --init-from points."""
+        if self.config is not None:
+            return self.config
+        return f"GPT-2 from {self.init_from}" if self.init_from is not None else DEFAULT_MODEL
 
     @property
     def train_seq_len(self) -> int:
@@ -99,6 +116,10 @@ class GPTTrainConfig:
         if self.micro_batches is not None:
             return self.global_batch // dp // self.micro_batches
         return self.micro_batch if self.micro_batch is not None else self.global_batch // dp
+
+    @property
+    def profiling(self) -> bool:
+        return self.profile or self.trace is not None
 
     @property
     def warmup_steps(self) -> int:
@@ -136,7 +157,7 @@ class GPTTrainConfig:
         if self.train_seq_len < 1 or self.train_seq_len > model.seq_len:
             raise ValueError(
                 f"--seq-len {self.train_seq_len} is outside 1..{model.seq_len}, the position table of "
-                f"{self.config}: lower --seq-len or pick a config with a longer context"
+                f"{self.model_name}: lower --seq-len or pick a config with a longer context"
             )
         shape = self.mesh_shape(self.world_size())
         self._check_numbers()
@@ -155,8 +176,14 @@ class GPTTrainConfig:
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda was asked for but CUDA is not available here; use --device cpu")
         check_backend(self.backend, what="--backend")
+        if self.torch_profile is not None:
+            check_directory(self.torch_profile)
         self.load_data().check_vocab(model.vocab)  # builds the default corpus once, before ranks start
         self._check_checkpoint(model)
+        if self.export_hf is not None:
+            from meshwise.train.gpt.init_from import check_export_dir
+
+            check_export_dir(self.export_hf)
         return self
 
     def _check_numbers(self) -> None:
@@ -210,7 +237,6 @@ class GPTTrainConfig:
                 for flag, on in (
                     ("--schedule", self.schedule != "1f1b"),
                     ("--virtual-stages", self.virtual_stages != 1),
-                    ("--trace", self.trace is not None),
                     ("--timeline", self.timeline is not None),
                 )
                 if on
@@ -224,7 +250,12 @@ class GPTTrainConfig:
             m = self.accumulation(shape.dp)
             validate_pipeline(self.model_config, shape.pp, m, self.schedule, self.virtual_stages)
         if shape.tp > 1:  # stage state is keyed by plain names; tp shards would need gathering first
-            for flag, on in (("--checkpoint", self.checkpoint is not None), ("--sample", self.sample > 0)):
+            gathered = (
+                ("--checkpoint", self.checkpoint is not None),
+                ("--sample", self.sample > 0),
+                ("--export-hf", self.export_hf is not None),
+            )
+            for flag, on in gathered:
                 if on:
                     raise ValueError(
                         f"{flag} is not available with --pp and --tp together yet; drop it, or train with "

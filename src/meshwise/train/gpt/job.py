@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 from meshwise.runtime.on_ranks import run_on_ranks
+from meshwise.train.errors import TrainingError
 from meshwise.train.gpt.config import GPTTrainConfig
 from meshwise.train.gpt.loop import train_gpt_rank_main
 from meshwise.train.gpt.report import GPTResult
 
 
 def run_gpt_training(config: GPTTrainConfig) -> GPTResult | None:
-    """Validate ``config`` (building the default corpus if needed), train, return rank 0's result."""
+    """Validate ``config`` (building the default corpus if needed), train, return rank 0's result.
+
+    Raises :class:`TrainingError` when the run had to stop (every rank raises it; rank 0's copy says so).
+    """
     config.validate()
-    return run_on_ranks(
+    outcome = run_on_ranks(
         train_gpt_rank_main, (config,), nproc=config.nproc, default=1, deadline=config.timeout
     )
+    if isinstance(outcome, TrainingError):
+        raise outcome
+    return outcome

@@ -9,6 +9,7 @@ model and optimizer state and continues exactly.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import asdict, replace
 
@@ -22,10 +23,13 @@ from meshwise.comm.mesh import AXES
 from meshwise.data.tokens import ByteTokenizer
 from meshwise.data.windows import train_batch, val_batches
 from meshwise.models.gpt import GPT
+from meshwise.train.errors import TrainingError, diverged_on
 from meshwise.train.gpt import checkpoint
 from meshwise.train.gpt.config import GPTTrainConfig
+from meshwise.train.gpt.init_from import export, load_weights
 from meshwise.train.gpt.parallelize import parallelize
 from meshwise.train.gpt.peak import peak_flops
+from meshwise.train.gpt.profiling import GPTProfiling
 from meshwise.train.gpt.report import GPTResult, StepStats, step_line
 from meshwise.train.gpt.schedule import lr_at
 from meshwise.world import World, init, shutdown
@@ -33,12 +37,15 @@ from meshwise.world import World, init, shutdown
 SAMPLE_PROMPT = "\ndef "
 
 
-def train_gpt_rank_main(config: GPTTrainConfig) -> GPTResult | None:
+def train_gpt_rank_main(config: GPTTrainConfig) -> GPTResult | TrainingError | None:
     """Join the job on the config's mesh, train, leave; rank 0 returns the result (the others None)."""
     shape = config.mesh_shape(config.world_size())
     world = init(config.backend, device=config.device, timeout=config.comm_timeout, mesh=shape)
     try:
         result = GPTTrainer(world, config).run()
+    except TrainingError as exc:  # returned, as by meshwise train: one sentence, not a traceback
+        exc.rank = world.rank
+        return exc
     finally:
         shutdown()
     return result if world.is_main else None
@@ -57,6 +64,8 @@ class GPTTrainer:
         self.micro_batch = config.per_rank_micro_batch(self.dp)
         torch.manual_seed(config.seed)
         model = GPT(self.model_config).to(world.device)
+        if config.init_from is not None and not config.resume:  # a resumed run continues its own weights
+            load_weights(model, config.init_from)
         self.step_runner = parallelize(model, self.mesh, config)
         self.history: list[StepStats] = []
         self.first_step = 0
@@ -65,6 +74,7 @@ class GPTTrainer:
         if config.resume:
             self._restore()
         self.console = Console(soft_wrap=True)
+        self.profiling = GPTProfiling(world, config, self.step_runner, config.steps - self.first_step)
 
     # ------------------------------------------------------------------ checkpoints
     def _run_record(self) -> dict:
@@ -113,19 +123,37 @@ class GPTTrainer:
 
     def train_step(self, step: int) -> StepStats:
         """One optimizer step (0-based ``step``); the returned loss is the global batch's mean."""
-        config, runner = self.config, self.step_runner
-        started = time.perf_counter()
+        config, runner, profiling = self.config, self.step_runner, self.profiling
         lr = lr_at(step, lr=config.lr, min_lr=config.min_lr, warmup=config.warmup_steps, steps=config.steps)
-        for group in runner.optimizer.param_groups:
-            group["lr"] = lr
-        runner.optimizer.zero_grad(set_to_none=True)
-        local = runner.forward_backward(self.micro_batches(step))
-        norm = runner.clip_grad_norm(config.grad_clip)
-        runner.optimizer.step()
-        loss = torch.tensor([local], dtype=torch.float64)
-        self.mesh.dp.all_reduce(loss, ReduceOp.AVG)
-        return StepStats(
-            step + 1, loss.item(), lr, norm, time.perf_counter() - started, config.global_batch * self.seq_len
+        with profiling.step():
+            started = time.perf_counter()
+            with profiling.phase("optimizer"):
+                for group in runner.optimizer.param_groups:
+                    group["lr"] = lr
+                runner.optimizer.zero_grad(set_to_none=True)
+            with profiling.phase("data"):
+                batches = self.micro_batches(step)
+            with profiling.phase("forward_backward"):
+                local = runner.forward_backward(batches)
+            with profiling.phase("optimizer"):
+                norm = runner.clip_grad_norm(config.grad_clip)
+                runner.optimizer.step()
+            loss = torch.tensor([local], dtype=torch.float64)
+            self.mesh.dp.all_reduce(loss, ReduceOp.AVG)
+            seconds = time.perf_counter() - started
+        if not math.isfinite(loss.item()):  # the same on every rank: the loss is known everywhere
+            self._diverged(step, local, loss.item())
+        return StepStats(step + 1, loss.item(), lr, norm, seconds, config.global_batch * self.seq_len)
+
+    def _diverged(self, step: int, local: float, loss: float) -> None:
+        """Stop every rank with one sentence naming the ranks whose own loss was non-finite."""
+        flags = torch.zeros(self.world.world_size, dtype=torch.float64)
+        flags[self.world.rank] = 0.0 if math.isfinite(local) else step + 1
+        self.world.comm.all_reduce(flags, ReduceOp.SUM)
+        _, where = diverged_on([int(f) for f in flags.tolist()])
+        raise TrainingError(
+            f"training diverged: the loss became {loss} at step {step + 1}{where} (lr {self.config.lr:g}); "
+            "lower --lr"
         )
 
     @torch.no_grad()
@@ -156,6 +184,12 @@ class GPTTrainer:
         model.train()
         return tokenizer.decode(out) if self.model_config.vocab <= 256 else " ".join(map(str, out))
 
+    def export_hf(self, directory: str) -> str | None:
+        """Rank 0 writes the trained weights in Hugging Face GPT-2 format; every rank calls it, since
+        reassembling a sharded model is collective (the model --sample uses: whole on rank 0)."""
+        model = self.step_runner.sampling_model()
+        return export(model, directory) if self.world.is_main else None
+
     # ------------------------------------------------------------------ the run
     def _peak(self) -> tuple[float, str]:
         """All ranks' peak FLOP/s, measured at the same moment (ranks may share cores)."""
@@ -172,7 +206,7 @@ class GPTTrainer:
         peak, source = self._peak()
         if world.is_main:
             self.console.print(
-                f"meshwise train gpt: {config.config} ({parameters:,} parameters) on {self.splits.name} "
+                f"meshwise train gpt: {config.model_name} ({parameters:,} parameters) on {self.splits.name} "
                 f"({len(self.splits.train):,} training tokens), {world.world_size} rank"
                 f"{'s' if world.world_size > 1 else ''} × {world.device} over {world.backend}, "
                 f"global batch {config.global_batch} × {self.seq_len}"
@@ -206,9 +240,11 @@ class GPTTrainer:
                         progress.console.print(step_line(stats, config.steps, mfu))
                     if config.checkpoint is not None:
                         self.save_checkpoint(step + 1)
+        self.step_runner.finish()
         text = self.sample(config.sample) if config.sample else None
+        exported = self.export_hf(config.export_hf) if config.export_hf is not None else None
         return GPTResult(
-            model=config.config,
+            model=config.model_name,
             parameters=parameters,
             dataset=self.splits.name,
             world_size=world.world_size,
@@ -231,6 +267,8 @@ class GPTTrainer:
             checkpoint=self.checkpoint_path,
             sample=text,
             comm_stats=self._comm_stats(),
+            exported=exported,
+            profile=self.profiling.finish(),
         )
 
     def _comm_stats(self) -> dict[str, dict[str, dict[str, float]]] | None:

@@ -20,6 +20,11 @@ What a ParallelStep must guarantee, so the loop and its tests stay valid for eve
   parameter names (DCP reshards between layouts by those names);
 - ``full_model()`` on rank 0 returns a module whose ``generate`` works (for ``--sample``), unless
   ``sampling_model()`` is overridden (a strategy whose full model would be costly to assemble early).
+
+Under ``--profile`` the loop sets ``profiler`` and times the whole ``forward_backward`` as one phase, so
+a new strategy is profiled from its first day (communication carved out by the flight recorders); it
+tells forward from backward by bracketing them with :meth:`ParallelStep.phase`, or, like the pipeline,
+by :meth:`~meshwise.train.profile.StepProfiler.record`-ing the instructions it ran.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from meshwise.models.gpt import GPT, language_model_loss
 from meshwise.parallel import DataParallel
 from meshwise.parallel.tensor_parallel import check_tensor_parallel
 from meshwise.train.gpt.config import GPTTrainConfig
+from meshwise.train.profile import StepProfiler
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -52,6 +58,7 @@ class ParallelStep(ABC):
 
     model: nn.Module  # what this rank holds and runs forward on
     optimizer: torch.optim.Optimizer
+    profiler: StepProfiler | None = None  # set by the loop under --profile
 
     def __init__(self, config: GPTTrainConfig, device: torch.device) -> None:
         self.device = device
@@ -62,6 +69,13 @@ class ParallelStep(ABC):
         if self.dtype == torch.float32:
             return nullcontext()
         return torch.autocast(self.device.type, dtype=self.dtype)
+
+    def phase(self, name: str) -> AbstractContextManager[Any]:
+        """Times ``name`` (``forward``, ``backward``) inside the step when profiling; free otherwise."""
+        return nullcontext() if self.profiler is None else self.profiler.phase(name)
+
+    def finish(self) -> None:
+        """Collective, once after the last step: end-of-run output of the strategy (none by default)."""
 
     @abstractmethod
     def forward_backward(self, micro_batches: Sequence[Batch]) -> float: ...
@@ -115,10 +129,12 @@ class DataParallelStep(ParallelStep):
         total = 0.0
         for i, (inputs, targets) in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
-            with self.model.no_sync() if not last else nullcontext(), self.autocast():
-                loss = language_model_loss(self.model(inputs), targets)
-            (loss / len(micro_batches)).backward()
-            total += loss.item()
+            with self.model.no_sync() if not last else nullcontext():
+                with self.phase("forward"), self.autocast():
+                    loss = language_model_loss(self.model(inputs), targets)
+                    total += loss.item()
+                with self.phase("backward"):
+                    (loss / len(micro_batches)).backward()
         return total / len(micro_batches)
 
     def clip_grad_norm(self, max_norm: float) -> float:

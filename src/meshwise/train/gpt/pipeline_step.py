@@ -21,8 +21,9 @@ from meshwise.comm.mesh import Mesh
 from meshwise.models.gpt import GPT
 from meshwise.parallel.pipeline_parallel import chunk_parameters, theoretical_bubble
 from meshwise.parallel.pipeline_parallel.builder import pipeline_gpt
+from meshwise.parallel.pipeline_parallel.executor import Event
 from meshwise.parallel.pipeline_parallel.partition import GPTChunk
-from meshwise.parallel.pipeline_parallel.timeline import draw, gather_events, write_trace
+from meshwise.parallel.pipeline_parallel.timeline import COMPUTE_OPS, draw, gather_events
 from meshwise.parallel.tensor_parallel import shard_dim, vocab_parallel_cross_entropy
 from meshwise.train.gpt.config import GPTTrainConfig
 from meshwise.train.gpt.parallelize import Batch, ParallelStep, build_optimizer
@@ -71,6 +72,7 @@ class PipelineStep(ParallelStep):
         )
         self.model = StageModule(self.chunks)
         self.optimizer = build_optimizer(self.model, config)
+        self._last_events: list[Event] = []
         self._theory = theoretical_bubble(mesh.shape.pp, micro_batches, config.virtual_stages)
         self._title = f"{config.schedule} pp={mesh.shape.pp} m={micro_batches} v={config.virtual_stages}"
         with torch.device("meta"):  # the whole model's shape, for parameter counts, without its memory
@@ -80,8 +82,13 @@ class PipelineStep(ParallelStep):
     def forward_backward(self, micro_batches: Sequence[Batch]) -> float:
         with self.autocast():
             result = self.executor.step([x for x, _ in micro_batches], [y for _, y in micro_batches])
-        if self.config.trace or self.config.timeline:
-            self._write_timeline(result.events)
+        if self.profiler is not None:
+            for event in result.events:
+                if event.op in COMPUTE_OPS:
+                    phase = "forward" if event.op == "F" else "backward"
+                    label = f"{event.op}{event.micro_batch} chunk {event.chunk}"
+                    self.profiler.record(phase, label, event.start, event.end)
+        self._last_events = result.events
         return result.loss
 
     def clip_grad_norm(self, max_norm: float) -> float:
@@ -139,11 +146,11 @@ class PipelineStep(ParallelStep):
     def load_state_dict(self, state: dict) -> None:
         load_stage_state_dict(self.model, self.optimizer, state)
 
-    def _write_timeline(self, events: list) -> None:
-        gathered = gather_events(self.mesh.pp, events)
+    def finish(self) -> None:
+        """``--timeline``: the last step's diagram, drawn once (drawing is slower than a small step)."""
+        if self.config.timeline is None or not self._last_events:
+            return
+        gathered = gather_events(self.mesh.pp, self._last_events)
         if gathered is None or self.mesh.coordinates["dp"] != 0:
             return
-        if self.config.trace:
-            write_trace(gathered, self.config.trace)
-        if self.config.timeline:
-            draw(gathered, self.config.timeline, title=self._title, theory=self._theory)
+        draw(gathered, self.config.timeline, title=self._title, theory=self._theory)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from meshwise.train.profile import Breakdown, table
+
 
 @dataclass(frozen=True)
 class StepStats:
@@ -51,6 +53,9 @@ class GPTResult:
     sample: str | None = None
     #: with --comm-stats: rank 0's calls, bytes and bus bytes per op on each mesh axis, over the run
     comm_stats: dict[str, dict[str, dict[str, float]]] | None = None
+    exported: str | None = None  # the Hugging Face weights file --export-hf wrote
+    #: with --profile: rank 0's step breakdown (Breakdown.to_json; under --pp also pipeline_idle_fraction)
+    profile: dict | None = None
 
     @property
     def trained(self) -> tuple[StepStats, ...]:
@@ -99,8 +104,17 @@ class GPTResult:
         lines.append(f"Wall time           = {self.wall_seconds:.3f} s")
         if self.checkpoint:
             lines.append(f"Checkpoint          = {self.checkpoint}")
+        if self.exported:
+            lines.append(f"Hugging Face export = {self.exported}")
         if self.comm_stats:
             lines += self._comm_lines()
+        if self.profile is not None:
+            lines += ["", table(Breakdown.from_json(self.profile))]
+            if "pipeline_idle_fraction" in self.profile:
+                idle = self.profile["pipeline_idle_fraction"]
+                lines.append(
+                    f"pipeline bubble: {100 * idle:.1f} % of the pipeline's window idle (mean over its ranks)"
+                )
         if self.sample is not None:
             lines += ["", "----- sample -----", self.sample, "------------------"]
         return "\n".join(lines)

@@ -53,9 +53,11 @@ class TensorParallelStep(ParallelStep):
         for i, (inputs, targets) in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
             with self.model.no_sync() if not last else nullcontext():
-                loss = self._loss(inputs, targets)
-                (loss / len(micro_batches)).backward()
-            total += loss.item()
+                with self.phase("forward"):
+                    loss = self._loss(inputs, targets)
+                    total += loss.item()
+                with self.phase("backward"):
+                    (loss / len(micro_batches)).backward()
         return total / len(micro_batches)
 
     def clip_grad_norm(self, max_norm: float) -> float:

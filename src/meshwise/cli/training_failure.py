@@ -1,0 +1,53 @@
+"""How ``meshwise train`` and ``train gpt`` end when the run fails: one report, by the rank it concerns.
+
+Under a launcher every rank is its own ``meshwise train`` process, so each one could print an error, and
+a rank that dies usually takes its peers down with a secondary error of their own (gloo's "Connection
+closed by peer" on rank 0 when rank 1 raised), which used to look like the cause. The rules here:
+
+- a :class:`~meshwise.train.TrainingError` is reached by every rank together: rank 0 prints it, the
+  others exit with the same code silently (they used to exit 0);
+- any other exception is printed by the rank that raised it: its traceback, then one line naming the rank
+  and the error, last, so it is also what a launcher's stderr tail ends with;
+- a rank stopped because a peer left (:class:`~meshwise.comm.api.PeerFailureError`) says only that, in
+  one line (the peer's own report is the one to read), and lets the peer exit first;
+- ``-np N`` ranks spawned here are reported by this process (``SpawnError`` names the rank).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import traceback
+
+from meshwise.comm.api import PeerFailureError
+from meshwise.runtime.env import detect_launch_env
+from meshwise.runtime.spawn import SpawnError
+from meshwise.train.errors import TrainingError
+
+#: How long a rank that a peer's failure stopped waits before it exits. Launchers (meshwise run,
+#: torchrun) name the first rank to exit non-zero as the one that failed; the failed rank is still
+#: printing its traceback and shutting down when its peers learn it left, so without this wait they
+#: would exit first and be named instead. The launcher terminates the waiting rank sooner.
+PEER_GRACE_SECONDS = 10.0
+
+
+def report_failure(command: str, exc: Exception) -> int:
+    """Print ``exc`` as the rules above say (on stderr) and return the command's exit code."""
+    name = f"meshwise {command}"
+    if isinstance(exc, TrainingError):
+        if exc.rank == 0:
+            print(f"{name}: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    if isinstance(exc, SpawnError):
+        print(f"{name}: {exc}", file=sys.stderr)
+        return 1
+    layout = detect_launch_env()
+    who = f"rank {layout.rank}" if layout.world_size > 1 else "the run"
+    if isinstance(exc, PeerFailureError):
+        print(f"{name}: {who} stopped: another rank left the job (its own report says why)", file=sys.stderr)
+        if layout.world_size > 1:
+            time.sleep(PEER_GRACE_SECONDS)  # see PEER_GRACE_SECONDS
+        return 1
+    traceback.print_exception(exc, file=sys.stderr)
+    print(f"{name}: {who} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+    return 1

@@ -1,0 +1,84 @@
+"""``train gpt --profile / --trace / --torch-profile``: the step profile of every GPT strategy.
+
+The loop brackets what it does itself (data, optimizer, the strategy's ``forward_backward``); the
+:class:`~meshwise.train.gpt.parallelize.ParallelStep` refines the inside (forward, backward, a pipeline's
+instructions), so each strategy is profiled through the same seam. At the end, collectively: the
+pipeline ranks agree on each step's window (its bubble counts from the pipeline's first instruction to its
+last), every rank's events go to rank 0 for the one ``--trace`` file, and torch.profiler stops.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from meshwise.comm.api import ReduceOp
+from meshwise.comm.mesh import AXES
+from meshwise.train.gpt.config import GPTTrainConfig
+from meshwise.train.gpt.parallelize import ParallelStep
+from meshwise.train.profile import Breakdown, StepProfiler, recorders_of, write_trace
+from meshwise.train.torch_profile import TorchProfile
+from meshwise.world import World
+
+
+class GPTProfiling:
+    """What ``config`` asks to be measured of ``runner``'s steps; a no-op when nothing is."""
+
+    def __init__(self, world: World, config: GPTTrainConfig, runner: ParallelStep, steps: int) -> None:
+        self.world, self.config = world, config
+        self.profiler: StepProfiler | None = None
+        if config.profiling:
+            # the mesh's own communicators: a --comm-stats view would hide their recorders
+            comms = [world.comm, *(world.mesh[axis] for axis in AXES)]
+            self.profiler = StepProfiler(recorders_of(comms), synchronize=world.device)
+        runner.profiler = self.profiler
+        self.torch: TorchProfile | None = None
+        if config.torch_profile is not None and steps > 0:
+            self.torch = TorchProfile(config.torch_profile, world.rank, steps, world.device)
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        if self.torch is not None:
+            self.torch.start()
+        with self.profiler.step() if self.profiler is not None else nullcontext():
+            yield
+        if self.torch is not None:
+            self.torch.step()
+
+    def phase(self, name: str) -> AbstractContextManager[Any]:
+        return self.profiler.phase(name) if self.profiler is not None else nullcontext()
+
+    def finish(self) -> dict | None:
+        """Collective: rank 0's breakdown (``Breakdown.to_json`` plus the total and, under ``--pp``, the
+        idle share of the pipeline's window averaged over its ranks); writes ``--trace`` on rank 0 and
+        the torch.profiler files."""
+        if self.torch is not None:
+            self.torch.stop()
+        if self.profiler is None or not self.profiler.steps:
+            return None
+        self.profiler.share_windows(self.world.mesh.pp)
+        if self.config.trace is not None:
+            self._write_trace(self.config.trace)
+        per_step = self.profiler.parts()
+        result = Breakdown.of(per_step).to_json() | {"total_step_seconds": sum(p["step"] for p in per_step)}
+        idle = self.profiler.idle_fractions()
+        if idle:  # averaged over the pipeline's ranks, as the timeline measures it
+            mean = torch.tensor([statistics.fmean(idle[1:] or idle)], dtype=torch.float64)
+            self.world.mesh.pp.all_reduce(mean, ReduceOp.AVG)
+            result["pipeline_idle_fraction"] = mean.item()
+        return result
+
+    def _write_trace(self, path: str) -> None:
+        assert self.profiler is not None
+        events = self.profiler.events(self.world.rank)
+        main = self.world.is_main
+        gathered: list = [None] * self.world.world_size if main else []
+        dist.gather_object(events, gathered if main else None, dst=0)
+        if main:
+            write_trace(path, [event for rank_events in gathered for event in rank_events])
