@@ -9,13 +9,14 @@ processes hold:
 - ``meshwise/shm``: our executor over the shared-memory transport.
 
 Each round times ``--steps`` training steps (zero_grad, pipeline step, SGD) of every contender in turn,
-the order rotating each round; a step's time is the slower rank's. Reported: median step time, the median
-of per-round ratios to torch with the same schedule and m, our measured bubble (median over the steps of
-the last round) next to the theory (p−1)/(m+p−1) and to the *replayed* bubble (the schedule re-run in
-the simulator with the measured op times and free messages: measured − replay is what messages,
-overheads and a busy machine cost; replay − theory is what uneven op times cost), and the peak bytes
-of activations autograd holds on stage 0 (tensors saved for backward, parameters excluded; same
-accounting for both libraries).
+the order rotating each round; a step's time is the slower rank's, in wall-clock time and in main-thread
+CPU time (which leaves out time blocked in receives or descheduled by a busy machine). Reported: median
+step time, the median of per-round ratios to torch with the same schedule and m, our measured bubble
+(median over the steps of the last round; one definition with the theory's, see docs/pipeline.md) next
+to the theory (p−1)/(m+p−1) and to the *replayed* bubble (the schedule re-run in the simulator with the
+measured op times and free messages: measured − replay is what messages, overheads and a busy machine
+cost; replay − theory is what uneven op times cost), and the peak bytes of activations autograd holds on
+stage 0 (tensors saved for backward, parameters excluded; same accounting for both libraries).
 
     python benchmarks/bench_pipeline.py --json benchmarks/results/pipeline.json \
         --timeline-dir benchmarks/results
@@ -50,6 +51,9 @@ from meshwise.parallel.pipeline_parallel.timeline import (
 from meshwise.runtime.spawn import spawn
 
 CONFIG = GPTConfig(layers=4, hidden=64, heads=4, seq_len=64, vocab=256)  # gpt-tiny
+#: ``--overhead``: so small that compute is a fraction of a millisecond and a step's time is what the
+#: executors themselves cost (instructions, messages, synchronisation)
+OVERHEAD_CONFIG = GPTConfig(layers=4, hidden=16, heads=2, seq_len=8, vocab=32)
 MICRO = 4  # sequences per micro-batch
 TORCH_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 TARGETS = {"meshwise/gloo": 1.0, "meshwise/shm": 0.8}  # step time vs torch/gloo, at most
@@ -92,18 +96,20 @@ def _measured(module: nn.Module) -> SavedBytes:
     return meter
 
 
-def _data(m: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _data(config: GPTConfig, m: int) -> tuple[torch.Tensor, torch.Tensor]:
     tokens = torch.randint(
-        0, CONFIG.vocab, (MICRO * m, CONFIG.seq_len + 1), generator=torch.Generator().manual_seed(0)
+        0, config.vocab, (MICRO * m, config.seq_len + 1), generator=torch.Generator().manual_seed(0)
     )
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def _contenders(rank: int, m: int, schedule: str, shm: ShmCommunicator, gloo) -> dict[str, tuple]:
+def _contenders(
+    config: GPTConfig, rank: int, m: int, schedule: str, shm: ShmCommunicator, gloo
+) -> dict[str, tuple]:
     """name → (step function, stage-0 memory meter, executor or None) for one (schedule, m)."""
     torch.manual_seed(0)
-    model = GPT(CONFIG)
-    x, y = _data(m)
+    model = GPT(config)
+    x, y = _data(config, m)
     out: dict[str, tuple] = {}
     for name, comm in (("meshwise/gloo", gloo), ("meshwise/shm", shm)):
         executor, chunks = pipeline_gpt(model, comm, schedule=schedule, micro_batches=m)
@@ -137,19 +143,25 @@ def _contenders(rank: int, m: int, schedule: str, shm: ShmCommunicator, gloo) ->
     return out
 
 
-def _time(step: Callable[[], list], steps: int) -> tuple[list[float], list[list]]:
-    times, events = [], []
+def _time(step: Callable[[], list], steps: int) -> tuple[list[float], list[float], list[list]]:
+    """Wall time and main-thread CPU time of each step (the slower rank's), and our executor's events.
+
+    CPU time counts the Python and compute work of the step but not time spent blocked in a receive
+    or descheduled by a busy machine, so it compares executors' own costs where wall time is noisy."""
+    times, cpu, events = [], [], []
     for _ in range(steps):
         dist.barrier()
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.thread_time()
         events.append(step())
-        elapsed = torch.tensor([time.perf_counter() - start])
+        elapsed = torch.tensor([time.perf_counter() - start, time.thread_time() - start_cpu])
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        times.append(elapsed.item())
-    return times, events
+        times.append(elapsed[0].item())
+        cpu.append(elapsed[1].item())
+    return times, cpu, events
 
 
 def _worker(
+    config: GPTConfig,
     micro_batches: list[int],
     schedules: list[str],
     rounds: int,
@@ -163,17 +175,19 @@ def _worker(
     try:
         for m in micro_batches:
             for schedule in schedules:
-                contenders = _contenders(world.rank, m, schedule, shm, world.comm)
+                contenders = _contenders(config, world.rank, m, schedule, shm, world.comm)
                 names = list(contenders)
                 for name in names:  # warm-up: shapes, allocator, first-call costs
                     _time(contenders[name][0], warmup)
                 per_round: dict[str, list[float]] = {n: [] for n in names}
+                cpu_round: dict[str, list[float]] = {n: [] for n in names}
                 bubbles: list[float] = []
                 replays: list[float] = []
                 for r in range(rounds):
                     for name in names[r % len(names) :] + names[: r % len(names)]:
-                        times, events = _time(contenders[name][0], steps)
+                        times, cpu, events = _time(contenders[name][0], steps)
                         per_round[name].append(statistics.median(times))
+                        cpu_round[name].append(statistics.median(cpu))
                         if name == "meshwise/gloo" and r == rounds - 1:
                             gathered = [gather_events(world.comm, e) for e in events]
                             if world.rank == 0:
@@ -189,6 +203,7 @@ def _worker(
                             "micro_batches": m,
                             "contender": name,
                             "step_ms": statistics.median(per_round[name]) * 1e3,
+                            "cpu_ms": statistics.median(cpu_round[name]) * 1e3,
                             "ratio_vs_torch": statistics.median(
                                 a / b for a, b in zip(per_round[name], base, strict=True)
                             ),
@@ -210,6 +225,7 @@ def _worker(
 def _save_timeline(directory: str | None, schedule: str, m: int, events: list) -> None:
     if directory is None:
         return
+    Path(directory).mkdir(parents=True, exist_ok=True)
     stem = Path(directory) / f"pipeline_{schedule}_m{m}"
     write_trace(events, f"{stem}.json")
     draw(
@@ -230,13 +246,14 @@ def _percent(value: float | None) -> str:
 
 def _table(rows: list[dict]) -> str:
     lines = [
-        f"{'schedule':>8} {'m':>3} {'contender':>14} {'step ms':>9} {'vs torch':>9} {'target':>7} "
-        f"{'stage0 act MiB':>15} {'bubble':>7} {'replay':>7} {'theory':>7}"
+        f"{'schedule':>8} {'m':>3} {'contender':>14} {'step ms':>9} {'cpu ms':>7} {'vs torch':>9} "
+        f"{'target':>7} {'stage0 act MiB':>15} {'bubble':>7} {'replay':>7} {'theory':>7}"
     ]
     for r in rows:
         target = TARGETS.get(r["contender"])
         lines.append(
             f"{r['schedule']:>8} {r['micro_batches']:>3} {r['contender']:>14} {r['step_ms']:>9.1f} "
+            f"{r['cpu_ms']:>7.1f} "
             f"{r['ratio_vs_torch']:>8.2f}x {('≤' + format(target, '.1f')) if target else '':>7} "
             f"{r['stage0_peak_activation_bytes'] / 2**20:>15.2f} {_percent(r['bubble_measured']):>7} "
             f"{_percent(r['bubble_replayed']):>7} {r['bubble_theory']:>7.1%}"
@@ -253,6 +270,11 @@ def main() -> None:
     parser.add_argument(
         "--steps", type=int, default=3, help="timed steps per contender per round (default 3)"
     )
+    parser.add_argument(
+        "--overhead",
+        action="store_true",
+        help="a GPT so small that compute is negligible: times what the executors themselves cost",
+    )
     parser.add_argument("--json", default=None, help="write the rows as JSON")
     parser.add_argument("--timeline-dir", default=None, help="write pipeline_<schedule>_m<m>.{json,png} here")
     args = parser.parse_args()
@@ -263,12 +285,13 @@ def main() -> None:
         parser.error(
             f"--schedules: {sorted(unknown)} not comparable; choose from {', '.join(TORCH_SCHEDULES)}"
         )
-    work = (ms, schedules, args.rounds, args.steps, args.warmup, args.timeline_dir)
+    config = OVERHEAD_CONFIG if args.overhead else CONFIG
+    work = (config, ms, schedules, args.rounds, args.steps, args.warmup, args.timeline_dir)
     rows = spawn(_worker, 2, args=work, timeout=1800)[0]
     print(_table(rows))
     if args.json:
         Path(args.json).write_text(
-            json.dumps({"config": CONFIG.__dict__, "micro_batch": MICRO, "rows": rows}, indent=2)
+            json.dumps({"config": config.__dict__, "micro_batch": MICRO, "rows": rows}, indent=2)
         )
 
 

@@ -113,8 +113,23 @@ def test_pipeline_times_data_parallel_checkpoints_and_samples(
         ({"nproc": 2, "pp": 2, "micro_batch": 2}, "not both"),
         ({"micro_batches": 3}, "--micro-batches 3 does not divide the per-rank batch 8"),
         ({"schedule": "zb", "timeline": "x.png"}, "--schedule --timeline configure pipeline parallelism"),
+        ({"nproc": 4, "pp": 2, "tp": 2, "sample": 5}, "--sample is not available with --pp and --tp"),
+        (
+            {"nproc": 4, "pp": 2, "tp": 2, "checkpoint": "ckpt"},
+            "--checkpoint is not available with --pp and --tp",
+        ),
+        ({"nproc": 4, "pp": 2, "tp": 2, "export_hf": "hf"}, "--export-hf is not available with --pp and"),
     ],
 )
 def test_bad_pipeline_flags_are_refused_before_launch(text: str, overrides: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         _tiny(text, **overrides).validate()
+
+
+def test_pipeline_times_tensor_parallel_training_matches_one_process(text: str, reference: GPTResult) -> None:
+    """``--pp 2 --tp 2 --sp`` on 4 ranks: the whole loop (AdamW, clipping over shards, validation with the
+    vocabulary-parallel loss) equals the one-process run."""
+    mixed = run_gpt_training(_tiny(text, nproc=4, pp=2, tp=2, sp=True, schedule="1f1b"))
+    assert mixed is not None
+    assert mixed.mesh == "dp=1 tp=2 pp=2" and mixed.parameters == reference.parameters
+    _assert_same_run(mixed, reference)

@@ -15,7 +15,8 @@ SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_pipeline
 def test_bench_pipeline_writes_every_contender(tmp_path):
     out = tmp_path / "pipeline.json"
     args = ["--schedules", "1f1b", "--warmup", "0", "--micro-batches", "2", "--rounds", "1", "--steps", "1"]
-    args += ["--json", str(out), "--timeline-dir", str(tmp_path)]
+    timelines = tmp_path / "timelines"  # created by the benchmark
+    args += ["--overhead", "--json", str(out), "--timeline-dir", str(timelines)]
     done = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=160)
     assert done.returncode == 0, done.stdout + done.stderr
     rows = json.loads(out.read_text())["rows"]
@@ -26,5 +27,6 @@ def test_bench_pipeline_writes_every_contender(tmp_path):
     ours = [r for r in rows if r["contender"] == "meshwise/gloo"]
     assert all(0 <= r["bubble_measured"] < 1 and r["bubble_theory"] == 1 / 3 for r in ours)
     assert all(0 <= r["bubble_replayed"] <= r["bubble_measured"] + 1e-9 for r in ours)
-    assert (tmp_path / "pipeline_1f1b_m2.png").exists() and (tmp_path / "pipeline_1f1b_m2.json").exists()
+    assert (timelines / "pipeline_1f1b_m2.png").exists() and (timelines / "pipeline_1f1b_m2.json").exists()
+    assert json.loads(out.read_text())["config"]["hidden"] == 16  # --overhead's model
     assert "torch/gloo" in done.stdout

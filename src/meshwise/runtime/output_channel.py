@@ -15,12 +15,15 @@ its rank too.
 
 Costs, measured in benchmarks/bench_run_output.py: the kernel queues at most ``net.unix.max_dgram_qlen``
 datagrams (10 by default) before a writer blocks, so a rank printing as fast as it can waits for the
-launcher more often than with a 64 KiB pipe; a single write larger than the socket send buffer (raised
-here to the kernel's ``net.core.wmem_max``) fails with EMSGSIZE instead of being split.
+launcher more often than with a 64 KiB pipe; a single write larger than the socket send buffer fails
+with EMSGSIZE instead of being split. That buffer is raised to 8 MiB where the launcher may
+(CAP_NET_ADMIN) and otherwise to the kernel's ``net.core.wmem_max`` (416 KiB writes on a default kernel);
+past about 4 MiB the kernel cannot allocate one datagram at all (ENOBUFS), whatever the buffer.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import socket
@@ -30,8 +33,10 @@ from pathlib import Path
 
 #: requested send buffer; the kernel caps it at net.core.wmem_max (its doubled value is the largest
 #: single write a worker can make).
-_SEND_BUFFER = 64 << 20
+_SEND_BUFFER = 8 << 20
 _STREAMS = ("out", "err")
+#: <asm-generic/socket.h>; Python's socket module does not export it
+_LINUX_SO_SNDBUFFORCE = 32
 
 
 class OutputChannel:
@@ -64,7 +69,7 @@ class OutputChannel:
         for stream in _STREAMS:
             name = f"{rank}.{stream}" if self._directory is not None else f"{rank}/{stream}"
             sender = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-            sender.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SEND_BUFFER)
+            _raise_send_buffer(sender)
             sender.bind(self._address(name))
             sender.connect(self._address("launcher"))
             self._names[_decoded(sender.getsockname())] = (rank, stream == "err")
@@ -90,6 +95,21 @@ class OutputChannel:
         self._socket.close()
         if self._directory is not None:
             self._directory.cleanup()
+
+
+def _raise_send_buffer(sender: socket.socket) -> None:
+    """As large a send buffer as allowed: it bounds the largest single write a worker can make.
+
+    SO_SNDBUF is capped at ``net.core.wmem_max`` (212,992 B on a default kernel, so 416 KiB writes);
+    a launcher with CAP_NET_ADMIN (root, as on CI and in most containers) may pass that cap with
+    SO_SNDBUFFORCE, so ``print`` of a multi-megabyte string still goes through as one datagram.
+    """
+    sender.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SEND_BUFFER)
+    linux = sys.platform.startswith("linux")
+    force = getattr(socket, "SO_SNDBUFFORCE", _LINUX_SO_SNDBUFFORCE if linux else None)
+    if force is not None and sender.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) < _SEND_BUFFER:
+        with contextlib.suppress(PermissionError, OSError):
+            sender.setsockopt(socket.SOL_SOCKET, force, _SEND_BUFFER)
 
 
 def _decoded(address: str | bytes) -> str:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
+from functools import partial
 
 import torch
 
@@ -17,6 +19,7 @@ from meshwise.parallel.pipeline_parallel.partition import (
     tied_parameters,
 )
 from meshwise.parallel.pipeline_parallel.schedules import build_schedule, validate
+from meshwise.parallel.tensor_parallel import tensor_parallel, vocab_parallel_cross_entropy
 
 
 def validate_pipeline(
@@ -35,20 +38,36 @@ def pipeline_gpt(
     micro_batches: int,
     virtual_stages: int = 1,
     dp: Communicator | None = None,
+    tp: Communicator | None = None,
+    sequence_parallel: bool = False,
     layers_per_chunk: Sequence[int] | None = None,
 ) -> tuple[PipelineExecutor, list[GPTChunk]]:
     """This rank's chunks of ``model`` and the executor that trains them.
 
     Every rank passes the same ``model`` (same seed): the chunks are cut from it, so the stages start from
     exactly the weights a one-process run would. Optimise the returned chunks' parameters.
+
+    With ``tp`` (this rank's tensor-parallel group, a stage's ranks) each stage is tensor parallel inside
+    it: a copy of the model is sharded by :func:`tensor_parallel` first, then cut, so rank ``r`` of a
+    stage's tp group exchanges activations with rank ``r`` of its neighbours' (its own ``pp`` group) —
+    the replicated hidden states, or with ``sequence_parallel`` its shard of the sequence — and the last
+    stage's loss is the vocabulary-parallel cross-entropy.
     """
     stages = pp.world_size
     validate_pipeline(model.config, stages, micro_batches, schedule, virtual_stages)
     plan = build_schedule(schedule, stages, micro_batches, virtual_stages)
-    local = chunks_of_rank(partition(model, stages, virtual_stages, layers_per_chunk), pp.rank, stages)
-    executor = PipelineExecutor(
-        local, plan, pp, GPTChunk.loss, dp=dp, tied=tied_parameters(local) if stages > 1 else ()
-    )
+    loss = GPTChunk.loss
+    sharded = tp is not None and tp.world_size > 1
+    if sharded:
+        model = tensor_parallel(copy.deepcopy(model), tp, sequence_parallel=sequence_parallel)
+        loss = partial(vocab_parallel_cross_entropy, comm=tp, vocab=model.config.vocab)
+    elif sequence_parallel:
+        raise ValueError("sequence parallelism splits the sequence across tensor-parallel ranks: pass tp")
+    shards = tp.world_size if sharded and sequence_parallel else 1  # type: ignore[union-attr]
+    cut = partition(model, stages, virtual_stages, layers_per_chunk, in_place=sharded, sequence_shards=shards)
+    local = chunks_of_rank(cut, pp.rank, stages)
+    tied = tied_parameters(local) if stages > 1 else ()
+    executor = PipelineExecutor(local, plan, pp, loss, dp=dp, tied=tied)
     return executor, local
 
 

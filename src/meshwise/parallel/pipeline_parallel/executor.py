@@ -1,10 +1,12 @@
 """Run a pipeline :class:`Schedule` on this rank's chunks over a Communicator.
 
-Per step: the instruction list is executed in order. Consecutive transfers are posted together — every
-``isend`` and ``irecv`` at once, then the receives waited in order — so where a rank sends an activation
-forward and receives a gradient back (1F1B's steady state) both directions are in flight together; sends
-are never waited until the end of the step, so neighbours cannot deadlock on each other. Activation
-shapes are exchanged once, along the chain of chunks, on the first step.
+Per step: the instruction list is executed in order. Sends are posted (``isend``) as soon as their data
+is computed and never waited until the end of the step, so neighbours cannot deadlock on each other.
+Receives are posted *ahead of need*: the next :data:`RECV_LOOKAHEAD` receives of the program are always
+in flight, so a message lands while this rank computes and the wait before the compute that needs it is
+usually zero (posted in program order, so messages between a pair still match in order). Activation
+shapes are exchanged once, along the chain of chunks, on the first step; the loss stays a tensor until
+the step ends (no device synchronisation per micro-batch).
 
 The loss is computed on the last chunk, scaled by 1/m so that gradients accumulated over the micro-batches
 equal those of the whole batch. After the last backward: the tied embedding/head gradient is summed between
@@ -24,6 +26,7 @@ may still hold messages nobody received: build a new communicator (restart the j
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -38,6 +41,10 @@ from meshwise.parallel.pipeline_parallel.split_backward import SplitBackward, Sp
 _HEADER = 3  # status, chunk, micro-batch
 _MAX_DIMS = 8
 _WAIT_WORTH_RECORDING = 20e-6  # seconds; shorter receive waits would only clutter the trace
+#: Receives kept posted ahead of the compute that needs them: one per neighbour direction in 1F1B's
+#: steady state (an activation from the previous stage, a gradient from the next), at the memory cost of
+#: that many boundary-sized buffers.
+RECV_LOOKAHEAD = 2
 
 
 _LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -108,6 +115,8 @@ class PipelineExecutor:
         self._input_shape: torch.Size | None = None
         self._params = chunk_parameters(chunks)
         self._neighbours = {i.peer for i in schedule.ranks[self.rank] if i.peer is not None}
+        self._receives = [i for i in schedule.ranks[self.rank] if i.op in (Op.RECV_ACT, Op.RECV_GRAD)]
+        self._tied_peer = 0 if self.rank == schedule.stages - 1 else schedule.stages - 1
 
     # ------------------------------------------------------------------ public
     def step(
@@ -133,7 +142,7 @@ class PipelineExecutor:
         if failure is not None:
             raise failure
         self._wait_all(run.sends)
-        loss = self._sync_gradients(loss)
+        loss = self._sync_gradients(run, loss)
         return StepResult(loss, run.events, run.peak_bytes)
 
     @torch.no_grad()
@@ -173,31 +182,32 @@ class PipelineExecutor:
     def _run(self, run: _StepState) -> None:
         program = self.schedule.ranks[self.rank]
         run.t0 = time.perf_counter() - time.time()  # perf_counter() - t0: wall clock, perf_counter resolution
-        i = 0
-        while i < len(program):
-            j = i
-            while j < len(program) and program[j].op not in (Op.FORWARD, Op.BACKWARD, Op.WEIGHT):
-                j += 1
-            if j > i:
-                self._transfer(run, program[i:j])
-                i = j
-                continue
-            ins = program[i]
-            run.current = (ins.chunk, ins.micro_batch)
-            start = time.perf_counter()
-            self._compute(run, ins)
-            run.events.append(
-                Event(
-                    self.rank,
-                    ins.op.value,
-                    ins.micro_batch,
-                    ins.chunk,
-                    start - run.t0,
-                    time.perf_counter() - run.t0,
+        self._post_receives(run, RECV_LOOKAHEAD)
+        for ins in program:
+            if ins.op in (Op.SEND_ACT, Op.SEND_GRAD):
+                self._send(run, ins)
+            elif ins.op in (Op.RECV_ACT, Op.RECV_GRAD):
+                self._receive(run, ins)
+            else:
+                run.current = (ins.chunk, ins.micro_batch)
+                start = time.perf_counter()
+                self._compute(run, ins)
+                end = time.perf_counter()
+                run.events.append(
+                    Event(self.rank, ins.op.value, ins.micro_batch, ins.chunk, start - run.t0, end - run.t0)
                 )
-            )
-            run.sends = [(w, t) for w, t in run.sends if not w.is_completed()]  # also drives progress
-            i += 1
+                self._post_receives(run, RECV_LOOKAHEAD)
+                run.sends = [(w, t) for w, t in run.sends if not w.is_completed()]  # also drives progress
+        run.loss = float(run.loss_sum.item()) if run.loss_sum is not None else 0.0
+        self._post_tied(run)
+
+    def _post_tied(self, run: _StepState) -> None:
+        """Send the tied weight's gradient as soon as this rank's last backward is done: the last stage
+        finishes long before the first, so its half has arrived by the time the first stage (the last
+        rank to finish a step) asks for it. The receive is posted only after the status all-reduce, so it
+        can never take a failing neighbour's poison message in place of the gradient."""
+        if self.tied:
+            run.tied_works = [self.pp.isend(_grad(p), self._tied_peer) for p in self.tied]
 
     def _compute(self, run: _StepState, ins: Instruction) -> None:
         c, k = ins.chunk, ins.micro_batch
@@ -210,7 +220,8 @@ class PipelineExecutor:
                 out = chunk(x)
             if last:
                 out = self.loss_fn(out, run.targets[k]) / self.schedule.micro_batches  # type: ignore[index]
-                run.loss += out.item()
+                loss = out.detach()
+                run.loss_sum = loss if run.loss_sum is None else run.loss_sum + loss
             elif self.schedule.owner(c + 1) == self.rank:  # next chunk on this rank: hand over directly
                 run.received[(Op.RECV_ACT, c + 1, k)] = out.detach().requires_grad_()
             run.saved[(c, k)] = (x, out)
@@ -241,39 +252,44 @@ class PipelineExecutor:
         run.held_bytes -= _bytes(x) + _bytes(out)
 
     # ------------------------------------------------------------------ transfers
-    def _transfer(self, run: _StepState, group: Sequence[Instruction]) -> None:
-        recvs: list[tuple[Instruction, torch.Tensor, Work]] = []
-        for ins in group:
-            if ins.op in (Op.SEND_ACT, Op.SEND_GRAD):
-                run.current = (ins.chunk, ins.micro_batch)
-                data = (
-                    run.saved[(ins.chunk, ins.micro_batch)][1]
-                    if ins.op is Op.SEND_ACT
-                    else run.grads.pop((ins.chunk, ins.micro_batch))
-                )
-                buffer = _pack(data.detach(), self.dtype)
-                run.sends.append((self.pp.isend(buffer, ins.peer), buffer))  # type: ignore[arg-type]
-        for ins in group:
-            if ins.op in (Op.RECV_ACT, Op.RECV_GRAD):
-                buffer = torch.empty(self._boundary(ins).numel() + _HEADER, dtype=self.dtype)
-                recvs.append((ins, buffer, self.pp.irecv(buffer, ins.peer)))  # type: ignore[arg-type]
-        for ins, buffer, work in recvs:
-            run.current = (ins.chunk, ins.micro_batch)
-            start = time.perf_counter()
-            work.wait()
-            end = time.perf_counter()
-            if end - start > _WAIT_WORTH_RECORDING:
-                run.events.append(
-                    Event(self.rank, "wait", ins.micro_batch, ins.chunk, start - run.t0, end - run.t0)
-                )
-            status, chunk, k = buffer[-_HEADER:].tolist()
-            if status:
-                run.poison_from = ins.peer
-                raise PipelineFailure(self.schedule.owner(int(chunk)), int(chunk), int(k))
-            tensor = buffer[:-_HEADER].view(self._boundary(ins))
-            run.received[(ins.op, ins.chunk, ins.micro_batch)] = (
-                tensor.requires_grad_() if ins.op is Op.RECV_ACT else tensor
+    def _send(self, run: _StepState, ins: Instruction) -> None:
+        run.current = (ins.chunk, ins.micro_batch)
+        data = (
+            run.saved[(ins.chunk, ins.micro_batch)][1]
+            if ins.op is Op.SEND_ACT
+            else run.grads.pop((ins.chunk, ins.micro_batch))
+        )
+        buffer = _pack(data.detach(), self.dtype)
+        run.sends.append((self.pp.isend(buffer, ins.peer), buffer))  # type: ignore[arg-type]
+
+    def _post_receives(self, run: _StepState, ahead: int) -> None:
+        """Post the program's next receives, in program order, until ``ahead`` are in flight."""
+        while len(run.posted) < ahead and run.next_receive < len(self._receives):
+            ins = self._receives[run.next_receive]
+            buffer = torch.empty(self._boundary(ins).numel() + _HEADER, dtype=self.dtype)
+            run.posted.append((ins, buffer, self.pp.irecv(buffer, ins.peer)))  # type: ignore[arg-type]
+            run.next_receive += 1
+
+    def _receive(self, run: _StepState, ins: Instruction) -> None:
+        run.current = (ins.chunk, ins.micro_batch)
+        posted, buffer, work = run.posted.popleft()  # topped up after every instruction: never empty here
+        assert posted is ins, f"receive {ins} out of program order (posted {posted})"
+        start = time.perf_counter()
+        work.wait()
+        end = time.perf_counter()
+        if end - start > _WAIT_WORTH_RECORDING:
+            run.events.append(
+                Event(self.rank, "wait", ins.micro_batch, ins.chunk, start - run.t0, end - run.t0)
             )
+        status, chunk, k = buffer[-_HEADER:].tolist()
+        if status:
+            run.poison_from = ins.peer
+            raise PipelineFailure(self.schedule.owner(int(chunk)), int(chunk), int(k))
+        tensor = buffer[:-_HEADER].view(self._boundary(ins))
+        run.received[(ins.op, ins.chunk, ins.micro_batch)] = (
+            tensor.requires_grad_() if ins.op is Op.RECV_ACT else tensor
+        )
+        self._post_receives(run, RECV_LOOKAHEAD)
 
     def _boundary(self, ins: Instruction) -> torch.Size:
         """Shape of what a receive gets: the previous chunk's output, or the gradient of this one's."""
@@ -310,17 +326,14 @@ class PipelineExecutor:
         sends.clear()
 
     # ------------------------------------------------------------------ gradients
-    def _sync_gradients(self, loss: float) -> float:
-        """Sum the tied weight's two copies, then average every gradient (and the loss) over dp."""
-        if self.tied:
-            peer = 0 if self.rank == self.schedule.stages - 1 else self.schedule.stages - 1
-            theirs = [torch.empty_like(p) for p in self.tied]
-            works = [self.pp.isend(_grad(p), peer) for p in self.tied]
-            works += [self.pp.irecv(t, peer) for t in theirs]
-            for w in works:
-                w.wait()
-            for p, t in zip(self.tied, theirs, strict=True):
-                _grad(p).add_(t)
+    def _sync_gradients(self, run: _StepState, loss: float) -> float:
+        """Sum the tied weight's two copies (exchange posted by :meth:`_post_tied`), then average every
+        gradient (and the loss) over dp."""
+        theirs = [torch.empty_like(p) for p in self.tied]
+        for w in run.tied_works + [self.pp.irecv(t, self._tied_peer) for t in theirs]:
+            w.wait()
+        for p, t in zip(self.tied, theirs, strict=True):
+            _grad(p).add_(t)
         if self.dp is not None and self.dp.world_size > 1:
             grads = [_grad(p) for p in self._params]
             flat = torch.cat([g.reshape(-1) for g in grads] + [torch.tensor([loss], dtype=grads[0].dtype)])
@@ -398,6 +411,10 @@ class _StepState:
         self.grads: dict[tuple[int, int], torch.Tensor] = {}
         self.records: dict[tuple[int, int], SplitRecord] = {}
         self.sends: list[tuple[Work, torch.Tensor]] = []
+        self.posted: deque[tuple[Instruction, torch.Tensor, Work]] = deque()  # receives in flight, in order
+        self.next_receive = 0  # index of the next receive of the program to post
+        self.loss_sum: torch.Tensor | None = None
+        self.tied_works: list[Work] = []  # sends of this rank's tied gradient
         self.events: list[Event] = []
         self.current: tuple[int, int] = (0, 0)
         self.poison_from: int | None = None

@@ -23,16 +23,28 @@ import torch
 from torch import nn
 
 from meshwise.models.gpt import GPT, language_model_loss
+from meshwise.parallel.tensor_parallel.layers import SHARD_DIM, ColumnParallelLinear, shard_dim
 
 
 class GPTChunk(nn.Module):
     """A contiguous slice of a GPT: ``forward`` maps tokens or hidden states to hidden states or logits."""
 
-    def __init__(self, model: GPT, start: int, end: int, *, first: bool, last: bool, tied_here: bool) -> None:
+    def __init__(
+        self,
+        model: GPT,
+        start: int,
+        end: int,
+        *,
+        first: bool,
+        last: bool,
+        tied_here: bool,
+        sequence_shards: int = 1,
+    ) -> None:
         super().__init__()
         self.first, self.last = first, last
         self.start, self.end = start, end
         self.config = model.config
+        self.sequence_shards = sequence_shards
         if first:
             self.wte, self.wpe, self.drop = model.wte, model.wpe, model.drop
         self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in range(start, end)})
@@ -50,17 +62,28 @@ class GPTChunk(nn.Module):
         return x
 
     def output_shape(self, input_shape: torch.Size) -> torch.Size:
-        """Shape of the hidden states this chunk hands to the next: (batch, seq, hidden)."""
-        return torch.Size([*input_shape[:2], self.config.hidden])
+        """Shape of the hidden states this chunk hands to the next: (batch, seq, hidden), with ``seq`` this
+        rank's shard of the sequence under sequence parallelism (the first chunk's embedding splits it)."""
+        seq = input_shape[1] // self.sequence_shards if self.first else input_shape[1]
+        return torch.Size([input_shape[0], seq, self.config.hidden])
 
     @staticmethod
     def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return language_model_loss(logits, targets)
 
 
-def _untied_head(model: GPT) -> nn.Linear:
-    head = nn.Linear(model.config.hidden, model.config.vocab, bias=False, device=model.wte.weight.device)
-    head.weight = nn.Parameter(model.wte.weight.detach().clone())
+def _untied_head(model: GPT) -> nn.Module:
+    """The last stage's own copy of the head: a plain Linear, or this rank's vocabulary rows of a
+    tensor-parallel one (the same slice of the tied matrix the first stage's embedding holds)."""
+    weight = nn.Parameter(model.wte.weight.detach().clone())
+    if isinstance(model.head, ColumnParallelLinear):
+        setattr(weight, SHARD_DIM, shard_dim(model.wte.weight))
+        head = model.head
+        return ColumnParallelLinear.from_shards(
+            weight, None, head.comm, sequence_parallel=head.sequence_parallel
+        )
+    head = nn.Linear(model.config.hidden, model.config.vocab, bias=False, device=weight.device)
+    head.weight = weight
     return head
 
 
@@ -113,12 +136,20 @@ def check_layers(layers: int, chunks: int) -> None:
 
 
 def partition(
-    model: GPT, stages: int, virtual_stages: int = 1, layers_per_chunk: Sequence[int] | None = None
+    model: GPT,
+    stages: int,
+    virtual_stages: int = 1,
+    layers_per_chunk: Sequence[int] | None = None,
+    *,
+    in_place: bool = False,
+    sequence_shards: int = 1,
 ) -> list[GPTChunk]:
     """Every chunk of ``model`` (chunk c runs on rank c % stages), cut from a copy of it.
 
     ``layers_per_chunk`` fixes the blocks of each chunk explicitly; by default they are balanced by
-    parameter count.
+    parameter count. ``in_place=True`` cuts ``model`` itself: for a tensor-parallel model, whose layers
+    hold a communicator that must not be copied. ``sequence_shards`` is the tp size under sequence
+    parallelism (chunks then hand over their rank's shard of the sequence).
     """
     chunks = stages * virtual_stages
     layers = model.config.layers
@@ -133,13 +164,22 @@ def partition(
                 f"layers per chunk {sizes} must be {chunks} positive counts (pp × virtual stages) summing to "
                 f"the model's {layers} layers"
             )
-    model = copy.deepcopy(model)
+    if not in_place:
+        model = copy.deepcopy(model)
     bounds, start = [], 0
     for size in sizes:
         bounds.append((start, start + size))
         start += size
     return [
-        GPTChunk(model, a, b, first=c == 0, last=c == chunks - 1, tied_here=stages == 1)
+        GPTChunk(
+            model,
+            a,
+            b,
+            first=c == 0,
+            last=c == chunks - 1,
+            tied_here=stages == 1,
+            sequence_shards=sequence_shards,
+        )
         for c, (a, b) in enumerate(bounds)
     ]
 

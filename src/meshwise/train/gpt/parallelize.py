@@ -245,5 +245,5 @@ def parallelize(model: GPT, mesh: Mesh, config: GPTTrainConfig) -> ParallelStep:
 from meshwise.train.gpt.pipeline_step import PipelineStep  # noqa: E402
 from meshwise.train.gpt.zero_step import ZeroStep  # noqa: E402
 
-STRATEGIES["pp"] = PipelineStep
+STRATEGIES["pp"] = STRATEGIES["tp+pp"] = STRATEGIES["tp+pp+sp"] = PipelineStep
 STRATEGIES["zero"] = ZeroStep

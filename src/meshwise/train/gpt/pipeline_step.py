@@ -1,4 +1,4 @@
-"""``--pp``: the GPT training loop's step on a pipeline (× data parallel) mesh.
+"""``--pp``: the GPT training loop's step on a pipeline (× tensor parallel × data parallel) mesh.
 
 Each rank keeps only its chunks of the model (cut by :mod:`meshwise.parallel.pipeline_parallel`), and one
 ``forward_backward`` is one pipeline step over the rank's micro-batches with the chosen schedule; the
@@ -24,6 +24,7 @@ from meshwise.parallel.pipeline_parallel.builder import pipeline_gpt
 from meshwise.parallel.pipeline_parallel.executor import Event
 from meshwise.parallel.pipeline_parallel.partition import GPTChunk
 from meshwise.parallel.pipeline_parallel.timeline import COMPUTE_OPS, draw, gather_events
+from meshwise.parallel.tensor_parallel import shard_dim, vocab_parallel_cross_entropy
 from meshwise.train.gpt.config import GPTTrainConfig
 from meshwise.train.gpt.parallelize import Batch, ParallelStep, build_optimizer
 from meshwise.train.gpt.pipeline_state import (
@@ -54,6 +55,8 @@ class PipelineStep(ParallelStep):
     """Pipeline parallelism (``--pp``, ``--schedule``, ``--virtual-stages``) for the GPT loop."""
 
     def __init__(self, model: GPT, mesh: Mesh, config: GPTTrainConfig) -> None:
+        """With ``--tp`` every stage is tensor parallel (± ``--sp``) inside ``mesh.tp``; the gradient norm
+        then sums the squares of shards over tp, replicated parameters counted once."""
         super().__init__(config, next(model.parameters()).device)
         self.mesh, self.config = mesh, config
         micro_batches = config.accumulation(mesh.shape.dp)
@@ -64,6 +67,8 @@ class PipelineStep(ParallelStep):
             micro_batches=micro_batches,
             virtual_stages=config.virtual_stages,
             dp=mesh.dp,
+            tp=mesh.tp,
+            sequence_parallel=config.sp,
         )
         self.model = StageModule(self.chunks)
         self.optimizer = build_optimizer(self.model, config)
@@ -89,10 +94,12 @@ class PipelineStep(ParallelStep):
     def clip_grad_norm(self, max_norm: float) -> float:
         params = chunk_parameters(self.chunks)
         counted = [p for p in params if not (self.mesh.shape.pp > 1 and self._is_head_copy(p))]
-        squares = torch.zeros(1, dtype=torch.float64)
+        squares = torch.zeros(2, dtype=torch.float64)  # [tp shards, replicated over tp]
         for p in counted:
             if p.grad is not None:
-                squares += p.grad.double().square().sum()
+                squares[int(shard_dim(p) is None)] += p.grad.double().square().sum()
+        self.mesh.tp.all_reduce(squares[:1], ReduceOp.SUM)
+        squares = squares.sum(0, keepdim=True)
         self.mesh.pp.all_reduce(squares, ReduceOp.SUM)
         norm = math.sqrt(squares.item())
         if max_norm > 0:
@@ -109,6 +116,11 @@ class PipelineStep(ParallelStep):
     @torch.no_grad()
     def eval_loss_sum(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         def loss_sum(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            if self.mesh.shape.tp > 1:  # this rank's vocabulary slice of the logits
+                vocab = self._shape_model.config.vocab
+                return vocab_parallel_cross_entropy(
+                    logits.float(), y, self.mesh.tp, vocab=vocab, reduction="sum"
+                )
             return torch.nn.functional.cross_entropy(
                 logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="sum"
             )
