@@ -32,6 +32,7 @@ from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetada
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from meshwise.parallel.zero.flat import FlatGroup
+from meshwise.parallel.zero.rectangles import boxes
 from meshwise.parallel.zero.sharded import ShardedModel
 
 _MARKER = ".metadata"  # the file DCP writes last: its presence means a complete checkpoint
@@ -55,13 +56,13 @@ def save_sharded(
     scalars: dict[str, torch.Tensor] = {}
     for group, names in zip(model.groups, model.param_names, strict=True):
         for index, name in enumerate(names):
-            state[f"model.{name}"] = _sharded(group, index, group.master.detach())
+            state[f"model.{name}"] = sharded_tensor(group, index, group.master.detach())
         for key, value in (optimizer.state.get(group.master, {}) if optimizer else {}).items():
             if not isinstance(value, torch.Tensor):
                 continue
             if value.numel() == group.master.numel():
                 for index, name in enumerate(names):
-                    state[f"optim.{name}.{key}"] = _sharded(group, index, value.reshape(-1))
+                    state[f"optim.{name}.{key}"] = sharded_tensor(group, index, value.reshape(-1))
             else:
                 scalars.setdefault(f"optim.{key}", value.detach().clone())
     state.update(scalars)
@@ -83,7 +84,7 @@ def load_sharded(model: ShardedModel, optimizer: torch.optim.Optimizer | None, d
     state: dict[str, Any] = {}
     for group, names, flat in zip(model.groups, model.param_names, staging, strict=True):
         for index, name in enumerate(names):
-            state[f"model.{name}"] = _sharded(group, index, flat)
+            state[f"model.{name}"] = sharded_tensor(group, index, flat)
     per_element: dict[tuple[int, str], torch.Tensor] = {}
     if optimizer is not None:
         held = {id(p) for p in _params_of(optimizer)}
@@ -92,7 +93,7 @@ def load_sharded(model: ShardedModel, optimizer: torch.optim.Optimizer | None, d
             for key in sorted(keys) if id(group.master) in held else ():
                 flat = per_element[(gi, key)] = torch.zeros_like(group.master.detach())
                 for index, name in enumerate(names):
-                    state[f"optim.{name}.{key}"] = _sharded(group, index, flat)
+                    state[f"optim.{name}.{key}"] = sharded_tensor(group, index, flat)
         for key in stored:
             if key.startswith("optim.") and key.count(".") == 1:
                 state[key] = torch.zeros(stored[key].size, dtype=stored[key].properties.dtype)
@@ -153,27 +154,35 @@ def export_full(model: ShardedModel, path: str | Path) -> Path | None:
 
 
 # ---------------------------------------------------------------------- helpers
-def _sharded(group: FlatGroup, index: int, flat: torch.Tensor) -> ShardedTensor:
-    """Parameter ``index`` of ``group`` as a 1-D ShardedTensor whose local shards are views of ``flat``
-    (this rank's flat shard of a parameter-shaped quantity: the master, a moment, a staging buffer)."""
+def sharded_tensor(
+    group: FlatGroup, index: int, flat: torch.Tensor, shape: tuple[int, ...] | None = None
+) -> ShardedTensor:
+    """Parameter ``index`` of ``group`` as a ShardedTensor of ``shape`` (default: 1-D, its ``numel``
+    elements) whose local shards are views of ``flat`` (this rank's flat shard of a parameter-shaped
+    quantity: the master, a moment, a staging buffer). Each rank's piece of the parameter becomes the
+    :func:`~.rectangles.boxes` covering it, computed from the layout every rank knows, so no metadata
+    is exchanged and padding is never part of a shard."""
     layout = group.layout
     numel = layout.numels[index]
+    shape = (numel,) if shape is None else tuple(shape)
     device = flat.device.type
     metadata, local = [], []
     for rank in range(layout.world_size):
         for piece in layout.pieces(rank):
             if piece.param != index:
                 continue
-            metadata.append(ShardMetadata([piece.param_start], [piece.numel], f"rank:{rank}/{device}"))
-            if rank == group.comm.rank:
-                view = flat[piece.shard_start : piece.shard_start + piece.numel]
-                local.append(Shard(view, metadata[-1]))
+            for box in boxes(shape, piece.param_start, piece.param_start + piece.numel):
+                metadata.append(ShardMetadata(list(box.offsets), list(box.sizes), f"rank:{rank}/{device}"))
+                if rank == group.comm.rank:
+                    begin = piece.shard_start + box.flat_start - piece.param_start
+                    view = flat[begin : begin + box.numel].view(box.sizes)
+                    local.append(Shard(view, metadata[-1]))
     if not metadata:  # an empty parameter: one empty chunk on rank 0 keeps DCP's bookkeeping whole
-        metadata.append(ShardMetadata([0], [0], f"rank:0/{device}"))
+        metadata.append(ShardMetadata([0] * len(shape), list(shape), f"rank:0/{device}"))
         if group.comm.rank == 0:
-            local.append(Shard(flat[:0], metadata[-1]))
+            local.append(Shard(flat[:0].view(shape), metadata[-1]))
     properties = TensorProperties(dtype=flat.dtype)
-    global_metadata = ShardedTensorMetadata(metadata, torch.Size([numel]), properties)
+    global_metadata = ShardedTensorMetadata(metadata, torch.Size(shape), properties)
     return ShardedTensor._init_from_local_shards_and_global_metadata(local, global_metadata)
 
 

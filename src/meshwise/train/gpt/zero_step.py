@@ -12,10 +12,10 @@ seam's contract asks of a sharded strategy, and how it is met here:
   ``--dtype fp16`` does the same in float16 with a :class:`~meshwise.parallel.zero.LossScaler`: the loss
   is scaled before backward, the shards unscaled in float32 before clipping, and a step whose gradient
   overflowed on any rank is skipped on every rank (the loop's ``optimizer.step()`` then finds no gradient);
-- checkpoints hold full tensors under the plain model's names, model and AdamW state alike — the layout
-  of a data-parallel checkpoint — so a run resumes under any stage, as plain data parallelism, or on
-  another number of ranks; each rank keeps only its slice on load. Saving gathers each tensor whole on
-  every rank for the moment it is written (a sharded-on-disk layout is ``parallel.zero.checkpoint``'s);
+- checkpoints use the plain model's names and shapes, model and AdamW state alike — the layout of a
+  data-parallel checkpoint — so a run resumes under any stage, as plain data parallelism, or on another
+  number of ranks; but each tensor is a ``ShardedTensor`` of the rectangles of this rank's flat range,
+  so every rank writes and reads only its own elements (never a whole tensor, never padding);
 - ``full_model()`` gathers a plain GPT (collective: every rank calls it; ``--sample`` uses rank 0's).
 """
 
@@ -32,6 +32,7 @@ from torch import nn
 from meshwise.comm.mesh import Mesh
 from meshwise.models.gpt import GPT, language_model_loss
 from meshwise.parallel.zero import LossScaler, shard
+from meshwise.parallel.zero.checkpoint import sharded_tensor
 from meshwise.parallel.zero.memory import rank_lines
 from meshwise.train.gpt.config import GPTTrainConfig
 from meshwise.train.gpt.parallelize import Batch, ParallelStep, init_optimizer_state
@@ -125,47 +126,56 @@ class ZeroStep(ParallelStep):
         return [name for master in masters for name in of[id(master)]]
 
     def state_dict(self) -> dict[str, Any]:
-        """Full tensors by the plain model's names (collective: every rank gathers, every rank returns)."""
+        """The data-parallel checkpoint layout — ``model[name]`` and ``optim.state[name][key]`` shaped like
+        the plain parameter — where each tensor is a ``ShardedTensor`` whose local shards are views of
+        this rank's master shard (or AdamW moment): DCP writes only this rank's elements, and loading into
+        this dict reads only the ranges this rank's layout needs, in place. No rank ever holds a whole
+        tensor, which is the point of ZeRO when a model does not fit. The scalar ``step`` is replicated.
+        :meth:`load_state_dict` expects this dict back, filled by ``dcp.load``."""
         init_optimizer_state(self.optimizer)
         sharded = self.model
         state: dict[str, dict[str, Any]] = {}
+        params: dict[int, Any] = {}
         for group, names in zip(sharded.groups, sharded.param_names, strict=True):
-            for key, value in self.optimizer.state[group.master].items():
-                full = _gather(sharded, group, value) if _per_element(value, group.master) else None
-                for name, param, offset in zip(names, group.params, group.layout.offsets, strict=True):
-                    if full is not None:
-                        piece = full[offset : offset + param.numel()].view(param.shape)
+            for index, (name, param) in enumerate(zip(names, group.params, strict=True)):
+                params[id(param)] = sharded_tensor(group, index, group.master.detach(), tuple(param.shape))
+                for key, value in self.optimizer.state[group.master].items():
+                    if _per_element(value, group.master):
+                        piece = sharded_tensor(group, index, value.detach(), tuple(param.shape))
                     else:  # scalar state shared by the whole shard (AdamW's step)
                         piece = value.clone() if isinstance(value, torch.Tensor) else value
                     state.setdefault(name, {})[key] = piece
+        model = {
+            key: params[id(value)] if id(value) in params else value.detach().clone()
+            for key, value in sharded.module.state_dict(keep_vars=True).items()
+        }
         param_groups = [
             {**{k: v for k, v in group.items() if k != "params"}, "params": self._names(group["params"])}
             for group in self.optimizer.param_groups
         ]
-        result = {"model": sharded.state_dict(), "optim": {"state": state, "param_groups": param_groups}}
+        result = {"model": model, "optim": {"state": state, "param_groups": param_groups}}
         if self.scaler is not None:
             result["scaler"] = self.scaler.state_dict()
         return result
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Each rank takes its slice of every full tensor (any layout wrote them: dp, tp, any stage or N)."""
+        """Finish a load into :meth:`state_dict`'s dict: DCP already wrote this rank's ranges (of a
+        checkpoint from any layout: dp, tp, any stage or N) into the master shards and moments through
+        the local shards' views; what is left is pushing masters to the compute copies, the replicated
+        scalars, the groups' settings, buffers and the loss scaler."""
         sharded = self.model
-        sharded.load_state_dict(state["model"])
+        buffers = dict(sharded.module.named_buffers())
+        for key, value in state["model"].items():
+            if key in buffers:
+                buffers[key].copy_(value)
         saved = state["optim"]
         for group, names in zip(sharded.groups, sharded.param_names, strict=True):
-            entry: dict[str, Any] = {}
+            group.refresh()
+            entry = self.optimizer.state[group.master]
             for key, value in saved["state"][names[0]].items():
-                if not (isinstance(value, torch.Tensor) and value.dim() > 0):
+                if not _per_element(entry.get(key), group.master):
                     entry[key] = value.clone() if isinstance(value, torch.Tensor) else value
-                    continue
-                flat = torch.zeros(group.layout.padded_numel, dtype=value.dtype, device=group.device)
-                for name, offset in zip(names, group.layout.offsets, strict=True):
-                    part = saved["state"][name][key].reshape(-1)
-                    flat[offset : offset + part.numel()].copy_(part)
-                start, end = group.layout.shard_range(sharded.comm.rank)
-                entry[key] = flat[start:end].clone()
-            self.optimizer.state[group.master] = entry
         by_name = {name: group for group in saved["param_groups"] for name in group["params"]}
         for group in self.optimizer.param_groups:
             settings = by_name[self._names(group["params"])[0]]
@@ -176,10 +186,3 @@ class ZeroStep(ParallelStep):
 
 def _per_element(value: Any, master: torch.Tensor) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() == master.numel()
-
-
-def _gather(sharded: Any, group: Any, value: torch.Tensor) -> torch.Tensor:
-    """A per-element optimizer tensor of ``group`` gathered into its whole flat vector."""
-    out = torch.empty(group.layout.padded_numel, dtype=value.dtype, device=group.device)
-    sharded.comm.all_gather(out, value.detach().contiguous())
-    return out
