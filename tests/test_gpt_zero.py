@@ -14,6 +14,7 @@ import re
 
 import pytest
 import torch
+from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 import meshwise
 from meshwise.cli import main
@@ -116,11 +117,14 @@ def _save_then_resume_on_two(data: str, root: str) -> dict[str, object]:
             writer = GPTTrainer(world, _tiny(data, zero=zero, checkpoint=f"{root}/{name}", **RESUME))
             writer.history = [writer.train_step(step) for step in range(3)]
             writer.save_checkpoint(3)
-        found: dict[str, object] = {"expected": expected}
+            if zero == 3:
+                found_local = _local_elements(writer.step_runner.state_dict())
+                shards = 3 * sum(group.layout.shard_numel for group in writer.step_runner.model.groups)
+        found: dict[str, object] = {"expected": expected, "local": found_local, "shards": shards}
         bf16 = GPTTrainer(world, _tiny(data, zero=3, dtype="bf16", **RESUME))
         found["bf16 losses"] = _train(bf16, range(3))
         found["bf16 compute"] = {str(g.full.dtype) for g in bf16.step_runner.model.groups}
-        for zero in (1, 0):
+        for zero in (3, 1, 0):
             config = _tiny(data, zero=zero, checkpoint=f"{root}/zero3", resume=True, **RESUME)
             resumed = GPTTrainer(world, config)
             found[f"zero{zero} from zero3"] = (resumed.first_step, _train(resumed, range(3, 6)))
@@ -128,6 +132,16 @@ def _save_then_resume_on_two(data: str, root: str) -> dict[str, object]:
         return found
     finally:
         meshwise.shutdown()
+
+
+def _local_elements(state: dict) -> dict[str, tuple[int, int]]:
+    """For each model / AdamW tensor handed to DCP: (this rank's elements of it, the tensor's elements)
+    — what a rank materialises while saving."""
+    tensors = {f"model.{k}": v for k, v in state["model"].items() if isinstance(v, ShardedTensor)}
+    for name, slots in state["optim"]["state"].items():
+        tensors |= {f"optim.{name}.{k}": v for k, v in slots.items() if isinstance(v, ShardedTensor)}
+    unique = {id(t): (key, t) for key, t in reversed(tensors.items())}.values()  # a tied weight once
+    return {key: (sum(s.tensor.numel() for s in t.local_shards()), t.size().numel()) for key, t in unique}
 
 
 def _resume_on_one(data: str, root: str) -> dict[str, object]:
@@ -151,8 +165,22 @@ def _close(pair: object, expected: list[float]) -> bool:
 
 def test_a_zero3_checkpoint_resumes_as_zero1_as_dp_and_on_another_world_size(text: str, tmp_path) -> None:  # noqa: F811
     root = str(tmp_path / "ckpt")
-    two = spawn(_save_then_resume_on_two, 2, args=(text, root), timeout=110)[0]
+    both = spawn(_save_then_resume_on_two, 2, args=(text, root), timeout=110)
+    two = both[0]
     expected = two["expected"]
+    assert _close(two["zero3 from zero3"], expected), two
+    assert two["zero3 params"] < TOLERANCE, two
+    # saving: every parameter and moment is a ShardedTensor; the ranks' local pieces cover each exactly
+    # (none twice, padding never), so each rank hands DCP about half of all elements, not all of them
+    local = [found["local"] for found in both]
+    assert {k.split(".")[0] for k in local[0]} == {"model", "optim"} and len(local[0]) > 10, local
+    assert local[0].keys() == local[1].keys()
+    for key, (held, total) in local[0].items():
+        assert held + local[1][key][0] == total, (key, held, local[1][key], total)
+    everything = sum(total for _, total in local[0].values())
+    for rank in local:  # at most its master shards and two moments' worth; about 1/N of everything
+        held = sum(held for held, _ in rank.values())
+        assert held <= two["shards"] and abs(held - everything / 2) < 0.02 * everything, (held, everything)
     assert _close(two["zero1 from zero3"], expected), two
     assert _close(two["zero0 from zero3"], expected), two
     assert two["zero1 params"] < TOLERANCE and two["zero0 params"] < TOLERANCE, two

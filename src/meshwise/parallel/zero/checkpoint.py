@@ -168,19 +168,21 @@ def sharded_tensor(
     device = flat.device.type
     metadata, local = [], []
     for rank in range(layout.world_size):
-        for piece in layout.pieces(rank):
-            if piece.param != index:
-                continue
+        held = [piece for piece in layout.pieces(rank) if piece.param == index]
+        for piece in held:
             for box in boxes(shape, piece.param_start, piece.param_start + piece.numel):
                 metadata.append(ShardMetadata(list(box.offsets), list(box.sizes), f"rank:{rank}/{device}"))
                 if rank == group.comm.rank:
                     begin = piece.shard_start + box.flat_start - piece.param_start
                     view = flat[begin : begin + box.numel].view(box.sizes)
                     local.append(Shard(view, metadata[-1]))
-    if not metadata:  # an empty parameter: one empty chunk on rank 0 keeps DCP's bookkeeping whole
-        metadata.append(ShardMetadata([0] * len(shape), list(shape), f"rank:0/{device}"))
-        if group.comm.rank == 0:
-            local.append(Shard(flat[:0].view(shape), metadata[-1]))
+        if not held:  # an empty chunk: DCP mishandles a key some rank holds nothing of (it then reads
+            # nested keys the pre-2.4 way and misses them), and an empty parameter still needs one chunk.
+            # It sits at the far corner: DCP tells chunks apart by offset, and no real chunk starts there
+            empty = [0] * len(shape)
+            metadata.append(ShardMetadata(list(shape), empty, f"rank:{rank}/{device}"))
+            if rank == group.comm.rank:
+                local.append(Shard(flat[:0].view(empty), metadata[-1]))
     properties = TensorProperties(dtype=flat.dtype)
     global_metadata = ShardedTensorMetadata(metadata, torch.Size(shape), properties)
     return ShardedTensor._init_from_local_shards_and_global_metadata(local, global_metadata)
