@@ -37,7 +37,8 @@ def test_a_two_dimensional_range_is_a_partial_row_whole_rows_and_a_partial_row()
 def test_random_shapes_sharded_over_one_to_five_ranks_are_covered_exactly_once() -> None:
     rng = random.Random(16)
     for _ in range(200):
-        shapes = [tuple(rng.randint(1, 6) for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(1, 4))]
+        dims = [rng.randint(1, 4) for _ in range(rng.randint(1, 4))]
+        shapes = [tuple(rng.randint(1, 6) for _ in range(d)) for d in dims]
         for world in range(1, 6):
             layout = FlatLayout(tuple(math.prod(s) for s in shapes), world)
             counts = [torch.zeros(s, dtype=torch.int64) for s in shapes]
