@@ -24,7 +24,7 @@ _DEFAULTS = {f.name: f.default for f in fields(GPTTrainConfig)}
 def add_parser(models: argparse._SubParsersAction) -> None:
     parser = models.add_parser(
         "gpt",
-        help="GPT-2 language model on a dp×tp×pp mesh (data parallel today), offline corpus by default",
+        help="GPT-2 language model on a dp×tp×pp mesh (DDP, ZeRO, TP+SP, pipelines), bundled corpus",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
