@@ -259,18 +259,6 @@ class GPTTrainConfig:
         if self.global_batch % shape.dp == 0 and self.per_rank_micro_batch(shape.dp) >= 1:
             m = self.accumulation(shape.dp)
             validate_pipeline(self.model_config, shape.pp, m, self.schedule, self.virtual_stages)
-        if shape.tp > 1:  # stage state is keyed by plain names; tp shards would need gathering first
-            gathered = (
-                ("--checkpoint", self.checkpoint is not None),
-                ("--sample", self.sample > 0),
-                ("--export-hf", self.export_hf is not None),
-            )
-            for flag, on in gathered:
-                if on:
-                    raise ValueError(
-                        f"{flag} is not available with --pp and --tp together yet; drop it, or train with "
-                        "--pp or --tp alone"
-                    )
 
     def _check_checkpoint(self, model: GPTConfig) -> None:
         from meshwise.train.gpt.checkpoint import RUN_FILE, read_run
