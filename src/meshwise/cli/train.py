@@ -8,11 +8,9 @@ its own flags (:mod:`meshwise.cli.train_gpt`).
 from __future__ import annotations
 
 import argparse
-import sys
 
 from meshwise.cli import summary, train_gpt
-from meshwise.cli.outputs import check_output, finish_training
-from meshwise.cli.training_failure import report_failure
+from meshwise.cli.training_failure import run_training_command
 from meshwise.train import WORKLOADS, TrainConfig, run_training
 from meshwise.train.config import STRATEGIES
 
@@ -94,13 +92,4 @@ def handler(args: argparse.Namespace) -> int:
         trace=args.trace,
         debug=args.debug,
     )
-    try:
-        check_output("--json", args.json)
-        check_output("--trace", args.trace)
-        result = run_training(config)
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"meshwise train: error: {exc}", file=sys.stderr)
-        return 2
-    except Exception as exc:  # a failed run: one report, by the rank it concerns
-        return report_failure("train", exc)
-    return finish_training("train", result, args.json)
+    return run_training_command("train", args, lambda: run_training(config))

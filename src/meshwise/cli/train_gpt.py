@@ -9,11 +9,9 @@ micro-batches, so the run computes the same thing on any number of ranks.
 from __future__ import annotations
 
 import argparse
-import sys
 from dataclasses import fields
 
-from meshwise.cli.outputs import check_output, finish_training
-from meshwise.cli.training_failure import report_failure
+from meshwise.cli.training_failure import run_training_command
 from meshwise.models.gpt import CONFIGS
 from meshwise.parallel.pipeline_parallel.schedules import SCHEDULES
 from meshwise.train.gpt import GPTTrainConfig, run_gpt_training
@@ -24,7 +22,7 @@ _DEFAULTS = {f.name: f.default for f in fields(GPTTrainConfig)}
 def add_parser(models: argparse._SubParsersAction) -> None:
     parser = models.add_parser(
         "gpt",
-        help="GPT-2 language model on a dp×tp×pp mesh (data parallel today), offline corpus by default",
+        help="GPT-2 language model on a dp×tp×pp mesh (DDP, ZeRO, TP+SP, pipelines), bundled corpus",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -140,13 +138,4 @@ def add_parser(models: argparse._SubParsersAction) -> None:
 def handler(args: argparse.Namespace) -> int:
     names = {f.name for f in fields(GPTTrainConfig)}
     config = GPTTrainConfig(**{k: v for k, v in vars(args).items() if k in names})
-    try:
-        check_output("--json", args.json)
-        check_output("--trace", args.trace)
-        result = run_gpt_training(config)
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"meshwise train gpt: error: {exc}", file=sys.stderr)
-        return 2
-    except Exception as exc:  # a failed run: one report, by the rank it concerns
-        return report_failure("train gpt", exc)
-    return finish_training("train gpt", result, args.json)
+    return run_training_command("train gpt", args, lambda: run_gpt_training(config))

@@ -15,10 +15,14 @@ closed by peer" on rank 0 when rank 1 raised), which used to look like the cause
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 import traceback
+from collections.abc import Callable
+from typing import Any
 
+from meshwise.cli.outputs import check_output, finish_training
 from meshwise.comm.api import PeerFailureError
 from meshwise.runtime.env import detect_launch_env
 from meshwise.runtime.spawn import SpawnError
@@ -29,6 +33,22 @@ from meshwise.train.errors import TrainingError
 #: printing its traceback and shutting down when its peers learn it left, so without this wait they
 #: would exit first and be named instead. The launcher terminates the waiting rank sooner.
 PEER_GRACE_SECONDS = 10.0
+
+
+def run_training_command(command: str, args: argparse.Namespace, run: Callable[[], Any]) -> int:
+    """Both train commands' handler body: output paths checked before any rank starts, bad input as one
+    line with exit code 2, a failed run reported by :func:`report_failure`, a finished one by
+    :func:`~meshwise.cli.outputs.finish_training`."""
+    try:
+        check_output("--json", args.json)
+        check_output("--trace", args.trace)
+        result = run()
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"meshwise {command}: error: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # a failed run: one report, by the rank it concerns
+        return report_failure(command, exc)
+    return finish_training(command, result, args.json)
 
 
 def report_failure(command: str, exc: Exception) -> int:

@@ -1,5 +1,5 @@
-"""``meshwise train gpt``: language-model training on a device mesh (data parallel today; ZeRO, tensor and
-pipeline parallelism plug into :mod:`meshwise.train.gpt.parallelize`)."""
+"""``meshwise train gpt``: language-model training on a device mesh (data, ZeRO, tensor + sequence and
+pipeline parallelism, each plugged into :mod:`meshwise.train.gpt.parallelize`)."""
 
 from meshwise.train.gpt.config import GPTTrainConfig
 from meshwise.train.gpt.job import run_gpt_training

@@ -7,8 +7,8 @@ plugs in by adding one entry to :data:`STRATEGIES`:
 
     STRATEGIES["zero"] = build_zero_step      # (model, mesh, config) -> ParallelStep
 
-and naming itself in :func:`strategy_name`. Until a strategy has landed, :func:`check_supported` refuses
-its flags before any rank starts with a "not yet" error naming the issue that brings it.
+and naming itself in :func:`strategy_name`. :func:`check_supported` refuses a combination that has no
+entry (e.g. ``--zero`` with ``--tp``) before any rank starts, listing the ones that exist.
 
 What a ParallelStep must guarantee, so the loop and its tests stay valid for every strategy:
 
@@ -46,10 +46,6 @@ from meshwise.train.gpt.config import GPTTrainConfig
 from meshwise.train.profile import StepProfiler
 
 Batch = tuple[torch.Tensor, torch.Tensor]
-
-#: Flags whose strategies have not landed yet → the issue that brings them.
-NOT_YET: dict[str, str] = {}
-
 
 class ParallelStep(ABC):
     """One rank's view of a parallel training step (see the module docstring for the contract)."""
@@ -221,17 +217,11 @@ def check_supported(config: GPTTrainConfig) -> None:
             seq_len=config.train_seq_len,
         )
     name = strategy_name(config)
-    if name not in STRATEGIES:
-        missing = [NOT_YET[flag] for flag in name.split("+") if flag in NOT_YET]
+    if name not in STRATEGIES:  # each strategy exists, not their combination
         flags = " ".join(f"--{flag}" for flag in name.split("+"))
-        if not missing:  # each strategy has landed, not their combination
-            raise ValueError(
-                f"{flags}: this combination is not available in meshwise train gpt yet; use one of "
-                f"{', '.join(s.replace('+', ' + ') for s in STRATEGIES)}"
-            )
         raise ValueError(
-            f"{flags}: {' and '.join(missing)} is not available in meshwise train gpt yet; train with data "
-            "parallelism for now (-np N, optionally --dp N and --micro-batch for accumulation)"
+            f"{flags}: this combination is not available in meshwise train gpt yet; use one of "
+            f"{', '.join(s.replace('+', ' + ') for s in STRATEGIES)}"
         )
 
 

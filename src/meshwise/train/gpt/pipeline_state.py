@@ -31,6 +31,7 @@ from torch import nn
 
 from meshwise.comm.api import Communicator, ReduceOp
 from meshwise.models.gpt import GPT, GPTConfig
+from meshwise.parallel.tensor_parallel.shards import gather_full, local_shard
 
 #: the plain model's keys of the tied embedding/head matrix; AdamW's state is under the first.
 TIED = ("wte.weight", "head.weight")
@@ -62,18 +63,41 @@ def group_names(shape_model: GPT, whole: torch.optim.Optimizer) -> list[list[str
     return [[names[p] for p in group["params"]] for group in whole.param_groups]
 
 
+def _full_shapes(config: GPTConfig) -> dict[str, torch.Size]:
+    """The plain model's tensor shapes by name, the tied matrix under both of its keys."""
+    with torch.device("meta"):
+        return {name: tensor.shape for name, tensor in GPT(config).state_dict().items()}
+
+
 def stage_state_dict(
-    stage: nn.Module, optimizer: torch.optim.Optimizer, groups: list[list[str]]
+    stage: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    groups: list[list[str]],
+    tp: Communicator | None = None,
+    config: GPTConfig | None = None,
 ) -> dict[str, Any]:
     """``{"model": …, "optim": …}`` of this stage under the plain model's names (see the module docstring);
     ``groups`` from :func:`group_names`, the hyper-parameters (current learning rate included) this
-    stage's own."""
+    stage's own. With a tensor-parallel stage (``tp`` of more than one rank, and the model's ``config``)
+    every shard — weights and AdamW moments — is gathered whole over ``tp`` first (a collective of the
+    stage's tp ranks), so the checkpoint is the one a stage without tp writes; DCP writes each key once."""
+    sharded = tp is not None and tp.world_size > 1
+    shapes = _full_shapes(config) if sharded and config is not None else {}
+
+    def whole(name: str, tensor: torch.Tensor, param: nn.Parameter) -> torch.Tensor:
+        if not sharded or tensor.dim() == 0:
+            return tensor.detach()
+        return gather_full(tensor, param, tp, shapes[name])
+
     model: dict[str, torch.Tensor] = {}
     state: dict[str, dict[str, torch.Tensor]] = {}
     for name, param in stage.named_parameters():
+        full = whole(name, param, param)
         for key in TIED if name in TIED else (name,):
-            model[key] = param.detach()
-        state[_optimizer_key(name)] = _slots(optimizer, param)
+            model[key] = full
+        state[_optimizer_key(name)] = {
+            key: whole(name, value, param) for key, value in _slots(optimizer, param).items()
+        }
     param_groups = [
         {**{k: v for k, v in mine.items() if k != "params"}, "params": names}
         for mine, names in zip(optimizer.param_groups, groups, strict=True)
@@ -82,22 +106,37 @@ def stage_state_dict(
 
 
 @torch.no_grad()
-def load_stage_state_dict(stage: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-    """Copy a loaded :func:`stage_state_dict` into the stage's parameters and AdamW (the hyper-parameters
-    stay the run's own: they come from its flags, and the learning rate from the schedule)."""
+def load_stage_state_dict(
+    stage: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any], tp: Communicator | None = None
+) -> None:
+    """Copy a loaded :func:`stage_state_dict` into the stage's parameters and AdamW, each tensor-parallel
+    rank taking its slice of the full tensors (the hyper-parameters stay the run's own: they come from its
+    flags, and the learning rate from the schedule)."""
+    sharded = tp is not None and tp.world_size > 1
+
+    def mine(tensor: torch.Tensor, param: nn.Parameter) -> torch.Tensor:
+        return local_shard(tensor, param, tp) if sharded and tensor.dim() > 0 else tensor
+
     named = dict(stage.named_parameters())
     for name, param in named.items():
-        param.copy_(state["model"][name])
+        param.copy_(mine(state["model"][name], param))
     index = {id(p): i for i, p in enumerate(p for group in optimizer.param_groups for p in group["params"])}
     slots = {
-        index[id(param)]: dict(state["optim"]["state"][_optimizer_key(name)]) for name, param in named.items()
+        index[id(param)]: {
+            key: mine(value, param) for key, value in state["optim"]["state"][_optimizer_key(name)].items()
+        }
+        for name, param in named.items()
     }
     optimizer.load_state_dict({"state": slots, "param_groups": optimizer.state_dict()["param_groups"]})
 
 
 @torch.no_grad()
 def gather_plain_model(
-    stage: nn.Module, config: GPTConfig, pp: Communicator, device: torch.device
+    stage: nn.Module,
+    config: GPTConfig,
+    pp: Communicator,
+    device: torch.device,
+    tp: Communicator | None = None,
 ) -> GPT | None:
     """Collective over ``pp``: the plain GPT with every stage's weights, on pp rank 0 (None elsewhere).
 
@@ -109,7 +148,11 @@ def gather_plain_model(
     for index in stage.blocks:
         owners[int(index)] = pp.rank
     pp.all_reduce(owners, ReduceOp.SUM)
-    held = dict(stage.named_parameters())
+    if tp is not None and tp.world_size > 1:  # each stage's tp shards whole first (collective over tp)
+        shapes = _full_shapes(config)
+        held = {name: gather_full(p, p, tp, shapes[name]) for name, p in stage.named_parameters()}
+    else:
+        held = dict(stage.named_parameters())
     model = GPT(config).to(device) if pp.rank == 0 else None
     with torch.device("meta"):
         order = [(name, tuple(p.shape)) for name, p in GPT(config).named_parameters()]  # tied: wte only

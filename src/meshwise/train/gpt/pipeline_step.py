@@ -137,14 +137,18 @@ class PipelineStep(ParallelStep):
         its first stage (the job's rank 0); the other ranks get the meta-device shape."""
         if self.mesh.coordinates["dp"] != 0:
             return self._shape_model
-        gathered = gather_plain_model(self.model, self._shape_model.config, self.mesh.pp, self.device)
+        gathered = gather_plain_model(
+            self.model, self._shape_model.config, self.mesh.pp, self.device, tp=self.mesh.tp
+        )
         return self._shape_model if gathered is None else gathered
 
     def state_dict(self) -> dict:
-        return stage_state_dict(self.model, self.optimizer, self._group_names)
+        return stage_state_dict(
+            self.model, self.optimizer, self._group_names, tp=self.mesh.tp, config=self._shape_model.config
+        )
 
     def load_state_dict(self, state: dict) -> None:
-        load_stage_state_dict(self.model, self.optimizer, state)
+        load_stage_state_dict(self.model, self.optimizer, state, tp=self.mesh.tp)
 
     def finish(self) -> None:
         """``--timeline``: the last step's diagram, drawn once (drawing is slower than a small step)."""
