@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
+from meshwise.world import World, shutdown
+
+Result = TypeVar("Result")
+
 
 class TrainingError(Exception):
     """A run that cannot go on (diverged, checkpoint unwritable or unusable), said in one line.
@@ -37,3 +44,17 @@ def diverged_on(first_steps: list[int]) -> tuple[int, str]:
     if len(ranks) == len(first_steps):
         return first, ""
     return first, f" on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+
+
+def train_on_rank(world: World, train: Callable[[], Result]) -> Result | TrainingError | None:
+    """Run one rank's ``train()`` on ``world`` and leave it: rank 0 returns the result (the others None),
+    and a :class:`TrainingError` comes back as a value marked with this rank, so the caller prints one
+    sentence, not a traceback (``meshwise train`` and ``train gpt`` alike)."""
+    try:
+        result = train()
+    except TrainingError as exc:
+        exc.rank = world.rank
+        return exc
+    finally:
+        shutdown()
+    return result if world.is_main else None

@@ -31,11 +31,11 @@ from meshwise.parallel.zero.checkpoint import load_sharded, save_sharded
 from meshwise.parallel.zero.memory import rank_lines
 from meshwise.train.checkpoint import checkpoint_file, read_checkpoint, save_checkpoint
 from meshwise.train.config import TrainConfig
-from meshwise.train.errors import TrainingError, diverged_on
+from meshwise.train.errors import TrainingError, diverged_on, train_on_rank
 from meshwise.train.profile import Breakdown, StepProfiler, write_trace
 from meshwise.train.report import EpochStats, TrainResult, header_line
 from meshwise.train.resume import check_dataset, resume_notes
-from meshwise.world import World, init, shutdown
+from meshwise.world import World, init
 
 _EVAL_BATCH = 1024
 
@@ -48,14 +48,7 @@ def train_rank_main(config: TrainConfig) -> TrainResult | TrainingError | None:
     """
     debug = config.debug or None  # None: as `meshwise run --debug` says
     world = init(config.backend, device=config.device, timeout=config.comm_timeout, debug=debug)
-    try:
-        result = Trainer(world, config).run()
-    except TrainingError as exc:
-        exc.rank = world.rank
-        return exc
-    finally:
-        shutdown()
-    return result if world.is_main else None
+    return train_on_rank(world, lambda: Trainer(world, config).run())
 
 
 class Trainer:

@@ -23,7 +23,7 @@ from meshwise.comm.mesh import AXES
 from meshwise.data.tokens import ByteTokenizer
 from meshwise.data.windows import train_batch, val_batches
 from meshwise.models.gpt import GPT
-from meshwise.train.errors import TrainingError, diverged_on
+from meshwise.train.errors import TrainingError, diverged_on, train_on_rank
 from meshwise.train.gpt import checkpoint
 from meshwise.train.gpt.config import GPTTrainConfig
 from meshwise.train.gpt.init_from import export, load_weights
@@ -32,7 +32,7 @@ from meshwise.train.gpt.peak import peak_flops
 from meshwise.train.gpt.profiling import GPTProfiling
 from meshwise.train.gpt.report import GPTResult, StepStats, step_line
 from meshwise.train.gpt.schedule import lr_at
-from meshwise.world import World, init, shutdown
+from meshwise.world import World, init
 
 SAMPLE_PROMPT = "\ndef "
 
@@ -41,14 +41,7 @@ def train_gpt_rank_main(config: GPTTrainConfig) -> GPTResult | TrainingError | N
     """Join the job on the config's mesh, train, leave; rank 0 returns the result (the others None)."""
     shape = config.mesh_shape(config.world_size())
     world = init(config.backend, device=config.device, timeout=config.comm_timeout, mesh=shape)
-    try:
-        result = GPTTrainer(world, config).run()
-    except TrainingError as exc:  # returned, as by meshwise train: one sentence, not a traceback
-        exc.rank = world.rank
-        return exc
-    finally:
-        shutdown()
-    return result if world.is_main else None
+    return train_on_rank(world, lambda: GPTTrainer(world, config).run())
 
 
 class GPTTrainer:
