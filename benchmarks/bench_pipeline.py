@@ -11,12 +11,20 @@ processes hold:
 Each round times ``--steps`` training steps (zero_grad, pipeline step, SGD) of every contender in turn,
 the order rotating each round; a step's time is the slower rank's, in wall-clock time and in main-thread
 CPU time (which leaves out time blocked in receives or descheduled by a busy machine). Reported: median
-step time, the median of per-round ratios to torch with the same schedule and m, our measured bubble
-(median over the steps of the last round; one definition with the theory's, see docs/pipeline.md) next
-to the theory (p−1)/(m+p−1) and to the *replayed* bubble (the schedule re-run in the simulator with the
-measured op times and free messages: measured − replay is what messages, overheads and a busy machine
-cost; replay − theory is what uneven op times cost), and the peak bytes of activations autograd holds on
-stage 0 (tensors saved for backward, parameters excluded; same accounting for both libraries).
+step time, the median of per-round ratios to torch with the same schedule and m, and for each of our
+transports, as medians over every timed step:
+
+- the measured bubble (one definition with the theory's, see docs/pipeline.md) next to the theory
+  (p−1)/(m+p−1) and to the *replayed* bubble (the schedule re-run in the simulator with the measured op
+  times and free messages: measured − replay is what messages, overheads and a busy machine cost;
+  replay − theory is what uneven op times cost);
+- ``floor``: the replayed makespan over torch's median step — the ratio no executor could beat with
+  these op times even with free messages and no optimizer step;
+- ``hop µs``: the latency the pipeline sees per message (a compute's end to the start of the compute it
+  feeds on the other rank, where that rank sat idle);
+
+and the peak bytes of activations autograd holds on stage 0 (tensors saved for backward, parameters
+excluded; same accounting for both libraries).
 
     python benchmarks/bench_pipeline.py --json benchmarks/results/pipeline.json \
         --timeline-dir benchmarks/results
@@ -29,6 +37,7 @@ import json
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -39,13 +48,20 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 import meshwise
 from meshwise.comm.shm import ShmCommunicator
 from meshwise.models.gpt import GPT, GPTConfig
-from meshwise.parallel.pipeline_parallel import chunk_parameters, partition, theoretical_bubble
+from meshwise.parallel.pipeline_parallel import (
+    Event,
+    build_schedule,
+    chunk_parameters,
+    partition,
+    theoretical_bubble,
+)
 from meshwise.parallel.pipeline_parallel.builder import micro_batches_of, pipeline_gpt
 from meshwise.parallel.pipeline_parallel.timeline import (
     draw,
     gather_events,
     measured_bubble,
-    replay_bubble,
+    message_hops,
+    replay,
     write_trace,
 )
 from meshwise.runtime.spawn import spawn
@@ -106,7 +122,8 @@ def _data(config: GPTConfig, m: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _contenders(
     config: GPTConfig, rank: int, m: int, schedule: str, shm: ShmCommunicator, gloo
 ) -> dict[str, tuple]:
-    """name → (step function, stage-0 memory meter, executor or None) for one (schedule, m)."""
+    """name → (step function, stage-0 memory meter, schedule its events follow, executor or None) for
+    one (schedule, m); every step function returns that step's F/B events."""
     torch.manual_seed(0)
     model = GPT(config)
     x, y = _data(config, m)
@@ -123,24 +140,58 @@ def _contenders(
             opt.step()
             return result.events
 
-        out[name] = (ours, meter, executor)
+        out[name] = (ours, meter, executor.schedule, executor)
     chunk = partition(model, 2)[rank]
     meter = _measured(chunk)
     stage = PipelineStage(chunk, rank, 2, torch.device("cpu"))
     pipe = TORCH_SCHEDULES[schedule](stage, m, loss_fn=chunk.loss)
+    timeline = _TorchTimeline(stage, pipe, rank)
     opt = torch.optim.SGD(chunk.parameters(), lr=0.01)
 
     def theirs() -> list:
+        timeline.events = []
         opt.zero_grad()
         if rank == 0:
             pipe.step(x)
         else:
             pipe.step(target=y, losses=[])
         opt.step()
-        return []
+        return timeline.events
 
-    out["torch/gloo"] = (theirs, meter, None)
+    # torch's GPipe and 1F1B run each rank's F and B in the order of ours: our schedule replays them
+    out["torch/gloo"] = (theirs, meter, build_schedule(schedule, 2, m), None)
     return out
+
+
+class _TorchTimeline:
+    """Our :class:`Event` records for torch's stage — F (with the loss on the last stage, as ours) and B
+    of every micro-batch — so both executors' bubbles and message hops are measured the same way."""
+
+    def __init__(self, stage: PipelineStage, pipe, rank: int) -> None:
+        self.events: list[Event] = []
+        self._rank = rank
+        self._t0 = time.perf_counter() - time.time()  # wall clock at perf_counter resolution, as ours
+        stage.forward_one_chunk = self._timed("F", stage.forward_one_chunk)  # type: ignore[method-assign]
+        stage.backward_one_chunk = self._timed("B", stage.backward_one_chunk)  # type: ignore[method-assign]
+        loss = pipe._maybe_compute_loss
+
+        def loss_in_forward(*args, **kwargs):  # extends the forward it follows, as our F includes it
+            result = loss(*args, **kwargs)
+            if self.events and self.events[-1].op == "F":
+                self.events[-1] = replace(self.events[-1], end=time.perf_counter() - self._t0)
+            return result
+
+        pipe._maybe_compute_loss = loss_in_forward
+
+    def _timed(self, op: str, method: Callable) -> Callable:
+        def timed(micro_batch: int, *args, **kwargs):
+            start = time.perf_counter()
+            result = method(micro_batch, *args, **kwargs)
+            start, end = start - self._t0, time.perf_counter() - self._t0
+            self.events.append(Event(self._rank, op, micro_batch, self._rank, start, end))
+            return result
+
+        return timed
 
 
 def _time(step: Callable[[], list], steps: int) -> tuple[list[float], list[float], list[list]]:
@@ -181,22 +232,20 @@ def _worker(
                     _time(contenders[name][0], warmup)
                 per_round: dict[str, list[float]] = {n: [] for n in names}
                 cpu_round: dict[str, list[float]] = {n: [] for n in names}
-                bubbles: list[float] = []
-                replays: list[float] = []
+                timelines: dict[str, _Timelines] = {n: _Timelines() for n in names}
                 for r in range(rounds):
                     for name in names[r % len(names) :] + names[: r % len(names)]:
                         times, cpu, events = _time(contenders[name][0], steps)
                         per_round[name].append(statistics.median(times))
                         cpu_round[name].append(statistics.median(cpu))
-                        if name == "meshwise/gloo" and r == rounds - 1:
-                            gathered = [gather_events(world.comm, e) for e in events]
-                            if world.rank == 0:
-                                bubbles = [measured_bubble(g) for g in gathered]  # type: ignore[arg-type]
-                                plan = contenders[name][2].schedule
-                                replays = [replay_bubble(plan, g) for g in gathered]  # type: ignore[arg-type]
-                                _save_timeline(timeline_dir, schedule, m, gathered[-1])  # type: ignore[arg-type]
+                        # after the timed steps: gathering is not timed
+                        gathered = [gather_events(world.comm, e) for e in events]
+                        if world.rank == 0:
+                            timelines[name].add(contenders[name][2], gathered)  # type: ignore[arg-type]
+                            if r == rounds - 1:
+                                _save_timeline(timeline_dir, schedule, m, name, gathered[-1])  # type: ignore[arg-type]
+                base = per_round["torch/gloo"]
                 for name in names:
-                    base = per_round["torch/gloo"]
                     rows.append(
                         {
                             "schedule": schedule,
@@ -208,12 +257,11 @@ def _worker(
                                 a / b for a, b in zip(per_round[name], base, strict=True)
                             ),
                             "stage0_peak_activation_bytes": contenders[name][1].peak,
-                            "bubble_measured": _median_if(bubbles, name == "meshwise/gloo"),
-                            "bubble_replayed": _median_if(replays, name == "meshwise/gloo"),
+                            **timelines[name].summary(statistics.median(base)),
                             "bubble_theory": theoretical_bubble(2, m),
                         }
                     )
-                for _, _, executor in contenders.values():
+                for _, _, _, executor in contenders.values():
                     if executor is not None:
                         executor.close()
         return rows
@@ -222,32 +270,59 @@ def _worker(
         meshwise.shutdown()
 
 
-def _save_timeline(directory: str | None, schedule: str, m: int, events: list) -> None:
+class _Timelines:
+    """Per-step figures of one contender's gathered timelines, over every timed step of every round."""
+
+    def __init__(self) -> None:
+        self.bubbles: list[float] = []
+        self.replayed: list[float] = []
+        self.floors: list[float] = []
+        self.hops: list[float] = []
+
+    def add(self, schedule, steps: list[list]) -> None:
+        for events in steps:
+            perfect = replay(schedule, events)
+            self.bubbles.append(measured_bubble(events))
+            self.replayed.append(perfect.bubble)
+            self.floors.append(perfect.makespan)
+            self.hops.extend(message_hops(schedule, events))
+
+    def summary(self, torch_step: float) -> dict[str, float | None]:
+        """Medians; ``floor_vs_torch`` is the replayed makespan (these op times, free messages, no
+        optimizer step) over torch's median step: the ratio no executor could beat with these ops."""
+        if not self.bubbles:
+            return dict.fromkeys(("bubble_measured", "bubble_replayed", "floor_vs_torch", "hop_us"))
+        return {
+            "bubble_measured": statistics.median(self.bubbles),
+            "bubble_replayed": statistics.median(self.replayed),
+            "floor_vs_torch": statistics.median(self.floors) / torch_step,
+            "hop_us": statistics.median(self.hops) * 1e6 if self.hops else None,
+        }
+
+
+def _save_timeline(directory: str | None, schedule: str, m: int, contender: str, events: list) -> None:
     if directory is None:
         return
     Path(directory).mkdir(parents=True, exist_ok=True)
-    stem = Path(directory) / f"pipeline_{schedule}_m{m}"
+    suffix = {"meshwise/gloo": "", "meshwise/shm": "_shm", "torch/gloo": "_torch"}[contender]
+    stem = Path(directory) / f"pipeline_{schedule}_m{m}{suffix}"
     write_trace(events, f"{stem}.json")
-    draw(
-        events,
-        f"{stem}.png",
-        title=f"meshwise {schedule}, p=2, m={m} (gloo)",
-        theory=theoretical_bubble(2, m),
-    )
-
-
-def _median_if(values: list[float], wanted: bool) -> float | None:
-    return statistics.median(values) if values and wanted else None
+    draw(events, f"{stem}.png", title=f"{contender} {schedule}, p=2, m={m}", theory=theoretical_bubble(2, m))
 
 
 def _percent(value: float | None) -> str:
     return "" if value is None else f"{value:.1%}"
 
 
+def _number(value: float | None, spec: str) -> str:
+    return "" if value is None else format(value, spec)
+
+
 def _table(rows: list[dict]) -> str:
     lines = [
         f"{'schedule':>8} {'m':>3} {'contender':>14} {'step ms':>9} {'cpu ms':>7} {'vs torch':>9} "
-        f"{'target':>7} {'stage0 act MiB':>15} {'bubble':>7} {'replay':>7} {'theory':>7}"
+        f"{'target':>7} {'floor':>6} {'stage0 act MiB':>15} {'bubble':>7} {'replay':>7} {'theory':>7} "
+        f"{'hop µs':>7}"
     ]
     for r in rows:
         target = TARGETS.get(r["contender"])
@@ -255,8 +330,9 @@ def _table(rows: list[dict]) -> str:
             f"{r['schedule']:>8} {r['micro_batches']:>3} {r['contender']:>14} {r['step_ms']:>9.1f} "
             f"{r['cpu_ms']:>7.1f} "
             f"{r['ratio_vs_torch']:>8.2f}x {('≤' + format(target, '.1f')) if target else '':>7} "
+            f"{_number(r['floor_vs_torch'], '.2f'):>6} "
             f"{r['stage0_peak_activation_bytes'] / 2**20:>15.2f} {_percent(r['bubble_measured']):>7} "
-            f"{_percent(r['bubble_replayed']):>7} {r['bubble_theory']:>7.1%}"
+            f"{_percent(r['bubble_replayed']):>7} {r['bubble_theory']:>7.1%} {_number(r['hop_us'], '.0f'):>7}"
         )
     return "\n".join(lines)
 

@@ -9,7 +9,14 @@ import pytest
 from meshwise.parallel.pipeline_parallel import Event, build_schedule, simulate, theoretical_bubble
 from meshwise.parallel.pipeline_parallel.schedules import COMPUTE, Op
 from meshwise.parallel.pipeline_parallel.simulator import cost
-from meshwise.parallel.pipeline_parallel.timeline import chrome_trace, draw, measured_bubble, replay_bubble
+from meshwise.parallel.pipeline_parallel.timeline import (
+    chrome_trace,
+    draw,
+    measured_bubble,
+    message_hops,
+    replay,
+    replay_bubble,
+)
 
 
 def _unit_time_events(name: str, p: int, m: int) -> list[Event]:
@@ -46,6 +53,11 @@ def test_measured_bubble_of_unit_time_events_matches_simulator(name: str, p: int
         assert measured_bubble(events) == pytest.approx(theoretical_bubble(p, m))
     # replaying the measured op times through the schedule reproduces a perfect run
     assert replay_bubble(build_schedule(name, p, m), events) == pytest.approx(measured_bubble(events))
+    span = max(e.end for e in events) - min(e.start for e in events)
+    assert replay(build_schedule(name, p, m), events).makespan == pytest.approx(span)
+    # messages were free in this run: every hop the pipeline waited on took no time
+    hops = message_hops(build_schedule(name, p, m), events)
+    assert hops and max(map(abs, hops)) < 1e-9
     # the same run with rank 0 descheduled for 5 units before its first forward: a loss replay excludes
     late = [Event(e.rank, e.op, e.micro_batch, e.chunk, e.start + 5, e.end + 5) for e in events]
     late[0] = Event(0, "F", 0, 0, 0.0, 1.0)  # F0 itself ran on time; everything after it slipped by 5
@@ -66,3 +78,20 @@ def test_chrome_trace_and_diagram(tmp_path) -> None:
     path = tmp_path / "timeline.png"
     draw(events, path, title="zb", theory=theoretical_bubble(2, 3))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_message_hops_count_only_receivers_that_sat_idle() -> None:
+    """GPipe, p = 2, m = 2: F0 reaches an idle rank 1 after 0.1; F1 is ready while rank 1 still runs F0
+    (not a hop: the delay is rank 1's own work); B0 reaches rank 0, idle since F1, after 0.1; B1 is ready
+    while rank 0 still runs B0."""
+    events = [
+        Event(0, "F", 0, 0, 0.0, 1.0),
+        Event(0, "F", 1, 0, 1.0, 2.0),
+        Event(1, "F", 0, 1, 1.1, 2.1),
+        Event(1, "F", 1, 1, 2.1, 3.1),
+        Event(1, "B", 0, 1, 3.1, 5.1),
+        Event(1, "B", 1, 1, 5.1, 7.1),
+        Event(0, "B", 0, 0, 5.2, 7.2),
+        Event(0, "B", 1, 0, 7.3, 9.3),
+    ]
+    assert message_hops(build_schedule("gpipe", 2, 2), events) == pytest.approx([0.1, 0.1])

@@ -12,6 +12,7 @@ instruction on any rank to the last: the same quantity the simulator's unit-time
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -21,7 +22,7 @@ import torch
 from meshwise.comm.api import Communicator
 from meshwise.parallel.pipeline_parallel.executor import Event
 from meshwise.parallel.pipeline_parallel.schedules import Schedule
-from meshwise.parallel.pipeline_parallel.simulator import simulate
+from meshwise.parallel.pipeline_parallel.simulator import Simulation, simulate
 
 _OPS = ("F", "B", "W", "wait")
 COMPUTE_OPS = ("F", "B", "W")
@@ -39,6 +40,16 @@ def measured_bubble(events: Sequence[Event]) -> float:
     return 1.0 - busy / (len(ranks) * span) if span > 0 else 0.0
 
 
+def replay(schedule: Schedule, events: Sequence[Event]) -> Simulation:
+    """What a perfect executor with free messages would do with these measured op times.
+
+    Its makespan is the floor for this step's pipeline phase: no executor, however its messages travel,
+    finishes the schedule sooner on these ops.
+    """
+    durations = {(e.op, e.micro_batch, e.chunk): e.end - e.start for e in events if e.op in COMPUTE_OPS}
+    return simulate(schedule, durations)
+
+
 def replay_bubble(schedule: Schedule, events: Sequence[Event]) -> float:
     """The bubble a perfect executor would leave with these measured op times and free messages.
 
@@ -46,8 +57,38 @@ def replay_bubble(schedule: Schedule, events: Sequence[Event]) -> float:
     (overheads, or a busy machine descheduling a rank); replayed minus theory is what uneven op times
     (unbalanced stages, B ≠ 2F) cost.
     """
-    durations = {(e.op, e.micro_batch, e.chunk): e.end - e.start for e in events if e.op in COMPUTE_OPS}
-    return simulate(schedule, durations).bubble
+    return replay(schedule, events).bubble
+
+
+def message_hops(schedule: Schedule, events: Sequence[Event]) -> list[float]:
+    """Seconds from the end of a compute to the start of the compute its result feeds on another rank,
+    for every such pair where the receiving rank sat idle when the result was ready.
+
+    That is the latency the pipeline itself sees per message — pack, send, transfer, wake-up, unpack —
+    on its critical path; a receiver still busy with other work when the result was ready does not
+    count (its delay is not the message's). An activation goes from F of chunk c to F of chunk c + 1, a
+    gradient from B of chunk c + 1 to B of chunk c.
+    """
+    compute = sorted((e for e in events if e.op in COMPUTE_OPS), key=lambda e: (e.rank, e.start))
+    index = {(e.op, e.micro_batch, e.chunk): e for e in compute}
+    previous: dict[Event, Event] = {}
+    for before, after in itertools.pairwise(compute):
+        if before.rank == after.rank:
+            previous[after] = before
+    hops = []
+    for e in compute:
+        feeds = {"F": ("F", e.chunk + 1), "B": ("B", e.chunk - 1)}.get(e.op)
+        if feeds is None or not 0 <= feeds[1] < schedule.chunks:
+            continue
+        if schedule.owner(feeds[1]) == schedule.owner(e.chunk):
+            continue
+        target = index.get((feeds[0], e.micro_batch, feeds[1]))
+        if target is None:
+            continue
+        idle_since = previous[target].end if target in previous else float("-inf")
+        if idle_since <= e.end:
+            hops.append(target.start - e.end)
+    return hops
 
 
 def chrome_trace(events: Sequence[Event]) -> dict:
