@@ -66,10 +66,16 @@ from meshwise.parallel.pipeline_parallel.timeline import (
 )
 from meshwise.runtime.spawn import spawn
 
-CONFIG = GPTConfig(layers=4, hidden=64, heads=4, seq_len=64, vocab=256)  # gpt-tiny
-#: ``--overhead``: so small that compute is a fraction of a millisecond and a step's time is what the
-#: executors themselves cost (instructions, messages, synchronisation)
-OVERHEAD_CONFIG = GPTConfig(layers=4, hidden=16, heads=2, seq_len=8, vocab=32)
+#: ``--config``: the GPT every contender cuts into the same two stages. ``tiny`` (the default) is where
+#: messages and executor overheads weigh most against compute that is still real; ``small`` has 4× the
+#: compute per op and 4× the bytes per message; ``overhead`` is so small that compute is a fraction of a
+#: millisecond and a step's time is what the executors themselves cost (instructions, messages,
+#: synchronisation).
+CONFIGS = {
+    "tiny": GPTConfig(layers=4, hidden=64, heads=4, seq_len=64, vocab=256),
+    "small": GPTConfig(layers=4, hidden=128, heads=4, seq_len=128, vocab=256),
+    "overhead": GPTConfig(layers=4, hidden=16, heads=2, seq_len=8, vocab=32),
+}
 MICRO = 4  # sequences per micro-batch
 TORCH_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 TARGETS = {"meshwise/gloo": 1.0, "meshwise/shm": 0.8}  # step time vs torch/gloo, at most
@@ -346,11 +352,8 @@ def main() -> None:
     parser.add_argument(
         "--steps", type=int, default=3, help="timed steps per contender per round (default 3)"
     )
-    parser.add_argument(
-        "--overhead",
-        action="store_true",
-        help="a GPT so small that compute is negligible: times what the executors themselves cost",
-    )
+    parser.add_argument("--config", choices=sorted(CONFIGS), default="tiny", help="the GPT (default tiny)")
+    parser.add_argument("--overhead", action="store_true", help="the same as --config overhead")
     parser.add_argument("--json", default=None, help="write the rows as JSON")
     parser.add_argument("--timeline-dir", default=None, help="write pipeline_<schedule>_m<m>.{json,png} here")
     args = parser.parse_args()
@@ -361,7 +364,7 @@ def main() -> None:
         parser.error(
             f"--schedules: {sorted(unknown)} not comparable; choose from {', '.join(TORCH_SCHEDULES)}"
         )
-    config = OVERHEAD_CONFIG if args.overhead else CONFIG
+    config = CONFIGS["overhead" if args.overhead else args.config]
     work = (config, ms, schedules, args.rounds, args.steps, args.warmup, args.timeline_dir)
     rows = spawn(_worker, 2, args=work, timeout=1800)[0]
     print(_table(rows))

@@ -45,11 +45,13 @@ def _worst(chunks, tp, reference: dict[str, torch.Tensor], *, grads: bool) -> fl
 
 
 def _compare(mesh: Mesh, schedule: str, m: int, v: int, sp: bool) -> dict[str, float]:
+    """The reference trains on the whole batch; each dp replica of the pipeline on its slice of it."""
     torch.manual_seed(0)
     reference = GPT(CONFIG)
+    dp_size, dp_rank = mesh.shape.dp, mesh.coordinates["dp"]
     executor, chunks = pipeline_gpt(
         reference, mesh.pp, schedule=schedule, micro_batches=m, virtual_stages=v, tp=mesh.tp,
-        sequence_parallel=sp,
+        sequence_parallel=sp, dp=mesh.dp if dp_size > 1 else None,
     )  # fmt: skip
     ref_params = dict(reference.named_parameters(remove_duplicate=False))
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
@@ -57,12 +59,13 @@ def _compare(mesh: Mesh, schedule: str, m: int, v: int, sp: bool) -> dict[str, f
     worst = {"loss": 0.0, "grad": 0.0, "weight": 0.0}
     sharded = sum(shard_dim(p) is not None for p in chunk_parameters(chunks))
     for step in range(STEPS):
-        x, y = _batch(step, MICRO * m)
+        x, y = _batch(step, MICRO * m * dp_size)
         ref_opt.zero_grad()
         ref_loss = language_model_loss(reference(x), y)
         ref_loss.backward()
         opt.zero_grad()
-        result = executor.step(micro_batches_of(x, m), micro_batches_of(y, m))
+        mine = slice(dp_rank * MICRO * m, (dp_rank + 1) * MICRO * m)
+        result = executor.step(micro_batches_of(x[mine], m), micro_batches_of(y[mine], m))
         worst["loss"] = max(worst["loss"], abs(result.loss - ref_loss.item()))
         worst["grad"] = max(worst["grad"], _worst(chunks, mesh.tp, ref_params, grads=True))
         ref_opt.step()
@@ -88,9 +91,29 @@ def _run() -> dict[str, dict[str, float]]:
         meshwise.shutdown()
 
 
-def test_pipeline_times_tensor_parallel_matches_one_process() -> None:
-    for rank, per_rank in enumerate(spawn(_run, 4, timeout=110)):
+def _run_3d() -> dict[str, dict[str, float]]:
+    w = meshwise.init(backend="gloo", timeout=60)
+    try:
+        mesh = Mesh(w.comm, MeshShape(dp=2, tp=2, pp=2))
+        return {"dp2-tp2-pp2-1f1b-m2-sp": _compare(mesh, "1f1b", 2, 1, True)}
+    finally:
+        meshwise.shutdown()
+
+
+def _check(results: list[dict[str, dict[str, float]]]) -> None:
+    for rank, per_rank in enumerate(results):
         for name, worst in per_rank.items():
             assert worst.pop("sharded") >= 8, (rank, name)  # 2 blocks × q, k, v, out, fc, proj + vocab
             for key, value in worst.items():
                 assert value < TOLERANCE, (rank, name, key, worst)
+
+
+def test_pipeline_times_tensor_parallel_matches_one_process() -> None:
+    _check(spawn(_run, 4, timeout=110))
+
+
+def test_pipeline_tensor_and_data_parallel_together_match_one_process() -> None:
+    """All three axes at once on 8 ranks (4 per core here, so one small configuration): gradients
+    averaged over dp after the pipeline, activations and SP shards between matching tp ranks of the
+    stages; without the dp average the gradients differ from the reference by 0.06."""
+    _check(spawn(_run_3d, 8, timeout=110))
