@@ -1,4 +1,4 @@
-"""pp × tp against one process: every stage tensor parallel (± sequence parallel) inside its tp group.
+"""pp × tp, and pp × tp × dp, against one process: every stage tensor parallel (± SP) inside its tp group.
 
 One spawn of 4 ranks (pp = 2 × tp = 2) runs several schedules; each rank also trains the whole model on
 the whole batch from the same weights (the reference) and compares the loss, every gradient and every
