@@ -23,8 +23,11 @@ transports, as medians over every timed step:
 - ``hop µs``: the latency the pipeline sees per message (a compute's end to the start of the compute it
   feeds on the other rank, where that rank sat idle);
 
-and the peak bytes of activations autograd holds on stage 0 (tensors saved for backward, parameters
-excluded; same accounting for both libraries).
+the peak bytes of activations autograd holds on stage 0 (tensors saved for backward, parameters
+excluded; same accounting for both libraries), and ``max |Δw|``, the largest difference between a
+contender's weights and torch's after the run: the contenders train the same model. torch's schedule
+leaves the two copies of the tied embedding/head matrix apart, so its step sums their gradients with one
+all-reduce, as our executor does (without it the weights drift apart by ~3e-4 within a few steps).
 
     python benchmarks/bench_pipeline.py --json benchmarks/results/pipeline.json \
         --timeline-dir benchmarks/results
@@ -46,6 +49,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 import meshwise
+from meshwise.comm.api import ReduceOp
 from meshwise.comm.shm import ShmCommunicator
 from meshwise.models.gpt import GPT, GPTConfig
 from meshwise.parallel.pipeline_parallel import (
@@ -56,6 +60,7 @@ from meshwise.parallel.pipeline_parallel import (
     theoretical_bubble,
 )
 from meshwise.parallel.pipeline_parallel.builder import micro_batches_of, pipeline_gpt
+from meshwise.parallel.pipeline_parallel.partition import tied_parameters
 from meshwise.parallel.pipeline_parallel.timeline import (
     draw,
     gather_events,
@@ -128,8 +133,8 @@ def _data(config: GPTConfig, m: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _contenders(
     config: GPTConfig, rank: int, m: int, schedule: str, shm: ShmCommunicator, gloo
 ) -> dict[str, tuple]:
-    """name → (step function, stage-0 memory meter, schedule its events follow, executor or None) for
-    one (schedule, m); every step function returns that step's F/B events."""
+    """name → (step function, stage-0 memory meter, schedule its events follow, executor or None, this
+    rank's modules) for one (schedule, m); every step function returns that step's F/B events."""
     torch.manual_seed(0)
     model = GPT(config)
     x, y = _data(config, m)
@@ -146,13 +151,14 @@ def _contenders(
             opt.step()
             return result.events
 
-        out[name] = (ours, meter, executor.schedule, executor)
+        out[name] = (ours, meter, executor.schedule, executor, chunks)
     chunk = partition(model, 2)[rank]
     meter = _measured(chunk)
     stage = PipelineStage(chunk, rank, 2, torch.device("cpu"))
     pipe = TORCH_SCHEDULES[schedule](stage, m, loss_fn=chunk.loss)
     timeline = _TorchTimeline(stage, pipe, rank)
     opt = torch.optim.SGD(chunk.parameters(), lr=0.01)
+    tied = tied_parameters([chunk])
 
     def theirs() -> list:
         timeline.events = []
@@ -161,11 +167,13 @@ def _contenders(
             pipe.step(x)
         else:
             pipe.step(target=y, losses=[])
+        for weight in tied:  # torch's schedule leaves the tied copies apart; we train the same model
+            dist.all_reduce(weight.grad)  # type: ignore[arg-type]
         opt.step()
         return timeline.events
 
     # torch's GPipe and 1F1B run each rank's F and B in the order of ours: our schedule replays them
-    out["torch/gloo"] = (theirs, meter, build_schedule(schedule, 2, m), None)
+    out["torch/gloo"] = (theirs, meter, build_schedule(schedule, 2, m), None, [chunk])
     return out
 
 
@@ -198,6 +206,21 @@ class _TorchTimeline:
             return result
 
         return timed
+
+
+def _weight_drift(contenders: dict[str, tuple], comm) -> dict[str, float]:
+    """Largest |w − torch's w| over both stages after every contender ran the same steps on the same data
+    from the same weights: the executors train the same model, not merely run as fast."""
+    theirs = {n: p for module in contenders["torch/gloo"][4] for n, p in module.named_parameters()}
+    drift = {}
+    for name, entry in contenders.items():
+        worst = torch.zeros(1, dtype=torch.float64)
+        for module in entry[4]:
+            for n, p in module.named_parameters():
+                worst[0] = max(worst[0].item(), (p.detach() - theirs[n].detach()).abs().max().item())
+        comm.all_reduce(worst, ReduceOp.MAX)
+        drift[name] = worst.item()
+    return drift
 
 
 def _time(step: Callable[[], list], steps: int) -> tuple[list[float], list[float], list[list]]:
@@ -267,7 +290,10 @@ def _worker(
                             "bubble_theory": theoretical_bubble(2, m),
                         }
                     )
-                for _, _, _, executor in contenders.values():
+                drift = _weight_drift(contenders, world.comm)
+                for row in rows[-len(names) :]:
+                    row["max_weight_diff_vs_torch"] = drift[row["contender"]]
+                for _, _, _, executor, _ in contenders.values():
                     if executor is not None:
                         executor.close()
         return rows
@@ -328,7 +354,7 @@ def _table(rows: list[dict]) -> str:
     lines = [
         f"{'schedule':>8} {'m':>3} {'contender':>14} {'step ms':>9} {'cpu ms':>7} {'vs torch':>9} "
         f"{'target':>7} {'floor':>6} {'stage0 act MiB':>15} {'bubble':>7} {'replay':>7} {'theory':>7} "
-        f"{'hop µs':>7}"
+        f"{'hop µs':>7} {'max |Δw|':>9}"
     ]
     for r in rows:
         target = TARGETS.get(r["contender"])
@@ -338,7 +364,8 @@ def _table(rows: list[dict]) -> str:
             f"{r['ratio_vs_torch']:>8.2f}x {('≤' + format(target, '.1f')) if target else '':>7} "
             f"{_number(r['floor_vs_torch'], '.2f'):>6} "
             f"{r['stage0_peak_activation_bytes'] / 2**20:>15.2f} {_percent(r['bubble_measured']):>7} "
-            f"{_percent(r['bubble_replayed']):>7} {r['bubble_theory']:>7.1%} {_number(r['hop_us'], '.0f'):>7}"
+            f"{_percent(r['bubble_replayed']):>7} {r['bubble_theory']:>7.1%} "
+            f"{_number(r['hop_us'], '.0f'):>7} {r['max_weight_diff_vs_torch']:>9.1e}"
         )
     return "\n".join(lines)
 

@@ -27,6 +27,10 @@ def test_bench_pipeline_writes_every_contender(tmp_path):
     ours = [r for r in rows if r["contender"] == "meshwise/gloo"]
     assert all(0 <= r["bubble_measured"] < 1 and r["bubble_theory"] == 1 / 3 for r in ours)
     assert all(0 <= r["bubble_replayed"] <= r["bubble_measured"] + 1e-9 for r in ours)
+    assert all(r["hop_us"] > 0 and r["floor_vs_torch"] > 0 for r in ours)
+    theirs = [r for r in rows if r["contender"] == "torch/gloo"]
+    assert all(0 <= r["bubble_measured"] < 1 for r in theirs)  # torch's stage timed the same way
+    assert all(r["max_weight_diff_vs_torch"] < 1e-6 for r in rows)  # the same model trained
     assert (timelines / "pipeline_1f1b_m2.png").exists() and (timelines / "pipeline_1f1b_m2.json").exists()
     assert json.loads(out.read_text())["config"]["hidden"] == 16  # --overhead's model
     assert "torch/gloo" in done.stdout
