@@ -46,7 +46,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+)
 
 import meshwise
 from meshwise.comm.api import ReduceOp
@@ -60,7 +65,7 @@ from meshwise.parallel.pipeline_parallel import (
     theoretical_bubble,
 )
 from meshwise.parallel.pipeline_parallel.builder import micro_batches_of, pipeline_gpt
-from meshwise.parallel.pipeline_parallel.partition import tied_parameters
+from meshwise.parallel.pipeline_parallel.partition import GPTChunk, chunks_of_rank, tied_parameters
 from meshwise.parallel.pipeline_parallel.timeline import (
     draw,
     gather_events,
@@ -82,7 +87,9 @@ CONFIGS = {
     "overhead": GPTConfig(layers=4, hidden=16, heads=2, seq_len=8, vocab=32),
 }
 MICRO = 4  # sequences per micro-batch
-TORCH_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+TORCH_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
+#: chunks per rank: interleaving runs two on each (v = 2), with the same loop placement in both libraries
+VIRTUAL_STAGES = {"interleaved": 2}
 TARGETS = {"meshwise/gloo": 1.0, "meshwise/shm": 0.8}  # step time vs torch/gloo, at most
 
 
@@ -139,8 +146,9 @@ def _contenders(
     model = GPT(config)
     x, y = _data(config, m)
     out: dict[str, tuple] = {}
+    v = VIRTUAL_STAGES.get(schedule, 1)
     for name, comm in (("meshwise/gloo", gloo), ("meshwise/shm", shm)):
-        executor, chunks = pipeline_gpt(model, comm, schedule=schedule, micro_batches=m)
+        executor, chunks = pipeline_gpt(model, comm, schedule=schedule, micro_batches=m, virtual_stages=v)
         meter = _measured(chunks[0])
         opt = torch.optim.SGD(chunk_parameters(chunks), lr=0.01)
         inputs, targets = micro_batches_of(x, m), micro_batches_of(y, m)
@@ -152,13 +160,15 @@ def _contenders(
             return result.events
 
         out[name] = (ours, meter, executor.schedule, executor, chunks)
-    chunk = partition(model, 2)[rank]
-    meter = _measured(chunk)
-    stage = PipelineStage(chunk, rank, 2, torch.device("cpu"))
-    pipe = TORCH_SCHEDULES[schedule](stage, m, loss_fn=chunk.loss)
-    timeline = _TorchTimeline(stage, pipe, rank)
-    opt = torch.optim.SGD(chunk.parameters(), lr=0.01)
-    tied = tied_parameters([chunk])
+    plan = build_schedule(schedule, 2, m, v)
+    local = chunks_of_rank(partition(model, 2, v), rank, 2)
+    meter = _measured(local[0])
+    ids = plan.local_chunks(rank)
+    stages = [PipelineStage(c, i, 2 * v, torch.device("cpu")) for c, i in zip(local, ids, strict=True)]
+    pipe = TORCH_SCHEDULES[schedule](stages if v > 1 else stages[0], m, loss_fn=GPTChunk.loss)
+    timeline = _TorchTimeline(stages, pipe, rank)
+    opt = torch.optim.SGD(chunk_parameters(local), lr=0.01)
+    tied = tied_parameters(local)
 
     def theirs() -> list:
         timeline.events = []
@@ -172,8 +182,9 @@ def _contenders(
         opt.step()
         return timeline.events
 
-    # torch's GPipe and 1F1B run each rank's F and B in the order of ours: our schedule replays them
-    out["torch/gloo"] = (theirs, meter, build_schedule(schedule, 2, m), None, [chunk])
+    # torch's GPipe and 1F1B run each rank's F and B in the order of ours, so our schedule replays them;
+    # its interleaved order may differ, and then the replay is that of our order on its op times
+    out["torch/gloo"] = (theirs, meter, plan, None, local)
     return out
 
 
@@ -181,12 +192,14 @@ class _TorchTimeline:
     """Our :class:`Event` records for torch's stage — F (with the loss on the last stage, as ours) and B
     of every micro-batch — so both executors' bubbles and message hops are measured the same way."""
 
-    def __init__(self, stage: PipelineStage, pipe, rank: int) -> None:
+    def __init__(self, stages: list[PipelineStage], pipe, rank: int) -> None:
         self.events: list[Event] = []
         self._rank = rank
         self._t0 = time.perf_counter() - time.time()  # wall clock at perf_counter resolution, as ours
-        stage.forward_one_chunk = self._timed("F", stage.forward_one_chunk)  # type: ignore[method-assign]
-        stage.backward_one_chunk = self._timed("B", stage.backward_one_chunk)  # type: ignore[method-assign]
+        for stage in stages:
+            chunk = stage.stage_index
+            stage.forward_one_chunk = self._timed("F", chunk, stage.forward_one_chunk)  # type: ignore[method-assign]
+            stage.backward_one_chunk = self._timed("B", chunk, stage.backward_one_chunk)  # type: ignore[method-assign]
         loss = pipe._maybe_compute_loss
 
         def loss_in_forward(*args, **kwargs):  # extends the forward it follows, as our F includes it
@@ -197,12 +210,12 @@ class _TorchTimeline:
 
         pipe._maybe_compute_loss = loss_in_forward
 
-    def _timed(self, op: str, method: Callable) -> Callable:
+    def _timed(self, op: str, chunk: int, method: Callable) -> Callable:
         def timed(micro_batch: int, *args, **kwargs):
             start = time.perf_counter()
             result = method(micro_batch, *args, **kwargs)
             start, end = start - self._t0, time.perf_counter() - self._t0
-            self.events.append(Event(self._rank, op, micro_batch, self._rank, start, end))
+            self.events.append(Event(self._rank, op, micro_batch, chunk, start, end))
             return result
 
         return timed
@@ -287,7 +300,7 @@ def _worker(
                             ),
                             "stage0_peak_activation_bytes": contenders[name][1].peak,
                             **timelines[name].summary(statistics.median(base)),
-                            "bubble_theory": theoretical_bubble(2, m),
+                            "bubble_theory": _theory(schedule, m),
                         }
                     )
                 drift = _weight_drift(contenders, world.comm)
@@ -339,7 +352,11 @@ def _save_timeline(directory: str | None, schedule: str, m: int, contender: str,
     suffix = {"meshwise/gloo": "", "meshwise/shm": "_shm", "torch/gloo": "_torch"}[contender]
     stem = Path(directory) / f"pipeline_{schedule}_m{m}{suffix}"
     write_trace(events, f"{stem}.json")
-    draw(events, f"{stem}.png", title=f"{contender} {schedule}, p=2, m={m}", theory=theoretical_bubble(2, m))
+    draw(events, f"{stem}.png", title=f"{contender} {schedule}, p=2, m={m}", theory=_theory(schedule, m))
+
+
+def _theory(schedule: str, m: int) -> float:
+    return theoretical_bubble(2, m, VIRTUAL_STAGES.get(schedule, 1))
 
 
 def _percent(value: float | None) -> str:
@@ -352,14 +369,14 @@ def _number(value: float | None, spec: str) -> str:
 
 def _table(rows: list[dict]) -> str:
     lines = [
-        f"{'schedule':>8} {'m':>3} {'contender':>14} {'step ms':>9} {'cpu ms':>7} {'vs torch':>9} "
+        f"{'schedule':>11} {'m':>3} {'contender':>14} {'step ms':>9} {'cpu ms':>7} {'vs torch':>9} "
         f"{'target':>7} {'floor':>6} {'stage0 act MiB':>15} {'bubble':>7} {'replay':>7} {'theory':>7} "
         f"{'hop µs':>7} {'max |Δw|':>9}"
     ]
     for r in rows:
         target = TARGETS.get(r["contender"])
         lines.append(
-            f"{r['schedule']:>8} {r['micro_batches']:>3} {r['contender']:>14} {r['step_ms']:>9.1f} "
+            f"{r['schedule']:>11} {r['micro_batches']:>3} {r['contender']:>14} {r['step_ms']:>9.1f} "
             f"{r['cpu_ms']:>7.1f} "
             f"{r['ratio_vs_torch']:>8.2f}x {('≤' + format(target, '.1f')) if target else '':>7} "
             f"{_number(r['floor_vs_torch'], '.2f'):>6} "
@@ -373,7 +390,9 @@ def _table(rows: list[dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--micro-batches", default="4,8", help="comma-separated m values (default 4,8)")
-    parser.add_argument("--schedules", default="gpipe,1f1b", help="comma-separated, of gpipe,1f1b")
+    parser.add_argument(
+        "--schedules", default="gpipe,1f1b", help="comma-separated, of gpipe,1f1b,interleaved (v = 2)"
+    )
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per contender (default 2)")
     parser.add_argument("--rounds", type=int, default=5, help="rounds of every contender (default 5)")
     parser.add_argument(
