@@ -2,7 +2,9 @@
 
 The trace shows compute (F, B, W) and the receive waits longer than 20 µs, so a stage stalled by its
 neighbour is told apart from one with nothing scheduled; :func:`replay_bubble` splits the gap between the
-measured and the theoretical bubble into what uneven op times cost and what messages and overheads cost.
+measured and the theoretical bubble into what uneven op times cost and what messages and overheads cost,
+:func:`replay`'s makespan is the floor no executor beats on those op times, and :func:`message_hops` is
+the latency per message the pipeline actually waited through.
 
 Events are the executor's per-instruction timestamps in wall-clock seconds (monotonic-clock resolution),
 so every rank's row shares one time axis: exactly on one host, to NTP's precision across hosts. The
