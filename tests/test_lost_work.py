@@ -94,6 +94,7 @@ def test_ctrl_c_is_one_line_and_keeps_the_rows(tmp_path):
         text=True,
         env=_environment(),
         start_new_session=True,
+        preexec_fn=_terminal_sigint,
     )
     try:
         assert proc.stdout is not None
@@ -171,7 +172,21 @@ def test_a_failed_json_write_does_not_skip_the_plot(tmp_path, capsys, monkeypatc
     assert f"# plot written to {png}" in out and png.stat().st_size > 0
 
 
-def test_ctrl_c_of_train_is_one_line(capsys, monkeypatch):
+@pytest.fixture
+def interruptible():
+    """Ctrl-C raises KeyboardInterrupt, as in a terminal, whatever this process inherited (a
+    non-interactive shell starts a background job, e.g. `pytest &`, with SIGINT ignored)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def _terminal_sigint() -> None:
+    """In the child before exec: SIGINT delivered, as in a terminal (see :func:`interruptible`)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def test_ctrl_c_of_train_is_one_line(capsys, monkeypatch, interruptible):
     from meshwise.runtime import spawn
 
     real = spawn._collect

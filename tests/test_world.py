@@ -1,5 +1,6 @@
 """``meshwise.init()`` under the launchers' environments: layout, device, idempotence, adoption, errors."""
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -97,8 +98,11 @@ def test_adopts_a_process_group_the_script_created():
 
 
 def _gloo_threads() -> int:
-    tasks = Path("/proc/self/task")
-    return sum((task / "comm").read_text().strip() == "pt_gloo_runloop" for task in tasks.iterdir())
+    names = []
+    for task in Path("/proc/self/task").iterdir():
+        with contextlib.suppress(FileNotFoundError):  # a thread that ended since the listing
+            names.append((task / "comm").read_text().strip())
+    return names.count("pt_gloo_runloop")
 
 
 def _torch_ddp_then_shutdown():
