@@ -212,7 +212,7 @@ class PipelineExecutor:
 
         Done before a receive's wait and before a compute, but never between a receive and the compute it
         feeds nor between a compute and the sends of its result: those hops are on the pipeline's critical
-        path, and posting one gloo receive costs 60–400 µs on a busy 2-core machine (measured), time the
+        path, and posting one gloo receive takes tens to hundreds of µs on a busy 2-core machine, time the
         neighbour would wait. What gets posted is the receive after the next one, so the next one is still
         in flight while this rank computes."""
         self._post_receives(run, RECV_LOOKAHEAD)
@@ -444,7 +444,7 @@ def _pack(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``tensor`` flattened, followed by an all-clear header, in one new buffer.
 
     One ``cat`` instead of allocate, copy and fill: a pack sits between a compute and the neighbour
-    waiting for its result, and each torch call costs 10–30 µs there on a busy CPU (measured)."""
+    waiting for its result, and each torch call costs tens of µs there on a busy CPU."""
     header = _CLEAR_HEADERS.get(dtype)
     if header is None:
         header = _CLEAR_HEADERS[dtype] = torch.zeros(_HEADER, dtype=dtype)
