@@ -359,10 +359,6 @@ def _theory(schedule: str, m: int) -> float:
     return theoretical_bubble(2, m, VIRTUAL_STAGES.get(schedule, 1))
 
 
-def _percent(value: float | None) -> str:
-    return "" if value is None else f"{value:.1%}"
-
-
 def _number(value: float | None, spec: str) -> str:
     return "" if value is None else format(value, spec)
 
@@ -380,8 +376,8 @@ def _table(rows: list[dict]) -> str:
             f"{r['cpu_ms']:>7.1f} "
             f"{r['ratio_vs_torch']:>8.2f}x {('≤' + format(target, '.1f')) if target else '':>7} "
             f"{_number(r['floor_vs_torch'], '.2f'):>6} "
-            f"{r['stage0_peak_activation_bytes'] / 2**20:>15.2f} {_percent(r['bubble_measured']):>7} "
-            f"{_percent(r['bubble_replayed']):>7} {r['bubble_theory']:>7.1%} "
+            f"{r['stage0_peak_activation_bytes'] / 2**20:>15.2f} {_number(r['bubble_measured'], '.1%'):>7} "
+            f"{_number(r['bubble_replayed'], '.1%'):>7} {r['bubble_theory']:>7.1%} "
             f"{_number(r['hop_us'], '.0f'):>7} {r['max_weight_diff_vs_torch']:>9.1e}"
         )
     return "\n".join(lines)

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import sysconfig
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
+
+import pytest
 
 import meshwise
 from meshwise.world import World
@@ -21,3 +25,12 @@ def joined(backend: str = "auto", **options: Any) -> Iterator[World]:
         yield world
     finally:
         meshwise.shutdown()
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory) -> str:
+    """A real text file of ~100 KB for the GPT trainers' tests: the standard library's argparse.py."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    path = tmp_path_factory.mktemp("data") / "source.txt"
+    path.write_bytes((stdlib / "argparse.py").read_bytes())
+    return str(path)

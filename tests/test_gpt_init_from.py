@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import sysconfig
 from pathlib import Path
 
 import pytest
@@ -27,14 +26,6 @@ pytestmark = pytest.mark.skipif(
 )
 
 SEQ, BATCH, WINDOWS = 32, 4, 8
-
-
-@pytest.fixture(scope="module")
-def text(tmp_path_factory) -> str:
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    path = tmp_path_factory.mktemp("data") / "source.txt"
-    path.write_bytes((stdlib / "argparse.py").read_bytes())
-    return str(path)
 
 
 @pytest.fixture(scope="module")

@@ -11,11 +11,8 @@ data-parallel model loaded from the same checkpoint, which is only possible if e
 from __future__ import annotations
 
 import json
-import sysconfig
 from dataclasses import replace
-from pathlib import Path
 
-import pytest
 import torch.distributed.checkpoint as dcp
 
 import meshwise
@@ -28,14 +25,6 @@ from meshwise.train.gpt.loop import GPTTrainer
 from test_gpt_pipeline_train import _tiny as tiny_run
 
 STEPS, INTERRUPT = 6, 3
-
-
-@pytest.fixture(scope="module")
-def text(tmp_path_factory) -> str:
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    path = tmp_path_factory.mktemp("data") / "source.txt"
-    path.write_bytes((stdlib / "argparse.py").read_bytes())
-    return str(path)
 
 
 def _tiny(text: str, **overrides) -> GPTTrainConfig:

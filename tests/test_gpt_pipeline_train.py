@@ -7,7 +7,6 @@ rank): per-step training losses, gradient norms and validation losses must agree
 
 from __future__ import annotations
 
-import sysconfig
 from pathlib import Path
 
 import pytest
@@ -15,14 +14,6 @@ import torch
 
 from meshwise.train.gpt import GPTTrainConfig, run_gpt_training
 from meshwise.train.gpt.report import GPTResult
-
-
-@pytest.fixture(scope="module")
-def text(tmp_path_factory) -> str:
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    path = tmp_path_factory.mktemp("data") / "source.txt"
-    path.write_bytes((stdlib / "argparse.py").read_bytes())
-    return str(path)
 
 
 def _tiny(text: str, **overrides) -> GPTTrainConfig:

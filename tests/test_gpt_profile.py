@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import sysconfig
 from pathlib import Path
 
 import pytest
@@ -22,14 +21,6 @@ from meshwise.parallel.pipeline_parallel.timeline import measured_bubble
 from meshwise.train.gpt import GPTTrainConfig, run_gpt_training
 from meshwise.train.profile import StepProfiler, _Op, _Step
 from meshwise.train.torch_profile import profile_schedule
-
-
-@pytest.fixture(scope="module")
-def text(tmp_path_factory) -> str:
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    path = tmp_path_factory.mktemp("data") / "source.txt"
-    path.write_bytes((stdlib / "argparse.py").read_bytes())
-    return str(path)
 
 
 def _tiny(text: str, **overrides) -> GPTTrainConfig:

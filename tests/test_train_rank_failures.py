@@ -11,11 +11,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import sysconfig
 import textwrap
 from pathlib import Path
 
-import pytest
 import torch
 
 from meshwise.runtime.spawn import spawn
@@ -74,14 +72,6 @@ def test_an_exception_on_rank_1_is_reported_by_rank_1_once(tmp_path):
         "[rank 0] meshwise train: rank 0 stopped: another rank left the job (its own report says why)"
     ]
     assert "meshwise run: rank 1 failed (exit code 1); terminating ranks 0" in lines
-
-
-@pytest.fixture(scope="module")
-def text(tmp_path_factory) -> str:
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    path = tmp_path_factory.mktemp("data") / "source.txt"
-    path.write_bytes((stdlib / "argparse.py").read_bytes())
-    return str(path)
 
 
 def test_a_gpt_loss_that_turns_nan_on_rank_1_is_named_once_by_rank_0(tmp_path, text):

@@ -71,6 +71,27 @@ class ParallelStep(ABC):
     def finish(self) -> None:
         """Collective, once after the last step: end-of-run output of the strategy (none by default)."""
 
+    def accumulate_gradients(
+        self,
+        micro_batches: Sequence[Batch],
+        loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        scale: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> float:
+        """Forward and backward of each micro-batch, ``self.model.no_sync()`` for all but the last (so
+        gradients are reduced once per step), each loss divided by their number so the gradients are the
+        batch mean; ``scale`` (e.g. a loss scaler) applies to that before backward. Returns the mean loss."""
+        total = 0.0
+        for i, (inputs, targets) in enumerate(micro_batches):
+            last = i == len(micro_batches) - 1
+            with self.model.no_sync() if not last else nullcontext():  # type: ignore[operator]
+                with self.phase("forward"):
+                    loss = loss_of(inputs, targets)
+                    total += loss.item()
+                with self.phase("backward"):
+                    scaled = loss / len(micro_batches)
+                    (scale(scaled) if scale is not None else scaled).backward()
+        return total / len(micro_batches)
+
     @abstractmethod
     def forward_backward(self, micro_batches: Sequence[Batch]) -> float: ...
 
@@ -142,16 +163,11 @@ class DataParallelStep(ParallelStep):
         self.optimizer = build_optimizer(model, config)
 
     def forward_backward(self, micro_batches: Sequence[Batch]) -> float:
-        total = 0.0
-        for i, (inputs, targets) in enumerate(micro_batches):
-            last = i == len(micro_batches) - 1
-            with self.model.no_sync() if not last else nullcontext():
-                with self.phase("forward"), self.autocast():
-                    loss = language_model_loss(self.model(inputs), targets)
-                    total += loss.item()
-                with self.phase("backward"):
-                    (loss / len(micro_batches)).backward()
-        return total / len(micro_batches)
+        return self.accumulate_gradients(micro_batches, self._loss)
+
+    def _loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        with self.autocast():
+            return language_model_loss(self.model(inputs), targets)
 
     def clip_grad_norm(self, max_norm: float) -> float:
         params = self.model.module.parameters()

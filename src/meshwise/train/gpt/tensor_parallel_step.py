@@ -17,7 +17,6 @@ sharded strategy, and how it is met here:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -49,16 +48,7 @@ class TensorParallelStep(ParallelStep):
         return parallel_loss(logits.float(), targets, self.tp, vocab=self.config.vocab, reduction=reduction)
 
     def forward_backward(self, micro_batches: Sequence[Batch]) -> float:
-        total = 0.0
-        for i, (inputs, targets) in enumerate(micro_batches):
-            last = i == len(micro_batches) - 1
-            with self.model.no_sync() if not last else nullcontext():
-                with self.phase("forward"):
-                    loss = self._loss(inputs, targets)
-                    total += loss.item()
-                with self.phase("backward"):
-                    (loss / len(micro_batches)).backward()
-        return total / len(micro_batches)
+        return self.accumulate_gradients(micro_batches, self._loss)
 
     def clip_grad_norm(self, max_norm: float) -> float:
         squares = torch.zeros(2, dtype=torch.float64)

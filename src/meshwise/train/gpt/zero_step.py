@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -74,17 +73,11 @@ class ZeroStep(ParallelStep):
         self.scaler = LossScaler(mesh.dp) if config.dtype == "fp16" else None
 
     def forward_backward(self, micro_batches: Sequence[Batch]) -> float:
-        total = 0.0
-        for i, (inputs, targets) in enumerate(micro_batches):
-            last = i == len(micro_batches) - 1
-            with self.model.no_sync() if not last else nullcontext():
-                with self.phase("forward"):
-                    loss = language_model_loss(self.model(inputs), targets)
-                    total += loss.item()
-                with self.phase("backward"):
-                    scaled = loss / len(micro_batches)
-                    (self.scaler.scale_loss(scaled) if self.scaler else scaled).backward()
-        return total / len(micro_batches)
+        return self.accumulate_gradients(
+            micro_batches,
+            lambda inputs, targets: language_model_loss(self.model(inputs), targets),
+            self.scaler.scale_loss if self.scaler else None,
+        )
 
     def clip_grad_norm(self, max_norm: float) -> float:
         if self.scaler is not None:
