@@ -18,11 +18,14 @@ built under ``torch.device("meta")`` allocates no memory, so the planner can siz
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from meshwise.models.moe import MixtureOfExperts, check_experts, moe_parameter_counts
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,13 @@ class GPTConfig:
     seq_len: int
     vocab: int = 256
     dropout: float = 0.0
+    #: Mixture of experts (models/moe.py): 0 keeps the dense MLP; E > 0 makes every block's MLP E experts
+    #: behind a top-k router, dropless unless a capacity factor is given.
+    experts: int = 0
+    top_k: int = 2
+    capacity_factor: float | None = None
+    aux_loss_coef: float = 0.01  # load-balancing loss weight (Switch Transformer's 1e-2)
+    z_loss_coef: float = 0.001  # router z-loss weight (ST-MoE's 1e-3)
 
     @property
     def head_dim(self) -> int:
@@ -51,12 +61,19 @@ class GPTConfig:
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPT dropout must be in [0, 1), got {self.dropout}")
+        if self.experts:
+            check_experts(self.experts, self.top_k, self.capacity_factor)
         return self
 
-    def num_parameters(self) -> int:
-        """Parameters with the head tied to the token embedding (GPT-2's published counts)."""
+    def num_parameters(self, *, active: bool = False) -> int:
+        """Parameters with the head tied to the token embedding (GPT-2's published counts); with
+        ``active``, only those one token uses (a mixture of experts: the router and top-k experts)."""
         h = self.hidden
-        per_block = 2 * h + (4 * h * h + 4 * h) + 2 * h + (8 * h * h + 5 * h)
+        mlp = 8 * h * h + 5 * h
+        if self.experts:
+            total, used = moe_parameter_counts(h, mlp, self.experts, self.top_k)
+            mlp = used if active else total
+        per_block = 2 * h + (4 * h * h + 4 * h) + 2 * h + mlp
         return self.vocab * h + self.seq_len * h + self.layers * per_block + 2 * h
 
     def flops_per_token(self) -> int:
@@ -65,9 +82,10 @@ class GPTConfig:
         N excludes the position embedding (a lookup, not a matmul) but includes the token embedding,
         which is also the output head. The attention term counts QKᵀ and AV over the full context, as the
         PaLM paper's MFU accounting does (causal masking halves the useful work; the convention ignores
-        it), so MFU figures compare with published ones.
+        it), so MFU figures compare with published ones. A mixture of experts counts its active
+        parameters (router and top-k experts): the FLOPs a token costs, not the parameters it could use.
         """
-        n = self.num_parameters() - self.seq_len * self.hidden
+        n = self.num_parameters(active=True) - self.seq_len * self.hidden
         return 6 * n + 12 * self.layers * self.hidden * self.seq_len
 
 
@@ -77,10 +95,13 @@ def _divisor_near(hidden: int, heads: int) -> int:
 
 
 #: Named configurations. ``gpt-tiny`` is for tests (< 1M parameters, 4 layers so pipelines of up to four
-#: stages can be cut); ``gpt-nano`` (~10.7M) is the CPU default; the rest are GPT-2's published sizes.
+#: stages can be cut); ``gpt-nano`` (~10.7M) is the CPU default; ``gpt-moe-*`` are the same shapes with every
+#: MLP a mixture of experts (4 resp. 8, top-2); the rest are GPT-2's published sizes.
 CONFIGS: dict[str, GPTConfig] = {
     "gpt-tiny": GPTConfig(layers=4, hidden=64, heads=4, seq_len=64, vocab=256),
     "gpt-nano": GPTConfig(layers=6, hidden=384, heads=6, seq_len=256, vocab=256),
+    "gpt-moe-tiny": GPTConfig(layers=4, hidden=64, heads=4, seq_len=64, vocab=256, experts=4, top_k=2),
+    "gpt-moe-nano": GPTConfig(layers=6, hidden=384, heads=6, seq_len=256, vocab=256, experts=8, top_k=2),
     "gpt2": GPTConfig(layers=12, hidden=768, heads=12, seq_len=1024, vocab=50257),
     "gpt2-medium": GPTConfig(layers=24, hidden=1024, heads=16, seq_len=1024, vocab=50257),
     "gpt2-large": GPTConfig(layers=36, hidden=1280, heads=20, seq_len=1024, vocab=50257),
@@ -149,6 +170,23 @@ class MLP(nn.Module):
         return self.proj(F.gelu(self.fc(x), approximate="tanh"))
 
 
+def mixture_of_experts(config: GPTConfig) -> MixtureOfExperts:
+    """The MoE layer a block uses for its MLP: experts that are the plain MLP (same bias, same init)."""
+    return MixtureOfExperts(
+        config.hidden,
+        config.experts,
+        config.top_k,
+        lambda: MLP(config),
+        capacity_factor=config.capacity_factor,
+        balance_coef=config.aux_loss_coef,
+        z_loss_coef=config.z_loss_coef,
+    )
+
+
+#: Linears that write into the residual stream, initialised with std 0.02/√(2·layers) (an expert's proj too).
+RESIDUAL_PROJECTION = re.compile(r".*(attn\.out|mlp\.proj|mlp\.experts\.\d+\.proj)")
+
+
 class Block(nn.Module):
     """Pre-LayerNorm transformer block: x + attn(ln1(x)), then + mlp(ln2(x))."""
 
@@ -157,7 +195,7 @@ class Block(nn.Module):
         self.ln1 = nn.LayerNorm(config.hidden)
         self.attn = CausalSelfAttention(config)
         self.ln2 = nn.LayerNorm(config.hidden)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config) if not config.experts else mixture_of_experts(config)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -186,7 +224,7 @@ class GPT(nn.Module):
         residual_std = 0.02 / math.sqrt(2 * self.config.layers)
         for name, module in self.named_modules():
             if isinstance(module, nn.Linear):
-                std = residual_std if name.endswith(("attn.out", "mlp.proj")) else 0.02
+                std = residual_std if RESIDUAL_PROJECTION.fullmatch(name) else 0.02
                 nn.init.normal_(module.weight, mean=0.0, std=std)
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)

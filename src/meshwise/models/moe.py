@@ -1,0 +1,223 @@
+"""Mixture of experts: a router sends each token to ``top_k`` of ``E`` expert MLPs and mixes their outputs.
+
+This is the layer a GPT block uses in place of its MLP when ``GPTConfig.experts`` is set. It is written so
+that expert parallelism needs no other copy of it:
+
+- the routing (:func:`route`) and the two halves of the token shuffle (:func:`group_by_expert`,
+  :func:`combine`) are plain functions of tensors, unit-testable without processes;
+- the experts live in a ``ModuleDict`` keyed by their *global* index (``experts.5.fc.weight``), so a
+  rank that holds experts 4–7 keeps the plain model's parameter names and a checkpoint reshards by name;
+- the step between grouping and combining — running the experts on the grouped tokens — is the
+  :attr:`MixtureOfExperts.exchange` hook. Here it runs every expert locally; expert parallelism
+  (:mod:`meshwise.parallel.expert_parallel`) swaps in an all-to-all that sends each group to the rank
+  holding its expert and brings the results back.
+
+Routing follows Switch / GShard: router logits (a bias-free linear), softmax in float32, the ``top_k``
+largest probabilities choose the experts and weight their outputs (not renormalised, so one expert at
+probability p contributes p·expert(x), as in Switch). Dropless by default; with a capacity factor ``c`` an
+expert takes at most ⌈c·T·k/E⌉ of the T·k assignments of one forward pass (one "group" in GShard's
+terms: one rank's micro-batch), first choices before second choices and earlier tokens first; the rest
+are dropped (that token's slot contributes nothing, the residual connection carries it) and counted.
+
+The auxiliary losses are Switch's load-balancing loss E·Σₑ fₑ·Pₑ (fₑ the fraction of assignments routed
+to e, Pₑ the mean router probability of e; 1 when perfectly balanced) and ST-MoE's router z-loss,
+mean(logsumexp(logits)²). :func:`with_auxiliary_losses` adds them, weighted by their coefficients, to the
+gradient of a loss without changing its value, so a training loop that prints the language-model loss
+keeps printing exactly that.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+#: Runs the local experts on tokens grouped by expert: (tokens, rows per local expert) → outputs.
+RunExperts = Callable[[Tensor, list[int]], Tensor]
+#: Between grouping and combining: (tokens grouped by global expert, rows per global expert, run) →
+#: the experts' outputs in the same order. :func:`run_here` is the one-process exchange.
+Exchange = Callable[[Tensor, Tensor, RunExperts], Tensor]
+
+
+def check_experts(experts: int, top_k: int, capacity_factor: float | None) -> None:
+    """A ValueError naming the flag to change when a mixture of experts cannot be built."""
+    if experts < 1:
+        raise ValueError(f"--experts must be at least 1 (or 0 for the dense MLP), got {experts}")
+    if not 1 <= top_k <= experts:
+        raise ValueError(
+            f"--top-k {top_k} must be between 1 and the number of experts ({experts}): each token picks "
+            "top-k distinct experts"
+        )
+    if capacity_factor is not None and not (math.isfinite(capacity_factor) and capacity_factor > 0):
+        raise ValueError(
+            f"--capacity-factor must be a positive number (e.g. 1.25), got {capacity_factor}; leave it out "
+            "for dropless routing"
+        )
+
+
+def expert_capacity(tokens: int, experts: int, top_k: int, capacity_factor: float | None) -> int | None:
+    """Assignments one expert takes in a forward pass of ``tokens`` tokens: ⌈c·T·k/E⌉, None if dropless."""
+    if capacity_factor is None:
+        return None
+    return math.ceil(capacity_factor * tokens * top_k / experts)
+
+
+@dataclass(frozen=True)
+class Routing:
+    """Where the T tokens of one forward pass go: k assignments each."""
+
+    experts: Tensor  # (T, k) int64: the chosen experts, best first
+    weights: Tensor  # (T, k) float: their router probabilities (differentiable)
+    kept: Tensor  # (T, k) bool: False where the expert was over capacity
+    routed: Tensor  # (E,) int64: assignments each expert was chosen for (before the capacity)
+    balance_loss: Tensor  # scalar: E·Σ f·P
+    z_loss: Tensor  # scalar: mean logsumexp²
+
+    @property
+    def num_experts(self) -> int:
+        return self.routed.numel()
+
+    def kept_per_expert(self) -> Tensor:
+        return torch.bincount(self.experts[self.kept], minlength=self.num_experts)
+
+
+def route(logits: Tensor, top_k: int, capacity_factor: float | None = None) -> Routing:
+    """Top-k routing of (T, E) router logits, with capacity dropping and the auxiliary losses."""
+    tokens, experts = logits.shape
+    logits = logits.float()  # softmax and logsumexp² in float32 even under bf16 autocast
+    probs = logits.softmax(dim=-1)
+    weights, chosen = probs.topk(top_k, dim=-1)
+    routed = torch.bincount(chosen.reshape(-1), minlength=experts)
+    kept = torch.ones_like(chosen, dtype=torch.bool)
+    capacity = expert_capacity(tokens, experts, top_k, capacity_factor)
+    if capacity is not None:
+        # Priority: every token's first choice, then every second choice, ... (GShard), earlier tokens first.
+        by_priority = chosen.t().reshape(-1)
+        one_hot = F.one_hot(by_priority, experts)
+        position = (one_hot.cumsum(dim=0) * one_hot).sum(dim=-1) - 1  # place in its expert's queue
+        kept = (position < capacity).reshape(top_k, tokens).t()
+    fraction = routed.to(probs.dtype) / (tokens * top_k)
+    balance = experts * (fraction * probs.mean(dim=0)).sum()
+    z_loss = torch.logsumexp(logits, dim=-1).square().mean()
+    return Routing(chosen, weights, kept, routed, balance, z_loss)
+
+
+def group_by_expert(x: Tensor, routing: Routing) -> tuple[Tensor, Tensor, Tensor]:
+    """The kept assignments' tokens sorted by expert (stable: token order within an expert).
+
+    Returns (grouped (A, h), rows per expert (E,), ``order``: each row's index into the flattened
+    (T·k) assignments, which :func:`combine` uses to send results back)."""
+    flat_experts = routing.experts.reshape(-1)
+    kept = routing.kept.reshape(-1).nonzero().squeeze(1)
+    order = kept[torch.argsort(flat_experts[kept], stable=True)]
+    counts = torch.bincount(flat_experts[order], minlength=routing.num_experts)
+    top_k = routing.experts.shape[1]
+    return x.index_select(0, order // top_k), counts, order
+
+
+def combine(outputs: Tensor, order: Tensor, routing: Routing, tokens: int) -> Tensor:
+    """Σₖ weightₖ·outputₖ per token: the experts' outputs (rows in :func:`group_by_expert`'s order)
+    weighted by their router probabilities and added into their tokens' rows; dropped slots add 0."""
+    top_k = routing.experts.shape[1]
+    weights = routing.weights.reshape(-1)[order].to(outputs.dtype)
+    mixed = outputs.new_zeros(tokens, outputs.shape[-1])
+    return mixed.index_add(0, order // top_k, outputs * weights[:, None])
+
+
+def run_here(grouped: Tensor, counts: Tensor, run: RunExperts) -> Tensor:
+    """The one-process exchange: every expert is local, so the grouped tokens go straight to them."""
+    return run(grouped, counts.tolist())
+
+
+@dataclass
+class RouterTally:
+    """What a layer's router did since the last report: assignments chosen and kept per expert, and the
+    auxiliary losses summed over its forward passes (in training mode only; evaluation is not counted)."""
+
+    routed: Tensor
+    kept: Tensor
+    balance_loss: float = 0.0
+    z_loss: float = 0.0
+    forwards: int = 0
+
+    @classmethod
+    def empty(cls, experts: int) -> RouterTally:
+        return cls(torch.zeros(experts, dtype=torch.int64), torch.zeros(experts, dtype=torch.int64))
+
+    def add(self, routing: Routing) -> None:
+        self.routed += routing.routed.cpu()
+        self.kept += routing.kept_per_expert().cpu()
+        self.balance_loss += routing.balance_loss.item()
+        self.z_loss += routing.z_loss.item()
+        self.forwards += 1
+
+
+class MixtureOfExperts(nn.Module):
+    """``experts`` copies of an MLP (built by ``make_expert``) behind a top-k router; input (..., hidden)."""
+
+    def __init__(
+        self,
+        hidden: int,
+        experts: int,
+        top_k: int,
+        make_expert: Callable[[], nn.Module],
+        *,
+        capacity_factor: float | None = None,
+        balance_coef: float = 0.0,
+        z_loss_coef: float = 0.0,
+    ) -> None:
+        super().__init__()
+        check_experts(experts, top_k, capacity_factor)
+        self.num_experts, self.top_k, self.capacity_factor = experts, top_k, capacity_factor
+        self.balance_coef, self.z_loss_coef = balance_coef, z_loss_coef
+        self.router = nn.Linear(hidden, experts, bias=False)
+        self.experts = nn.ModuleDict({str(e): make_expert() for e in range(experts)})
+        self.exchange: Exchange = run_here
+        self.routing: Routing | None = None  # the last forward's, for its auxiliary losses
+        self.tally = RouterTally.empty(experts)
+
+    def forward(self, x: Tensor) -> Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        routing = route(self.router(flat), self.top_k, self.capacity_factor)
+        grouped, counts, order = group_by_expert(flat, routing)
+        outputs = self.exchange(grouped, counts, self.run_local_experts)
+        self.routing = routing
+        if self.training:
+            self.tally.add(routing)
+        return combine(outputs, order, routing, flat.shape[0]).reshape(x.shape)
+
+    def run_local_experts(self, tokens: Tensor, rows: list[int]) -> Tensor:
+        """Each expert this module holds (ascending global index) on its slice of ``tokens``."""
+        pieces = tokens.split(rows)
+        return torch.cat([expert(piece) for expert, piece in zip(self.experts.values(), pieces, strict=True)])
+
+    def auxiliary_loss(self) -> Tensor:
+        """The last forward's coefficient-weighted load-balancing and z-losses."""
+        if self.routing is None:
+            raise RuntimeError("auxiliary_loss() needs a forward pass first")
+        return self.balance_coef * self.routing.balance_loss + self.z_loss_coef * self.routing.z_loss
+
+
+def moe_layers(model: nn.Module) -> list[MixtureOfExperts]:
+    return [m for m in model.modules() if isinstance(m, MixtureOfExperts)]
+
+
+def with_auxiliary_losses(loss: Tensor, model: nn.Module) -> Tensor:
+    """``loss`` with the value it has and the gradient of loss + every MoE layer's weighted auxiliary loss
+    (of its last forward): aux − aux.detach() is exactly 0, so the printed loss stays the model's own.
+    A model without MoE layers gets ``loss`` back unchanged."""
+    layers = moe_layers(model)
+    if not layers:
+        return loss
+    aux = torch.stack([layer.auxiliary_loss() for layer in layers]).sum()
+    return loss + (aux - aux.detach()).to(loss.dtype)
+
+
+def moe_parameter_counts(hidden: int, expert_parameters: int, experts: int, top_k: int) -> tuple[int, int]:
+    """(total, active per token) parameters of one MoE layer: the router plus E, resp. k, experts."""
+    router = hidden * experts
+    return router + experts * expert_parameters, router + top_k * expert_parameters

@@ -1,0 +1,96 @@
+"""The expert-parallel exchange: tokens go to the rank holding their expert and come back, exactly.
+
+:class:`~meshwise.models.moe.MixtureOfExperts` groups its kept assignments by global expert and hands
+them to its ``exchange``. :class:`AllToAllExchange` is that hook on ``ep`` ranks, each holding a
+contiguous block of E/ep experts:
+
+1. an all-to-all of counts: rank j learns how many rows every rank sends to each of j's experts;
+2. an all-to-all of the rows (uneven: the sizes are the data-dependent counts), source-major;
+3. a local regroup to expert-major order, the local experts run, the inverse regroup;
+4. the reverse all-to-all brings each row back to the rank and position it came from, where
+   :func:`~meshwise.models.moe.combine` weights it by its router probability.
+
+The backward is exact because every step is: the all-to-all's gradient is the all-to-all with the send
+and receive sizes swapped (:class:`_AllToAllRows`), and the regroups are index permutations autograd
+differentiates. Every rank calls every collective even with nothing to send, so the forward and
+backward collectives pair up on every rank in the same order.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from meshwise.comm.api import Communicator
+from meshwise.models.moe import RunExperts
+
+
+def all_to_all_rows(comm: Communicator, tensor: Tensor, send_rows: list[int], recv_rows: list[int]) -> Tensor:
+    """Rows ``send_rows[j]`` of ``tensor`` (in rank order) go to rank j; returns the rows received,
+    ``recv_rows[i]`` from rank i, concatenated. The one place the dispatcher touches the Communicator:
+    it uses the list form of ``all_to_all`` (uneven slots); a split-size ``all_to_all_single`` is a
+    drop-in replacement for these three lines."""
+    tensor = tensor.contiguous()
+    received = tensor.new_empty((sum(recv_rows), *tensor.shape[1:]))
+    comm.all_to_all(list(received.split(recv_rows)), list(tensor.split(send_rows)))
+    return received
+
+
+class _AllToAllRows(torch.autograd.Function):
+    """:func:`all_to_all_rows` with its exact gradient: the same exchange with the sizes swapped."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, tensor: Tensor, comm: Communicator, send_rows: list[int], recv_rows: list[int]
+    ) -> Tensor:
+        ctx.comm, ctx.send_rows, ctx.recv_rows = comm, send_rows, recv_rows
+        return all_to_all_rows(comm, tensor, send_rows, recv_rows)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
+        return all_to_all_rows(ctx.comm, grad, ctx.recv_rows, ctx.send_rows), None, None, None
+
+
+def exchange_rows(comm: Communicator, tensor: Tensor, send_rows: list[int], recv_rows: list[int]) -> Tensor:
+    """Differentiable :func:`all_to_all_rows`."""
+    return _AllToAllRows.apply(tensor, comm, send_rows, recv_rows)
+
+
+def expert_major_order(counts: Tensor) -> Tensor:
+    """The permutation that turns rows laid out source-major — ``counts[i, e]`` rows from rank i for
+    local expert e, i outer — into expert-major order (e outer, then source rank)."""
+    sources, experts = counts.shape
+    starts = torch.cumsum(counts.reshape(-1), 0) - counts.reshape(-1)
+    starts = starts.reshape(sources, experts)
+    pieces = [
+        torch.arange(int(starts[i, e]), int(starts[i, e] + counts[i, e]))
+        for e in range(experts)
+        for i in range(sources)
+    ]
+    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)
+
+
+class AllToAllExchange:
+    """The ``exchange`` of a MoE layer whose E experts are spread over the ranks of ``comm``, E/ep each."""
+
+    def __init__(self, comm: Communicator, experts: int) -> None:
+        self.comm, self.experts = comm, experts
+        self.local = experts // comm.world_size
+
+    def __call__(self, grouped: Tensor, counts: Tensor, run: RunExperts) -> Tensor:
+        ranks, local = self.comm.world_size, self.local
+        # 1. counts: slot j of ours (our rows for j's experts) becomes row `rank` of j's matrix.
+        received_counts = torch.empty_like(counts)
+        self.comm.all_to_all(received_counts, counts.contiguous())
+        matrix = received_counts.reshape(ranks, local).cpu()  # [source rank, local expert]
+        send_rows = counts.reshape(ranks, local).sum(dim=1).tolist()
+        recv_rows = matrix.sum(dim=1).tolist()
+        # 2. rows to the experts' ranks, source-major; 3. regroup, run, regroup back.
+        arrived = exchange_rows(self.comm, grouped, send_rows, recv_rows)
+        order = expert_major_order(matrix).to(arrived.device)
+        outputs = run(arrived.index_select(0, order), matrix.sum(dim=0).tolist())
+        back = outputs.index_select(0, torch.argsort(order))
+        # 4. results home, in the order they were sent.
+        return exchange_rows(self.comm, back, recv_rows, send_rows)

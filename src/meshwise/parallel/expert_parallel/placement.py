@@ -1,0 +1,89 @@
+"""Where expert-parallel parameters live, and how their gradients are reduced.
+
+ep ranks are carved from the data-parallel ranks: each of the D data ranks trains on its own shard of
+the batch; within an ep group of ``ep`` ranks the E experts of every MoE layer are split into contiguous
+blocks of E/ep, everything else is replicated. Gradients are then reduced over two groups:
+
+- replicated (dense) parameters: averaged over all D data ranks, as plain data parallelism does;
+- expert parameters: the reverse all-to-all already *summed* into each expert the gradients of every
+  ep rank's tokens, so they are summed over the D/ep ranks holding the same experts and divided by D.
+
+Both give the gradient of the mean loss over the global batch, which is what one process computes.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from meshwise.comm.api import Communicator, ReduceOp
+from meshwise.models.moe import moe_layers
+from meshwise.parallel.expert_parallel.exchange import AllToAllExchange
+
+
+def check_expert_parallel(experts: int, ep: int) -> None:
+    """A ValueError naming what to change when E experts cannot be spread over ``ep`` ranks."""
+    if ep < 1:
+        raise ValueError(f"--ep must be at least 1, got {ep}")
+    if ep > 1 and experts < 1:
+        raise ValueError(f"--ep {ep} spreads experts over ranks: give the model experts (--experts E)")
+    if ep > 1 and experts % ep:
+        divisors = [d for d in range(1, experts + 1) if experts % d == 0]
+        raise ValueError(
+            f"--experts {experts} is not divisible by --ep {ep}: every ep rank holds E/ep experts; choose "
+            f"--ep in {divisors} or a multiple of {ep} experts"
+        )
+
+
+def local_experts(experts: int, ep: int, ep_rank: int) -> range:
+    """The global indices of the experts ep rank ``ep_rank`` holds: a contiguous block of E/ep."""
+    per_rank = experts // ep
+    return range(ep_rank * per_rank, (ep_rank + 1) * per_rank)
+
+
+def apply_expert_parallel(model: nn.Module, ep_comm: Communicator) -> nn.Module:
+    """Keep only this rank's experts in every MoE layer of ``model`` and route through ``ep_comm``.
+
+    ``model`` must be built identically on every ep rank (same seed): the experts kept are then the
+    one-process model's, under the same parameter names. Returns ``model``, changed in place.
+    """
+    for layer in moe_layers(model):
+        check_expert_parallel(layer.num_experts, ep_comm.world_size)
+        mine = {str(e) for e in local_experts(layer.num_experts, ep_comm.world_size, ep_comm.rank)}
+        for name in [name for name in layer.experts if name not in mine]:
+            del layer.experts[name]
+        layer.exchange = AllToAllExchange(ep_comm, layer.num_experts)
+    return model
+
+
+def is_expert_parameter(name: str) -> bool:
+    """Whether a parameter (by its name in the model) belongs to one expert (and is sharded over ep)."""
+    return ".experts." in f".{name}"
+
+
+def reduce_gradients(
+    model: nn.Module, data_comm: Communicator, expert_data_comm: Communicator | None = None
+) -> None:
+    """Turn each rank's gradients of its own shard's mean loss into those of the global batch's mean.
+
+    ``data_comm`` holds all D data ranks (dp·ep); ``expert_data_comm`` the D/ep ranks holding this rank's
+    experts (None when ep = D: each expert lives on one rank). One flat all-reduce per group.
+    """
+    dense, experts = [], []
+    for name, param in model.named_parameters():
+        if param.grad is not None:
+            (experts if is_expert_parameter(name) else dense).append(param.grad)
+    _all_reduce_flat(dense, data_comm, ReduceOp.AVG)
+    if expert_data_comm is not None and expert_data_comm.world_size > 1:
+        _all_reduce_flat(experts, expert_data_comm, ReduceOp.SUM)
+    for grad in experts:
+        grad.div_(data_comm.world_size)
+
+
+def _all_reduce_flat(grads: list[torch.Tensor], comm: Communicator, op: ReduceOp) -> None:
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    comm.all_reduce(flat, op)
+    for grad, reduced in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+        grad.copy_(reduced.view_as(grad))
