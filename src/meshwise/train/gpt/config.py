@@ -20,6 +20,7 @@ from meshwise.models.gpt import GPTConfig, gpt_config
 from meshwise.runtime.env import plan_ranks
 from meshwise.runtime.timeouts import wait_timeout
 from meshwise.train.checkpoint import checkpoint_directory
+from meshwise.train.gpt.moe import check_moe_training, moe_overrides
 from meshwise.train.torch_profile import check_directory
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -74,6 +75,12 @@ class GPTTrainConfig:
     cache_dir: str | None = None  # where the default corpus is cached (tests use a temporary one)
     init_from: str | None = None  # Hugging Face GPT-2 weights to start from (train/gpt/init_from.py)
     export_hf: str | None = None  # folder rank 0 writes Hugging Face GPT-2 weights into at the end
+    # mixture of experts (train/gpt/moe.py); None: the named config's own
+    experts: int | None = None
+    top_k: int | None = None
+    capacity_factor: float | None = None
+    aux_loss_coef: float | None = None
+    z_loss_coef: float | None = None
 
     # ------------------------------------------------------------------ derived
     @property
@@ -86,7 +93,7 @@ class GPTTrainConfig:
             from meshwise.train.gpt.init_from import init_model_config
 
             return init_model_config(self.init_from, self.config, sizes)
-        return gpt_config(self.config or DEFAULT_MODEL, **sizes)
+        return gpt_config(self.config or DEFAULT_MODEL, **sizes, **moe_overrides(self))
 
     @property
     def model_name(self) -> str:
@@ -156,6 +163,7 @@ class GPTTrainConfig:
         from meshwise.train.gpt.parallelize import check_supported  # the seam knows what has landed
 
         check_supported(self)
+        check_moe_training(self, DEFAULT_MODEL)
         if self.nproc is not None and self.nproc < 1:
             raise ValueError(f"-np must be at least 1, got {self.nproc}")
         model = self.model_config

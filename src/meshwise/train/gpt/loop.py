@@ -23,10 +23,12 @@ from meshwise.comm.mesh import AXES
 from meshwise.data.tokens import ByteTokenizer
 from meshwise.data.windows import train_batch, val_batches
 from meshwise.models.gpt import GPT
+from meshwise.parallel.expert_parallel import moe_report
 from meshwise.train.errors import TrainingError, diverged_on, train_on_rank
 from meshwise.train.gpt import checkpoint
 from meshwise.train.gpt.config import GPTTrainConfig
 from meshwise.train.gpt.init_from import export, load_weights
+from meshwise.train.gpt.moe import moe_banner
 from meshwise.train.gpt.parallelize import parallelize
 from meshwise.train.gpt.peak import peak_flops
 from meshwise.train.gpt.profiling import GPTProfiling
@@ -204,6 +206,8 @@ class GPTTrainer:
                 f"{'s' if world.world_size > 1 else ''} × {world.device} over {world.backend}, "
                 f"global batch {config.global_batch} × {self.seq_len}"
             )
+            if (experts := moe_banner(self.model_config)) is not None:
+                self.console.print(experts)
         if self.first_step == 0:
             self.initial_val_loss = self.evaluate()
         started = time.perf_counter()
@@ -229,8 +233,11 @@ class GPTTrainer:
                     task, advance=1, status=f"loss {stats.loss:.3f}  {stats.tokens_per_second:,.0f} tok/s"
                 )
                 if stats.val_loss is not None:
+                    router = moe_report(self.step_runner.model, self.mesh.dp)  # since the last line
                     if world.is_main:
                         progress.console.print(step_line(stats, config.steps, mfu))
+                        if router is not None:
+                            progress.console.print(f"  {router.line()}")
                     if config.checkpoint is not None:
                         self.save_checkpoint(step + 1)
         self.step_runner.finish()

@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from meshwise.comm.mesh import Mesh
 from meshwise.models.gpt import GPT, language_model_loss
+from meshwise.models.moe import with_auxiliary_losses
 from meshwise.parallel import DataParallel
 from meshwise.parallel.tensor_parallel import check_tensor_parallel
 from meshwise.train.gpt.config import GPTTrainConfig
@@ -167,7 +168,7 @@ class DataParallelStep(ParallelStep):
 
     def _loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         with self.autocast():
-            return language_model_loss(self.model(inputs), targets)
+            return with_auxiliary_losses(language_model_loss(self.model(inputs), targets), self.model)
 
     def clip_grad_norm(self, max_norm: float) -> float:
         params = self.model.module.parameters()
