@@ -1,0 +1,60 @@
+"""``meshwise train gpt --experts``: a MoE GPT trains on one process and data parallel with the same losses,
+prints its router report, and refuses what it cannot train before any rank starts."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from meshwise.cli import main
+from meshwise.train.gpt import GPTTrainConfig
+
+
+def _argv(text: str, ranks: int, json_path: str) -> list[str]:
+    # micro-batches of 2 sequences on both layouts: a capacity applies per forward pass, so one process
+    # accumulating 4 of them drops exactly the tokens 2 ranks accumulating 2 each drop
+    return [
+        "train", "gpt", "-np", str(ranks), "--config", "gpt-moe-tiny", "--layers", "2", "--data", text,
+        "--seq-len", "16", "--global-batch", "8", "--micro-batch", "2", "--steps", "4", "--eval-every", "2",
+        "--eval-windows", "8", "--capacity-factor", "1.0", "--backend", "gloo", "--json", json_path,
+    ]  # fmt: skip
+
+
+def test_data_parallel_moe_matches_one_process_and_reports_the_router(text: str, tmp_path, capfd) -> None:
+    """Loss at every step equal within 1e-5 (fp32, gradients summed in another order; see test_gpt_train),
+    and a router line after each log line with counts that add up: 2 layers × 8·16 tokens × top-2."""
+    runs, out = {}, ""
+    for ranks in (1, 2):
+        path = tmp_path / f"np{ranks}.json"
+        assert main(_argv(text, ranks, str(path))) == 0
+        runs[ranks] = json.loads(path.read_text())
+        out += capfd.readouterr().out
+    losses = {ranks: [step["loss"] for step in run["history"]] for ranks, run in runs.items()}
+    assert len(losses[1]) == 4 and max(abs(a - b) for a, b in zip(*losses.values(), strict=True)) < 1e-5
+    assert "mixture of experts: 4 experts per MLP, top-2, capacity factor 1" in out
+    reports = re.findall(r"tokens min/mean/max (\d+)/([\d.]+)/(\d+) .* dropped (\d+)", out)
+    assert len(reports) == 4  # two log lines per run
+    per_line = 2 * 2 * 8 * 16 * 2  # two steps since the last line, 2 layers, 8·16 tokens, top-2
+    for low, mean, high, dropped in reports:
+        assert float(mean) == per_line / (2 * 4) and int(low) <= float(mean) <= int(high)
+        assert 0 <= int(dropped) < per_line
+    assert reports[:2] == reports[2:]  # the same counts and drops on one process and on two ranks
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"experts": 4, "top_k": 5}, r"--top-k 5 must be between 1 and the number of experts \(4\)"),
+        ({"config": "gpt-moe-tiny", "capacity_factor": -1.0}, "--capacity-factor must be a positive number"),
+        ({"top_k": 2}, "--top-k configure a mixture of experts: add --experts E"),
+        ({"config": "gpt-moe-tiny", "nproc": 2, "tp": 2}, "drop --tp"),
+        ({"config": "gpt-moe-tiny", "zero": 1}, "drop --zero"),
+        ({"experts": 4, "z_loss_coef": float("nan")}, "--z-loss-coef must be a number ≥ 0"),
+    ],
+)
+def test_bad_moe_setting_is_one_clear_error(text: str, overrides: dict, message: str) -> None:
+    settings = {"config": "gpt-tiny", "data": text, "seq_len": 16, "steps": 2}
+    with pytest.raises(ValueError, match=message):
+        GPTTrainConfig(**(settings | overrides)).validate()
