@@ -3,8 +3,12 @@ MoE GPT against the dense one; ep2, ep4 and ep2·dp2 against one process (tests/
 
 from __future__ import annotations
 
+import json
 import math
+import subprocess
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -203,3 +207,20 @@ def test_ep2_dp2_equals_one_process() -> None:
     results = spawn(run_checks, 4, ("gloo", 2), timeout=115)
     _assert_parity(results)
     assert [r["gpt:ep·dp"]["experts_held"] for r in results] == [["0", "1"], ["2", "3"]] * 2
+
+
+@pytest.mark.slow
+def test_bench_moe_script_writes_both_layouts(tmp_path) -> None:
+    """benchmarks/bench_moe.py still runs (not timed here): both layouts, ep2 holding half the experts."""
+    out = tmp_path / "moe.json"
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_moe.py"
+    args = ["--hidden", "32", "--seq-len", "8", "--batch", "2", "--backend", "gloo", "--rounds", "2"]
+    done = subprocess.run(
+        [sys.executable, str(script), *args, "--steps", "1", "--warmup", "1", "--json", str(out)],
+        capture_output=True, text=True, timeout=100,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = {row["layout"]: row for row in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"dp2", "ep2"} and all(row["tokens_per_second"] > 0 for row in rows.values())
+    assert rows["ep2"]["state_bytes_per_rank"] < rows["dp2"]["state_bytes_per_rank"]
+    assert 0 < rows["ep2"]["all_to_all_share"] < 1
