@@ -12,6 +12,8 @@ import copy
 from dataclasses import asdict, replace
 
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import meshwise
 from meshwise.comm.api import Communicator, ReduceOp
@@ -25,6 +27,7 @@ from meshwise.parallel.expert_parallel import (
     moe_report,
     reduce_gradients,
 )
+from meshwise.train.gpt.parallelize import init_optimizer_state
 
 CONFIG = GPTConfig(layers=2, hidden=32, heads=4, seq_len=8, vocab=64, experts=4, top_k=2)
 PER_RANK = 2  # sequences per data rank per step
@@ -163,6 +166,75 @@ def run_checks(backend: str, ep: int) -> dict:
         ep_comm = next(g for g in groups if g is not None)
         expert_data = next(r for r in replicas if r is not None)
         results["gpt:ep·dp"] = gpt_parity(replace(CONFIG, capacity_factor=1.0), ep_comm, comm, expert_data)
+        return results
+    finally:
+        meshwise.shutdown()
+
+
+def _trained_state(model: torch.nn.Module, comm: Communicator, replicated: bool) -> dict:
+    """One AdamW step of ``model`` on this rank's shard (gradients reduced: experts over every rank when
+    each holds all of them), then its DCP state by name."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    data = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, CONFIG.vocab, (comm.world_size * PER_RANK, CONFIG.seq_len + 1), generator=data)
+    mine = tokens.chunk(comm.world_size)[comm.rank]
+    with_auxiliary_losses(language_model_loss(model(mine[:, :-1]), mine[:, 1:]), model).backward()
+    reduce_gradients(model, comm, comm if replicated else None)
+    optimizer.step()
+    model_state, optim_state = get_state_dict(model, optimizer)
+    return {"model": model_state, "optim": optim_state, "optimizer": optimizer}
+
+
+def _restored(model: torch.nn.Module, path: str) -> dict:
+    """``model`` and a fresh AdamW filled from the DCP checkpoint at ``path``."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    init_optimizer_state(optimizer)
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return dict(zip(("model", "optim"), get_state_dict(model, optimizer), strict=True))
+
+
+def _largest_difference(saved: dict, restored: dict) -> float:
+    """Max |saved − restored| over the names both hold: weights, and Adam's moments and step per name."""
+    worst = max((saved["model"][k] - restored["model"][k]).abs().max().item() for k in saved["model"]
+                if k in restored["model"])  # fmt: skip
+    moments = restored["optim"]["state"]
+    for name, slots in saved["optim"]["state"].items():
+        if name in moments:
+            worst = max(worst, *((slots[s] - moments[name][s]).abs().max().item() for s in slots))
+    return worst
+
+
+def checkpoint_across_ep(directory: str) -> dict:
+    """A DCP checkpoint written by ep2 loads into the whole model on each rank (one process's layout), and
+    one written by the whole model loads into ep2: weights and AdamW state equal by name, exactly."""
+    world = meshwise.init(backend="gloo", timeout=60)
+    try:
+        comm = world.comm
+        results = {}
+        for saved_by, loaded_by in (("ep2", "whole"), ("whole", "ep2")):
+            torch.manual_seed(0)
+            models = {"whole": GPT(CONFIG)}
+            models["ep2"] = apply_expert_parallel(copy.deepcopy(models["whole"]), comm)
+            saved = _trained_state(models[saved_by], comm, replicated=saved_by == "whole")
+            path = f"{directory}/{saved_by}"
+            dcp.save({"model": saved["model"], "optim": saved["optim"]}, checkpoint_id=path)
+            comm.barrier()
+            torch.manual_seed(1)  # other initial weights: only the checkpoint can make them equal
+            fresh = GPT(CONFIG) if loaded_by == "whole" else apply_expert_parallel(GPT(CONFIG), comm)
+            restored = _restored(fresh, path)
+            # each rank checks the names it saved; the whole models must then also agree across ranks
+            flat = torch.cat([t.reshape(-1) for t in restored["model"].values()])
+            first = flat.clone()
+            comm.broadcast(first, 0)
+            results[f"{saved_by}->{loaded_by}"] = {
+                "difference": _largest_difference(saved, restored),
+                "names compared": len(set(saved["model"]) & set(restored["model"])),
+                "names held": len(restored["model"]),
+                "ranks differ by": (flat - first).abs().max().item() if loaded_by == "whole" else 0.0,
+            }
         return results
     finally:
         meshwise.shutdown()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.moe_checks import CONFIG, run_checks
+from tests.moe_checks import CONFIG, checkpoint_across_ep, run_checks
 
 from meshwise.models.gpt import CONFIGS, GPT, GPTConfig, language_model_loss
 from meshwise.models.moe import (
@@ -224,3 +224,14 @@ def test_bench_moe_script_writes_both_layouts(tmp_path) -> None:
     assert set(rows) == {"dp2", "ep2"} and all(row["tokens_per_second"] > 0 for row in rows.values())
     assert rows["ep2"]["state_bytes_per_rank"] < rows["dp2"]["state_bytes_per_rank"]
     assert 0 < rows["ep2"]["all_to_all_share"] < 1
+
+
+def test_checkpoints_resume_across_ep_sizes(tmp_path) -> None:
+    """DCP by the plain model's names: ep2 → the whole model on each rank, and back, exactly. Each rank
+    compares the names it saved; the whole models agreeing across ranks covers the other rank's experts."""
+    for rank in spawn(checkpoint_across_ep, 2, (str(tmp_path),), timeout=110):
+        for direction, result in rank.items():
+            assert result["difference"] == 0.0 and result["ranks differ by"] == 0.0, (direction, result)
+        whole = len(GPT(CONFIG).state_dict())
+        assert rank["ep2->whole"]["names held"] == whole
+        assert rank["whole->ep2"]["names compared"] == rank["whole->ep2"]["names held"] < whole
