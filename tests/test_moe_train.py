@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 
 import pytest
 
-from meshwise.cli import main
 from meshwise.train.gpt import GPTTrainConfig
 
 
@@ -22,15 +23,19 @@ def _argv(text: str, ranks: int, json_path: str) -> list[str]:
     ]  # fmt: skip
 
 
-def test_data_parallel_moe_matches_one_process_and_reports_the_router(text: str, tmp_path, capfd) -> None:
+def test_data_parallel_moe_matches_one_process_and_reports_the_router(text: str, tmp_path) -> None:
     """Loss at every step equal within 1e-5 (fp32, gradients summed in another order; see test_gpt_train),
     and a router line after each log line with counts that add up: 2 layers × 8·16 tokens × top-2."""
     runs, out = {}, ""
-    for ranks in (1, 2):
+    for ranks in (1, 2):  # as commands: their whole output, whichever process prints it
         path = tmp_path / f"np{ranks}.json"
-        assert main(_argv(text, ranks, str(path))) == 0
+        done = subprocess.run(
+            [sys.executable, "-m", "meshwise", *_argv(text, ranks, str(path))],
+            capture_output=True, text=True, timeout=100,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
         runs[ranks] = json.loads(path.read_text())
-        out += capfd.readouterr().out
+        out += done.stdout
     losses = {ranks: [step["loss"] for step in run["history"]] for ranks, run in runs.items()}
     assert len(losses[1]) == 4 and max(abs(a - b) for a, b in zip(*losses.values(), strict=True)) < 1e-5
     assert "mixture of experts: 4 experts per MLP, top-2, capacity factor 1" in out
