@@ -136,23 +136,26 @@ def run_here(grouped: Tensor, counts: Tensor, run: RunExperts) -> Tensor:
 @dataclass
 class RouterTally:
     """What a layer's router did since the last report: assignments chosen and kept per expert, and the
-    auxiliary losses summed over its forward passes (in training mode only; evaluation is not counted)."""
+    auxiliary losses summed over its forward passes (in training mode only; evaluation is not counted).
+    The sums stay on the router's device, so a step pays no host synchronisation for them."""
 
     routed: Tensor
     kept: Tensor
-    balance_loss: float = 0.0
-    z_loss: float = 0.0
+    balance_loss: Tensor
+    z_loss: Tensor
     forwards: int = 0
 
     @classmethod
     def empty(cls, experts: int) -> RouterTally:
-        return cls(torch.zeros(experts, dtype=torch.int64), torch.zeros(experts, dtype=torch.int64))
+        counts, zero = torch.zeros(experts, dtype=torch.int64), torch.zeros((), dtype=torch.float64)
+        return cls(counts, counts.clone(), zero, zero.clone())
 
     def add(self, routing: Routing) -> None:
-        self.routed += routing.routed.cpu()
-        self.kept += routing.kept_per_expert().cpu()
-        self.balance_loss += routing.balance_loss.item()
-        self.z_loss += routing.z_loss.item()
+        device = routing.routed.device
+        self.routed = self.routed.to(device) + routing.routed
+        self.kept = self.kept.to(device) + routing.kept_per_expert()
+        self.balance_loss = self.balance_loss.to(device) + routing.balance_loss.detach()
+        self.z_loss = self.z_loss.to(device) + routing.z_loss.detach()
         self.forwards += 1
 
 

@@ -54,11 +54,11 @@ def moe_report(model: nn.Module, comm: Communicator | None = None) -> MoEReport 
     layers = moe_layers(model)
     if not layers:
         return None
-    routed = torch.stack([layer.tally.routed for layer in layers])  # (layers, E)
-    kept = torch.stack([layer.tally.kept for layer in layers])
+    tallies = [layer.tally for layer in layers]
+    routed = torch.stack([t.routed.cpu() for t in tallies])  # (layers, E); one host sync per report
+    kept = torch.stack([t.kept.cpu() for t in tallies])
     losses = torch.tensor(
-        [[layer.tally.balance_loss, layer.tally.z_loss, layer.tally.forwards] for layer in layers],
-        dtype=torch.float64,
+        [[t.balance_loss.item(), t.z_loss.item(), t.forwards] for t in tallies], dtype=torch.float64
     )
     if comm is not None:
         counts = torch.stack([routed, kept])
