@@ -1,7 +1,7 @@
 """A mixture-of-experts GPT step on 2 ranks: experts spread over them (ep2) vs replicated (dp2).
 
-The same MoE GPT (default: 2 layers, hidden 256, 4 heads, sequence 64, 8 experts, top-2, dropless), the
-same per-rank batch and AdamW, side by side in one run, on each ``--backend``:
+The same MoE GPT (default: 2 layers, hidden 256, 4 heads, sequence 64, 8 experts, top-2, dropless unless
+``--capacity-factor``), the same per-rank batch and AdamW, side by side in one run, on each ``--backend``:
 
 - ``dp2``: every rank holds all E experts; after backward one flat all-reduce averages every gradient;
 - ``ep2``: ``apply_expert_parallel`` keeps E/2 experts per rank and routes tokens with two all-to-alls
@@ -113,6 +113,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--top-k", type=int, default=2)
+    parser.add_argument("--capacity-factor", type=float, default=None, help="default: dropless")
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--batch", type=int, default=8, help="sequences per rank per step (default 8)")
     parser.add_argument("--backend", default="gloo,shm", help="comma-separated backends (default gloo,shm)")
@@ -125,7 +126,7 @@ def main() -> None:
         check_expert_parallel(args.experts, 2)
         config = GPTConfig(
             layers=args.layers, hidden=args.hidden, heads=4, seq_len=args.seq_len, experts=args.experts,
-            top_k=args.top_k,
+            top_k=args.top_k, capacity_factor=args.capacity_factor,
         ).validate()  # fmt: skip
     except ValueError as exc:
         parser.error(str(exc))
