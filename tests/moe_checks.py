@@ -144,7 +144,10 @@ def skewed_router(ep_comm: Communicator, capacity_factor: float | None) -> dict:
     loss = with_auxiliary_losses(language_model_loss(model(tokens[:, :-1]), tokens[:, 1:]), model)
     loss.backward()
     reduce_gradients(model, ep_comm)
-    finite = all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    # experts that got no token still run on an empty slice, so every parameter has a (zero) gradient and
+    # data parallelism's reducer sees no unused parameter
+    every = all(p.grad is not None for p in model.parameters())
+    finite = every and all(torch.isfinite(p.grad).all() for p in model.parameters())
     return {"finite": bool(finite and torch.isfinite(loss)), "report": _report(model, ep_comm)}
 
 

@@ -173,8 +173,9 @@ def _assert_parity(results: list[dict]) -> None:
 
 
 def _assert_skew(results: list[dict], ranks: int) -> None:
-    """All tokens on expert 0: the report's max is every assignment of a layer, the imbalance E; with
-    capacity factor 1 each rank keeps ⌈T/E⌉ per layer and drops the rest."""
+    """All tokens on expert 0: every parameter still gets a finite gradient, the report's max is every
+    assignment of a layer, the imbalance E; with capacity factor 1 each rank keeps ⌈T/E⌉ per layer and
+    drops the rest."""
     tokens = 2 * CONFIG.seq_len  # per rank per layer (top-1)
     for rank in results:
         for capacity, run in rank["skewed"].items():
