@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 
 from meshwise.doctor.checks import Check
 from meshwise.runtime.env import LaunchEnvError, resolve_ipv4
+from meshwise.runtime.preflight import nccl_matches
 
 _TIMEOUT = 5.0
 
@@ -38,20 +39,6 @@ def check_loopback() -> list[Check]:
             )
         ]
     return [Check("loopback", "pass", f"free port {port} bound and reached on 127.0.0.1")]
-
-
-def nccl_matches(spec: str, names: Sequence[str]) -> list[str]:
-    """Interfaces NCCL_SOCKET_IFNAME selects: comma-separated prefixes; ``=`` exact; ``^`` excludes."""
-    exclude = spec.startswith("^")
-    body = spec[1:] if exclude else spec
-    exact = body.startswith("=")
-    body = body[1:] if exact else body
-    parts = [p for p in body.split(",") if p]
-
-    def hit(name: str) -> bool:
-        return any(name == p if exact else name.startswith(p) for p in parts)
-
-    return [n for n in names if hit(n) != exclude]
 
 
 def check_interfaces(env: Mapping[str, str], names: Sequence[str] | None = None) -> list[Check]:

@@ -128,19 +128,28 @@ class FlightCollector:
         for stale in [*self.directory.glob("rank*"), self.directory / REQUEST_FILE]:
             stale.unlink(missing_ok=True)
 
+    def gather(self, reason: str, alive: Callable[[], list[int]]) -> dict[int, dict]:
+        """Ask the live ranks for their records; every dump this node's ranks wrote."""
+        request_dumps(self.directory, alive, reason)
+        return load_dumps(self.directory, self.ranks)
+
+    def write_report(self, report: str, summary: Sequence[str], reason: str) -> str:
+        """Keep ``report`` as ``report.txt``; the few lines for the terminal that point to it."""
+        path = self.directory / REPORT_FILE
+        path.write_text(report)
+        self.reported = True
+        lines = [f"meshwise run: flight report ({reason}):", *(f"  {line}" for line in summary)]
+        lines.append(f"  full report with every rank's recent ops and Python stacks: {path}")
+        return "\n".join(lines) + "\n"
+
     def collect(self, reason: str, alive: Callable[[], list[int]]) -> str | None:
         """Ask the live ranks for their records, merge all dumps into ``report.txt``; return the few
         lines for the terminal, or None when no rank recorded anything (it never called init)."""
-        request_dumps(self.directory, alive, reason)
-        dumps = load_dumps(self.directory, self.ranks)
+        dumps = self.gather(reason, alive)
         if not dumps:
             return None
-        report = self.directory / REPORT_FILE
-        report.write_text(render(dumps, self.ranks, reason))
-        self.reported = True
-        lines = [f"meshwise run: flight report ({reason}):"]
-        lines += [f"  {line}" for line in summarize(dumps, self.ranks)]
-        lines.append(f"  full report with every rank's recent ops and Python stacks: {report}")
+        text = self.write_report(render(dumps, self.ranks, reason), summarize(dumps, self.ranks), reason)
+        lines = text.rstrip("\n").split("\n")
         if self.nodes > 1:
             lines.append(
                 f"  this node's ranks {self.ranks.start}-{self.ranks.stop - 1} only: for one report of the "
