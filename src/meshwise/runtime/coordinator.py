@@ -70,7 +70,8 @@ class Coordinator:
         self.started = False
         self.finished = False
         self.attempt = 0
-        self.cause: dict | None = None  # {"cause": text, "status": n} of this attempt's first failure
+        self.causes: list[str] = []  # why this attempt failed: lost nodes first, then in arrival order
+        self.status = 0  # the job's exit status: that of the attempt's first failure
         self.ended: dict[int, dict] = {}
         self.lost: set[int] = set()
         self.run_id = f"meshwise-{os.getpid()}-{int(time.time())}"
@@ -186,15 +187,20 @@ class Coordinator:
                 return
             self.members.pop(node)
             self.lost.add(node)
-            self._fail(node, f"node {node} ({self._ranks(node)}) lost: {why}", 1)
+            self._fail(node, f"node {node} ({self._ranks(node)}) lost: {why}", 1, lost=True)
             self.ended[node] = {"status": 1, "dumps": {}}
             self._decide()
 
-    def _fail(self, node: int, cause: str, status: int) -> None:
-        """The attempt's first failure is its cause: the other nodes halt their workers."""
-        if self.cause is None:
-            self.cause = {"cause": cause, "status": status}
+    def _fail(self, node: int, cause: str, status: int, *, lost: bool = False) -> None:
+        """On the attempt's first failure the other nodes halt their workers. A lost node leads the
+        causes even when a rank's failure arrived first: its ranks' peers fail at the same moment
+        (connections reset), and the loss is what the user must hear about."""
+        if cause in self.causes:
+            return
+        if not self.causes:
+            self.status = status
             self._broadcast({"kind": "halt", "cause": cause}, skip=node)
+        self.causes.insert(0 if lost else len(self.causes), cause)
 
     def _decide(self) -> None:
         """Once every node has ended the attempt: restart them all, or tell them the job's outcome."""
@@ -202,24 +208,24 @@ class Coordinator:
         if len(self.ended) < nnodes:
             return
         verdict: dict = {"kind": "exit", "status": 0}
-        if self.cause is not None:
-            verdict = {"kind": "exit", **self.cause, **self._flight_report()}
+        if self.causes:
+            cause = "; ".join(self.causes)
+            verdict = {"kind": "exit", "status": self.status, "cause": cause, **self._flight_report(cause)}
             if not self.lost and self.attempt < self.job["max_restarts"]:
                 self.attempt += 1
                 verdict.update(kind="start", attempt=self.attempt, run_id=self.run_id)
         self.ended.clear()
-        self.cause = None
+        self.causes = []
         self._broadcast(verdict)
         self.finished = verdict["kind"] == "exit"
 
-    def _flight_report(self) -> dict:
+    def _flight_report(self, cause: str) -> dict:
         """Every node's dumps merged: the report and its summary, for the verdict (empty without dumps)."""
         dumps = {int(r): d for msg in self.ended.values() for r, d in msg.get("dumps", {}).items()}
         if not dumps:
             return {}
         ranks = range(self.job["nnodes"] * self.job["nprocs"])
-        assert self.cause is not None
-        return {"report": render(dumps, ranks, self.cause["cause"]), "summary": summarize(dumps, ranks)}
+        return {"report": render(dumps, ranks, cause), "summary": summarize(dumps, ranks)}
 
     def close(self, linger: float = 2.0) -> None:
         """Stop serving. Each launcher is given ``linger`` s to hang up first: closing a socket that

@@ -33,7 +33,9 @@ PING_SECONDS = 2.0
 #: seconds without a line after which the other side is lost.
 SILENCE_SECONDS = 15.0
 #: bound on one connection attempt to the master: an unreachable master is named within the pre-flight limit.
-CONNECT_SECONDS = 3.0
+CONNECT_SECONDS = 2.0
+#: after this long without node 0's launcher, say that this one waits for it (once).
+WAIT_NOTICE_SECONDS = 10.0
 
 
 def send_line(sock: socket.socket, lock: threading.Lock, message: dict) -> bool:
@@ -96,8 +98,10 @@ class NodeLink:
         cls, host: str, port: int, hello: dict, *, timeout: float, waiting: Callable[[], None]
     ) -> NodeLink:
         """Connect to the coordinator (it may start later: a refused connection is retried until
-        ``timeout``, calling ``waiting`` once) and say hello. An unreachable master raises PreflightError."""
-        deadline = time.monotonic() + timeout
+        ``timeout``, calling ``waiting`` once after a few seconds) and say hello. An unreachable
+        master raises PreflightError."""
+        begun = time.monotonic()
+        deadline = begun + timeout
         told = False
         while True:
             try:
@@ -109,7 +113,7 @@ class NodeLink:
                         f"no launcher with --node-rank 0 answered at {host}:{port} within {timeout:g} s; "
                         "start node 0's `meshwise run` with the same --master-addr and --master-port"
                     ) from None
-                if not told:
+                if not told and time.monotonic() - begun > WAIT_NOTICE_SECONDS:
                     waiting()
                     told = True
                 time.sleep(0.5)
