@@ -338,7 +338,7 @@ def launch(
     base_env = {**os.environ, **(env or {})}
     base_env.setdefault("OMP_NUM_THREADS", str(threads_per_rank(nprocs)))  # torchrun's 1 starves CPU ranks
     base_env["PYTHONUNBUFFERED"] = "1"
-    flight = FlightCollector(flight_dir, range(plan.first_rank, plan.first_rank + nprocs), nodes=plan.nnodes)
+    flight = FlightCollector(flight_dir, range(plan.first_rank, plan.first_rank + nprocs))
     base_env[FLIGHT_DIR_ENV] = str(flight.directory)
     if debug:
         base_env[DEBUG_ENV] = "1"
