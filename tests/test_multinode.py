@@ -3,6 +3,7 @@ with no network variables set: collectives and training across them equal one ho
 the other within 30 s naming it, ``--max-restarts`` restarts both nodes and training resumes from its
 checkpoint, and launchers that disagree are refused in one line each before any worker starts."""
 
+import json
 import os
 import subprocess
 import sys
@@ -235,3 +236,29 @@ def test_a_node_that_cannot_take_part_says_why_in_one_line(tmp_path, variables, 
         code, err, took = _refusal(proc)
     assert code == 2 and len(err) == 1 and message in err[0], err
     assert took < 5
+
+
+def test_doctor_runs_the_same_checks_from_a_node():
+    """`meshwise doctor --master-addr A` on node 1: the route and interface it would use, then the same
+    one-line causes as the launcher's pre-flight for a loopback interface and an unreachable master."""
+
+    def doctor(cluster, **variables):
+        argv = [*_MESHWISE, "doctor", "-np", "2", "--json", "--master-addr", cluster.addresses[0]]
+        done = cluster.run(1, argv, timeout=60, env={**_ENV, **variables})
+        checks = json.loads(done.stdout)["checks"]
+        return done.returncode, {c["name"]: c for c in checks if c["name"] in ("route to master", "master")}
+
+    with NamespaceCluster(nodes=2) as cluster:
+        code, found = doctor(cluster)
+        route = found["route to master"]
+        assert route["status"] == found["master"]["status"] == "pass", found
+        assert f"10.231.0.2 on {cluster.interfaces[1]} leads to 10.231.0.1" in route["detail"]
+        code, found = doctor(cluster, GLOO_SOCKET_IFNAME="lo")
+        route = found["route to master"]
+        assert code == 1 and route["status"] == "fail"
+        assert route["detail"].startswith("GLOO_SOCKET_IFNAME=lo is the loopback interface")
+        assert route["fix"].startswith("unset it")
+        cluster.set_link(0, up=False)
+        code, found = doctor(cluster)
+        assert code == 1 and found["master"]["status"] == "fail"
+        assert found["master"]["detail"].startswith("cannot reach the master 10.231.0.1:29501 from this node")

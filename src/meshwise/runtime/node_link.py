@@ -77,6 +77,23 @@ def keep_alive(sock: socket.socket, lock: threading.Lock, stop: threading.Event)
             return
 
 
+def connect(host: str, port: int) -> socket.socket:
+    """A TCP connection to the coordinator's port. ConnectionRefusedError means the master answered
+    but nothing listens yet (node 0's launcher may start later); any other failure to connect within
+    :data:`CONNECT_SECONDS` is a PreflightError naming the master and what to check."""
+    try:
+        return socket.create_connection((host, port), timeout=CONNECT_SECONDS)
+    except ConnectionRefusedError:
+        raise
+    except OSError as exc:
+        why = "no answer" if isinstance(exc, TimeoutError) else (exc.strerror or str(exc))
+        raise PreflightError(
+            f"cannot reach the master {host}:{port} from this node ({why} within {CONNECT_SECONDS:g} s); "
+            "check --master-addr is node 0's address and that the network between the nodes lets "
+            f"TCP through on ports {port - 1} and {port}"
+        ) from None
+
+
 class NodeLink:
     """This node's connection to the coordinator, and the orders that came over it."""
 
@@ -105,7 +122,7 @@ class NodeLink:
         told = False
         while True:
             try:
-                sock = socket.create_connection((host, port), timeout=CONNECT_SECONDS)
+                sock = connect(host, port)
                 break
             except ConnectionRefusedError:
                 if time.monotonic() > deadline:
@@ -117,14 +134,6 @@ class NodeLink:
                     waiting()
                     told = True
                 time.sleep(0.5)
-            except OSError as exc:
-                why = "no answer" if isinstance(exc, TimeoutError) else (exc.strerror or str(exc))
-                raise PreflightError(
-                    f"cannot reach the master {host}:{port} from this node "
-                    f"({why} within {CONNECT_SECONDS:g} s); "
-                    "check --master-addr is node 0's address and that the network between the nodes lets "
-                    f"TCP through on ports {port - 1} and {port}"
-                ) from None
         sock.settimeout(None)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         link = cls(sock, hello["node_rank"])
