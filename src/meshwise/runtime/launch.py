@@ -12,6 +12,9 @@ No survivors, by construction:
 - on Linux each worker is started through a tiny guard that sets PR_SET_PDEATHSIG before ``exec``, so
   even a launcher killed with SIGKILL (which it cannot catch) takes its workers with it, and a
   :class:`~meshwise.runtime.reaper.Reaper` in its own session then kills what those workers started.
+
+Across nodes (one launcher per node), the same: any node's failure, or the loss of a node's launcher,
+stops every node's workers, decided in one place (:mod:`meshwise.runtime.coordinator`).
 """
 
 from __future__ import annotations
@@ -324,6 +327,11 @@ def launch(
     and the tail of its stderr. ``max_restarts`` relaunches the whole local group that many times
     (TORCHELASTIC_RESTART_COUNT counts them); ``timeout`` bounds each attempt's wall time (exit 124).
     ``env`` adds variables on top of this process's environment.
+
+    With ``nnodes`` > 1 the pre-flight (:mod:`~meshwise.runtime.preflight`) runs first and raises
+    PreflightError (a ValueError) with one line; node 0 then also runs the
+    :class:`~meshwise.runtime.coordinator.Coordinator`, every node joins it, and a failure anywhere
+    halts (and with ``max_restarts`` restarts) every node's workers together.
 
     Every rank that calls ``meshwise.init()`` records its operations; on a failure, the deadline or an
     interrupt their records are merged into a flight report (in ``flight_dir``, default a temporary
