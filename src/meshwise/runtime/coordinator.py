@@ -186,7 +186,9 @@ class Coordinator:
                 del self.members[node]
                 return
             self.members.pop(node)
-            self.lost.add(node)
+            self.lost.add(node)  # it cannot take part in a restart
+            if node in self.ended:  # it reported its end (an interrupted launcher) and then left
+                return
             self._fail(node, f"node {node} ({self._ranks(node)}) lost: {why}", 1, lost=True)
             self.ended[node] = {"status": 1, "dumps": {}}
             self._decide()
