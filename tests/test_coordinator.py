@@ -2,8 +2,12 @@
 all refused; a failure halts the other nodes, every node restarts together behind a barrier, the
 verdict carries one flight report merged from every node's dumps; a lost node ends the job."""
 
+import json
+import socket
+
 import pytest
 
+from meshwise.runtime import node_link
 from meshwise.runtime.coordinator import Coordinator
 from meshwise.runtime.node_link import NodeLink
 from meshwise.runtime.spawn import free_port
@@ -85,3 +89,18 @@ def test_a_lost_node_ends_the_job_even_with_restarts_left(job):
     node0.send({"kind": "ended", "attempt": 0, "status": 1, "cause": halt["cause"], "dumps": {}})
     verdict = node0.next_order()
     assert verdict["kind"] == "exit" and verdict["status"] == 1 and verdict["cause"] == halt["cause"]
+
+
+def test_a_silent_launcher_is_lost_after_the_silence_limit(job, monkeypatch):
+    """A machine that dies without closing its connections (power, a cut cable) sends nothing more:
+    after SILENCE_SECONDS (shortened here) it is lost, as one whose connection closed."""
+    monkeypatch.setattr(node_link, "SILENCE_SECONDS", 2.0)
+    monkeypatch.setattr(node_link, "PING_SECONDS", 0.2)  # the live links keep talking
+    node0 = job(0)
+    silent = socket.create_connection(("127.0.0.1", node0.sock.getpeername()[1]))
+    hello = {"kind": "hello", "node_rank": 1, "nnodes": 2, "nprocs": 2, "max_restarts": 0}
+    silent.sendall((json.dumps(hello) + "\n").encode())  # and then never a ping
+    assert node0.next_order()["kind"] == "start"
+    halt = node0.orders.get(timeout=10)
+    assert halt["cause"] == "node 1 (ranks 2-3) lost: no word from its launcher for 2 s"
+    silent.close()
