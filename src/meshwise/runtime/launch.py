@@ -414,12 +414,14 @@ def _run_nodes(
 ) -> int:
     """This node's part of a multi-node job: run each attempt the coordinator starts, report how it
     ended, and follow the verdict (restart with every node, or exit with the job's status)."""
+    announced = None  # the cause the last attempt's workers were halted for, already printed
     while True:
         order = link.next_order()
         if order["kind"] == "error":
             raise PreflightError(order["message"])
         if order["kind"] == "lost":
-            output.write(f"meshwise run: {order['cause']}; stopping\n", to_err=True)
+            if order["cause"] != announced:
+                output.write(f"meshwise run: {order['cause']}; stopping\n", to_err=True)
             return HALTED_EXIT
         if order.get("summary"):
             output.write(flight.write_report(order["report"], order["summary"], order["cause"]), to_err=True)
@@ -436,6 +438,7 @@ def _run_nodes(
             )
         group = _Group(plan, env, output, reaper, flight, link)
         status, interrupted = group.run(attempt, order["run_id"])
+        announced = group.cause
         link.send({"kind": "ended", "attempt": attempt, "status": status, "cause": group.cause,
                    "dumps": group.dumps})  # fmt: skip
         if interrupted:
