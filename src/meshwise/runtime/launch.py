@@ -36,6 +36,7 @@ from meshwise.runtime.coordinator import Coordinator
 from meshwise.runtime.cores import threads_per_rank
 from meshwise.runtime.env import MESHWISE_RUN_ID_PREFIX
 from meshwise.runtime.flight_dumps import DEBUG_ENV, FLIGHT_DIR_ENV, FlightCollector
+from meshwise.runtime.hang_report import render, summarize
 from meshwise.runtime.node_link import NodeLink
 from meshwise.runtime.output_pump import OutputPump, PrefixedOutput
 from meshwise.runtime.preflight import NodeNetwork, PreflightError, plan_network
@@ -415,6 +416,7 @@ def _run_nodes(
     """This node's part of a multi-node job: run each attempt the coordinator starts, report how it
     ended, and follow the verdict (restart with every node, or exit with the job's status)."""
     announced = None  # the cause the last attempt's workers were halted for, already printed
+    dumps: dict[int, dict] = {}  # this node's ranks' flight dumps from the last attempt
     while True:
         order = link.next_order()
         if order["kind"] == "error":
@@ -422,6 +424,10 @@ def _run_nodes(
         if order["kind"] == "lost":
             if order["cause"] != announced:
                 output.write(f"meshwise run: {order['cause']}; stopping\n", to_err=True)
+            if dumps:  # no coordinator left to merge every node's: this node's ranks alone
+                reason = f"{order['cause']} (this node's ranks only)"
+                text = render(dumps, flight.ranks, reason)
+                output.write(flight.write_report(text, summarize(dumps, flight.ranks), reason), to_err=True)
             return HALTED_EXIT
         if order.get("summary"):
             output.write(flight.write_report(order["report"], order["summary"], order["cause"]), to_err=True)
@@ -438,7 +444,7 @@ def _run_nodes(
             )
         group = _Group(plan, env, output, reaper, flight, link)
         status, interrupted = group.run(attempt, order["run_id"])
-        announced = group.cause
+        announced, dumps = group.cause, group.dumps
         link.send({"kind": "ended", "attempt": attempt, "status": status, "cause": group.cause,
                    "dumps": group.dumps})  # fmt: skip
         if interrupted:
