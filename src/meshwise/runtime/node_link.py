@@ -65,9 +65,12 @@ def read_lines(sock: socket.socket, deliver: Callable[[dict], None], gone: Calla
         pending += chunk
         *lines, pending = pending.split(b"\n")
         for line in lines:
-            message = json.loads(line)
-            if message.get("kind") != "ping":
-                deliver(message)
+            try:
+                message = json.loads(line)
+                if message.get("kind") != "ping":
+                    deliver(message)
+            except (ValueError, KeyError, TypeError, AttributeError):  # not a meshwise launcher
+                return gone(f"it sent a line that is not meshwise's launcher protocol: {line[:60]!r}")
 
 
 def keep_alive(sock: socket.socket, lock: threading.Lock, stop: threading.Event) -> None:
