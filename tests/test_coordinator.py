@@ -104,3 +104,20 @@ def test_a_silent_launcher_is_lost_after_the_silence_limit(job, monkeypatch):
     halt = node0.orders.get(timeout=10)
     assert halt["cause"] == "node 1 (ranks 2-3) lost: no word from its launcher for 2 s"
     silent.close()
+
+
+def test_nodes_that_never_join_are_named():
+    port = free_port()
+    coordinator = Coordinator("127.0.0.1", port, 3, 2, 0, join_timeout=0.5)
+    hello = {"node_rank": 0, "nnodes": 3, "nprocs": 2, "max_restarts": 0}
+    link = NodeLink.join("127.0.0.1", port, hello, timeout=10, waiting=lambda: None)
+    try:
+        order = link.next_order()
+        assert order == {
+            "kind": "error",
+            "message": "nodes 1, 2 did not join within 0.5 s; "
+            "start a `meshwise run` with each missing --node-rank",
+        }
+    finally:
+        link.close()
+        coordinator.close(linger=0.1)
