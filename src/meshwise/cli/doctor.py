@@ -2,6 +2,7 @@
 
 meshwise doctor                 # checks for as many ranks as this node would run (GPUs, else cores)
 meshwise doctor -np 8 --json    # for 8 local ranks, machine-readable
+meshwise doctor --master-addr 10.0.0.1   # on each node: the checks `meshwise run --nnodes K` makes
 """
 
 from __future__ import annotations
@@ -30,6 +31,14 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str, help_text: str
         "-np", "--nproc", dest="nprocs", type=int, metavar="N", help="local ranks the job will run"
     )
     parser.add_argument("--json", action="store_true", help="print the findings as JSON")
+    parser.add_argument(
+        "--master-addr",
+        metavar="A",
+        help="node 0's address: check this node's route and interface to it, and that it answers",
+    )
+    parser.add_argument(
+        "--master-port", type=int, default=29500, metavar="P", help="rendezvous port (default 29500)"
+    )
     parser.set_defaults(func=handle)
 
 
@@ -48,7 +57,7 @@ def handle(args: argparse.Namespace) -> int:
         print(f"meshwise doctor: error: -np must be at least 1, got {args.nprocs}", file=sys.stderr)
         return 2
     ranks = args.nprocs or _default_ranks()
-    checks = run_checks(ranks)
+    checks = run_checks(ranks, master=(args.master_addr, args.master_port) if args.master_addr else None)
     failed = any(c.status == "fail" for c in checks)
     if args.json:
         json.dump(

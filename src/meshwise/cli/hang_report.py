@@ -3,10 +3,10 @@
 meshwise hang-report node0-flight node1-flight         # summary and full report on stdout
 meshwise hang-report /shared/flight -o report.txt      # a shared --flight-dir; the full report to a file
 
-On one node ``meshwise run`` merges its ranks' dumps itself. Each node's launcher only sees its own
-ranks, so a hang across nodes needs every node's ``--flight-dir`` (copied to one machine, or one
-directory on a shared file system: dump files are named by global rank) merged here, to say which rank
-on which node never entered the collective the others wait in.
+``meshwise run`` merges its ranks' dumps itself, across nodes too (through node 0's coordinator). When
+that could not happen — node 0 died, or another launcher started the ranks — each node's ``--flight-dir``
+(copied to one machine, or one directory on a shared file system: dump files are named by global rank)
+is merged here, to say which rank on which node never entered the collective the others wait in.
 """
 
 from __future__ import annotations

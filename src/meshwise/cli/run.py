@@ -1,9 +1,9 @@
-"""``meshwise run``: torchrun-compatible local launcher with fail-fast teardown, or a SLURM batch script.
+"""``meshwise run``: torchrun-compatible launcher (one per node) with fail-fast teardown, or a SLURM script.
 
 meshwise run -np 4 train.py --epochs 3          # 4 local workers, output prefixed [rank N]
 meshwise run -n 2 --max-restarts 2 train.py      # restart the whole group up to twice
 meshwise run -np 4 --debug train.py              # check every collective across ranks (mismatches)
-meshwise run --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 -np 4 train.py   # on each node
+meshwise run --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 -np 4 train.py   # node 1: --node-rank 1
 meshwise run --print-sbatch --nnodes 2 -np 4 --gpus-per-node 4 train.py > job.sbatch
 """
 
@@ -58,7 +58,7 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str, help_text: str
         "--max_restarts",
         type=int,
         default=0,
-        help="restart the whole local group up to K times when a worker fails",
+        help="restart every worker (of every node) up to K times when one fails",
     )
     parser.add_argument(
         "--timeout", type=float, help="terminate the workers after this many seconds (exit 124)"

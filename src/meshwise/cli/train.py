@@ -12,6 +12,7 @@ import argparse
 from meshwise.cli import summary, train_gpt
 from meshwise.cli.training_failure import run_training_command
 from meshwise.train import WORKLOADS, TrainConfig, run_training
+from meshwise.train.checkpoint import resume_requested
 from meshwise.train.config import STRATEGIES
 
 
@@ -84,7 +85,7 @@ def handler(args: argparse.Namespace) -> int:
         backend=args.backend,
         device=args.device,
         checkpoint=args.checkpoint,
-        resume=args.resume,
+        resume=resume_requested(args.checkpoint, args.resume),
         data_dir=args.data_dir,
         timeout=args.timeout,
         strategy=args.strategy,

@@ -28,8 +28,13 @@ class Check:
         return asdict(self)
 
 
-def run_checks(ranks: int, env: Mapping[str, str] | None = None) -> list[Check]:
-    """Every check for a job of ``ranks`` local ranks, under ``env`` (default: this process's)."""
+def run_checks(
+    ranks: int,
+    env: Mapping[str, str] | None = None,
+    master: tuple[str, int] | None = None,
+) -> list[Check]:
+    """Every check for a job of ``ranks`` local ranks, under ``env`` (default: this process's); with
+    ``master`` (address, port), also the multi-node launch's pre-flight from this node."""
     from meshwise.doctor import network, software, system  # they import Check from here
 
     env = dict(os.environ if env is None else env)
@@ -41,6 +46,7 @@ def run_checks(ranks: int, env: Mapping[str, str] | None = None) -> list[Check]:
         "loopback": network.check_loopback,
         "interfaces": lambda: network.check_interfaces(env),
         "MASTER_ADDR": lambda: network.check_master_addr(env),
+        "route to master": lambda: network.check_master_route(*master, env) if master else [],
         "devices": lambda: software.check_devices(ranks, env),
         "NCCL environment": lambda: software.check_nccl_env(env),
         "MPI": lambda: software.check_mpi(ranks),

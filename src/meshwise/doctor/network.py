@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 
 from meshwise.doctor.checks import Check
 from meshwise.runtime.env import LaunchEnvError, resolve_ipv4
+from meshwise.runtime.preflight import nccl_matches
 
 _TIMEOUT = 5.0
 
@@ -38,20 +39,6 @@ def check_loopback() -> list[Check]:
             )
         ]
     return [Check("loopback", "pass", f"free port {port} bound and reached on 127.0.0.1")]
-
-
-def nccl_matches(spec: str, names: Sequence[str]) -> list[str]:
-    """Interfaces NCCL_SOCKET_IFNAME selects: comma-separated prefixes; ``=`` exact; ``^`` excludes."""
-    exclude = spec.startswith("^")
-    body = spec[1:] if exclude else spec
-    exact = body.startswith("=")
-    body = body[1:] if exact else body
-    parts = [p for p in body.split(",") if p]
-
-    def hit(name: str) -> bool:
-        return any(name == p if exact else name.startswith(p) for p in parts)
-
-    return [n for n in names if hit(n) != exclude]
 
 
 def check_interfaces(env: Mapping[str, str], names: Sequence[str] | None = None) -> list[Check]:
@@ -119,3 +106,41 @@ def check_master_addr(env: Mapping[str, str]) -> list[Check]:
             Check("MASTER_PORT", "fail", f"{port!r} is not a port", "set MASTER_PORT to a number in 1..65535")
         ]
     return [Check("MASTER_ADDR", "pass", f"{addr} resolves to {ip}")]
+
+
+def check_master_route(master_addr: str, port: int, env: Mapping[str, str]) -> list[Check]:
+    """What ``meshwise run --nnodes K --master-addr A`` checks before launching, from this node: the
+    interface variables, the route to the master (not over loopback) and whether the master answers
+    on the launchers' port (``port + 1``). Node 0 is the machine that holds the master address."""
+    from meshwise.runtime import netroute
+    from meshwise.runtime.node_link import connect
+    from meshwise.runtime.preflight import PreflightError, check_interface_variables, find_route
+
+    try:
+        known = netroute.interfaces()
+        check_interface_variables(env, known)
+        local = any(i.address == master_addr for i in known)
+        network = find_route(master_addr, 0 if local else 1, known)
+    except PreflightError as exc:
+        return [Check("route to master", "fail", *str(exc).split("; ", 1))]
+    found = [
+        Check(
+            "route to master",
+            "pass",
+            f"{network.address} on {network.interface} leads to {network.master_ip}: meshwise run exports "
+            f"GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME={network.interface} unless set",
+        )
+    ]
+    if netroute.interface_of(network.master_ip, known) is not None:
+        found.append(Check("master", "pass", f"{network.master_ip} is this machine: run --node-rank 0 here"))
+        return found
+    try:
+        connect(network.master_ip, port + 1).close()
+        found.append(Check("master", "pass", f"a launcher answers at {network.master_ip}:{port + 1}"))
+    except ConnectionRefusedError:
+        found.append(
+            Check("master", "pass", f"{network.master_ip} answers (no launcher listens on {port + 1} yet)")
+        )
+    except PreflightError as exc:
+        found.append(Check("master", "fail", *str(exc).split("; ", 1)))
+    return found

@@ -4,7 +4,9 @@
 plumbing like ``MASTER_ADDR``); ``meshwise.init()`` there starts a thread that dumps the rank's records
 and stacks when the file ``REQUEST`` appears. When a run fails, runs past its deadline or the launcher
 is interrupted, the launcher creates that file, waits a few seconds for the live ranks' dumps, and
-merges them (:mod:`meshwise.runtime.hang_report`) before it terminates anyone.
+merges them (:mod:`meshwise.runtime.hang_report`) before it terminates anyone. With several nodes, each
+launcher sends its ranks' dumps to the coordinator (:mod:`meshwise.runtime.coordinator`), which merges
+every node's into one report that each node keeps as its ``report.txt``.
 
 This module knows only file names and JSON, never the comm layer (runtime/ sits below it).
 """
@@ -115,9 +117,8 @@ class FlightCollector:
     that needed no report.
     """
 
-    def __init__(self, directory: str | None, ranks: range, *, nodes: int = 1) -> None:
+    def __init__(self, directory: str | None, ranks: range) -> None:
         self.keep = directory is not None
-        self.nodes = nodes
         self.directory = Path(directory) if directory else Path(tempfile.mkdtemp(prefix="meshwise-flight-"))
         self.ranks = ranks
         self.reported = False
@@ -128,26 +129,27 @@ class FlightCollector:
         for stale in [*self.directory.glob("rank*"), self.directory / REQUEST_FILE]:
             stale.unlink(missing_ok=True)
 
+    def gather(self, reason: str, alive: Callable[[], list[int]]) -> dict[int, dict]:
+        """Ask the live ranks for their records; every dump this node's ranks wrote."""
+        request_dumps(self.directory, alive, reason)
+        return load_dumps(self.directory, self.ranks)
+
+    def write_report(self, report: str, summary: Sequence[str], reason: str) -> str:
+        """Keep ``report`` as ``report.txt``; the few lines for the terminal that point to it."""
+        path = self.directory / REPORT_FILE
+        path.write_text(report)
+        self.reported = True
+        lines = [f"meshwise run: flight report ({reason}):", *(f"  {line}" for line in summary)]
+        lines.append(f"  full report with every rank's recent ops and Python stacks: {path}")
+        return "\n".join(lines) + "\n"
+
     def collect(self, reason: str, alive: Callable[[], list[int]]) -> str | None:
         """Ask the live ranks for their records, merge all dumps into ``report.txt``; return the few
         lines for the terminal, or None when no rank recorded anything (it never called init)."""
-        request_dumps(self.directory, alive, reason)
-        dumps = load_dumps(self.directory, self.ranks)
+        dumps = self.gather(reason, alive)
         if not dumps:
             return None
-        report = self.directory / REPORT_FILE
-        report.write_text(render(dumps, self.ranks, reason))
-        self.reported = True
-        lines = [f"meshwise run: flight report ({reason}):"]
-        lines += [f"  {line}" for line in summarize(dumps, self.ranks)]
-        lines.append(f"  full report with every rank's recent ops and Python stacks: {report}")
-        if self.nodes > 1:
-            lines.append(
-                f"  this node's ranks {self.ranks.start}-{self.ranks.stop - 1} only: for one report of the "
-                f"{self.nodes} nodes, gather each node's {self.directory} and run "
-                "`meshwise hang-report DIR1 DIR2 ...`"
-            )
-        return "\n".join(lines) + "\n"
+        return self.write_report(render(dumps, self.ranks, reason), summarize(dumps, self.ranks), reason)
 
     def close(self) -> None:
         if not self.keep and not self.reported:

@@ -12,6 +12,9 @@ No survivors, by construction:
 - on Linux each worker is started through a tiny guard that sets PR_SET_PDEATHSIG before ``exec``, so
   even a launcher killed with SIGKILL (which it cannot catch) takes its workers with it, and a
   :class:`~meshwise.runtime.reaper.Reaper` in its own session then kills what those workers started.
+
+Across nodes (one launcher per node), the same: any node's failure, or the loss of a node's launcher,
+stops every node's workers, decided in one place (:mod:`meshwise.runtime.coordinator`).
 """
 
 from __future__ import annotations
@@ -29,12 +32,17 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO
 
+from meshwise.runtime.coordinator import Coordinator
 from meshwise.runtime.cores import threads_per_rank
 from meshwise.runtime.env import MESHWISE_RUN_ID_PREFIX
 from meshwise.runtime.flight_dumps import DEBUG_ENV, FLIGHT_DIR_ENV, FlightCollector
+from meshwise.runtime.hang_report import render, summarize
+from meshwise.runtime.node_link import NodeLink
 from meshwise.runtime.output_pump import OutputPump, PrefixedOutput
+from meshwise.runtime.preflight import NodeNetwork, PreflightError, plan_network
 from meshwise.runtime.reaper import Reaper
 from meshwise.runtime.spawn import free_port
+from meshwise.runtime.timeouts import DEFAULT_TIMEOUT_S
 from meshwise.runtime.worker import WorkerExit, WorkerProcess
 
 #: seconds between SIGTERM and SIGKILL when tearing a group down.
@@ -45,6 +53,8 @@ DEFAULT_MASTER_PORT = 29500
 _POLL_SECONDS = 0.2
 #: exit status for an overall ``timeout`` (the value coreutils' timeout uses).
 TIMEOUT_EXIT = 124
+#: this node's status when another node's failure stopped its workers (the job's verdict replaces it).
+HALTED_EXIT = 1
 
 
 class LaunchConfigError(ValueError):
@@ -86,13 +96,12 @@ class LaunchPlan:
             )
         if self.master_port is not None and not 0 < self.master_port < 65536:
             raise LaunchConfigError(f"--master-port {self.master_port} is outside 1..65535")
+        if self.nnodes > 1 and self.master_port == 65535:
+            raise LaunchConfigError(
+                "--master-port 65535 leaves no port for the launchers, which meet on --master-port + 1"
+            )
         if self.max_restarts < 0:
             raise LaunchConfigError(f"--max-restarts must be >= 0, got {self.max_restarts}")
-        if self.max_restarts and self.nnodes > 1:
-            raise LaunchConfigError(
-                "--max-restarts restarts this node's workers only, which cannot rejoin a multi-node job; use "
-                "--max-restarts 0 with --nnodes > 1 (resubmit the job, or use torchrun's elastic rendezvous)"
-            )
         if self.timeout is not None and self.timeout <= 0:
             raise LaunchConfigError(f"--timeout must be positive, got {self.timeout}")
 
@@ -141,15 +150,22 @@ class _Group:
         output: PrefixedOutput,
         reaper: Reaper,
         flight: FlightCollector,
+        link: NodeLink | None = None,
     ) -> None:
         self.plan, self.env, self.output, self.reaper, self.flight = plan, env, output, reaper, flight
+        self.link = link
         self.pump = OutputPump(output)
         self.workers: list[WorkerProcess] = []
         self.exits: queue.Queue[WorkerExit] = queue.Queue()
+        #: what ended this attempt on this node (None: every worker exited 0), for the other nodes
+        self.cause: str | None = None
+        #: this node's ranks' flight dumps (multi-node: merged by the coordinator, not here)
+        self.dumps: dict[int, dict] = {}
 
     def run(self, attempt: int, run_id: str) -> tuple[int, bool]:
         """(exit status, whether the launcher itself was interrupted)."""
         plan = self.plan
+        self.attempt = attempt
         port = plan.port()
         self.flight.reset()
         with _recorded_signals() as stop:
@@ -167,6 +183,7 @@ class _Group:
                     return status, False
                 name = signal.Signals(stop[0]).name
                 self.output.write(f"meshwise run: {name} received, stopping all workers\n", to_err=True)
+                self.cause = f"node {plan.node_rank}'s launcher received {name}"
                 self._flight_report(f"the launcher received {name}")
                 return 128 + stop[0], True
             finally:
@@ -183,9 +200,12 @@ class _Group:
         while pending:
             if stop:
                 return None
+            if self.link is not None and (order := self.link.poll_interruption()) is not None:
+                return self._halt(order["cause"])
             wait = _POLL_SECONDS if deadline is None else min(_POLL_SECONDS, deadline - time.monotonic())
             if wait <= 0:
                 message = f"meshwise run: workers still running after {timeout:g} s; terminating them\n"
+                self.cause = f"node {self.plan.node_rank}'s workers were still running after {timeout:g} s"
                 self.output.write(message, to_err=True)
                 self._flight_report(f"workers still running after the {timeout:g} s deadline")
                 return TIMEOUT_EXIT
@@ -199,24 +219,43 @@ class _Group:
                 return ended.exit_status
         return 0
 
+    def _halt(self, cause: str) -> int:
+        """Another node failed or was lost: stop this node's workers, naming why."""
+        self.cause = cause
+        live = [str(self.plan.first_rank + w.rank) for w in self.workers if w.proc.poll() is None]
+        stopping = f"; terminating ranks {', '.join(live)}" if live else ""
+        self.output.write(f"meshwise run: {cause}{stopping}\n", to_err=True)
+        self._flight_report(cause)
+        return HALTED_EXIT
+
     def _flight_report(self, reason: str) -> None:
-        """Collect the live ranks' flight records before anyone is terminated, and print the summary."""
+        """Collect the live ranks' flight records before anyone is terminated; on one node print the
+        summary, on several keep the dumps for the coordinator's merged report."""
         first = self.plan.first_rank
-        summary = self.flight.collect(
-            reason, lambda: [first + w.rank for w in self.workers if w.proc.poll() is None]
-        )
+
+        def alive() -> list[int]:
+            return [first + w.rank for w in self.workers if w.proc.poll() is None]
+
+        if self.link is not None:
+            self.dumps = self.flight.gather(reason, alive)
+            return
+        summary = self.flight.collect(reason, alive)
         if summary:
             self.output.write(summary, to_err=True)
 
     def _report(self, failed: WorkerExit) -> None:
-        self._flight_report(f"rank {self.plan.first_rank + failed.rank} failed ({failed.describe()})")
+        rank = self.plan.first_rank + failed.rank
+        self.cause = f"node {self.plan.node_rank}'s rank {rank} failed ({failed.describe()})"
+        if self.link is not None:  # the other nodes stop now, not after this node's flight records
+            self.link.send({"kind": "failed", "attempt": self.attempt, "cause": self.cause,
+                            "status": failed.exit_status})  # fmt: skip
+        self._flight_report(f"rank {rank} failed ({failed.describe()})")
         others = [w for w in self.workers if w.rank != failed.rank and w.proc.poll() is None]
         for worker in others:
             worker.signal_group(signal.SIGTERM)
         first = self.plan.first_rank
         worker = self.workers[failed.rank]
         worker.drain(2.0)
-        rank = first + failed.rank
         lines = [f"meshwise run: rank {rank} failed ({failed.describe()})"]
         if others:
             lines[0] += "; terminating ranks " + ", ".join(str(first + w.rank) for w in others)
@@ -290,6 +329,11 @@ def launch(
     (TORCHELASTIC_RESTART_COUNT counts them); ``timeout`` bounds each attempt's wall time (exit 124).
     ``env`` adds variables on top of this process's environment.
 
+    With ``nnodes`` > 1 the pre-flight (:mod:`~meshwise.runtime.preflight`) runs first and raises
+    PreflightError (a ValueError) with one line; node 0 then also runs the
+    :class:`~meshwise.runtime.coordinator.Coordinator`, every node joins it, and a failure anywhere
+    halts (and with ``max_restarts`` restarts) every node's workers together.
+
     Every rank that calls ``meshwise.init()`` records its operations; on a failure, the deadline or an
     interrupt their records are merged into a flight report (in ``flight_dir``, default a temporary
     directory kept only when a report was written). ``debug`` makes ``meshwise.init()`` default to
@@ -303,10 +347,20 @@ def launch(
     base_env = {**os.environ, **(env or {})}
     base_env.setdefault("OMP_NUM_THREADS", str(threads_per_rank(nprocs)))  # torchrun's 1 starves CPU ranks
     base_env["PYTHONUNBUFFERED"] = "1"
-    flight = FlightCollector(flight_dir, range(plan.first_rank, plan.first_rank + nprocs), nodes=plan.nnodes)
+    flight = FlightCollector(flight_dir, range(plan.first_rank, plan.first_rank + nprocs))
     base_env[FLIGHT_DIR_ENV] = str(flight.directory)
     if debug:
         base_env[DEBUG_ENV] = "1"
+    if plan.nnodes > 1:  # refused here, before the launchers meet or any worker starts
+        network = plan_network(plan.address, plan.node_rank, base_env)
+        base_env.update(network.worker_environment(base_env))
+        with _node_link(plan, network, output) as link:
+            reaper = Reaper()
+            try:
+                return _run_nodes(plan, base_env, output, reaper, flight, link)
+            finally:
+                reaper.close()
+                flight.close()
     run_id = f"{MESHWISE_RUN_ID_PREFIX}{os.getpid()}-{int(time.time())}"
     reaper = Reaper()
     try:
@@ -321,6 +375,80 @@ def launch(
     finally:
         reaper.close()
         flight.close()
+
+
+@contextlib.contextmanager
+def _node_link(plan: LaunchPlan, network: NodeNetwork, output: PrefixedOutput) -> Iterator[NodeLink]:
+    """Join the job's launchers (node 0 also starts the coordinator); leave them on the way out."""
+    port = plan.port() + 1
+    coordinator = None
+    if plan.node_rank == 0:
+        coordinator = Coordinator(
+            network.master_ip, port, plan.nnodes, plan.nprocs, plan.max_restarts, DEFAULT_TIMEOUT_S
+        )
+    hello = {"node_rank": plan.node_rank, "nnodes": plan.nnodes, "nprocs": plan.nprocs,
+             "max_restarts": plan.max_restarts}  # fmt: skip
+
+    def waiting() -> None:
+        output.write(
+            f"meshwise run: waiting for node 0's launcher at {network.master_ip}:{port}\n", to_err=True
+        )
+
+    try:
+        link = NodeLink.join(network.master_ip, port, hello, timeout=DEFAULT_TIMEOUT_S, waiting=waiting)
+        try:
+            yield link
+        finally:
+            link.close()
+    finally:
+        if coordinator is not None:
+            coordinator.close()
+
+
+def _run_nodes(
+    plan: LaunchPlan,
+    env: Mapping[str, str],
+    output: PrefixedOutput,
+    reaper: Reaper,
+    flight: FlightCollector,
+    link: NodeLink,
+) -> int:
+    """This node's part of a multi-node job: run each attempt the coordinator starts, report how it
+    ended, and follow the verdict (restart with every node, or exit with the job's status)."""
+    announced = None  # the cause the last attempt's workers were halted for, already printed
+    dumps: dict[int, dict] = {}  # this node's ranks' flight dumps from the last attempt
+    while True:
+        order = link.next_order()
+        if order["kind"] == "error":
+            raise PreflightError(order["message"])
+        if order["kind"] == "lost":
+            if order["cause"] != announced:
+                output.write(f"meshwise run: {order['cause']}; stopping\n", to_err=True)
+            if dumps:  # no coordinator left to merge every node's: this node's ranks alone
+                reason = f"{order['cause']} (this node's ranks only)"
+                text = render(dumps, flight.ranks, reason)
+                output.write(flight.write_report(text, summarize(dumps, flight.ranks), reason), to_err=True)
+            return HALTED_EXIT
+        if order.get("summary"):
+            output.write(flight.write_report(order["report"], order["summary"], order["cause"]), to_err=True)
+        if order["kind"] == "exit":
+            if order["status"]:
+                output.write(f"meshwise run: the job failed: {order['cause']}\n", to_err=True)
+            return int(order["status"])
+        attempt = int(order["attempt"])
+        if attempt:
+            output.write(
+                f"meshwise run: restarting the workers of all {plan.nnodes} nodes (restart {attempt} of "
+                f"{plan.max_restarts}) after: {order['cause']}\n",
+                to_err=True,
+            )
+        group = _Group(plan, env, output, reaper, flight, link)
+        status, interrupted = group.run(attempt, order["run_id"])
+        announced, dumps = group.cause, group.dumps
+        link.send({"kind": "ended", "attempt": attempt, "status": status, "cause": group.cause,
+                   "dumps": group.dumps})  # fmt: skip
+        if interrupted:
+            return status
 
 
 def python_command(script: str, args: Sequence[str], *, module: bool = False) -> list[str]:

@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from meshwise.runtime.env import detect_launch_env
+
 FORMAT = "meshwise-train/1"
 FILENAME = "checkpoint.pt"
 #: what a resume reads; a file without one of them is not a usable checkpoint
@@ -113,3 +115,12 @@ def checkpoint_directory(checkpoint: str | None, resume: bool) -> Path | None:
     if directory.exists() and not directory.is_dir():
         raise ValueError(f"--checkpoint {directory} is a file; pass a directory")
     return directory
+
+
+def resume_requested(checkpoint: str | None, resume: bool) -> bool:
+    """``--resume``, or implied by a restart: when a launcher restarted the job after a failure
+    (``meshwise run --max-restarts``, torchrun, SLURM requeue) and the run already wrote a checkpoint,
+    the restarted ranks continue from it instead of refusing to overwrite it."""
+    if resume or checkpoint is None or detect_launch_env().restart_count == 0:
+        return resume
+    return checkpoint_file(checkpoint).exists()
