@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from meshwise.comm.mpi.buffers import adjacent_span
+from meshwise.comm.buffers import adjacent_span
 from meshwise.runtime import mpi_bootstrap
 from meshwise.runtime.env import LaunchEnvError
 from meshwise.runtime.mpi_bootstrap import placement

@@ -17,6 +17,7 @@ import torch
 
 from meshwise.comm.api import SUPPORTED_DTYPES, Collective, ReduceOp, accumulator_dtype
 from meshwise.comm.shm.phase import PhaseEngine, reduce_into, signature
+from meshwise.comm.splits import first_mismatch
 
 #: all_reduce messages up to this size use the one-phase path on any number of ranks
 SMALL_ALL_REDUCE_BYTES = 256 * 1024
@@ -227,18 +228,16 @@ def all_to_all(eng: PhaseEngine, outputs: list[torch.Tensor], inputs: list[torch
             piece = t[start : start + per]
             if j != rank and piece.numel():
                 eng.view(rank, e, dtype, piece.numel(), part=j).copy_(piece)
-        eng.post(e, sig, [t.numel() for t in ins] if start == 0 else None)
+        counts = [t.numel() for t in ins] + [t.numel() for t in outs]
+        eng.post(e, sig, counts if start == 0 else None)
         eng.wait(e, eng.peers, "all_to_all")
         if start == 0:
-            table = [eng.meta(p, e, n) for p in range(n)]
-            for p in eng.peers:
-                if table[p][rank] != outs[p].numel():
-                    raise eng.mismatch(
-                        f"rank {p} sends {table[p][rank]} elements to this rank but output slot {p} holds "
-                        f"{outs[p].numel()}",
-                        "all_to_all",
-                    )
-            phases = max(1, -(-max(max(row) for row in table) // per))
+            # every rank sees every rank's send and receive counts, so all raise the same error
+            table = [eng.meta(p, e, 2 * n) for p in range(n)]
+            wrong = first_mismatch([row[:n] for row in table], [row[n:] for row in table], "all_to_all")
+            if wrong:
+                raise eng.mismatch(wrong, "all_to_all")
+            phases = max(1, -(-max(max(row[:n]) for row in table) // per))
         for p in eng.peers:
             piece = outs[p][start : start + per]
             if piece.numel():
