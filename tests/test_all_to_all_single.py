@@ -11,7 +11,11 @@ import pytest
 import torch
 
 from conftest import joined
+from meshwise.bench.busbw import layout_for
+from meshwise.bench.runner import SweepConfig, run_sweep
+from meshwise.comm.algorithms.registry import predict_seconds
 from meshwise.comm.api import CollectiveMismatchError
+from meshwise.comm.cost.formulas import LinkParams, uneven_all_to_all_bytes
 from meshwise.comm.shm import ShmCommunicator
 from meshwise.comm.splits import first_mismatch, split_sizes
 from meshwise.runtime.spawn import spawn
@@ -127,3 +131,47 @@ def test_first_mismatch_names_the_pair():
         "rank 0 sends 2 elements to rank 1 but rank 1 expects 5 from rank 0 (check the all_to_all split "
         "sizes of both ranks)"
     )
+
+
+def test_skewed_bench_layout_is_a_symmetric_hot_spot():
+    layout = layout_for("all_to_all", 1024, 3, 4, skew=3)  # 256 elements = 7 slots of 36 (16-byte blocks)
+    assert layout.count == 36 and layout.nbytes == 7 * 36 * 4
+    matrix = [[layout.split(i, j) for j in range(3)] for i in range(3)]
+    assert matrix == [[36, 108, 108], [108, 36, 36], [108, 36, 36]]
+    assert [layout.rank_elements(r) for r in range(3)] == [252, 180, 180]
+    assert layout_for("all_to_all", 1024, 3, 4).rank_elements(1) == 3 * 84  # even: nccl-tests' slots
+    with pytest.raises(ValueError, match="all_to_all only"):
+        layout_for("all_gather", 1024, 3, 4, skew=2)
+
+
+def _skewed_sweeps() -> list[tuple[str, int, int, int]]:
+    with joined("gloo", timeout=30) as world:
+        shm = ShmCommunicator.from_process_group(None, timeout=30, segment_bytes=64 << 10)
+        config = SweepConfig("all_to_all", (100, 40000), iters=2, warmup=1, checks=2, skew=4)
+        verdicts = [
+            (comm.backend, row.size, row.wrong, row.out_of_bounds)
+            for comm in (world.comm, shm)
+            for row in run_sweep(comm, world.comm, config, torch.device("cpu"))
+        ]
+        shm.close()
+        return verdicts
+
+
+def test_skewed_all_to_all_benchmark_checks_clean_on_gloo_and_shm():
+    # 40000 B on 3 ranks through 64 KiB segments: the hot rank's slots stream in several phases
+    verdicts = spawn(_skewed_sweeps, 3, timeout=100)[0]
+    assert [(b, s) for b, s, _, _ in verdicts] == [("gloo", 0), ("gloo", 39888), ("shm", 0), ("shm", 39888)]
+    assert all(wrong == oob == 0 for _, _, wrong, oob in verdicts), verdicts
+
+
+def test_uneven_exchange_is_priced_by_its_busiest_rank():
+    link = LinkParams(alpha=1e-5, beta=1e-9, gamma=0.0)
+    even = [[100.0] * 4 for _ in range(4)]  # one rank's whole input: 400 bytes
+    assert uneven_all_to_all_bytes(even) == pytest.approx(400)
+    hot = [[100.0, 100, 100, 100]] + [[700.0, 100, 100, 100] for _ in range(3)]  # rank 0 receives 7x
+    assert uneven_all_to_all_bytes(hot) == pytest.approx(3 * 700 * 4 / 3)
+    balanced, skewed = (
+        predict_seconds("all_to_all", "pairwise", uneven_all_to_all_bytes(m), 4, link) for m in (even, hot)
+    )
+    assert skewed - 3e-5 == pytest.approx(7 * (balanced - 3e-5))  # same latency, 7x the busiest bytes
+    assert uneven_all_to_all_bytes([[5.0]]) == 0.0

@@ -431,6 +431,7 @@ def test_every_collective_on_two_ranks_reports_zero_wrong(tmp_path, capsys):
         "checks": 1,
         "timing": "loop",
         "average": 1,
+        "skew": 1,
         "calibration": "built-in",  # what auto would have priced with: no file is read unasked
     }
     assert set(data["runs"][0]) == {"collective", "backend", "algorithm", "world_size", "avg_busbw", "wrong",

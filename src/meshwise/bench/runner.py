@@ -72,6 +72,7 @@ class SweepConfig:
     checks: int = 1
     timing: str = "loop"
     average: int = 1  # nccl-tests' -a (see AVERAGES)
+    skew: int = 1  # all_to_all: rank 0 exchanges this many slots with every other rank (busbw.Layout)
     #: Test hook: this rank corrupts one element of its result before every check (None: no one does).
     corrupt_rank: int | None = None
 
@@ -209,7 +210,7 @@ def run_sweep(
     rows = []
     for root in sweep_roots(config, comm.world_size):
         for size in config.sizes:
-            layout = layout_for(config.collective, size, comm.world_size, dtype.itemsize)
+            layout = layout_for(config.collective, size, comm.world_size, dtype.itemsize, config.skew)
             figures = []
             for in_place in (False, True):
                 case = Case(comm, layout, dtype, op, max(root, 0), device, in_place=in_place)
