@@ -7,6 +7,7 @@ the contract MoE dispatch relies on, against a result computed from the definiti
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -112,9 +113,11 @@ def test_split_sizes_that_do_not_pair_up_are_named_on_every_rank(backend):
 def test_local_split_sizes_are_checked_before_anything_moves():
     assert split_sizes(None, 6, 3, "input", 0) == [2, 2, 2]
     assert split_sizes(torch.tensor([0, 5, 1]), 6, 3, "input", 0) == [0, 5, 1]
+    assert split_sizes(np.array([3, 0, 3]), 6, 3, "input", 0) == [3, 0, 3]
     cases = [
         ([1, 2], 3, "must be 3 non-negative integers"),
         ([4, -1, 3], 6, "must be 3 non-negative integers"),
+        ([2.0, 2, 2], 6, "must be 3 non-negative integers"),
         ([1, 2, 2], 6, "add up to 5 rows but input has 6"),
         (None, 7, "not divisible by the world size 3"),
     ]

@@ -10,6 +10,7 @@ the pair, before any data moves. Plain functions, testable without processes.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
 import torch
@@ -27,7 +28,11 @@ def split_sizes(
                 f"pass {what}_split_sizes"
             )
         return [rows // world_size] * world_size
-    values = sizes.tolist() if isinstance(sizes, torch.Tensor) else list(sizes)
+    given = sizes.tolist() if isinstance(sizes, torch.Tensor) else list(sizes)
+    try:
+        values = [operator.index(v) for v in given]  # ints, numpy integers, 0-d integer tensors
+    except TypeError:
+        values = given
     if len(values) != world_size or not all(isinstance(v, int) and v >= 0 for v in values):
         raise ValueError(
             f"[rank {rank} · {op}] {what}_split_sizes={values} must be {world_size} non-negative integers "
