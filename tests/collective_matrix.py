@@ -205,10 +205,29 @@ class _Matrix:
             c.all_to_all(outs, [p.clone() for p in pieces])
             return outs
 
-        for form, run in (("even", even), ("uneven", uneven)):
+        # all_to_all_single: rows of 2 elements, rank i sends (i + 2j) % 3 rows to rank j (some empty)
+        rows_to = [(rank + 2 * j) % 3 for j in range(n)]
+        rows_from = [(i + 2 * rank) % 3 for i in range(n)]
+        table = values(rank, 2 * sum(rows_to), dtype, None, salt=9).reshape(-1, 2)
+
+        def single(c: Communicator) -> list[torch.Tensor]:
+            out = torch.full((sum(rows_from), 2), 9, dtype=dtype)
+            c.all_to_all_single(out, table.clone(), rows_from, rows_to)
+            return [out]
+
+        for form, run in (("even", even), ("uneven", uneven), ("single", single)):
             got, want = self.both(run)
             for g, w in zip(got, want, strict=True):
                 self.compare(f"all_to_all {form} {dtype} n={size}", g, w, None)
+        # and against the definition: rank i's rows for this rank, in rank order
+        expected = torch.cat(
+            [
+                values(i, 2 * sum((i + 2 * j) % 3 for j in range(n)), dtype, None, salt=9)
+                .reshape(-1, 2)[sum((i + 2 * j) % 3 for j in range(rank)) :][: rows_from[i]]
+                for i in range(n)
+            ]
+        )
+        self.compare(f"all_to_all_single vs definition {dtype}", single(self.comm)[0], expected, None)
 
     def scatter_gather(self, dtype: torch.dtype, size: int, which: set[str]) -> None:
         n, rank = self.n, self.rank

@@ -77,6 +77,14 @@ def extras() -> None:
                 out["mismatch"].append("no error")
             except CollectiveMismatchError as exc:
                 out["mismatch"].append(str(exc))
+    # all_to_all_single: rank 0 sends 3 rows to rank 1, which expects 2; every rank must name the pair
+    ins = [1, 3, 1] if rank == 0 else [1, 1, 1]
+    outs = [2, 1, 1] if rank == 1 else [1, 1, 1]
+    try:
+        comm.all_to_all_single(torch.zeros(sum(outs)), torch.ones(sum(ins)), outs, ins)
+        out["split_sizes"] = "no error"
+    except CollectiveMismatchError as exc:
+        out["split_sizes"] = str(exc)
     errors = []
     for call in (
         lambda: comm.send(torch.ones(1), (rank + 1) % n, tag=-1),

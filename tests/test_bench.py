@@ -185,6 +185,7 @@ _NCCL_TESTS_FLAGS = {
     "-d": ("half", lambda job: job.sweep.dtype == "float16"),
     "-o": ("max", lambda job: job.sweep.op == "max"),
     "-r": ("-1", lambda job: job.sweep.root == -1),
+    "-a": ("3", lambda job: job.sweep.average == 3),
 }
 
 
@@ -414,8 +415,8 @@ def test_every_collective_on_two_ranks_reports_zero_wrong(tmp_path, capsys):
     # the documented schema, key for key (docs/bench.md)
     assert data["schema"] == "meshwise.bench/2"
     assert " ".join(data["command"]) == (  # every effective option, so the record can be replayed
-        "meshwise bench all -np 2 -b 16 -e 1K -f 8 -n 2 -w 1 -c 1 --dtype float32 --op sum --root 0 "
-        "--backend gloo --algo native"
+        "meshwise bench all -np 2 -b 16 -e 1K -f 8 -n 2 -w 1 --timing loop -a 1 -c 1 --dtype float32 "
+        "--op sum --root 0 --backend gloo --algo native"
     )
     assert set(data) == {"schema", "created", "command", "launcher", "world_size", "timing", "machine",
                          "versions", "config", "runs"}  # fmt: skip
@@ -428,6 +429,9 @@ def test_every_collective_on_two_ranks_reports_zero_wrong(tmp_path, capsys):
         "iters": 2,
         "warmup": 1,
         "checks": 1,
+        "timing": "loop",
+        "average": 1,
+        "skew": 1,
         "calibration": "built-in",  # what auto would have priced with: no file is read unasked
     }
     assert set(data["runs"][0]) == {"collective", "backend", "algorithm", "world_size", "avg_busbw", "wrong",

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from meshwise.comm.mpi.buffers import adjacent_span
+from meshwise.comm.buffers import adjacent_span
 from meshwise.runtime import mpi_bootstrap
 from meshwise.runtime.env import LaunchEnvError
 from meshwise.runtime.mpi_bootstrap import placement
@@ -130,6 +130,8 @@ def test_subgroups_async_half_precision_and_size_mismatch():
         assert result["reverse"] == [2 - rank, [2, 1, 0]]  # new rank = position in the list
         assert result["async"] == [True, 3.0, 3.0]
         assert "members called split with different rank lists" in result["split_mismatch"]
+        mismatch = f"[rank {rank} · all_to_all] rank 0 sends 3 elements to rank 1"
+        assert result["split_sizes"].startswith(mismatch)
         # bf16 summed in float32 and rounded once; bf16 additions in any order would give 2.0
         assert result["bf16"] == [2.015625] * 4
         assert "tag -1 is outside the MPI range" in result["errors"][0]

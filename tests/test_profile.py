@@ -15,7 +15,14 @@ from meshwise.comm.instrumented import InstrumentedCommunicator
 from meshwise.comm.native import NativeCommunicator
 from meshwise.parallel import DataParallel
 from meshwise.runtime.spawn import spawn
-from meshwise.train.profile import Breakdown, StepProfiler, verdict
+from meshwise.train.profile import (
+    Breakdown,
+    StepProfiler,
+    _event,
+    overlapping_complete_events,
+    verdict,
+    write_trace,
+)
 
 
 def _parts(**ms):
@@ -124,6 +131,37 @@ def test_meshwise_train_profile_adds_up_and_writes_a_trace(tmp_path):
     profile, epoch = run["profile"], run["history"][0]
     assert abs(profile["total_step_seconds"] - epoch["seconds"]) / epoch["seconds"] < 0.05
     assert profile["verdict"]["bound"] in ("compute", "communication", "data", "other")
-    events = json.loads(trace.read_text())["traceEvents"]
+    written = json.loads(trace.read_text())
+    events = written["traceEvents"]
     assert {e["pid"] for e in events} == {0, 1}
     assert {"data", "forward", "backward", "optimizer", "all_reduce"} <= {e["name"] for e in events}
+    _perfetto_valid(written)
+
+
+def _perfetto_valid(trace: dict) -> None:
+    """What Perfetto needs of a JSON trace: complete events never overlap on one track, every async
+    begin has its end, and times are µs from the run's start (not 16-digit epoch microseconds)."""
+    assert overlapping_complete_events(trace) == []
+    timed = [e for e in trace["traceEvents"] if e["ph"] != "M"]
+    assert min(e["ts"] for e in timed) == 0 and all(e.get("dur", 0) >= 0 for e in timed)
+    assert max(e["ts"] for e in timed) < 600e6 and trace["otherData"]["origin_unix_s"] > 1.6e9
+    begins = {(e["pid"], e["id"]): e for e in timed if e["ph"] == "b"}
+    ends = {(e["pid"], e["id"]): e for e in timed if e["ph"] == "e"}
+    assert begins and begins.keys() == ends.keys()
+    assert all(begins[k]["ts"] <= ends[k]["ts"] and begins[k]["name"] == ends[k]["name"] for k in begins)
+
+
+def test_overlapping_operations_get_rows_of_their_own(tmp_path):
+    """Two complete events that overlap on one track (what DDP's buckets in flight used to produce) are
+    spread over two rows, and the checker finds the overlap a naive writer would leave."""
+    clash = [_event("a", 10.0, 10.5, 0, 3), _event("b", 10.2, 10.7, 0, 3), _event("c", 10.6, 10.8, 0, 3)]
+    assert len(overlapping_complete_events({"traceEvents": [{**e, "ts": e["ts"] * 1e6, "dur": e["dur"] * 1e6}
+                                                               for e in clash]})) == 2  # fmt: skip
+    path = tmp_path / "t.json"
+    write_trace(str(path), clash)
+    written = json.loads(path.read_text())
+    assert overlapping_complete_events(written) == []
+    rows = {e["name"]: (e["tid"], e["ts"]) for e in written["traceEvents"] if e["ph"] == "X"}
+    assert rows == {"a": (3, 0.0), "b": (13, pytest.approx(0.2e6)), "c": (3, pytest.approx(0.6e6))}
+    names = {e["tid"]: e["args"]["name"] for e in written["traceEvents"] if e["name"] == "thread_name"}
+    assert names[13] == "blocked in wait (2)"

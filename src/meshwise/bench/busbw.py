@@ -52,11 +52,29 @@ class Layout:
     world_size: int
     itemsize: int
     count: int  # elements of the operation's parameter (nccl-tests' "count" column)
+    #: all_to_all only: rank 0 is a hot spot that exchanges ``skew`` slots with every other rank
+    skew: int = 1
+
+    def split(self, src: int, dst: int) -> int:
+        """Elements rank ``src`` sends rank ``dst`` in all_to_all: ``count``, or ``skew·count`` between
+        rank 0 and another rank, both ways (a hot expert: it receives skew times the tokens of any
+        other and sends as many results back). The matrix is symmetric, so every rank sends what it
+        receives and the in-place form keeps its meaning."""
+        return self.count * self.skew if (src == 0) != (dst == 0) else self.count
+
+    def rank_elements(self, rank: int) -> int:
+        """Elements of ``rank``'s per-rank buffer."""
+        if self.skew == 1 or self.collective != "all_to_all":
+            return self.total_elements
+        return sum(self.split(rank, j) for j in range(self.world_size))
 
     @property
     def total_elements(self) -> int:
-        """Elements of the larger per-rank buffer: n slots for slotted collectives, else ``count``."""
-        return self.count * self.world_size if self.collective in SLOTTED else self.count
+        """Elements of the larger per-rank buffer: n slots for slotted collectives, else ``count``; a
+        skewed all_to_all's hot rank holds ``(skew·(n−1) + 1)`` slots."""
+        if self.collective not in SLOTTED:
+            return self.count
+        return self.count * (self.skew * (self.world_size - 1) + 1)
 
     @property
     def nbytes(self) -> int:
@@ -64,18 +82,21 @@ class Layout:
         return self.total_elements * self.itemsize
 
 
-def layout_for(collective: str, size_bytes: int, world_size: int, itemsize: int) -> Layout:
+def layout_for(collective: str, size_bytes: int, world_size: int, itemsize: int, skew: int = 1) -> Layout:
     """The layout of a requested size: whole elements, and for slotted collectives slots of whole
-    16-byte blocks (nccl-tests' ``(count / nranks) & -(16 / eltSize)``); count 0 when none fits."""
+    16-byte blocks (nccl-tests' ``(count / nranks) & -(16 / eltSize)``); count 0 when none fits. With
+    ``skew`` (all_to_all only) the size is the hot rank's buffer of ``skew·(n−1) + 1`` slots."""
     if collective not in COLLECTIVES:
         raise ValueError(f"unknown collective {collective!r}; choose one of {', '.join(COLLECTIVES)}")
+    if skew != 1 and (collective != "all_to_all" or skew < 1):
+        raise ValueError(f"skew {skew} applies to all_to_all only, as a whole number >= 1")
     bus_factor(collective, world_size)  # validates the world size
     elements = size_bytes // itemsize
     if collective not in SLOTTED:
         return Layout(collective, world_size, itemsize, elements)
     block = max(1, SLOT_ALIGN_BYTES // itemsize)
-    count = (elements // world_size) // block * block
-    return Layout(collective, world_size, itemsize, count)
+    count = (elements // (skew * (world_size - 1) + 1)) // block * block
+    return Layout(collective, world_size, itemsize, count, skew)
 
 
 def algbw(nbytes: int, seconds: float) -> float:

@@ -143,8 +143,9 @@ class Case:
     # ------------------------------------------------------------------ buffers per collective
     def _one_buffer(self) -> None:
         """all_reduce, reduce, sendrecv, all_to_all: the input is the output in place."""
-        self.result = self._guard(self.layout.total_elements)
-        self.input = self.result if self.in_place else self._plain(self.layout.total_elements)
+        elements = self.layout.rank_elements(self.rank)
+        self.result = self._guard(elements)
+        self.input = self.result if self.in_place else self._plain(elements)
 
     def _broadcast_buffers(self) -> None:
         self.result = self._guard(self.layout.count)
@@ -212,8 +213,9 @@ class Case:
             return [((k,), 0, c) for k in range(n)]
         if name == "reduce_scatter":
             return [(everyone, r * c, c)]
-        if name == "all_to_all":
-            return [((k,), r * c, c) for k in range(n)]
+        if name == "all_to_all":  # from rank k: its slot for this rank, after its slots for ranks < r
+            split = self.layout.split
+            return [((k,), sum(split(k, j) for j in range(r)), split(k, r)) for k in range(n)]
         if name == "scatter":
             return [((self.root,), r * c, c)]
         return [(((r - 1) % n,), 0, c)]  # sendrecv: from the previous rank
@@ -268,7 +270,15 @@ class Case:
         self.comm.reduce_scatter(self.result, self.input, self.op)
 
     def _run_all_to_all(self) -> None:
-        self.comm.all_to_all(self.result, self.input)
+        if self.layout.skew == 1:
+            self.comm.all_to_all(self.result, self.input)
+            return
+        splits = [self.layout.split(self.rank, j) for j in range(self.n)]  # symmetric: sent = received
+        if self.in_place:
+            slots = list(self.result.split(splits))
+            self.comm.all_to_all(slots, slots)
+        else:
+            self.comm.all_to_all_single(self.result, self.input, splits, splits)
 
     def _run_gather(self) -> None:
         self.comm.gather(self.input, self.result, self.root)

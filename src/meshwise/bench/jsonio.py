@@ -5,7 +5,7 @@ Schema ``meshwise.bench/2`` (one object; ``/1`` kept one set of figures per row)
     schema, created (UTC ISO 8601), command (argv), launcher, world_size, timing (definition),
     machine  {hostname, platform, processor, cpu_count, gpus [names]},
     versions {meshwise, python, torch, numpy, nccl?, mpi?},
-    config   {dtype, op, root, iters, warmup, checks},
+    config   {dtype, op, root, iters, warmup, checks, timing ("loop" | "barrier"), average (-a)},
     runs     [{collective, backend, algorithm, world_size, avg_busbw, wrong, out_of_bounds,
                rows [{size, count, type, redop, root,
                       out_of_place {time_us, algbw, busbw, wrong, out_of_bounds, time_us_min, time_us_max},
@@ -32,7 +32,6 @@ import torch
 from meshwise.bench.runner import Figures, Row, RunResult
 
 SCHEMA = "meshwise.bench/2"
-TIMING = "mean over iterations of the max over ranks of one operation (barrier before each iteration)"
 
 
 def machine_info() -> dict[str, Any]:
@@ -75,13 +74,13 @@ class BenchRecord:
     world_size: int
     config: dict[str, Any]
     runs: tuple[RunResult, ...]
+    timing: str  # how time_us was measured, in words (runner.describe_timing)
     command: tuple[str, ...] = ()
     machine: dict[str, Any] = field(default_factory=machine_info)
     versions: dict[str, str] = field(default_factory=versions_info)
     created: str = field(
         default_factory=lambda: datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     )
-    timing: str = TIMING
     schema: str = SCHEMA
     incomplete: str | None = None  # why the run stopped early; None for a complete record
 

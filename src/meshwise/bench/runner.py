@@ -1,13 +1,18 @@
 """Run one collective over a sweep of sizes on a Communicator: warm up, time, check.
 
-Timing: before every timed iteration the ranks meet at a barrier of the control communicator and then at
-one of the communicator under test, whose barrier releases them closest together (gloo's, on 4 ranks
-over 2 cores, leaves them ~0.4 ms apart, which a 20 µs shm call would otherwise be charged); each rank
-times the operation alone (device synchronised), and after the loop the per-iteration times are reduced
-with MAX over ranks. The reported time is the mean over iterations of that maximum — an iteration lasts
-until its slowest rank is done, which is what a training step waiting on the collective sees. (nccl-tests
-by default averages each rank's loop time over ranks instead, which hides a straggler.) Min and max over
-iterations are kept for the JSON record.
+Timing, as nccl-tests (``timing="loop"``, the default): the ranks meet at a barrier of the control
+communicator and then at one of the communicator under test, and each rank times ``iters`` operations
+back to back (device synchronised at the ends) and divides by ``iters``. The per-rank times are then
+combined over ranks as nccl-tests' ``-a``: 0 rank 0's, 1 the average (nccl-tests' default), 2 the
+minimum, 3 the maximum; ``time_us_min``/``time_us_max`` keep the fastest and slowest rank. Back to back,
+a small message's latency is the operation's alone — what a training step issuing many collectives sees.
+
+``timing="barrier"`` is the older mode: a barrier before every timed iteration (control, then the
+communicator under test, whose barrier releases ranks closest together), each rank timing the operation
+alone, the per-iteration times combined over ranks as ``-a`` says (default 3: the maximum, as an
+iteration lasts until its slowest rank is done) and averaged over iterations; min and max over
+iterations are kept. It shows each operation started together, but charges it the skew with which
+ranks leave the barrier (about 90 µs of the 135 µs measured for a 4 KiB shm all_reduce on 2 ranks).
 
 Checking (``checks`` ≥ 1) runs the operation again on fresh exact inputs after timing and counts wrong
 elements and out-of-bounds writes on every rank; both counts are summed over ranks, so every rank
@@ -42,6 +47,15 @@ DTYPES = {
 DTYPE_ALIASES = {"float": "float32", "half": "float16", "double": "float64"}
 #: ``root`` value that sweeps every root in turn (nccl-tests' ``-r -1``).
 ALL_ROOTS = -1
+#: how iterations are timed: back to back (nccl-tests), or each after a barrier (see the module doc)
+TIMINGS = ("loop", "barrier")
+#: nccl-tests' ``-a`` values: how the ranks' times become the reported one
+AVERAGES = {0: "rank 0", 1: "average", 2: "minimum", 3: "maximum"}
+
+
+def default_average(timing: str) -> int:
+    """nccl-tests' average over ranks back to back; the slowest rank per barrier-started iteration."""
+    return 1 if timing == "loop" else 3
 
 
 @dataclass(frozen=True)
@@ -56,8 +70,19 @@ class SweepConfig:
     iters: int = 20
     warmup: int = 5
     checks: int = 1
+    timing: str = "loop"
+    average: int = 1  # nccl-tests' -a (see AVERAGES)
+    skew: int = 1  # all_to_all: rank 0 exchanges this many slots with every other rank (busbw.Layout)
     #: Test hook: this rank corrupts one element of its result before every check (None: no one does).
     corrupt_rank: int | None = None
+
+
+def describe_timing(config: SweepConfig) -> str:
+    """What ``time_us`` means for ``config``, in words (the table's header and the JSON record)."""
+    over = f"{AVERAGES[config.average]} over ranks (-a {config.average})"
+    if config.timing == "loop":
+        return f"time = {config.iters} operations back to back / {config.iters}; {over}"
+    return f"time = mean over iterations of the {over}; a barrier before each iteration"
 
 
 @dataclass(frozen=True)
@@ -69,8 +94,8 @@ class Figures:
     busbw: float
     wrong: int
     out_of_bounds: int
-    time_us_min: float
-    time_us_max: float
+    time_us_min: float  # loop timing: the fastest rank; barrier timing: the fastest iteration
+    time_us_max: float  # loop timing: the slowest rank; barrier timing: the slowest iteration
 
 
 @dataclass(frozen=True)
@@ -99,7 +124,8 @@ class Row:
 
     @property
     def fastest_us(self) -> float:
-        """The fastest iteration of either placement: what the transport can do at this size."""
+        """The fastest figure of either placement (a rank's back-to-back average, or one barrier-started
+        iteration): what the transport can do at this size."""
         return min(f.time_us_min for f in self.placements)
 
 
@@ -135,6 +161,34 @@ def _timed(case: Case, control: Communicator, iters: int, device: torch.device) 
     return times
 
 
+def _timed_loop(case: Case, control: Communicator, iters: int, device: torch.device) -> float:
+    """Seconds per operation of this rank over ``iters`` operations back to back (nccl-tests)."""
+    control.barrier()
+    case.comm.barrier()
+    _synchronize(device)
+    start = time.perf_counter()
+    for _ in range(iters):
+        case.run()
+    _synchronize(device)
+    return (time.perf_counter() - start) / iters
+
+
+def over_ranks(times: torch.Tensor, average: int) -> torch.Tensor:
+    """``times`` (ranks × anything) combined over ranks as nccl-tests' ``-a`` value ``average``."""
+    if average == 0:
+        return times[0]
+    if average == 1:
+        return times.mean(0)
+    return times.amin(0) if average == 2 else times.amax(0)
+
+
+def _rank_times(control: Communicator, mine: torch.Tensor) -> torch.Tensor:
+    """Every rank's ``mine``, stacked in rank order (the same table on every rank)."""
+    table = torch.empty(control.world_size * mine.numel(), dtype=mine.dtype)
+    control.all_gather(table, mine.reshape(-1))
+    return table.reshape(control.world_size, -1)
+
+
 def run_sweep(
     comm: Communicator,
     control: Communicator,
@@ -156,7 +210,7 @@ def run_sweep(
     rows = []
     for root in sweep_roots(config, comm.world_size):
         for size in config.sizes:
-            layout = layout_for(config.collective, size, comm.world_size, dtype.itemsize)
+            layout = layout_for(config.collective, size, comm.world_size, dtype.itemsize, config.skew)
             figures = []
             for in_place in (False, True):
                 case = Case(comm, layout, dtype, op, max(root, 0), device, in_place=in_place)
@@ -177,8 +231,14 @@ def _measure(case: Case, control: Communicator, config: SweepConfig, device: tor
     for _ in range(config.warmup):
         case.run()
     _synchronize(device)
-    times = _timed(case, control, config.iters, device)
-    control.all_reduce(times, ReduceOp.MAX)
+    if config.timing == "loop":
+        mine = torch.tensor([_timed_loop(case, control, config.iters, device)], dtype=torch.float64)
+        per_rank = _rank_times(control, mine)[:, 0]
+        seconds = float(over_ranks(per_rank, config.average))
+        fastest, slowest = float(per_rank.min()), float(per_rank.max())
+    else:
+        times = over_ranks(_rank_times(control, _timed(case, control, config.iters, device)), config.average)
+        seconds, fastest, slowest = float(times.mean()), float(times.min()), float(times.max())
     counts = torch.zeros(2, dtype=torch.int64)
     for check in range(config.checks):
         case.prepare(salt=check + 1)
@@ -187,15 +247,14 @@ def _measure(case: Case, control: Communicator, config: SweepConfig, device: tor
         wrong, oob = case.check(check + 1, corrupt=config.corrupt_rank == comm.rank)
         counts += torch.tensor([wrong, oob], dtype=torch.int64)
     control.all_reduce(counts, ReduceOp.SUM)
-    seconds = float(times.mean())
     return Figures(
         time_us=seconds * 1e6,
         algbw=algbw(case.layout.nbytes, seconds),
         busbw=busbw(case.layout.collective, case.layout.nbytes, seconds, comm.world_size),
         wrong=int(counts[0]),
         out_of_bounds=int(counts[1]),
-        time_us_min=float(times.min()) * 1e6,
-        time_us_max=float(times.max()) * 1e6,
+        time_us_min=fastest * 1e6,
+        time_us_max=slowest * 1e6,
     )
 
 

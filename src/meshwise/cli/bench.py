@@ -24,7 +24,17 @@ from meshwise.bench.job import BenchJob, JobResult, bench_rank_main, covers
 from meshwise.bench.jsonio import BenchRecord, write_json
 from meshwise.bench.live import LiveReport, Sink, emitter, pump
 from meshwise.bench.report import output_console, print_runs
-from meshwise.bench.runner import ALL_ROOTS, DTYPE_ALIASES, DTYPES, RunResult, SweepConfig
+from meshwise.bench.runner import (
+    ALL_ROOTS,
+    AVERAGES,
+    DTYPE_ALIASES,
+    DTYPES,
+    TIMINGS,
+    RunResult,
+    SweepConfig,
+    default_average,
+    describe_timing,
+)
 from meshwise.bench.sizes import parse_size, size_sweep
 from meshwise.cli import summary
 from meshwise.cli.outputs import check_output, check_plot, write_outputs
@@ -81,6 +91,30 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str, help_text: str
     parser.add_argument("-i", "--stepbytes", default=None, help="add this many bytes instead, e.g. 1M")
     parser.add_argument("-n", "--iters", type=int, default=20, help="timed iterations per size (default 20)")
     parser.add_argument("-w", "--warmup", type=int, default=5, help="untimed iterations per size (default 5)")
+    parser.add_argument(
+        "-a",
+        "--average",
+        type=int,
+        choices=sorted(AVERAGES),
+        default=None,
+        help="combine the ranks' times as nccl-tests: 0 rank 0, 1 average, 2 min, 3 max "
+        "(default 1; 3 with --timing barrier)",
+    )
+    parser.add_argument(
+        "--timing",
+        choices=TIMINGS,
+        default="loop",
+        help="loop: -n iterations back to back, divided (nccl-tests); barrier: a barrier before each "
+        "iteration, timed alone (default loop)",
+    )
+    parser.add_argument(
+        "--skew",
+        type=int,
+        default=1,
+        metavar="K",
+        help="all_to_all: rank 0 is a hot spot exchanging K slots with every other rank, both ways, "
+        "through all_to_all_single's split sizes (default 1: nccl-tests' even alltoall)",
+    )
     parser.add_argument("-c", "--check", type=int, default=1, help="check results K times per size (0: off)")
     parser.add_argument(
         "-d", "--dtype", choices=(*DTYPES, *DTYPE_ALIASES), default="float32", help="element type (float32)"
@@ -217,6 +251,8 @@ def build_job(args: argparse.Namespace) -> tuple[BenchJob, int, str]:
         raise ValueError(f"--root {args.root} is outside 0..{world_size - 1} (or -1 for every root)")
     if args.inject_error is not None and not 0 <= args.inject_error < world_size:
         raise ValueError(f"--inject-error {args.inject_error} is outside 0..{world_size - 1}")
+    if args.skew != 1 and (args.skew < 1 or collectives != ("all_to_all",)):
+        raise ValueError(f"--skew {args.skew} applies to all_to_all alone, as a whole number >= 1")
     if args.ceiling is not None and not args.ceiling > 0:
         raise ValueError(f"--ceiling must be a positive bandwidth in GB/s, got {args.ceiling}")
     if args.timeout <= 0:
@@ -257,6 +293,9 @@ def build_job(args: argparse.Namespace) -> tuple[BenchJob, int, str]:
         iters=args.iters,
         warmup=args.warmup,
         checks=args.check,
+        timing=args.timing,
+        average=default_average(args.timing) if args.average is None else args.average,
+        skew=args.skew,
         corrupt_rank=args.inject_error,
     )
     job = BenchJob(
@@ -309,6 +348,8 @@ def replay_command(
     words += ["-np", str(world_size)] if launcher == "local" else []
     words += ["-b", args.minbytes, "-e", args.maxbytes, *step]
     words += ["-n", str(sweep.iters), "-w", str(sweep.warmup)]
+    words += ["--timing", sweep.timing, "-a", str(sweep.average)]
+    words += ["--skew", str(sweep.skew)] if sweep.skew != 1 else []
     words += ["-c", str(sweep.checks), "--dtype", sweep.dtype, "--op", sweep.op, "--root", str(sweep.root)]
     words += ["--backend", ",".join(job.backends), "--algo", ",".join(job.algorithms)]
     words += ["--calibrate"] if job.calibrate else []
@@ -320,8 +361,9 @@ def _header(job: BenchJob, world_size: int, launcher: str) -> str:
     sweep = job.sweep
     return (
         f"# meshwise bench · {world_size} ranks ({launcher}) · {sweep.dtype} · "
-        f"iters {sweep.iters} · warmup {sweep.warmup} · checks {sweep.checks}\n"
-        "# time = mean over iterations of the max over ranks (ranks start each iteration together)\n"
+        f"iters {sweep.iters} · warmup {sweep.warmup} · checks {sweep.checks}"
+        f"{f' · skew {sweep.skew} (rank 0 hot)' if sweep.skew != 1 else ''}\n"
+        f"# {describe_timing(sweep)}\n"
         f"# calibration (prices auto): {source_of(job.pricing_file)}"
     )
 
@@ -348,9 +390,13 @@ def _write_outputs(
             "iters": sweep.iters,
             "warmup": sweep.warmup,
             "checks": sweep.checks,
+            "timing": sweep.timing,
+            "average": sweep.average,
+            "skew": sweep.skew,
             "calibration": source_of(job.pricing_file),
         },
         runs=tuple(runs),
+        timing=describe_timing(sweep),
         command=replay_command(args, job, world_size, launcher),
         incomplete=incomplete,
     )

@@ -15,7 +15,8 @@ all_gather         rank r's input lands in slot r of every rank's output (flat: 
                    slots along dim 0; list: one tensor per rank, sizes may differ).
 reduce_scatter     rank i receives op over ranks of slot i of their inputs (seeds: rank r holds [r+1 … r+4]
                    on 4 ranks → rank i gets the sum of column i).
-all_to_all         slot j of rank i's input lands in slot i of rank j's output.
+all_to_all         slot j of rank i's input lands in slot i of rank j's output (``all_to_all_single``: the
+                   slots are row ranges of one tensor given by split sizes along dim 0, as in torch).
 scatter / gather   root's slot i goes to rank i / rank i's tensor lands in root's slot i.
 barrier            returns on every rank only once every rank has entered it.
 =================  ==========================================================================================
@@ -33,6 +34,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 from torch import Tensor
+
+from meshwise.comm.splits import split_sizes
 
 SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int32, torch.int64)
 HALF_DTYPES = (torch.bfloat16, torch.float16)
@@ -407,6 +410,41 @@ class Communicator(ABC):
                 f"[rank {self.rank} · all_to_all] the slot this rank sends to itself has "
                 f"{inputs[self.rank].numel()} elements but its output slot holds {outputs[self.rank].numel()}"
             )
+        return self._finish(self._all_to_all(outputs, inputs), async_op)
+
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: Sequence[int] | torch.Tensor | None = None,
+        input_split_sizes: Sequence[int] | torch.Tensor | None = None,
+        *,
+        async_op: bool = False,
+    ) -> Work | None:
+        """torch's ``all_to_all_single``: rows ``input_split_sizes[j]`` of ``input`` (in order along dim 0)
+        go to rank j, which receives them into its ``output`` rows for this rank; ``None`` splits dim 0
+        evenly. The uneven traffic of expert parallelism: every rank must know what it will receive, so
+        exchange the counts first (an even all_to_all_single of one integer per rank). Ranks whose split
+        sizes do not pair up get a :class:`CollectiveMismatchError` naming the pair, on every backend."""
+        op = "all_to_all_single"
+        output = self._check(output, "output", op)
+        input = self._check(input, "input", op)
+        self._same_dtype([output, input], op)
+        if output.dim() == 0 or input.dim() == 0 or output.shape[1:] != input.shape[1:]:
+            raise ValueError(
+                f"[rank {self.rank} · {op}] output {tuple(output.shape)} and input {tuple(input.shape)} must "
+                "have at least one dimension and the same sizes after dim 0"
+            )
+        outs = split_sizes(output_split_sizes, output.shape[0], self.world_size, "output", self.rank)
+        ins = split_sizes(input_split_sizes, input.shape[0], self.world_size, "input", self.rank)
+        if outs[self.rank] != ins[self.rank]:
+            raise ValueError(
+                f"[rank {self.rank} · {op}] this rank sends itself {ins[self.rank]} rows but expects "
+                f"{outs[self.rank]}"
+            )
+        if overlap(output, input):
+            raise ValueError(f"[rank {self.rank} · {op}] output and input share memory; use two tensors")
+        outputs, inputs = list(output.split(outs)), list(input.split(ins))
         return self._finish(self._all_to_all(outputs, inputs), async_op)
 
     def scatter(

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from meshwise.comm.api import (
     AllWork,
     ChainedWork,
+    CollectiveMismatchError,
     CommError,
     CommTimeoutError,
     Communicator,
@@ -24,7 +25,10 @@ from meshwise.comm.api import (
     ReduceOp,
     Work,
     accumulator,
+    overlap,
 )
+from meshwise.comm.buffers import adjacent_span, joined, scatter_back
+from meshwise.comm.splits import first_mismatch
 from meshwise.runtime.timeouts import DEFAULT_TIMEOUT_S
 
 _TORCH_OPS = {
@@ -207,27 +211,38 @@ class NativeCommunicator(Communicator):
         return ChainedWork(work, finish)
 
     def _all_to_all(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> Work:
-        flat_in = torch.cat([t.reshape(-1) for t in inputs])
-        flat_out = torch.empty(sum(t.numel() for t in outputs), dtype=flat_in.dtype, device=flat_in.device)
+        send_counts = [t.numel() for t in inputs]
+        recv_counts = [t.numel() for t in outputs]
+        self._check_pairs(send_counts, recv_counts, inputs[0].device)
+        span = adjacent_span(outputs)  # the slots of one tensor (all_to_all_single): received in place
+        flat_out = span if span is not None else inputs[0].new_empty(sum(recv_counts))
+        flat_in = joined(inputs)
+        if overlap(flat_in, flat_out):
+            flat_in = flat_in.clone()
         work = self._start(
             "all_to_all",
             lambda: dist.all_to_all_single(
                 flat_out,
                 flat_in,
-                output_split_sizes=[t.numel() for t in outputs],
-                input_split_sizes=[t.numel() for t in inputs],
+                output_split_sizes=recv_counts,
+                input_split_sizes=send_counts,
                 group=self.group,
                 async_op=True,
             ),
         )
+        return work if span is not None else ChainedWork(work, scatter_back(flat_out, outputs))
 
-        def finish() -> None:
-            offset = 0
-            for out in outputs:
-                out.view(-1).copy_(flat_out[offset : offset + out.numel()])
-                offset += out.numel()
-
-        return ChainedWork(work, finish)
+    def _check_pairs(self, send_counts: list[int], recv_counts: list[int], device: torch.device) -> None:
+        """Every rank's counts, gathered before any data moves: gloo aborts the whole process on split
+        sizes that do not pair up (and NCCL would hang), so the pair that disagrees is named instead."""
+        mine = torch.tensor(send_counts + recv_counts, dtype=torch.int64, device=device)
+        table = [torch.empty_like(mine) for _ in range(self.world_size)]
+        gather = lambda: dist.all_gather(table, mine, group=self.group, async_op=True)  # noqa: E731
+        self._start("all_to_all", gather).wait()
+        rows, n = [t.tolist() for t in table], self.world_size
+        wrong = first_mismatch([r[:n] for r in rows], [r[n:] for r in rows], "all_to_all")
+        if wrong:
+            raise CollectiveMismatchError(wrong, rank=self.rank, op="all_to_all")
 
     def _scatter(self, output: torch.Tensor, inputs: list[torch.Tensor] | None, root: int) -> Work:
         # Sizes may differ per rank and non-roots do not know the others', so each slot travels by

@@ -201,8 +201,11 @@ class StepProfiler:
         return fractions
 
     def events(self, rank: int) -> list[dict]:
-        """Chrome/Perfetto trace events (µs) of this rank: steps, phases (bubble included), communication
-        in flight, blocked waits and pipeline instructions, one track each."""
+        """Chrome/Perfetto trace events of this rank (times in seconds; :func:`write_trace` makes them
+        µs from the run's start): steps, phases (bubble included), blocked waits and pipeline
+        instructions as complete events, one track each; communication in flight as async begin/end
+        pairs, because operations overlap one another (DDP's buckets, a pipeline's posted receives)
+        and complete events on one track must not."""
         events = []
         for index, (step, comm) in enumerate(zip(self.steps, self.comm, strict=True)):
             events.append(_event(f"step {index}", step.started, step.ended, rank, 0))
@@ -211,8 +214,8 @@ class StepProfiler:
                 for name, t0, t1 in _merged(self._labelled(step, comm))
                 if name in PHASES
             ]
-            for op in comm:
-                events.append(_event(op.name, op.started, op.ended, rank, 2))
+            for number, op in enumerate(comm):
+                events += _in_flight(op, f"rank{rank}.step{index}.op{number}", rank)
                 if op.waited > 0:
                     events.append(_event(f"wait {op.name}", op.ended - op.waited, op.ended, rank, 3))
             events += [_event(label, t0, t1, rank, 4) for _, label, t0, t1 in step.instructions]
@@ -284,7 +287,13 @@ def _merged(pieces: Sequence[tuple[str, float, float]]) -> list[tuple[str, float
 
 
 def _event(name: str, start: float, end: float, pid: int, tid: int) -> dict:
-    return {"name": name, "ph": "X", "ts": start * 1e6, "dur": (end - start) * 1e6, "pid": pid, "tid": tid}
+    return {"name": name, "ph": "X", "ts": start, "dur": end - start, "pid": pid, "tid": tid}
+
+
+def _in_flight(op: _Op, key: str, pid: int) -> list[dict]:
+    """An async slice from issue to completion: Perfetto gives overlapping ones rows of their own."""
+    common = {"name": op.name, "cat": "communication", "id": key, "pid": pid, "tid": COMM_TRACK}
+    return [{**common, "ph": "b", "ts": op.started}, {**common, "ph": "e", "ts": op.ended}]
 
 
 @dataclass(frozen=True)
@@ -360,21 +369,70 @@ def table(breakdown: Breakdown) -> str:
     return "\n".join(lines)
 
 
+#: the tracks of a rank (Chrome's thread ids); communication in flight is async, on its own rows
+TRACKS = {0: "steps", 1: "phases", 3: "blocked in wait", 4: "pipeline instructions"}
+COMM_TRACK = 2
+
+
 def write_trace(path: str, events: Sequence[dict]) -> None:
-    """A Chrome/Perfetto trace (open it in ui.perfetto.dev or chrome://tracing): pid = rank, tracks
-    0 steps, 1 phases, 2 communication in flight, 3 waits, 4 pipeline instructions (F, B, W)."""
-    names = {
-        0: "steps",
-        1: "phases",
-        2: "communication (issue to completion)",
-        3: "blocked in wait",
-        4: "pipeline instructions",
-    }
+    """A Chrome/Perfetto trace (open it in ui.perfetto.dev or chrome://tracing) of every rank's
+    :meth:`StepProfiler.events`: pid = rank, tracks as :data:`TRACKS`, communication in flight as async
+    slices. Times become µs from the run's start (the earliest event of any rank; its wall-clock time is
+    kept in ``otherData``): epoch microseconds are 16-digit numbers that trace viewers round. A complete
+    event that would overlap the previous one on its track (clocks sampled a hair apart) moves to a
+    second row of that track, so no track holds overlapping complete events."""
+    origin = min((e["ts"] for e in events), default=0.0)
+    shifted = [
+        {**e, "ts": (e["ts"] - origin) * 1e6} | ({"dur": e["dur"] * 1e6} if "dur" in e else {})
+        for e in events
+    ]
+    placed, rows = _one_row_each(shifted)
     ranks = sorted({e["pid"] for e in events})
     meta = [{"name": "process_name", "ph": "M", "pid": pid, "args": {"name": f"rank {pid}"}} for pid in ranks]
     meta += [
         {"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": name}}
         for pid in ranks
-        for tid, name in names.items()
+        for tid, name in {**TRACKS, COMM_TRACK: "communication (issue to completion)", **rows}.items()
     ]
-    Path(path).write_text(json.dumps({"traceEvents": [*meta, *events], "displayTimeUnit": "ms"}))
+    trace = {"traceEvents": [*meta, *placed], "displayTimeUnit": "ms", "otherData": {"origin_unix_s": origin}}
+    Path(path).write_text(json.dumps(trace))
+
+
+def _one_row_each(events: Sequence[dict]) -> tuple[list[dict], dict[int, str]]:
+    """Complete events spread over rows of their track so that none overlaps another on its row (the
+    first row keeps the track's id; row k of track t is ``t + 10·k``); the extra rows' names."""
+    ends: dict[tuple[int, int], list[float]] = {}
+    rows: dict[int, str] = {}
+    placed = []
+    for event in sorted(events, key=lambda e: (e["ts"], -e.get("dur", 0.0))):
+        if event["ph"] != "X":
+            placed.append(event)
+            continue
+        track = (event["pid"], event["tid"])
+        row_ends = ends.setdefault(track, [])
+        row = next((k for k, end in enumerate(row_ends) if end <= event["ts"]), len(row_ends))
+        if row == len(row_ends):
+            row_ends.append(0.0)
+        row_ends[row] = event["ts"] + event["dur"]
+        if row:
+            tid = event["tid"] + 10 * row
+            rows[tid] = f"{TRACKS.get(event['tid'], event['tid'])} ({row + 1})"
+            event = {**event, "tid": tid}
+        placed.append(event)
+    return placed, rows
+
+
+def overlapping_complete_events(trace: Mapping) -> list[tuple[dict, dict]]:
+    """Pairs of complete events that overlap on one track (pid, tid) of a written trace — what Perfetto
+    refuses to draw as nested slices. Empty for every trace :func:`write_trace` writes."""
+    by_track: dict[tuple[int, int], list[dict]] = {}
+    for event in trace["traceEvents"]:
+        if event.get("ph") == "X":
+            by_track.setdefault((event["pid"], event["tid"]), []).append(event)
+    found = []
+    for track in by_track.values():
+        track.sort(key=lambda e: e["ts"])
+        for before, after in itertools.pairwise(track):
+            if after["ts"] < before["ts"] + before["dur"]:
+                found.append((before, after))
+    return found

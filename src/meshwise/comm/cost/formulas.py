@@ -6,7 +6,8 @@ whose coefficients depend only on n and the world size p — the classic formula
 Gropp (2005), e.g. ring all-reduce 2(p−1)α + 2(p−1)/p·nβ + (p−1)/p·nγ, recursive doubling
 lg p·(α + nβ + nγ), Rabenseifner 2·lg p·α + 2(p−1)/p·nβ + (p−1)/p·nγ, binomial broadcast lg p·(α + nβ).
 Sizes: n is the full vector for all_reduce/reduce/broadcast, all slots together for all_gather,
-reduce_scatter, scatter and gather, and one rank's whole input for all_to_all.
+reduce_scatter, scatter and gather, and one rank's whole input for all_to_all (an uneven all_to_all is
+priced at :func:`uneven_all_to_all_bytes`, its busiest rank's traffic).
 
 σ and δ describe ranks that share cores. In an *exchange step* every rank both sends and receives (ring,
 recursive doubling and halving, pairwise), so all ranks must run at once; with more ranks than cores each
@@ -24,6 +25,7 @@ machines.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import astuple, dataclass
 
 #: (a, b, c, s, d): messages on the busiest rank, bytes moved, bytes reduced, exchange steps, and bytes
@@ -163,6 +165,20 @@ def linear_scatter_or_gather(n: float, p: int) -> Coefficients:
 def pairwise_all_to_all(n: float, p: int) -> Coefficients:
     frac = (p - 1) / p
     return (p - 1, frac * n, 0.0, p - 1, frac * n)
+
+
+def uneven_all_to_all_bytes(send_bytes: Sequence[Sequence[float]]) -> float:
+    """The n at which the all_to_all formulas price an uneven exchange (``send_bytes[i][j]``: what rank i
+    sends rank j). Every rank moves its own slots concurrently, so the call lasts as long as the busiest
+    rank: the most foreign bytes any rank sends or receives. The even formulas charge (p−1)/p·n per rank,
+    so the busiest rank's bytes times p/(p−1) is the even n that costs the same: a hot expert that
+    receives k times the mean makes the exchange k times as slow as the balanced one of the same total."""
+    p = len(send_bytes)
+    if p < 2:
+        return 0.0
+    sent = [sum(row) - row[i] for i, row in enumerate(send_bytes)]
+    received = [sum(send_bytes[i][j] for i in range(p)) - send_bytes[j][j] for j in range(p)]
+    return max(*sent, *received) * p / (p - 1)
 
 
 def hierarchical_all_reduce_seconds(

@@ -34,8 +34,9 @@ from meshwise.comm.api import (
     accumulator,
     overlap,
 )
-from meshwise.comm.mpi.buffers import adjacent_span, joined, same_memory, scatter_back
+from meshwise.comm.buffers import adjacent_span, joined, same_memory, scatter_back
 from meshwise.comm.mpi.work import MpiWork, translate_mpi_error
+from meshwise.comm.splits import first_mismatch
 from meshwise.runtime.mpi_wait import import_mpi
 from meshwise.runtime.timeouts import DEFAULT_TIMEOUT_S
 
@@ -237,6 +238,7 @@ class MpiCommunicator(Communicator):
     def _all_to_all(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> Work:
         send_counts = [t.numel() for t in inputs]
         recv_counts = [t.numel() for t in outputs]
+        self._check_pairs(send_counts, recv_counts)
         span = adjacent_span(outputs)
         recv = span if span is not None else torch.empty(sum(recv_counts), dtype=inputs[0].dtype)
         send = joined(inputs)
@@ -250,6 +252,18 @@ class MpiCommunicator(Communicator):
             launch = partial(self.comm.Ialltoallv, [send_buf, send_counts], [recv_buf, recv_counts])
         finish = None if span is not None else scatter_back(recv, outputs)
         return self._start("all_to_all", launch, finish, keep=(send_buf, recv_buf))
+
+    def _check_pairs(self, send_counts: list[int], recv_counts: list[int]) -> None:
+        """Every rank's counts, gathered before any data moves: mismatched ``Alltoallv`` counts truncate
+        (an MPI error) or leave output unwritten, so the pair that disagrees is named instead."""
+        mine = torch.tensor(send_counts + recv_counts, dtype=torch.int64)
+        table = torch.empty(self.world_size, mine.numel(), dtype=torch.int64)
+        buffers = (self._array(mine, "all_to_all"), self._array(table, "all_to_all"))
+        self._start("all_to_all", partial(self.comm.Iallgather, *buffers), keep=buffers).wait()
+        n = self.world_size
+        wrong = first_mismatch(table[:, :n].tolist(), table[:, n:].tolist(), "all_to_all")
+        if wrong:
+            raise CollectiveMismatchError(wrong, rank=self.rank, op="all_to_all")
 
     def _scatter(self, output: torch.Tensor, inputs: list[torch.Tensor] | None, root: int) -> Work:
         recv_buf = self._array(output, "scatter")

@@ -1,7 +1,9 @@
 """The shm collectives, each a sequence of phases (see :mod:`meshwise.comm.shm.phase`).
 
-Data never passes through Python objects: every copy and reduction is one vectorised torch op on views
-of the mapped regions. Messages larger than a region are cut into chunks, one phase (or two) each, so
+Data never passes through Python objects: every copy and reduction is one vectorised call on views of
+the mapped regions — numpy's memcpy and ufuncs where numpy has the dtype, torch for bfloat16
+(:mod:`meshwise.comm.shm.kernels`). The tensors arrive as torch tensors and are turned into such arrays
+once per call. Messages larger than a region are cut into chunks, one phase (or two) each, so
 memory stays bounded. all_reduce of small messages, or on two ranks, is a single phase where every rank
 reduces all peers' chunks itself ("everyone reads everyone": one sync, no extra round); larger messages
 on more ranks use reduce-scatter then all-gather in two phases, so each rank reduces only 1/n of the
@@ -15,8 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
-from meshwise.comm.api import SUPPORTED_DTYPES, Collective, ReduceOp, accumulator_dtype
-from meshwise.comm.shm.phase import PhaseEngine, reduce_into, signature
+from meshwise.comm.api import SUPPORTED_DTYPES, Collective, ReduceOp
+from meshwise.comm.shm.kernels import Array, as_array, copy, reduce_into, same_memory, size
+from meshwise.comm.shm.phase import PhaseEngine, signature
+from meshwise.comm.splits import first_mismatch
 
 #: all_reduce messages up to this size use the one-phase path on any number of ranks
 SMALL_ALL_REDUCE_BYTES = 256 * 1024
@@ -47,56 +51,51 @@ def chunks_of(total: int, cap: int) -> range:
     return range(0, total, min(cap, -(-even // 16) * 16))
 
 
-def _reduce_to(out: torch.Tensor, sources: list[torch.Tensor], op: ReduceOp, n: int) -> None:
-    """Reduce into ``out``, through a float32 scratch when ``out`` is half precision."""
-    acc = accumulator_dtype(out.dtype)
-    if acc == out.dtype:
-        reduce_into(out, sources, op, n)
-        return
-    scratch = torch.empty(out.shape, dtype=acc)
-    reduce_into(scratch, sources, op, n)
-    out.copy_(scratch)
-
-
 def all_reduce(
     eng: PhaseEngine, flat: torch.Tensor, op: ReduceOp, source: torch.Tensor | None = None
 ) -> None:
     """Reduce into ``flat``; with ``source`` (same size, not overlapping) it reads from there instead, so an
     out-of-place call costs no extra copy."""
     n, rank, dtype = eng.n, eng.rank, flat.dtype
-    source = flat if source is None else source
+    total = flat.numel()
+    out = as_array(flat)
+    given_all = out if source is None else as_array(source)
     cap = eng.capacity(dtype)
-    sig = _sig("all_reduce", dtype, flat.numel(), _OP_CODES[op])
-    one_phase = n <= 2 or flat.numel() * flat.element_size() <= SMALL_ALL_REDUCE_BYTES
+    sig = _sig("all_reduce", dtype, total, _OP_CODES[op])
+    one_phase = n <= 2 or total * flat.element_size() <= SMALL_ALL_REDUCE_BYTES
     everyone = list(range(n))
-    chunks = chunks_of(flat.numel(), cap)
+    chunks = chunks_of(total, cap)
     for start in chunks:
-        part, given = flat[start : start + chunks.step], source[start : start + chunks.step]
-        count = part.numel()
+        part, given = out[start : start + chunks.step], given_all[start : start + chunks.step]
+        count = size(part)
         e = eng.begin("all_reduce")
         if one_phase:
-            eng.view(rank, e, dtype, count).copy_(given)
+            copy(eng.view(rank, e, dtype, count), given)
             eng.post(e, sig)
             eng.wait(e, eng.peers, "all_reduce")
-            _reduce_to(part, [eng.view(p, e, dtype, count) for p in everyone], op, n)
+            # this rank's own term is read from ``given`` (same values, one fewer pass over shared memory)
+            sources = [given if p == rank else eng.view(p, e, dtype, count) for p in everyone]
+            if source is None and rank:  # in place: ``given`` is ``part``, which only the first may be
+                sources[rank] = eng.view(rank, e, dtype, count)
+            reduce_into(part, sources, op, n)
             continue
         # Peers reduce every slice but this rank's own, which it reduces itself straight from ``given``:
         # that slice is never copied into shared memory (1/n less copying).
         regions = _two_phase_regions(eng, dtype, count, e)
         lo, hi = regions.bounds[rank], regions.bounds[rank + 1]
         if lo:
-            regions.head.copy_(given[:lo])
+            copy(regions.head, given[:lo])
         if hi < count:
-            regions.tail.copy_(given[hi:])
+            copy(regions.tail, given[hi:])
         eng.post(e, sig)
         eng.wait(e, eng.peers, "all_reduce")
         sources = [given[lo:hi] if p == rank else regions.inputs[p] for p in everyone]
         e2 = eng.begin("all_reduce")
-        _reduce_to(regions.reduced[rank], sources, op, n)
+        reduce_into(regions.reduced[rank], sources, op, n)
         eng.post(e2, sig)
         eng.wait(e2, eng.peers, "all_reduce")
         for p, (a, b) in enumerate(itertools.pairwise(regions.bounds)):
-            part[a:b].copy_(regions.reduced[p])
+            copy(part[a:b], regions.reduced[p])
 
 
 @dataclass(frozen=True)
@@ -106,10 +105,10 @@ class _TwoPhaseRegions:
     ``head``/``tail`` this rank's input region around its own slice."""
 
     bounds: list[int]
-    head: torch.Tensor
-    tail: torch.Tensor
-    inputs: list[torch.Tensor]
-    reduced: list[torch.Tensor]
+    head: Array
+    tail: Array
+    inputs: list[Array]
+    reduced: list[Array]
 
 
 #: cached views per (dtype, count, epoch parity); a handful of message sizes recur (DDP buckets)
@@ -144,59 +143,66 @@ def _two_phase_regions(eng: PhaseEngine, dtype: torch.dtype, count: int, epoch: 
 
 def reduce(eng: PhaseEngine, flat: torch.Tensor, root: int, op: ReduceOp) -> None:
     n, rank, dtype = eng.n, eng.rank, flat.dtype
+    data = as_array(flat)
     cap = eng.capacity(dtype)
     sig = _sig("reduce", dtype, flat.numel(), root, _OP_CODES[op])
     chunks = chunks_of(flat.numel(), cap)
     for start in chunks:
-        part = flat[start : start + chunks.step]
+        part = data[start : start + chunks.step]
+        count = size(part)
         e = eng.begin("reduce")
-        eng.view(rank, e, dtype, part.numel()).copy_(part)
+        if not rank == root == 0:  # rank 0's term comes first: as root it reduces in place from ``part``
+            copy(eng.view(rank, e, dtype, count), part)
         eng.post(e, sig)
         if rank == root:
             eng.wait(e, eng.peers, "reduce")
-            _reduce_to(part, [eng.view(p, e, dtype, part.numel()) for p in range(n)], op, n)
+            sources = [part if p == rank == 0 else eng.view(p, e, dtype, count) for p in range(n)]
+            reduce_into(part, sources, op, n)
 
 
 def broadcast(eng: PhaseEngine, flat: torch.Tensor, root: int) -> None:
     rank, dtype = eng.rank, flat.dtype
+    data = as_array(flat)
     cap = eng.capacity(dtype)
     sig = _sig("broadcast", dtype, flat.numel(), root)
     chunks = chunks_of(flat.numel(), cap)
     for start in chunks:
-        part = flat[start : start + chunks.step]
+        part = data[start : start + chunks.step]
         e = eng.begin("broadcast")
         if rank == root:
-            eng.view(rank, e, dtype, part.numel()).copy_(part)
+            copy(eng.view(rank, e, dtype, size(part)), part)
         eng.post(e, sig)
         if rank != root:
             eng.wait(e, [root], "broadcast")
-            part.copy_(eng.view(root, e, dtype, part.numel()))
+            copy(part, eng.view(root, e, dtype, size(part)))
 
 
 def all_gather(eng: PhaseEngine, outputs: list[torch.Tensor], flat_in: torch.Tensor) -> None:
     rank, dtype = eng.rank, flat_in.dtype
-    outs = [o.view(-1) for o in outputs]
-    sizes = [o.numel() for o in outs]
-    if outs[rank].data_ptr() != flat_in.data_ptr():
-        outs[rank].copy_(flat_in)
+    outs = [as_array(o) for o in outputs]
+    mine_all = as_array(flat_in)
+    sizes = [size(o) for o in outs]
+    if not same_memory(outs[rank], mine_all):
+        copy(outs[rank], mine_all)
     cap = eng.capacity(dtype)
     sig = _sig("all_gather", dtype, *sizes)
     chunks = chunks_of(max(sizes), cap)
     for start in chunks:
         e = eng.begin("all_gather")
-        mine = flat_in[start : start + chunks.step]
-        eng.view(rank, e, dtype, mine.numel()).copy_(mine)
+        mine = mine_all[start : start + chunks.step]
+        copy(eng.view(rank, e, dtype, size(mine)), mine)
         eng.post(e, sig)
         eng.wait(e, eng.peers, "all_gather")
         for p in eng.peers:
             piece = outs[p][start : start + chunks.step]
-            piece.copy_(eng.view(p, e, dtype, piece.numel()))
+            copy(piece, eng.view(p, e, dtype, size(piece)))
 
 
 def reduce_scatter(eng: PhaseEngine, out: torch.Tensor, inputs: list[torch.Tensor], op: ReduceOp) -> None:
     n, rank, dtype = eng.n, eng.rank, out.dtype
-    ins = [t.view(-1) for t in inputs]
-    sizes = [t.numel() for t in ins]
+    ins = [as_array(t) for t in inputs]
+    target_all = as_array(out)
+    sizes = [size(t) for t in ins]
     per = eng.capacity(dtype, n)
     sig = _sig("reduce_scatter", dtype, _OP_CODES[op], *sizes)
     chunks = chunks_of(max(sizes), per)
@@ -204,113 +210,114 @@ def reduce_scatter(eng: PhaseEngine, out: torch.Tensor, inputs: list[torch.Tenso
         e = eng.begin("reduce_scatter")
         for j, t in enumerate(ins):
             piece = t[start : start + chunks.step]
-            if piece.numel():
-                eng.view(rank, e, dtype, piece.numel(), part=j).copy_(piece)
+            if size(piece):
+                copy(eng.view(rank, e, dtype, size(piece), part=j), piece)
         eng.post(e, sig)
         eng.wait(e, eng.peers, "reduce_scatter")
-        target = out[start : start + chunks.step]
-        if target.numel():
-            _reduce_to(target, [eng.view(p, e, dtype, target.numel(), part=rank) for p in range(n)], op, n)
+        target = target_all[start : start + chunks.step]
+        count = size(target)
+        if count:
+            reduce_into(target, [eng.view(p, e, dtype, count, part=rank) for p in range(n)], op, n)
 
 
 def all_to_all(eng: PhaseEngine, outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> None:
     n, rank, dtype = eng.n, eng.rank, inputs[0].dtype
-    ins = [t.view(-1) for t in inputs]
-    outs = [t.view(-1) for t in outputs]
+    ins = [as_array(t) for t in inputs]
+    outs = [as_array(t) for t in outputs]
     per = eng.capacity(dtype, n)
     sig = _sig("all_to_all", dtype)
-    outs[rank].copy_(ins[rank])
+    copy(outs[rank], ins[rank])
     start, phases = 0, 1
     while start == 0 or start < phases * per:
         e = eng.begin("all_to_all")
         for j, t in enumerate(ins):
             piece = t[start : start + per]
-            if j != rank and piece.numel():
-                eng.view(rank, e, dtype, piece.numel(), part=j).copy_(piece)
-        eng.post(e, sig, [t.numel() for t in ins] if start == 0 else None)
+            if j != rank and size(piece):
+                copy(eng.view(rank, e, dtype, size(piece), part=j), piece)
+        counts = [size(t) for t in ins] + [size(t) for t in outs]
+        eng.post(e, sig, counts if start == 0 else None)
         eng.wait(e, eng.peers, "all_to_all")
         if start == 0:
-            table = [eng.meta(p, e, n) for p in range(n)]
-            for p in eng.peers:
-                if table[p][rank] != outs[p].numel():
-                    raise eng.mismatch(
-                        f"rank {p} sends {table[p][rank]} elements to this rank but output slot {p} holds "
-                        f"{outs[p].numel()}",
-                        "all_to_all",
-                    )
-            phases = max(1, -(-max(max(row) for row in table) // per))
+            # every rank sees every rank's send and receive counts, so all raise the same error
+            table = [eng.meta(p, e, 2 * n) for p in range(n)]
+            wrong = first_mismatch([row[:n] for row in table], [row[n:] for row in table], "all_to_all")
+            if wrong:
+                raise eng.mismatch(wrong, "all_to_all")
+            phases = max(1, -(-max(max(row[:n]) for row in table) // per))
         for p in eng.peers:
             piece = outs[p][start : start + per]
-            if piece.numel():
-                piece.copy_(eng.view(p, e, dtype, piece.numel(), part=rank))
+            if size(piece):
+                copy(piece, eng.view(p, e, dtype, size(piece), part=rank))
         start += per
 
 
-def scatter(eng: PhaseEngine, out: torch.Tensor, inputs: list[torch.Tensor] | None, root: int) -> None:
-    n, rank, dtype = eng.n, eng.rank, out.dtype
+def scatter(eng: PhaseEngine, output: torch.Tensor, inputs: list[torch.Tensor] | None, root: int) -> None:
+    n, rank, dtype = eng.n, eng.rank, output.dtype
     per = eng.capacity(dtype, n)
     sig = _sig("scatter", dtype, root)
-    ins = [t.view(-1) for t in inputs] if inputs is not None else []
+    out = as_array(output)
+    ins = [as_array(t) for t in inputs] if inputs is not None else []
     if rank == root:
-        out.copy_(ins[root])
+        copy(out, ins[root])
     start, phases = 0, 1
     while start == 0 or start < phases * per:
         e = eng.begin("scatter")
         if rank == root:
             for j, t in enumerate(ins):
                 piece = t[start : start + per]
-                if j != root and piece.numel():
-                    eng.view(rank, e, dtype, piece.numel(), part=j).copy_(piece)
-            eng.post(e, sig, [t.numel() for t in ins] if start == 0 else None)
-            phases = max(1, -(-max(t.numel() for t in ins) // per))
+                if j != root and size(piece):
+                    copy(eng.view(rank, e, dtype, size(piece), part=j), piece)
+            eng.post(e, sig, [size(t) for t in ins] if start == 0 else None)
+            phases = max(1, -(-max(size(t) for t in ins) // per))
         else:
             eng.post(e, sig)
             eng.wait(e, [root], "scatter")
             if start == 0:
                 sizes = eng.meta(root, e, n)
-                if sizes[rank] != out.numel():
+                if sizes[rank] != size(out):
                     raise eng.mismatch(
                         f"root {root} scatters {sizes[rank]} elements to this rank but output holds "
-                        f"{out.numel()}",
+                        f"{size(out)}",
                         "scatter",
                     )
                 phases = max(1, -(-max(sizes) // per))
             piece = out[start : start + per]
-            if piece.numel():
-                piece.copy_(eng.view(root, e, dtype, piece.numel(), part=rank))
+            if size(piece):
+                copy(piece, eng.view(root, e, dtype, size(piece), part=rank))
         start += per
 
 
-def gather(eng: PhaseEngine, flat_in: torch.Tensor, outputs: list[torch.Tensor] | None, root: int) -> None:
-    n, rank, dtype = eng.n, eng.rank, flat_in.dtype
+def gather(eng: PhaseEngine, input: torch.Tensor, outputs: list[torch.Tensor] | None, root: int) -> None:
+    n, rank, dtype = eng.n, eng.rank, input.dtype
     cap = eng.capacity(dtype)
     sig = _sig("gather", dtype, root)
-    outs = [t.view(-1) for t in outputs] if outputs is not None else []
+    flat_in = as_array(input)
+    outs = [as_array(t) for t in outputs] if outputs is not None else []
     if rank == root:
-        outs[root].copy_(flat_in)
+        copy(outs[root], flat_in)
     start, phases = 0, 1
     while start == 0 or start < phases * cap:
         e = eng.begin("gather")
         if rank == root:
-            eng.post(e, sig, [t.numel() for t in outs] if start == 0 else None)
-            phases = max(1, -(-max(t.numel() for t in outs) // cap))
+            eng.post(e, sig, [size(t) for t in outs] if start == 0 else None)
+            phases = max(1, -(-max(size(t) for t in outs) // cap))
             eng.wait(e, eng.peers, "gather")
             for p in eng.peers:
                 piece = outs[p][start : start + cap]
-                if piece.numel():
-                    piece.copy_(eng.view(p, e, dtype, piece.numel()))
+                if size(piece):
+                    copy(piece, eng.view(p, e, dtype, size(piece)))
         else:
             mine = flat_in[start : start + cap]
-            if mine.numel():
-                eng.view(rank, e, dtype, mine.numel()).copy_(mine)
+            if size(mine):
+                copy(eng.view(rank, e, dtype, size(mine)), mine)
             eng.post(e, sig)
             if start == 0:
                 eng.wait(e, [root], "gather")
                 sizes = eng.meta(root, e, n)
-                if sizes[rank] != flat_in.numel():
+                if sizes[rank] != size(flat_in):
                     raise eng.mismatch(
                         f"root {root} expects {sizes[rank]} elements from this rank but input holds "
-                        f"{flat_in.numel()}",
+                        f"{size(flat_in)}",
                         "gather",
                     )
                 phases = max(1, -(-max(sizes) // cap))

@@ -20,7 +20,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from meshwise.comm.api import CollectiveMismatchError, ReduceOp
+from meshwise.comm.api import CollectiveMismatchError
+from meshwise.comm.shm.kernels import Array, numpy_dtype
 from meshwise.comm.shm.segment import Layout, Segment
 from meshwise.comm.shm.sync import ABORT_MISMATCH, Waiter, store_fence
 
@@ -42,12 +43,12 @@ class PhaseEngine:
         self._words: list[np.ndarray] = [s.words for s in segments]
         self._mine = self._words[rank]
         self._peers = [p for p in range(self.n) if p != rank]
-        raw = [torch.frombuffer(s.map, dtype=torch.uint8) for s in segments]
+        raw = [np.frombuffer(s.map, dtype=np.uint8) for s in segments]
         self._regions = [
             [b[layout.region_offset(q) : layout.region_offset(q) + layout.region_bytes] for q in (0, 1)]
             for b in raw
         ]
-        self._typed: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
+        self._typed: dict[tuple[int, int, torch.dtype], Array] = {}
         self._part_bytes = layout.region_bytes // self.n
         self._sig = 0
         #: views the collectives derive from the regions, kept per call shape (they never change)
@@ -59,8 +60,9 @@ class PhaseEngine:
     def peers(self) -> list[int]:
         return self._peers
 
-    def view(self, owner: int, epoch: int, dtype: torch.dtype, count: int, part: int = 0) -> torch.Tensor:
-        """``count`` elements of ``dtype`` in ``owner``'s region for ``epoch``, sub-region ``part`` of n.
+    def view(self, owner: int, epoch: int, dtype: torch.dtype, count: int, part: int = 0) -> Array:
+        """``count`` elements of ``dtype`` in ``owner``'s region for ``epoch``, sub-region ``part`` of n:
+        a numpy array, or a torch tensor for a dtype numpy lacks (see :mod:`~meshwise.comm.shm.kernels`).
 
         The typed view of each region is made once and then only sliced: a collective takes 2n + 2 views
         per chunk, and on ranks that share cores this Python time is paid n/cores times over. Sub-regions
@@ -68,7 +70,10 @@ class PhaseEngine:
         key = (owner, epoch & 1, dtype)
         typed = self._typed.get(key)
         if typed is None:
-            typed = self._typed[key] = self._regions[owner][epoch & 1].view(dtype)
+            region = self._regions[owner][epoch & 1]
+            as_numpy = numpy_dtype(dtype)
+            typed = region.view(as_numpy) if as_numpy else torch.from_numpy(region).view(dtype)
+            self._typed[key] = typed
         start = part * self._part_bytes // dtype.itemsize
         return typed[start : start + count]
 
@@ -156,27 +161,3 @@ class ThreadLimit:
     def __exit__(self, *exc: object) -> None:
         if self._previous > self.threads:
             torch.set_num_threads(self._previous)
-
-
-_COMBINE = {
-    ReduceOp.SUM: torch.add,
-    ReduceOp.AVG: torch.add,
-    ReduceOp.MAX: torch.maximum,
-    ReduceOp.MIN: torch.minimum,
-    ReduceOp.PROD: torch.mul,
-}
-
-
-def reduce_into(out: torch.Tensor, sources: list[torch.Tensor], op: ReduceOp, world_size: int) -> None:
-    """``out`` = op over ``sources`` in rank order (the same order on every rank: identical results)."""
-    combine = _COMBINE[op]
-    if len(sources) == 1 or out.dtype != sources[0].dtype:
-        out.copy_(sources[0])
-        rest = sources[1:]
-    else:
-        combine(sources[0], sources[1], out=out)
-        rest = sources[2:]
-    for src in rest:
-        combine(out, src, out=out)
-    if op is ReduceOp.AVG:
-        out.div_(world_size)

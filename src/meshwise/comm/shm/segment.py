@@ -96,7 +96,8 @@ class Layout:
 
     @property
     def _meta_words(self) -> int:
-        return _round_up(self.world_size, LINE_WORDS)
+        """Room for two counts per rank: all_to_all posts what it sends to and expects from each rank."""
+        return _round_up(2 * self.world_size, LINE_WORDS)
 
     def sent(self, peer: int) -> int:
         return 4 * LINE_WORDS + 2 * self._meta_words + peer * LINE_WORDS

@@ -1,9 +1,10 @@
-"""Tensor memory layout for the ``mpi`` backend: send list-form arguments as one buffer when possible.
+"""Tensor memory layout for the backends: send list-form arguments as one buffer when possible.
 
-MPI's vector collectives (``Allgatherv``, ``Alltoallv``, ...) take one buffer with counts and
-displacements. A list of slots that lie back to back in one storage (what ``chunk``/``split`` return, and
-what the Communicator's flat form produces) is that buffer already, so it is passed without a copy; only
-lists of separate tensors are staged through one contiguous tensor and copied out afterwards.
+MPI's vector collectives (``Allgatherv``, ``Alltoallv``, ...) and torch's ``all_to_all_single`` take one
+buffer with counts and displacements. A list of slots that lie back to back in one storage (what
+``chunk``/``split`` return, and what the Communicator's flat form produces) is that buffer already, so
+it is passed without a copy; only lists of separate tensors are staged through one contiguous tensor and
+copied out afterwards.
 """
 
 from __future__ import annotations
