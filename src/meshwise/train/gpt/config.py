@@ -74,6 +74,8 @@ class GPTTrainConfig:
     cache_dir: str | None = None  # where the default corpus is cached (tests use a temporary one)
     init_from: str | None = None  # Hugging Face GPT-2 weights to start from (train/gpt/init_from.py)
     export_hf: str | None = None  # folder rank 0 writes Hugging Face GPT-2 weights into at the end
+    recompute: str = "none"  # activation recomputation: none, selective (attention core), full (blocks)
+    recompute_layers: int | None = None  # with full: only the first K blocks of each pipeline stage
 
     # ------------------------------------------------------------------ derived
     @property
@@ -181,6 +183,9 @@ class GPTTrainConfig:
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda was asked for but CUDA is not available here; use --device cpu")
         check_backend(self.backend, what="--backend")
+        from meshwise.train.gpt.recompute import check_recompute_config
+
+        check_recompute_config(self)
         if self.torch_profile is not None:
             check_directory(self.torch_profile)
         self.load_data().check_vocab(model.vocab)  # builds the default corpus once, before ranks start
