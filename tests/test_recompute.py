@@ -9,12 +9,14 @@ checked against the per-layer formula of each mode.
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
 import torch
 
 import meshwise
+from meshwise.cli import main
 from meshwise.models.gpt import GPT, gpt_config, language_model_loss
 from meshwise.parallel.recompute import SavedBytes, apply_recompute, recomputed, saved_bytes, stage_blocks
 from meshwise.parallel.recompute.formulas import attention_keeps_scores, layer_saved_bytes, paper_layer_bytes
@@ -191,3 +193,24 @@ def test_bit_for_bit_under_each_strategy(strategy: str) -> None:
         assert rank["selective"] == 0.0 and rank["full"] == 0.0, rank
         if strategy != "zero3":  # ZeRO's gradients live in its flat shards until the step
             assert rank["grads"] > 0
+
+
+# ---------------------------------------------------------------- the CLI
+def test_profile_prints_each_blocks_saved_bytes_beside_the_formula(text, tmp_path, capsys) -> None:
+    out = tmp_path / "run.json"
+    argv = ["train", "gpt", "--config", "gpt-tiny", "--data", text, "--seq-len", "32", "--steps", "2"]
+    argv += ["--global-batch", "4", "--eval-windows", "2", "--profile", "--json", str(out)]
+    assert main([*argv, "--recompute", "full", "--recompute-layers", "1"]) == 0
+    printed = capsys.readouterr().out
+    assert "Activation memory saved for backward" in printed
+    rows = json.loads(out.read_text())["profile"]["activation_memory"]
+    assert [row["mode"] for row in rows] == ["full", "none", "none", "none"]
+    assert all(1.0 <= row["measured"] / row["formula"] <= 1.02 for row in rows), rows
+    assert rows[0]["measured"] == 4 * 32 * CONFIG.hidden * 4  # the block's input only, fp32
+
+
+def test_recompute_layers_beyond_a_stage_refused_in_one_line(capsys) -> None:
+    argv = ["train", "gpt", "--config", "gpt-tiny", "-np", "2", "--pp", "2", "--recompute", "full"]
+    assert main([*argv, "--recompute-layers", "3"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "larger than the 2 blocks of a stage" in err
