@@ -3,7 +3,8 @@
 Each rank holds the queries, keys and values of its two chunks (:mod:`.chunks`). Forward: the ranks
 all-gather keys and values (one collective for both), reorder them into sequence order, and each of the
 rank's query chunks ``g`` attends to the keys of chunks ``0..g`` with the causal mask of its own diagonal
-block — ``2N + 1`` chunk-pairs of work on every rank. Backward: the gradient of an all-gather is a
+block — ``2N + 1`` chunk-pairs of work on every rank, in memory linear in the sequence (:mod:`.blockwise`).
+Backward: the gradient of an all-gather is a
 reduce-scatter, so every rank's contributions to each key and value are summed onto the rank that owns it
 (:func:`~meshwise.parallel.tensor_parallel.gather_from_sequence`, the same conjugate pair sequence
 parallelism uses). Queries never leave their rank, so dQ needs no communication.
@@ -18,9 +19,9 @@ passes them chunk by chunk, overlapping transfer with compute, would keep two ch
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from meshwise.comm.api import Communicator
+from meshwise.parallel.context_parallel.blockwise import chunk_attention
 from meshwise.parallel.context_parallel.chunks import chunk_indices, gathered_positions
 from meshwise.parallel.tensor_parallel.regions import gather_from_sequence
 
@@ -44,16 +45,7 @@ def context_parallel_attention(
     keys, values = kv.index_select(-2, order).unbind(0)  # sequence order
     outputs = []
     for half, g in enumerate(chunk_indices(comm.rank, cp)):
-        visible = (g + 1) * c  # keys of chunks 0..g
-        diagonal = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
-        mask = torch.cat([torch.ones(c, g * c, dtype=torch.bool, device=q.device), diagonal], dim=1)
-        outputs.append(
-            F.scaled_dot_product_attention(
-                q[..., half * c : (half + 1) * c, :],
-                keys[..., :visible, :],
-                values[..., :visible, :],
-                attn_mask=mask,
-                dropout_p=dropout_p,
-            )
-        )
+        visible = (g + 1) * c  # keys of chunks 0..g; the last c are the query chunk's own
+        query = q[..., half * c : (half + 1) * c, :]
+        outputs.append(chunk_attention(query, keys[..., :visible, :], values[..., :visible, :], dropout_p))
     return torch.cat(outputs, dim=-2)
