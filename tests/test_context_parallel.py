@@ -2,12 +2,15 @@
 
 Ring-attention implementations have shipped a right forward with wrong dK/dV, so the bar is every
 gradient: attention's output and dQ, dK, dV under cp 2, 3 and 4, and a GPT's loss and every parameter
-gradient (after the cp gradient average) under cp 2 and 4, each against the one-process computation in
-the same rank from the same seed. Tolerance: fp32 with sums taken in another order (softmax over gathered
-keys, gradients summed across ranks) — 1e-5 relative to values of order 1, about 100 ulps.
+gradient (after the cp gradient average) under cp 2 and 4, and cp2 composed with tp2 and with dp2, each
+against the one-process computation in the same rank from the same seed. Tolerance: fp32 with sums taken
+in another order (softmax over gathered keys, gradients summed across ranks) — 1e-5 relative to values of
+order 1, about 100 ulps.
 """
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -16,6 +19,7 @@ import torch.nn.functional as F
 import meshwise
 from meshwise.comm.mesh import MeshShape
 from meshwise.models.gpt import GPT, gpt_config, language_model_loss
+from meshwise.parallel import DataParallel
 from meshwise.parallel.context_parallel import (
     apply_context_parallel,
     average_gradients,
@@ -29,6 +33,7 @@ from meshwise.parallel.context_parallel import (
 )
 from meshwise.parallel.context_parallel.blockwise import fused_backward, fused_forward, masked_attention
 from meshwise.parallel.recompute import apply_recompute, stage_blocks
+from meshwise.parallel.tensor_parallel import full_tensors, tensor_parallel, vocab_parallel_cross_entropy
 from meshwise.runtime.spawn import spawn
 
 TOLERANCE = 1e-5
@@ -115,6 +120,43 @@ def _gpt_parity(comm, *, recompute: str = "none") -> dict[str, float]:
     return {"loss": abs(group_mean(local, comm) - expected.item()), "grads": grads, "count": len(ours)}
 
 
+def _composed_parity(mesh, with_axis: str) -> float:
+    """Max gradient difference from one process of cp2 composed with tp2 (cp over mesh.dp, tp over mesh.tp)
+    or with dp2 (cp over mesh.tp, DataParallel over mesh.dp, each dp rank half of the batch)."""
+    config = gpt_config("gpt-tiny")
+    generator = torch.Generator().manual_seed(6)
+    tokens = torch.randint(0, config.vocab, (4, config.seq_len + 1), generator=generator)
+    torch.manual_seed(0)
+    reference = GPT(config)
+    language_model_loss(reference(tokens[:, :-1]), tokens[:, 1:]).backward()
+    expected = {n: p.grad for n, p in reference.named_parameters()}
+    model = copy.deepcopy(reference)
+    model.zero_grad(set_to_none=True)
+    if with_axis == "tp":
+        cp_comm, tp_comm = mesh.dp, mesh.tp
+        apply_context_parallel(tensor_parallel(model, tp_comm), cp_comm)
+        mine = tokens
+    else:
+        cp_comm, dp_comm = mesh.tp, mesh.dp
+        model = DataParallel(apply_context_parallel(model, cp_comm), dp_comm)
+        mine = tokens.chunk(dp_comm.world_size)[dp_comm.rank]
+    x, y = (split_sequence(t, cp_comm.world_size, cp_comm.rank) for t in (mine[:, :-1], mine[:, 1:]))
+    logits = model(x)
+    if with_axis == "tp":
+        loss = vocab_parallel_cross_entropy(logits, y, tp_comm, vocab=config.vocab)
+    else:
+        loss = language_model_loss(logits, y)
+    loss.backward()
+    average_gradients(model.parameters(), cp_comm)
+    ours = (
+        full_tensors(model, tp_comm, grads=True)
+        if with_axis == "tp"
+        else {n.removeprefix("module."): p.grad for n, p in model.named_parameters()}
+    )
+    assert ours.keys() == expected.keys()
+    return max((ours[n] - expected[n]).abs().max().item() for n in expected)
+
+
 def _four_ranks() -> dict:
     """cp 4 over all ranks, cp 2 over pairs (the mesh's tp groups serve as cp groups of two)."""
     world = meshwise.init("gloo", timeout=60, mesh=MeshShape(dp=2, tp=2))
@@ -127,6 +169,8 @@ def _four_ranks() -> dict:
             "gpt cp4": _gpt_parity(world.comm),
             "gpt cp2 selective": _gpt_parity(pair, recompute="selective"),
             "gpt cp2 full": _gpt_parity(pair, recompute="full"),
+            "cp2·tp2 grads": _composed_parity(world.mesh, "tp"),
+            "cp2·dp2 grads": _composed_parity(world.mesh, "dp"),
         }
     finally:
         meshwise.shutdown()
@@ -148,6 +192,7 @@ def test_attention_and_gpt_equal_one_process_under_cp2_and_cp4() -> None:
             result = rank[name]
             assert result["loss"] < TOLERANCE and result["grads"] < TOLERANCE, (name, result)
             assert result["count"] == 4 * 16 + 4  # every parameter compared (the tied head once)
+        assert rank["cp2·tp2 grads"] < TOLERANCE and rank["cp2·dp2 grads"] < TOLERANCE, rank
 
 
 @pytest.mark.slow
