@@ -9,10 +9,11 @@
   ``2L`` split over the ranks, or one sequence of ``L`` per rank) — forward, backward, the gradient average
   over the two ranks and AdamW, timed in alternating rounds; medians and the median per-round ratio.
 - **Longest sequence in a budget**: measured bytes at two lengths give, per configuration, activation
-  bytes = α·s + β·s² (β is the attention-score term; zero when the kernel keeps none); with 16 bytes per
-  parameter of fp32 weights, gradients and AdamW moments, the longest ``s`` (a multiple of 2·cp) whose
-  total fits ``--budget-gib`` per rank. Backward's transient peak (one layer's gradients, a recomputed
-  layer's activations) comes on top and is not modelled.
+  bytes = α·s + β·s² (β is the attention-score term; zero when the kernel keeps none); under full
+  recomputation one block's activations, recomputed in backward, are added. With 16 bytes per parameter
+  of fp32 weights, gradients and AdamW moments, the longest ``s`` (a multiple of 2·cp) whose total fits
+  ``--budget-gib`` per rank. Backward's other transients (a layer's activation gradients, the logits'
+  gradient) are not modelled.
 
     python benchmarks/bench_context_parallel.py --json benchmarks/results/x28_context_parallel.json
 """
@@ -143,6 +144,8 @@ def budget_table(memory: dict, config: GPTConfig, lengths: list[int], budget: fl
             # a = α·low + β·low², b = α·high + β·high²
             beta = max(0.0, (b / high - a / low) / (high - low))
             alpha = a / low - beta * low
+            if mode == "full":  # backward recomputes one block at a time: its activations come on top
+                alpha += (memory[f"cp{cp} none {high}"] - b) / high / config.layers
             rows[f"cp{cp} {mode}"] = {
                 "alpha": alpha,
                 "beta": beta,
