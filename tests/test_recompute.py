@@ -134,14 +134,16 @@ def test_per_layer_scopes_count_each_call() -> None:
     assert per["block 0"] == per["block 3"]
 
 
-# ---------------------------------------------------------------- under every strategy, 2 ranks
+# ---------------------------------------------------------------- under every strategy (2 ranks; tp×pp 4)
 STRATEGIES = {
     "dp2": {},
     "tp2+sp": {"tp": 2, "sp": True},
     "pp2": {"pp": 2, "micro_batch": 1},
     "pp2-zb": {"pp": 2, "micro_batch": 1, "schedule": "zb"},
     "tp2": {"tp": 2},
+    "zero2": {"zero": 2},
     "zero3": {"zero": 3},
+    "tp2-pp2": {"tp": 2, "pp": 2, "micro_batch": 1},
 }
 
 
@@ -189,9 +191,11 @@ def _strategy_rank(flags: dict) -> dict[str, float]:
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
 def test_bit_for_bit_under_each_strategy(strategy: str) -> None:
-    for rank in spawn(_strategy_rank, 2, (STRATEGIES[strategy],), timeout=110):
+    flags = STRATEGIES[strategy]
+    ranks = max(2, flags.get("tp", 1) * flags.get("pp", 1))
+    for rank in spawn(_strategy_rank, ranks, (flags,), timeout=110):
         assert rank["selective"] == 0.0 and rank["full"] == 0.0, rank
-        if strategy != "zero3":  # ZeRO's gradients live in its flat shards until the step
+        if not strategy.startswith("zero"):  # ZeRO's gradients live in its flat shards until the step
             assert rank["grads"] > 0
 
 
