@@ -51,6 +51,25 @@ def test_one_process_bit_for_bit(mode: str, layers: int | None) -> None:
     assert torch.equal(after, after2)
 
 
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_bf16_autocast_is_replayed(mode: str) -> None:
+    """The recomputation runs under the autocast of the first run (else its matmuls would be fp32)."""
+
+    def grads(recompute: str) -> dict[str, torch.Tensor]:
+        torch.manual_seed(0)
+        model = GPT(CONFIG)
+        apply_recompute(stage_blocks(model), recompute)
+        tokens = torch.randint(0, CONFIG.vocab, (2, 33), generator=torch.Generator().manual_seed(1))
+        torch.manual_seed(2)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = language_model_loss(model(tokens[:, :-1]), tokens[:, 1:])
+        loss.backward()
+        return {name: p.grad for name, p in model.named_parameters()}
+
+    plain, recomputed_grads = grads("none"), grads(mode)
+    assert all(torch.equal(plain[name], recomputed_grads[name]) for name in plain)
+
+
 def test_layers_choose_the_first_blocks_and_none_restores() -> None:
     model = GPT(CONFIG)
     blocks = stage_blocks(model)
