@@ -85,6 +85,19 @@ def add_parser(models: argparse._SubParsersAction) -> None:
         default=None,
         help="micro-batches per rank per step (instead of --micro-batch)",
     )
+    run.add_argument(
+        "--recompute",
+        choices=("none", "selective", "full"),
+        default=d["recompute"],
+        help="activation recomputation: selective re-runs the attention core in backward, full each block",
+    )
+    run.add_argument(
+        "--recompute-layers",
+        type=int,
+        default=None,
+        metavar="K",
+        help="with --recompute full: only the first K blocks of each pipeline stage",
+    )
     pipe = parser.add_argument_group("pipeline (--pp > 1)")
     pipe.add_argument("--schedule", default=d["schedule"], choices=SCHEDULES, help="default %(default)s")
     pipe.add_argument(

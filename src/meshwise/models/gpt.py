@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -134,6 +135,9 @@ class CausalSelfAttention(nn.Module):
         self.out = nn.Linear(h, h)
         self.dropout = config.dropout
 
+    #: how :meth:`core` is run, ``run_core(core, q, k, v)``; None: directly (parallel/recompute sets it)
+    run_core: Callable[..., torch.Tensor] | None = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.attend(*self.project(x))
 
@@ -148,14 +152,16 @@ class CausalSelfAttention(nn.Module):
         def heads(y: torch.Tensor) -> torch.Tensor:
             return y.view(batch, seq, width // self.head_dim, self.head_dim).transpose(1, 2)
 
-        attended = F.scaled_dot_product_attention(
-            heads(q),
-            heads(k),
-            heads(v),
-            dropout_p=self.dropout if self.training else 0.0,
-            is_causal=True,
-        )
+        q, k, v = heads(q), heads(k), heads(v)
+        attended = self.core(q, k, v) if self.run_core is None else self.run_core(self.core, q, k, v)
         return self.out(attended.transpose(1, 2).reshape(batch, seq, -1))
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """softmax(q·kᵀ/√d + causal mask)·v over (batch, heads, seq, head_dim): what selective
+        recomputation runs again in backward instead of keeping its (batch, heads, seq, seq) tensors."""
+        return F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+        )
 
 
 class MLP(nn.Module):
@@ -198,7 +204,13 @@ class Block(nn.Module):
         self.mlp = MLP(config) if not config.experts else mixture_of_experts(config)
         self.dropout = nn.Dropout(config.dropout)
 
+    #: how :meth:`body` is run, ``run_body(body, x)``; None: directly (parallel/recompute sets it)
+    run_body: Callable[..., torch.Tensor] | None = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x) if self.run_body is None else self.run_body(self.body, x)
+
+    def body(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.dropout(self.attn(self.ln1(x)))
         return x + self.dropout(self.mlp(self.ln2(x)))
 

@@ -24,6 +24,8 @@ from torch import nn
 
 from meshwise.comm.api import Communicator
 from meshwise.models.gpt import GPT, GPTConfig
+from meshwise.parallel.recompute.formulas import layer_saved_bytes
+from meshwise.parallel.recompute.saved import saved_bytes
 from meshwise.parallel.tensor_parallel.gpt import tensor_parallel
 
 
@@ -32,28 +34,16 @@ def layer_activation_bytes(
     mask_bytes: int = 1,
 ) -> float:  # fmt: skip
     """Bytes one layer saves for backward on each rank, by the formula above (dropout on)."""
-    s, b, h, a = config.seq_len, batch, config.hidden, config.heads
-    v, m = value_bytes, mask_bytes
-    replicated = s * b * h * (4 * v + 2 * m)
-    sharded = s * b * h * 12 * v + a * s * s * b * (2 * v + m)
-    return (replicated + sharded) / tp if sequence_parallel else replicated + sharded / tp
+    return layer_saved_bytes(
+        config.seq_len, batch, config.hidden, config.heads, t=tp, sp=sequence_parallel,
+        value_bytes=value_bytes, mask_bytes=mask_bytes,
+    )  # fmt: skip
 
 
 def saved_activation_bytes(module: nn.Module, *inputs: Any) -> int:
     """Bytes of the tensors ``module(*inputs)`` saves for backward: parameters excluded, each storage once
     (views of one tensor, such as the input q, k and v all read, cost its memory once)."""
-    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
-    storages: dict[int, int] = {}
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in params:
-            storages[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        module(*inputs)
-    return sum(storages.values())
+    return saved_bytes(module, *inputs)
 
 
 def dropout_mask_bytes() -> int:

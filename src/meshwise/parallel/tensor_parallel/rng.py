@@ -41,6 +41,13 @@ class RankRandomState:
             torch.manual_seed(int(seed.item()) + _RANK_OFFSET + comm.rank)
             self._state = torch.get_rng_state()
 
+    def get_state(self) -> torch.Tensor:
+        """The state the next draw starts from (activation recomputation replays it)."""
+        return self._state.clone()
+
+    def set_state(self, state: torch.Tensor) -> None:
+        self._state = state.clone()
+
     @contextmanager
     def active(self) -> Iterator[None]:
         """Draw from this rank's state inside the block; the shared state is untouched."""

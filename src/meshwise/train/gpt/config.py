@@ -81,6 +81,8 @@ class GPTTrainConfig:
     capacity_factor: float | None = None
     aux_loss_coef: float | None = None
     z_loss_coef: float | None = None
+    recompute: str = "none"  # activation recomputation: none, selective (attention core), full (blocks)
+    recompute_layers: int | None = None  # with full: only the first K blocks of each pipeline stage
 
     # ------------------------------------------------------------------ derived
     @property
@@ -189,6 +191,9 @@ class GPTTrainConfig:
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda was asked for but CUDA is not available here; use --device cpu")
         check_backend(self.backend, what="--backend")
+        from meshwise.train.gpt.recompute import check_recompute_config
+
+        check_recompute_config(self)
         if self.torch_profile is not None:
             check_directory(self.torch_profile)
         self.load_data().check_vocab(model.vocab)  # builds the default corpus once, before ranks start

@@ -245,11 +245,14 @@ def check_supported(config: GPTTrainConfig) -> None:
 def parallelize(model: GPT, mesh: Mesh, config: GPTTrainConfig) -> ParallelStep:
     """This rank's :class:`ParallelStep` for ``model`` (built identically on every rank) over ``mesh``."""
     check_supported(config)
-    return STRATEGIES[strategy_name(config)](model, mesh, config)
+    step = STRATEGIES[strategy_name(config)](model, mesh, config)
+    recompute_step(step.model, config)  # --recompute: on the blocks this rank runs, whatever cut them
+    return step
 
 
 # Strategies in their own modules register here (they import this module's ParallelStep: at the end).
 from meshwise.train.gpt.pipeline_step import PipelineStep  # noqa: E402
+from meshwise.train.gpt.recompute import recompute_step  # noqa: E402
 from meshwise.train.gpt.zero_step import ZeroStep  # noqa: E402
 
 STRATEGIES["pp"] = STRATEGIES["tp+pp"] = STRATEGIES["tp+pp+sp"] = PipelineStep

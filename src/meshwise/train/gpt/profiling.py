@@ -21,6 +21,7 @@ import torch.distributed as dist
 from meshwise.comm.api import ReduceOp
 from meshwise.comm.mesh import AXES
 from meshwise.train.gpt.config import GPTTrainConfig
+from meshwise.train.gpt.layer_memory import LayerMemory
 from meshwise.train.gpt.parallelize import ParallelStep
 from meshwise.train.profile import Breakdown, StepProfiler, recorders_of, write_trace
 from meshwise.train.torch_profile import TorchProfile
@@ -38,6 +39,7 @@ class GPTProfiling:
             comms = [world.comm, *(world.mesh[axis] for axis in AXES)]
             self.profiler = StepProfiler(recorders_of(comms), synchronize=world.device)
         runner.profiler = self.profiler
+        self.memory = LayerMemory(runner.model, config) if config.profiling else None
         self.torch: TorchProfile | None = None
         if config.torch_profile is not None and steps > 0:
             self.torch = TorchProfile(config.torch_profile, world.rank, steps, world.device)
@@ -46,7 +48,8 @@ class GPTProfiling:
     def step(self) -> Iterator[None]:
         if self.torch is not None:
             self.torch.start()
-        with self.profiler.step() if self.profiler is not None else nullcontext():
+        timed = self.profiler.step() if self.profiler is not None else nullcontext()
+        with timed, self.memory.recording() if self.memory is not None else nullcontext():
             yield
         if self.torch is not None:
             self.torch.step()
@@ -67,6 +70,8 @@ class GPTProfiling:
             self._write_trace(self.config.trace)
         per_step = self.profiler.parts()
         result = Breakdown.of(per_step).to_json() | {"total_step_seconds": sum(p["step"] for p in per_step)}
+        if self.memory is not None:
+            result["activation_memory"] = self.memory.gather(self.world)
         idle = self.profiler.idle_fractions()
         if idle:  # averaged over the pipeline's ranks, as the timeline measures it
             mean = torch.tensor([statistics.fmean(idle[1:] or idle)], dtype=torch.float64)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from meshwise.train.gpt.layer_memory import memory_lines
 from meshwise.train.profile import Breakdown, table
 
 
@@ -118,6 +119,8 @@ class GPTResult:
                 lines.append(
                     f"pipeline bubble: {100 * idle:.1f} % of the pipeline's window idle (mean over its ranks)"
                 )
+            if self.profile.get("activation_memory"):
+                lines += memory_lines(self.profile["activation_memory"])
         if self.sample is not None:
             lines += ["", "----- sample -----", self.sample, "------------------"]
         return "\n".join(lines)

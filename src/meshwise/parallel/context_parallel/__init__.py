@@ -1,0 +1,33 @@
+"""Context parallelism: each sequence split over a ``cp`` group of ranks.
+
+``chunks`` says which tokens a rank holds (2·cp chunks, rank r gets r and 2·cp−1−r, so causal work is
+balanced), ``attention`` is causal attention over the group (all-gather keys and values forward,
+reduce-scatter their gradients backward), ``model`` converts a GPT (:func:`apply_context_parallel`),
+``loss`` averages loss and gradients over the group. Model-agnostic below ``model``. See
+docs/recompute_and_cp.md.
+"""
+
+from meshwise.parallel.context_parallel.attention import context_parallel_attention
+from meshwise.parallel.context_parallel.chunks import (
+    check_context_parallel,
+    chunk_indices,
+    gathered_positions,
+    local_positions,
+    merge_sequence,
+    split_sequence,
+)
+from meshwise.parallel.context_parallel.loss import average_gradients, group_mean
+from meshwise.parallel.context_parallel.model import apply_context_parallel
+
+__all__ = [
+    "apply_context_parallel",
+    "average_gradients",
+    "check_context_parallel",
+    "chunk_indices",
+    "context_parallel_attention",
+    "gathered_positions",
+    "group_mean",
+    "local_positions",
+    "merge_sequence",
+    "split_sequence",
+]

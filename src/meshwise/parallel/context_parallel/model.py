@@ -1,0 +1,65 @@
+"""``apply_context_parallel(model, cp_comm)``: make a GPT run on this rank's chunks of every sequence.
+
+In place, on every rank of the cp group (same weights on each; nothing is sharded — context parallelism
+splits activations, not parameters):
+
+- each attention's core becomes :func:`.attention.context_parallel_attention` over ``cp_comm`` (it
+  composes with tensor parallelism, which only changes how many heads reach the core, and with
+  selective recomputation, which re-runs the core — collective included — in backward);
+- the position table returns the rows of the rank's tokens (:func:`.chunks.local_positions`): the model is
+  fed ``split_sequence(tokens, cp, rank)`` and everything between embedding and head is per token.
+
+The loss of each rank is the mean over its tokens; every rank holds the same number, so the mean over the
+group's tokens is the mean of the ranks' losses, and its gradient is the average of the ranks' gradients:
+cp ranks average gradients together with the dp ranks (:mod:`.loss`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from meshwise.comm.api import Communicator
+from meshwise.models.gpt import CausalSelfAttention
+from meshwise.parallel.context_parallel.attention import context_parallel_attention
+from meshwise.parallel.context_parallel.chunks import check_context_parallel, local_positions
+
+
+class ContextParallelCore:
+    """An attention's ``core(q, k, v)`` over the cp group, with the attention's dropout."""
+
+    def __init__(self, attention: CausalSelfAttention, comm: Communicator) -> None:
+        self.attention, self.comm = attention, comm
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        dropout = self.attention.dropout if self.attention.training else 0.0
+        return context_parallel_attention(q, k, v, self.comm, dropout)
+
+
+class ContextParallelPositions(nn.Embedding):
+    """The whole position table (the same parameter), looked up at this rank's positions in the sequence."""
+
+    def __init__(self, full: nn.Embedding, comm: Communicator) -> None:
+        super().__init__(*full.weight.shape, device="meta")
+        self.weight = full.weight
+        self.comm = comm
+
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        seq = positions.shape[-1] * self.comm.world_size  # the model sees its local tokens 0..s/cp-1
+        check_context_parallel(seq, self.comm.world_size, self.num_embeddings)
+        return super().forward(local_positions(seq, self.comm.world_size, self.comm.rank, positions.device))
+
+
+def apply_context_parallel(model: nn.Module, cp_comm: Communicator) -> nn.Module:
+    """Convert ``model`` (a GPT, a pipeline stage, a tensor-parallel GPT) in place (module docstring)."""
+    if cp_comm.world_size == 1:
+        return model
+    attentions = [m for m in model.modules() if isinstance(m, CausalSelfAttention)]
+    if any(isinstance(a.__dict__.get("core"), ContextParallelCore) for a in attentions):
+        raise ValueError("this model is already context parallel")
+    for attention in attentions:
+        attention.core = ContextParallelCore(attention, cp_comm)  # type: ignore[method-assign]
+    wpe = getattr(model, "wpe", None)
+    if isinstance(wpe, nn.Embedding):
+        model.wpe = ContextParallelPositions(wpe, cp_comm)
+    return model

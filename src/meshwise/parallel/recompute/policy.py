@@ -1,0 +1,74 @@
+"""Which parts of a transformer are recomputed: ``none``, ``selective``, ``full``, or full on the first K.
+
+- ``selective`` (Korthikanti et al. 2022): the attention core — softmax(q·kᵀ)·v with its mask and dropout —
+  is run again in backward; it keeps the (batch, heads, seq, seq) tensors that grow with the square of
+  the sequence, while its flops are a small share of the layer's. The matmul outputs (q, k, v and
+  everything else) stay saved. Per layer ``34·sbh`` (16-bit, /t under tensor + sequence parallelism)
+  instead of ``sbh(34 + 5as/h)``.
+- ``full``: each block keeps only its input (``2sbh`` per layer, 16-bit) and runs its whole forward again
+  in backward — about one more forward per step.
+- ``layers=K`` with ``full``: only the first K blocks of each stage (the blocks this rank runs) are
+  recomputed in full, the rest keep everything — the knob between the two costs.
+
+The policy is applied to the blocks a rank holds after the model has been parallelized (tensor-parallel
+layers replaced, pipeline stages cut), so it composes with every strategy: it changes how a block's
+forward is run, never which parameters or collectives it has. A block is anything with the
+``run_body``/``body`` pair and an ``attn`` with ``run_core``/``core`` (our GPT's :class:`Block`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from functools import partial
+
+from torch import Tensor, nn
+
+from meshwise.models.gpt import Block
+from meshwise.parallel.recompute.region import recomputed
+
+MODES = ("none", "selective", "full")
+
+
+def check_recompute(mode: str, layers: int | None, stage_blocks: int | None = None) -> None:
+    """Raise ``ValueError`` naming the fix for a policy that cannot be applied (plain arithmetic, so a CLI
+    calls it before any rank starts); ``stage_blocks`` is the fewest blocks any stage holds."""
+    if mode not in MODES:
+        raise ValueError(f"--recompute {mode!r} is unknown; choose one of {', '.join(MODES)}")
+    if layers is None:
+        return
+    if mode != "full":
+        raise ValueError(
+            f"--recompute-layers {layers} chooses blocks for full recomputation: add --recompute full"
+        )
+    if layers < 1:
+        raise ValueError(f"--recompute-layers must be at least 1, got {layers}")
+    if stage_blocks is not None and layers > stage_blocks:
+        raise ValueError(
+            f"--recompute-layers {layers} is larger than the {stage_blocks} blocks of a stage: choose at "
+            f"most {stage_blocks} (or drop --recompute-layers to recompute every block)"
+        )
+
+
+def stage_blocks(model: nn.Module) -> list[Block]:
+    """The transformer blocks under ``model`` in forward order (a whole GPT, a pipeline stage, a wrapper)."""
+    return [module for module in model.modules() if isinstance(module, Block)]
+
+
+def apply_recompute(blocks: Sequence[Block], mode: str, layers: int | None = None) -> None:
+    """Set how each of ``blocks`` (one stage's, in forward order) runs: see the module docstring.
+
+    Idempotent and reversible (``mode="none"`` restores plain forwards); parameters are not touched.
+    """
+    check_recompute(mode, layers, len(blocks))
+    full = len(blocks) if layers is None else layers
+    for index, block in enumerate(blocks):
+        block.run_body = partial(_recompute_body, block) if mode == "full" and index < full else None
+        block.attn.run_core = _recompute_core if mode == "selective" else None
+
+
+def _recompute_body(block: nn.Module, body: Callable[..., Tensor], x: Tensor) -> Tensor:
+    return recomputed(body, x, owners=[block])  # the block's own random states (tensor parallel) replayed
+
+
+def _recompute_core(core: Callable[..., Tensor], q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    return recomputed(core, q, k, v)  # runs inside any random state the attention swapped in: replayed
