@@ -52,6 +52,7 @@ def test_data_parallel_moe_matches_one_process_and_reports_the_router(text: str,
         ({"top_k": 2}, "--top-k configure a mixture of experts: add --experts E"),
         ({"config": "gpt-moe-tiny", "nproc": 2, "tp": 2}, "drop --tp"),
         ({"config": "gpt-moe-tiny", "zero": 1}, "drop --zero"),
+        ({"config": "gpt-moe-tiny", "recompute": "full"}, "drop --recompute full"),
         ({"experts": 4, "z_loss_coef": float("nan")}, "--z-loss-coef must be a number ≥ 0"),
     ],
 )

@@ -46,6 +46,8 @@ def check_moe_training(config: GPTTrainConfig, default_model: str) -> None:
             ("--zero", config.zero > 0),
             ("--init-from", config.init_from is not None),
             ("--export-hf", config.export_hf is not None),
+            # a recomputed block runs its router twice, which would count each step's routing twice
+            (f"--recompute {config.recompute}", config.recompute != "none"),
         )
         if on
     ]
