@@ -10,6 +10,13 @@ express as a·α + b·β + c·γ + s·σ + d·δ:
   the tree's one-way steps separate the exchange-step terms σ, δ from α, β);
 * ``inter``  — the same plan among one rank per node, measured only when the job spans several nodes.
 
+A job over several nodes holding the same number of ranks each also measures the *levels* of the
+two-level communicator (``backend="auto"`` there, :mod:`meshwise.comm.two_level`), each on its own
+transport's collectives (``NATIVE_PLAN``): ``intra`` on shared memory among the ranks of a node, ``inter``
+on gloo among the ranks at one local position of every node *with every local position measuring at
+once* (the hierarchical collectives' traffic pattern, so a network the ranks of a node share is priced
+as shared), and ``flat`` on gloo over the whole job. The outcome names the transport of each.
+
 A class that cannot be measured in this job (one node → no ``inter``; one rank per node → no ``intra``)
 keeps its value from the existing file, or the built-in default, and the outcome says so. The fit is
 :func:`~meshwise.comm.cost.fit.fit_link_params` (non-negative least squares on relative error). Its *worst
@@ -34,9 +41,13 @@ import torch
 from meshwise.bench.live import EventProgress
 from meshwise.bench.runner import RunResult, SweepConfig, run_sweep
 from meshwise.comm.algorithms import with_algorithm
+from meshwise.comm.algorithms.hierarchical import member_split
 from meshwise.comm.api import Communicator
-from meshwise.comm.cost import DEFAULT_FILE, Calibration, CostSample, LinkParams, WorldLinks
+from meshwise.comm.cost import DEFAULT_FILE, Calibration, CostSample, Levels, LinkParams, WorldLinks
 from meshwise.comm.cost.fit import fit_link_params
+from meshwise.comm.native import NativeCommunicator
+from meshwise.comm.topology import Topology
+from meshwise.comm.two_level import build_hierarchy
 
 NATIVE_PLAN = (("all_reduce", "native"), ("all_gather", "native"), ("reduce_scatter", "native"))
 LINK_PLAN = (("all_reduce", "ring"), ("all_gather", "ring"), ("all_reduce", "rd"), ("all_reduce", "tree"))
@@ -62,6 +73,8 @@ class CalibrationOutcome:
     runs: tuple[RunResult, ...]
     world_size: int  # the entry this run wrote
     world_sizes: tuple[int, ...]  # every world size the file now holds an entry for
+    #: the two-level links (intra, inter, flat), each named after its transport; empty on one node
+    levels: tuple[LinkFit, ...] = ()
 
 
 def _sweep(
@@ -123,14 +136,18 @@ def calibrate(
     source = f"value from {file}" if file.exists() else "built-in default"
     node_ids = sorted(set(nodes))
     members = {node: [r for r, n in enumerate(nodes) if n == node] for node in node_ids}
-    runs = _sweep(base, control, NATIVE_PLAN, sweep, device, progress, "native")
-    fits = {"native": _fit("native", runs)} if base.world_size > 1 else {}
+    # the levels first: their groups are then the first of their ranks (torch names a group by its ranks,
+    # and a third group over the same ranks created after other splits hung here)
+    levels = _calibrate_levels(control, Topology(tuple(nodes)), sweep, device, progress)
+    native_runs = _sweep(base, control, NATIVE_PLAN, sweep, device, progress, "native")
+    runs = [run for _, fit_runs in levels for run in fit_runs] + native_runs
+    fits = {"native": _fit("native", native_runs)} if base.world_size > 1 else {}
 
     if len(node_ids) == 1:
         local, local_control = base, control
     else:
-        local = _member_split(base, [members[n] for n in node_ids])
-        local_control = _member_split(control, [members[n] for n in node_ids])
+        local = member_split(base, [members[n] for n in node_ids])
+        local_control = member_split(control, [members[n] for n in node_ids])
     if local.world_size > 1:
         intra_runs = _sweep(local, local_control, LINK_PLAN, sweep, device, progress, "intra")
         runs += intra_runs
@@ -158,17 +175,51 @@ def calibrate(
         fits.get("native") or _kept("native", known.native, "a single rank", source),
     )
     merged = merge_fit(previous, base.world_size, *(fit.params for fit in links))
+    level_fits = tuple(fit for fit, _ in levels)
+    if level_fits:
+        merged = merged.with_levels(Levels(*(fit.params for fit in level_fits)))
     saved = merged.save(file)
     sizes = tuple(p for p, _ in merged.by_world_size)
-    return CalibrationOutcome(str(saved), links, tuple(runs), base.world_size, sizes)
+    return CalibrationOutcome(str(saved), links, tuple(runs), base.world_size, sizes, level_fits)
+
+
+def _calibrate_levels(
+    control: Communicator,
+    topology: Topology,
+    sweep: SweepConfig,
+    device: torch.device,
+    progress: EventProgress | None,
+) -> list[tuple[LinkFit, list[RunResult]]]:
+    """The two-level communicator's links, fitted (every rank calls it; empty where the job has one
+    node, nodes of one rank, or nodes holding different numbers of ranks)."""
+    if topology.nodes < 2 or not topology.uniform or topology.local_size < 2 or device.type != "cpu":
+        return []
+    flat = NativeCommunicator(None, timeout=control.timeout)
+    hierarchy = build_hierarchy(flat, topology, "shm")
+    assert hierarchy is not None  # uniform nodes
+    fits = []
+    try:
+        # each level times itself (its own barriers and reductions): no second set of groups to split
+        for name, comm, ctl in (
+            ("intra", hierarchy.intra, hierarchy.intra),
+            ("inter", hierarchy.inter, hierarchy.inter),  # every local position at once
+            ("flat", flat, control),
+        ):
+            label = f"{name}-node {comm.backend}" if name != "flat" else f"flat {comm.backend}"
+            runs = _sweep(comm, ctl, NATIVE_PLAN, sweep, device, progress, label)
+            fits.append((replace(_fit(label, runs), name=label), runs))
+    finally:
+        hierarchy.close()
+    control.barrier()
+    return fits
 
 
 def merge_fit(
     previous: Calibration, world_size: int, intra: LinkParams, inter: LinkParams, native: LinkParams
 ) -> Calibration:
     """``previous`` with this job's fit as the top-level links and as the entry for ``world_size``; the
-    entries of other world sizes stay, so successive runs at different sizes accumulate."""
-    latest = Calibration(intra, inter, native, previous.by_world_size)
+    entries of other world sizes and the two-level links stay, so successive runs accumulate."""
+    latest = replace(previous, intra=intra, inter=inter, native=native)
     return latest.with_world(world_size, WorldLinks(intra, native))
 
 
@@ -183,17 +234,6 @@ def previous_calibration(file: Path) -> Calibration:
     return Calibration.load(file) if file.exists() else Calibration.builtin()
 
 
-def _member_split(comm: Communicator, groups: list[list[int]]) -> Communicator:
-    """This rank's group among ``groups`` (every rank calls split for every group, in the same order)."""
-    mine = None
-    for ranks in groups:
-        sub = comm.split(ranks)
-        if sub is not None:
-            mine = sub
-    assert mine is not None  # the groups partition the ranks
-    return mine
-
-
 def format_outcome(outcome: CalibrationOutcome) -> str:
     """α and σ in µs, β, γ and δ as the bandwidths they stand for (GB/s), and the fit error per link."""
     held = ", ".join(str(p) for p in outcome.world_sizes)
@@ -205,20 +245,12 @@ def format_outcome(outcome: CalibrationOutcome) -> str:
         f"# {'link':<7} {'alpha(us)':>10} {'1/beta(GB/s)':>13} {'1/gamma(GB/s)':>14} {'sigma(us)':>10} "
         f"{'1/delta(GB/s)':>14} {'worst factor':>12}"
     )
-    for fit in outcome.links:
-        p = fit.params
-        error = f"{fit.worst_factor:.2f}x" if fit.worst_factor is not None else "-"
-        line = (
-            f"# {fit.name:<7} {p.alpha * 1e6:>10.2f} {_bandwidth(p.beta):>13} {_bandwidth(p.gamma):>14} "
-            f"{p.sigma * 1e6:>10.2f} {_bandwidth(p.delta):>14} {error:>12}"
-        )
-        if fit.note:
-            line += f"  {fit.note}"
-        elif fit.samples:
-            line += f"  ({fit.samples} samples)"
-        lines.append(line)
+    lines.extend(_link_line(fit) for fit in outcome.links)
+    if outcome.levels:
+        lines.append("# two-level links (backend auto over several nodes), each named after its transport:")
+        lines.extend(_link_line(fit, width=14) for fit in outcome.levels)
     lines.append(f"# auto prices with it when named: --calibration-file {outcome.path}")
-    for fit in outcome.links:
+    for fit in (*outcome.links, *outcome.levels):
         if fit.worst_factor is not None and fit.worst_factor > POOR_FIT_FACTOR:
             lines.append(
                 f"# warning: the {fit.name} fit is poor: some size is off by {fit.worst_factor:.2f}x; the "
@@ -226,6 +258,19 @@ def format_outcome(outcome: CalibrationOutcome) -> str:
                 "rerun with more iterations, -n, or when it is quiet)"
             )
     return "\n".join(lines)
+
+
+def _link_line(fit: LinkFit, width: int = 7) -> str:
+    """One link's row of the outcome table."""
+    p = fit.params
+    error = f"{fit.worst_factor:.2f}x" if fit.worst_factor is not None else "-"
+    line = (
+        f"# {fit.name:<{width}} {p.alpha * 1e6:>10.2f} {_bandwidth(p.beta):>13} {_bandwidth(p.gamma):>14} "
+        f"{p.sigma * 1e6:>10.2f} {_bandwidth(p.delta):>14} {error:>12}"
+    )
+    if fit.note:
+        return line + f"  {fit.note}"
+    return line + (f"  ({fit.samples} samples)" if fit.samples else "")
 
 
 def _bandwidth(seconds_per_byte: float) -> str:
