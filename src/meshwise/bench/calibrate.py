@@ -41,7 +41,7 @@ import torch
 from meshwise.bench.live import EventProgress
 from meshwise.bench.runner import RunResult, SweepConfig, run_sweep
 from meshwise.comm.algorithms import with_algorithm
-from meshwise.comm.algorithms.hierarchical import member_split
+from meshwise.comm.algorithms.hierarchical import Hierarchy, member_split
 from meshwise.comm.api import Communicator
 from meshwise.comm.cost import DEFAULT_FILE, Calibration, CostSample, Levels, LinkParams, WorldLinks
 from meshwise.comm.cost.fit import fit_link_params
@@ -197,19 +197,32 @@ def _calibrate_levels(
     flat = NativeCommunicator(None, timeout=control.timeout)
     hierarchy = build_hierarchy(flat, topology, "shm")
     assert hierarchy is not None  # uniform nodes
-    fits = []
     try:
-        # each level times itself (its own barriers and reductions): no second set of groups to split
-        for name, comm, ctl in (
-            ("intra", hierarchy.intra, hierarchy.intra),
-            ("inter", hierarchy.inter, hierarchy.inter),  # every local position at once
-            ("flat", flat, control),
-        ):
-            label = f"{name}-node {comm.backend}" if name != "flat" else f"flat {comm.backend}"
-            runs = _sweep(comm, ctl, NATIVE_PLAN, sweep, device, progress, label)
-            fits.append((replace(_fit(label, runs), name=label), runs))
+        return measure_levels(hierarchy, flat, control, sweep, device, progress)
     finally:
         hierarchy.close()
+
+
+def measure_levels(
+    hierarchy: Hierarchy,
+    flat: Communicator,
+    control: Communicator,
+    sweep: SweepConfig,
+    device: torch.device,
+    progress: EventProgress | None = None,
+) -> list[tuple[LinkFit, list[RunResult]]]:
+    """Fit the intra, inter and flat links of an existing two-level layout (every rank calls it); each
+    fit is named after its transport. Each level times itself (its own barriers and reductions), so no
+    further groups are split."""
+    fits = []
+    for name, comm, ctl in (
+        ("intra", hierarchy.intra, hierarchy.intra),
+        ("inter", hierarchy.inter, hierarchy.inter),  # every local position at once
+        ("flat", flat, control),
+    ):
+        label = f"{name}-node {comm.backend}" if name != "flat" else f"flat {comm.backend}"
+        runs = _sweep(comm, ctl, NATIVE_PLAN, sweep, device, progress, label)
+        fits.append((replace(_fit(label, runs), name=label), runs))
     control.barrier()
     return fits
 

@@ -42,6 +42,10 @@ class TwoLevelCommunicator(AlgorithmCommunicator):
     and broadcast run through ``hierarchy`` (intra-node transport, then inter-node) where ``policy``
     says so."""
 
+    #: the hierarchical collectives run to completion on the calling thread (shared memory does the
+    #: copies), so DDP launches its buckets once backward ends rather than blocking backward on each
+    overlaps_compute = False
+
     def __init__(
         self,
         flat: Communicator,
