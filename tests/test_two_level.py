@@ -110,3 +110,19 @@ def test_calibrate_measures_both_levels_on_their_own_transports(tmp_path):
     assert names == ["intra-node shm", "inter-node gloo", "flat gloo"]
     assert "# two-level links (backend auto over several nodes)" in text and "inter-node gloo" in text
     assert Calibration.load(path).levels is not None
+
+
+def test_info_names_the_transport_of_each_level_on_several_nodes():
+    import os
+    import subprocess
+    import sys
+
+    env = {
+        **os.environ,
+        "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2",
+        "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999",
+    }  # fmt: skip
+    shown = subprocess.run(
+        [sys.executable, "-m", "meshwise", "info"], env=env, capture_output=True, text=True, timeout=60
+    ).stdout
+    assert "auto        backend shm+gloo on cpu: intra-node shm, inter-node gloo" in shown.splitlines()
