@@ -12,8 +12,10 @@ One run, per rank:
 
 1. the two-level communicator is built once (shared memory inside each node, gloo across);
 2. its three links are calibrated on their own transports (``meshwise bench --calibrate``'s
-   :func:`~meshwise.bench.calibrate.measure_levels`) on a separate, smaller sweep (4 KiB … 4 MiB), so
-   that the predictions at the measured sizes are out of sample at the large end;
+   :func:`~meshwise.bench.calibrate.measure_levels`) on a separate sweep (4 KiB … 16 MiB, every 4×), so
+   the predictions are of sizes the fit saw only in part. It must reach well past the token bucket of
+   ``tbf`` (≥ 256 KiB): smaller messages pass at the veth's own speed, and a fit on them alone would
+   take the link for several times faster than its rate;
 3. all_reduce (float32, sum, out of place) is swept over ``--sizes`` with the flat gloo collective and
    with the hierarchical one (the same process group underneath both); busbw = 2(p−1)/p · n / t with t
    the mean over iterations of the slowest rank (nccl-tests); results are checked element by element;
@@ -47,7 +49,7 @@ TARGET_SMALL, SMALL_AT = 1.5, 64 << 10
 PREDICTION_FACTOR = 1.5  # the model must predict each time within this factor
 AUTO_SHARE = 0.9  # auto must pick the faster at this share of sizes
 DEFAULT_SIZES = "64K,128K,256K,512K,1M,2M,4M,8M,16M,32M"
-CALIBRATION_SIZES = tuple(4096 << (2 * k) for k in range(6))  # 4 KiB … 4 MiB
+CALIBRATION_SIZES = tuple(4096 << (2 * k) for k in range(7))  # 4 KiB … 16 MiB
 NODES, PER_NODE = 2, 2
 
 

@@ -136,8 +136,6 @@ def calibrate(
     source = f"value from {file}" if file.exists() else "built-in default"
     node_ids = sorted(set(nodes))
     members = {node: [r for r, n in enumerate(nodes) if n == node] for node in node_ids}
-    # the levels first: their groups are then the first of their ranks (torch names a group by its ranks,
-    # and a third group over the same ranks created after other splits hung here)
     levels = _calibrate_levels(control, Topology(tuple(nodes)), sweep, device, progress)
     native_runs = _sweep(base, control, NATIVE_PLAN, sweep, device, progress, "native")
     runs = [run for _, fit_runs in levels for run in fit_runs] + native_runs
@@ -158,14 +156,17 @@ def calibrate(
 
     if len(node_ids) > 1:
         leaders = [members[n][0] for n in node_ids]
-        across = base.split(leaders)
-        across_control = control.split(leaders)
-        if across is not None and across_control is not None:
+        # every other rank gets a group of its own: each rank joins exactly one group of the partition
+        # (see hierarchical.member_split for why that matters)
+        partition = [leaders, *([r] for r in range(base.world_size) if r not in leaders)]
+        across = member_split(base, partition)
+        across_control = member_split(control, partition)
+        if base.rank in leaders:
             inter_runs = _sweep(across, across_control, LINK_PLAN, sweep, device, progress, "inter")
             runs += inter_runs
             fits["inter"] = _fit("inter", inter_runs)
-            across.close()
-            across_control.close()
+        across.close()
+        across_control.close()
         control.barrier()  # the other ranks wait here while the leaders measure
     if base.rank != 0:
         return None

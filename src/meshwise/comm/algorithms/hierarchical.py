@@ -127,7 +127,12 @@ def split_levels(comm: Communicator, topology: Topology) -> tuple[Communicator, 
 
 def member_split(comm: Communicator, groups: Sequence[Sequence[int]]) -> Communicator:
     """This rank's group among ``groups``, which partition the ranks (every rank calls split for every
-    group, in the same order)."""
+    group, in the same order).
+
+    That every rank joins exactly one group matters beyond this call: torch names a locally synchronised
+    group by its ranks *and the number of groups this process has registered*, so a split that only some
+    ranks join (say, one rank per node) leaves the others one behind, and the next group they share
+    waits for a key nobody writes — a hang, not an error."""
     mine = None
     for group in groups:
         sub = comm.split(list(group))
