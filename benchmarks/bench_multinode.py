@@ -81,7 +81,9 @@ def worker(args: argparse.Namespace) -> None:
     flat = hierarchical.base
     describe = hierarchical.describe_levels()
 
-    calibration_sweep = SweepConfig("all_reduce", CALIBRATION_SIZES, iters=args.iters, warmup=2, checks=0)
+    calibration_sweep = SweepConfig(
+        "all_reduce", args.calibration_sizes, iters=args.iters, warmup=2, checks=0
+    )
     fits = [fit for fit, _ in measure_levels(hierarchical.hierarchy, flat, control, calibration_sweep, cpu)]
     calibration = Calibration.builtin().with_levels(Levels(*(fit.params for fit in fits)))
     auto = TwoLevelCommunicator(
@@ -118,7 +120,6 @@ def worker(args: argparse.Namespace) -> None:
                     "all_reduce", "hierarchical", n, p, levels.intra, inter=levels.inter, local_size=local
                 ),
                 "auto_pick": choose_level_split("all_reduce", n, p, local, calibration),
-                "faster": "hierarchical" if t_hier < t_flat else "native",
                 "wrong_elements": wrong,
             }
         )
@@ -226,6 +227,7 @@ def launch(args: argparse.Namespace, out: str) -> str:
 def _forwarded(args: argparse.Namespace) -> list[str]:
     return [
         "--sizes", ",".join(map(str, args.sizes)), "--iters", str(args.iters), "--rounds", str(args.rounds),
+        "--calibration-sizes", ",".join(map(str, args.calibration_sizes)),
         "--steps", str(args.steps), "--batch", str(args.batch),
     ]  # fmt: skip
 
@@ -246,25 +248,35 @@ def report(result: dict, link: str, load: str) -> dict:
             f"worst factor {fit['worst_factor']:.2f}x"
         )
     print(
-        f"{'size':>8} {'flat GB/s':>10} {'hier GB/s':>10} {'ratio':>6} {'pred/meas flat':>15} "
-        f"{'pred/meas hier':>15} {'auto':>12} {'faster':>12}"
+        f"{'size':>8} {'flat GB/s':>10} {'hier GB/s':>10} {'ratio':>6} {'ratio(fastest)':>14} "
+        f"{'pred/meas flat':>15} {'pred/meas hier':>15} {'auto':>12} {'faster':>12}"
     )
-    ratios, within, right = {}, [], []
+    ratios, mean_ratios, within, right = {}, {}, [], []
     for row in rows:
-        ratio = row["hierarchical_busbw"] / row["flat_busbw"] if row["flat_busbw"] else float("nan")
+        mean_ratios[row["bytes"]] = row["flat_s"] / row["hierarchical_s"]  # = the busbw ratio
+        ratios[row["bytes"]] = row["fastest_flat_s"] / row["fastest_hierarchical_s"]
         pf = row["predicted_flat_s"] / row["fastest_flat_s"]
         ph = row["predicted_hierarchical_s"] / row["fastest_hierarchical_s"]
-        ratios[row["bytes"]] = ratio
         within += [max(pf, 1 / pf) <= PREDICTION_FACTOR, max(ph, 1 / ph) <= PREDICTION_FACTOR]
-        right.append(row["auto_pick"] == row["faster"])
+        faster = "hierarchical" if ratios[row["bytes"]] > 1 else "native"
+        right.append(row["auto_pick"] == faster)
         print(
             f"{_size(row['bytes']):>8} {row['flat_busbw']:>10.4f} {row['hierarchical_busbw']:>10.4f} "
-            f"{ratio:>6.2f} {pf:>15.2f} {ph:>15.2f} {row['auto_pick']:>12} {row['faster']:>12}"
+            f"{mean_ratios[row['bytes']]:>6.2f} {ratios[row['bytes']]:>14.2f} {pf:>15.2f} {ph:>15.2f} "
+            f"{row['auto_pick']:>12} {faster:>12}"
         )
+    print(
+        "# busbw from the mean over iterations (nccl-tests); ratio(fastest), the model's check and "
+        "'faster' from the fastest iteration of each (the statistic the calibration fits)"
+    )
     large = [r for n, r in ratios.items() if n >= LARGE_FROM]
     verdicts = {
-        f"busbw ratio >= {TARGET_LARGE} at >= 16 MiB": bool(large) and min(large) >= TARGET_LARGE,
-        f"busbw ratio >= {TARGET_SMALL} at 64 KiB": ratios.get(SMALL_AT, 0.0) >= TARGET_SMALL,
+        f"busbw ratio (fastest) >= {TARGET_LARGE} at >= 16 MiB": bool(large) and min(large) >= TARGET_LARGE,
+        f"busbw ratio (fastest) >= {TARGET_SMALL} at 64 KiB": ratios.get(SMALL_AT, 0.0) >= TARGET_SMALL,
+        f"busbw ratio (mean) >= {TARGET_LARGE} at >= 16 MiB": min(
+            (r for n, r in mean_ratios.items() if n >= LARGE_FROM), default=0.0
+        )
+        >= TARGET_LARGE,
         f"model within {PREDICTION_FACTOR}x at every size": all(within),
         f"auto picks the faster at >= {AUTO_SHARE:.0%} of sizes": sum(right) >= AUTO_SHARE * len(right),
         "no wrong elements": all(r["wrong_elements"] == 0 for r in rows),
@@ -288,7 +300,13 @@ def main() -> None:
     parser.add_argument(
         "--sizes", type=parse_sizes, default=parse_sizes(DEFAULT_SIZES), help="bytes, e.g. 64K,1M"
     )
-    parser.add_argument("--iters", type=int, default=5, help="timed iterations per size")
+    parser.add_argument("--iters", type=int, default=8, help="timed iterations per size")
+    parser.add_argument(
+        "--calibration-sizes",
+        type=parse_sizes,
+        default=CALIBRATION_SIZES,
+        help="bytes the levels are calibrated on (default 4K,16K,…,16M)",
+    )
     parser.add_argument("--rate", default="1gbit", help="the inter-node link's rate, as tc writes it")
     parser.add_argument("--rounds", type=int, default=5, help="DDP rounds (each config per round)")
     parser.add_argument("--steps", type=int, default=2, help="DDP steps per round")
@@ -310,7 +328,8 @@ def main() -> None:
     verdicts = report(result, link, " ".join(load))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        record = {"args": {**vars(args), "sizes": list(args.sizes)}, "link": link, "load_before": load}
+        sizes = {"sizes": list(args.sizes), "calibration_sizes": list(args.calibration_sizes)}
+        record = {"args": {**vars(args), **sizes}, "link": link, "load_before": load}
         Path(args.json).write_text(json.dumps({**record, **result, "verdicts": verdicts}, indent=2))
         print(f"wrote {args.json}")
 

@@ -24,6 +24,7 @@ LAYOUTS = {
 }
 TWO_LEVEL = ("all_reduce", "all_gather", "broadcast")
 INTEGERS = [torch.int32, torch.int64, torch.float32]  # float32 on small integers is exact too
+SEGMENT = 64  # bytes: all_reduce crosses between nodes in several pieces even on test-sized vectors
 
 
 def test_topology_is_plain_data_from_node_ids_not_hostnames():
@@ -52,7 +53,7 @@ def _matrix_over_two_levels(node_map: list[int]) -> list[str]:
     with joined("gloo", timeout=60) as world:
         reference = NativeCommunicator(None, timeout=60)
         comm = TwoLevelCommunicator.from_process_group(
-            None, timeout=60, node_map=node_map, policy="hierarchical"
+            None, timeout=60, node_map=node_map, policy="hierarchical", segment_bytes=SEGMENT
         )
         try:
             several_per_node = len(node_map) > len(set(node_map))
@@ -126,3 +127,27 @@ def test_info_names_the_transport_of_each_level_on_several_nodes():
         [sys.executable, "-m", "meshwise", "info"], env=env, capture_output=True, text=True, timeout=60
     ).stdout
     assert "auto        backend shm+gloo on cpu: intra-node shm, inter-node gloo" in shown.splitlines()
+
+
+@pytest.mark.slow
+def test_bench_multinode_runs_on_one_host_and_its_replicas_agree(tmp_path):
+    """The benchmark script still matches the library (namespaces are not needed for that: --one-host)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "multinode.json"
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_multinode.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--one-host", "--sizes", "64K", "--calibration-sizes", "4K,64K,256K",
+         "--iters", "1", "--rounds", "1", "--steps", "1", "--batch", "4", "--json", str(out)],
+        capture_output=True, text=True, timeout=115,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads(out.read_text())
+    assert result["levels"].startswith("intra-node shm (2 ranks per node), inter-node gloo (2 nodes)")
+    assert [fit["link"] for fit in result["fits"]] == ["intra-node shm", "inter-node gloo", "flat gloo"]
+    assert [row["bytes"] for row in result["all_reduce"]] == [64 << 10]
+    assert result["all_reduce"][0]["wrong_elements"] == 0
+    assert result["ddp"]["max_weight_difference"] == 0.0

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import torch.distributed as dist
 
 from meshwise.comm.algorithms.choice import cached_level_split
-from meshwise.comm.algorithms.communicator import AlgorithmCommunicator
+from meshwise.comm.algorithms.communicator import DEFAULT_SEGMENT_BYTES, AlgorithmCommunicator
 from meshwise.comm.algorithms.hierarchical import Hierarchy, split_levels
 from meshwise.comm.api import Communicator
 from meshwise.comm.cost.calibration import Calibration
@@ -54,7 +54,10 @@ class TwoLevelCommunicator(AlgorithmCommunicator):
         *,
         calibration: Calibration | None = None,
         policy: str = "auto",
+        segment_bytes: int = DEFAULT_SEGMENT_BYTES,
     ) -> None:
+        """``segment_bytes``: the hierarchical all_reduce crosses between nodes in pieces of about this
+        many bytes per rank, the next piece's intra-node phase overlapping the previous one's transfer."""
         if policy not in POLICIES:
             raise ValueError(f"policy {policy!r} is unknown; choose one of {', '.join(POLICIES)}")
         if policy == "hierarchical" and hierarchy is None:
@@ -64,7 +67,11 @@ class TwoLevelCommunicator(AlgorithmCommunicator):
             )
         pricing = calibration if calibration is not None else Calibration.builtin()
         super().__init__(
-            flat, _algorithm(policy, hierarchy), hierarchy=hierarchy, calibration=pricing.two_level()
+            flat,
+            _algorithm(policy, hierarchy),
+            hierarchy=hierarchy,
+            calibration=pricing.two_level(),
+            segment_bytes=segment_bytes,
         )
         self.pricing = pricing  # what a split prices with (``calibration`` holds the derived links)
         self.topology = topology
@@ -99,6 +106,7 @@ class TwoLevelCommunicator(AlgorithmCommunicator):
         intra: str = "shm",
         calibration: Calibration | None = None,
         policy: str = "auto",
+        segment_bytes: int = DEFAULT_SEGMENT_BYTES,
     ) -> TwoLevelCommunicator:
         """Build both levels over ``group`` (a collective call). ``node_map`` (one node id per rank of
         the group) overrides the launcher's node ranks, which is how tests stand one host in for several
@@ -113,8 +121,9 @@ class TwoLevelCommunicator(AlgorithmCommunicator):
                 f"[rank {flat.rank} · two-level] node_map has {topology.world_size} entries; need one node "
                 f"id per rank ({flat.world_size})"
             )
+        hierarchy = build_hierarchy(flat, topology, intra)
         return cls(
-            flat, topology, build_hierarchy(flat, topology, intra), calibration=calibration, policy=policy
+            flat, topology, hierarchy, calibration=calibration, policy=policy, segment_bytes=segment_bytes
         )
 
     def _split(self, ranks: list[int]) -> Communicator | None:
@@ -131,6 +140,7 @@ class TwoLevelCommunicator(AlgorithmCommunicator):
             build_hierarchy(sub, topology, intra),
             calibration=self.pricing,
             policy=self.policy,
+            segment_bytes=self.segment_bytes,
         )
         wrapper._owned.append(sub)
         return wrapper

@@ -174,7 +174,8 @@ class AlgorithmCommunicator(Communicator):
         data = accumulator(tensor).view(-1)
         if algo == "hierarchical":
             assert self.hierarchy is not None
-            self.hierarchy.all_reduce(data, ReduceOp.SUM if op is ReduceOp.AVG else op)
+            pieces = self._pieces(data.numel() * data.element_size() // self.hierarchy.local_size)
+            self.hierarchy.all_reduce(data, ReduceOp.SUM if op is ReduceOp.AVG else op, pieces)
         else:
             block = data.numel() * data.element_size() // self.world_size
             plan = build_plan(

@@ -80,14 +80,25 @@ class Hierarchy:
         for sub in self._owned:
             sub.close()
 
-    def all_reduce(self, data: torch.Tensor, op: ReduceOp) -> None:
-        """Reduce the flat ``data`` in place (AVG is the caller's business: pass SUM and divide)."""
-        bounds = even_bounds(data.numel(), self.local_size)
-        slots = [data[bounds[i] : bounds[i + 1]] for i in range(self.local_size)]
-        shard = torch.empty_like(slots[self.local_rank])
-        self.intra.reduce_scatter(shard, slots, op)
-        self.inter.all_reduce(shard, op)
-        self.intra.all_gather(slots, shard)
+    def all_reduce(self, data: torch.Tensor, op: ReduceOp, pieces: int = 1) -> None:
+        """Reduce the flat ``data`` in place (AVG is the caller's business: pass SUM and divide).
+
+        With ``pieces`` > 1 the vector is cut into that many consecutive pieces and the levels overlap:
+        piece k+1 is reduce-scattered inside the node while piece k crosses between nodes (the inter-node
+        all_reduce is launched asynchronously), and the all-gathers run while later pieces are still in
+        flight — so a large vector costs about the slow link's time plus one piece of the fast one's,
+        not their sum."""
+        handles = []
+        for piece in data.tensor_split(max(1, min(pieces, data.numel()))):
+            bounds = even_bounds(piece.numel(), self.local_size)
+            slots = [piece[bounds[i] : bounds[i + 1]] for i in range(self.local_size)]
+            shard = torch.empty_like(slots[self.local_rank])
+            self.intra.reduce_scatter(shard, slots, op)
+            handles.append((self.inter.all_reduce(shard, op, async_op=True), slots, shard))
+        for work, slots, shard in handles:
+            if work is not None:
+                work.wait()
+            self.intra.all_gather(slots, shard)
 
     def all_gather(self, outputs: list[torch.Tensor], input: torch.Tensor) -> None:
         """Rank r's ``input`` into ``outputs[r]`` on every rank (slots may differ in size)."""
