@@ -84,7 +84,7 @@ def worker(args: argparse.Namespace) -> None:
     calibration_sweep = SweepConfig(
         "all_reduce", args.calibration_sizes, iters=args.iters, warmup=2, checks=0
     )
-    fits = [fit for fit, _ in measure_levels(hierarchical.hierarchy, flat, control, calibration_sweep, cpu)]
+    fits = measure_levels(hierarchical.hierarchy, flat, control, calibration_sweep, cpu)
     calibration = Calibration.builtin().with_levels(Levels(*(fit.params for fit in fits)))
     auto = TwoLevelCommunicator(
         flat, hierarchical.topology, hierarchical.hierarchy, calibration=calibration, policy="auto"

@@ -14,8 +14,9 @@ A job over several nodes holding the same number of ranks each also measures the
 two-level communicator (``backend="auto"`` there, :mod:`meshwise.comm.two_level`), each on its own
 transport's collectives (``NATIVE_PLAN``): ``intra`` on shared memory among the ranks of a node, ``inter``
 on gloo among the ranks at one local position of every node *with every local position measuring at
-once* (the hierarchical collectives' traffic pattern, so a network the ranks of a node share is priced
-as shared), and ``flat`` on gloo over the whole job. The outcome names the transport of each.
+once* (each iteration starts at one barrier over the whole job and lasts until the slowest group is
+done: the hierarchical collectives' traffic pattern, so a network the ranks of a node share is priced as
+shared), and ``flat`` on gloo over the whole job. The outcome names the transport of each.
 
 A class that cannot be measured in this job (one node → no ``inter``; one rank per node → no ``intra``)
 keeps its value from the existing file, or the built-in default, and the outcome says so. The fit is
@@ -33,6 +34,7 @@ dominated by whichever other job happened to run; the benchmark tables keep repo
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -138,7 +140,7 @@ def calibrate(
     members = {node: [r for r, n in enumerate(nodes) if n == node] for node in node_ids}
     levels = _calibrate_levels(control, Topology(tuple(nodes)), sweep, device, progress)
     native_runs = _sweep(base, control, NATIVE_PLAN, sweep, device, progress, "native")
-    runs = [run for _, fit_runs in levels for run in fit_runs] + native_runs
+    runs = list(native_runs)
     fits = {"native": _fit("native", native_runs)} if base.world_size > 1 else {}
 
     if len(node_ids) == 1:
@@ -176,7 +178,7 @@ def calibrate(
         fits.get("native") or _kept("native", known.native, "a single rank", source),
     )
     merged = merge_fit(previous, base.world_size, *(fit.params for fit in links))
-    level_fits = tuple(fit for fit, _ in levels)
+    level_fits = tuple(levels)
     if level_fits:
         merged = merged.with_levels(Levels(*(fit.params for fit in level_fits)))
     saved = merged.save(file)
@@ -190,7 +192,7 @@ def _calibrate_levels(
     sweep: SweepConfig,
     device: torch.device,
     progress: EventProgress | None,
-) -> list[tuple[LinkFit, list[RunResult]]]:
+) -> list[LinkFit]:
     """The two-level communicator's links, fitted (every rank calls it; empty where the job has one
     node, nodes of one rank, or nodes holding different numbers of ranks)."""
     if topology.nodes < 2 or not topology.uniform or topology.local_size < 2 or device.type != "cpu":
@@ -211,21 +213,51 @@ def measure_levels(
     sweep: SweepConfig,
     device: torch.device,
     progress: EventProgress | None = None,
-) -> list[tuple[LinkFit, list[RunResult]]]:
+) -> list[LinkFit]:
     """Fit the intra, inter and flat links of an existing two-level layout (every rank calls it); each
-    fit is named after its transport. Each level times itself (its own barriers and reductions), so no
-    further groups are split."""
+    fit is named after its transport. Every group of a level runs at once, started together by
+    ``control``'s barrier (the nodes' intra groups side by side, every local position across nodes
+    sharing the network), as in the hierarchical collectives; no further groups are split."""
     fits = []
-    for name, comm, ctl in (
-        ("intra", hierarchy.intra, hierarchy.intra),
-        ("inter", hierarchy.inter, hierarchy.inter),  # every local position at once
-        ("flat", flat, control),
-    ):
+    for name, comm in (("intra", hierarchy.intra), ("inter", hierarchy.inter), ("flat", flat)):
         label = f"{name}-node {comm.backend}" if name != "flat" else f"flat {comm.backend}"
-        runs = _sweep(comm, ctl, NATIVE_PLAN, sweep, device, progress, label)
-        fits.append((replace(_fit(label, runs), name=label), runs))
+        samples = _concurrent_samples(comm, control, sweep, device)
+        params, excess = fit_link_params(samples)
+        fits.append(LinkFit(label, params, 1.0 + excess, len(samples)))
+        if progress is not None:
+            progress.advance(progress.add_task(f"calibrate {label}", total=1))
     control.barrier()
     return fits
+
+
+def _concurrent_samples(
+    comm: Communicator, control: Communicator, sweep: SweepConfig, device: torch.device
+) -> list[CostSample]:
+    """The fastest iteration of each of ``NATIVE_PLAN``'s collectives on ``comm`` at every size, every
+    iteration started by a barrier of ``control`` (a group spanning all of ``comm``'s sibling groups) and
+    lasting until the slowest rank of all of them is done."""
+    p = comm.world_size
+    samples = []
+    for collective, _ in NATIVE_PLAN:
+        for nbytes in sweep.sizes:
+            count = max(1, nbytes // (4 * p)) * p  # float32 elements, a multiple of the group size
+            whole = torch.ones(count, device=device)
+            part = torch.ones(count // p, device=device)
+            times = torch.zeros(sweep.iters, dtype=torch.float64)
+            for i in range(sweep.warmup + sweep.iters):
+                control.barrier()
+                start = time.perf_counter()
+                if collective == "all_reduce":
+                    comm.all_reduce(whole)
+                elif collective == "all_gather":
+                    comm.all_gather(whole, part)
+                else:
+                    comm.reduce_scatter(part, whole)
+                if i >= sweep.warmup:
+                    times[i - sweep.warmup] = time.perf_counter() - start
+            control.all_reduce(times, "max")
+            samples.append(CostSample(collective, "native", count * 4, p, float(times.min())))
+    return samples
 
 
 def merge_fit(
