@@ -89,3 +89,17 @@ def test_transports_are_named_per_level():
     assert transport_levels("shm+gloo", 2) == {"intra-node": "shm", "inter-node": "gloo"}
     assert transport_levels("nccl", 2) == {"intra-node": "nccl", "inter-node": "nccl"}
     assert transport_levels("shm", 1) == {"intra-node": "shm", "inter-node": "-"}
+
+
+def test_auto_resolves_to_shm_plus_gloo_only_for_cpu_ranks_over_several_nodes():
+    import torch
+
+    from meshwise.world import resolve_backend
+
+    cpu = torch.device("cpu")
+    assert resolve_backend("auto", cpu, 4, ranks_per_node=2) == "shm+gloo"
+    assert resolve_backend("auto", cpu, 4, single_host=True) == "shm"
+    assert resolve_backend("auto", cpu, 2, ranks_per_node=1) == "gloo"  # one rank per node: nothing to share
+    assert resolve_backend("auto", cpu, 4) == "gloo"  # nodes of different sizes
+    with pytest.raises(ValueError, match="moves CPU tensors"):
+        resolve_backend("shm+gloo", torch.device("cuda", 0), 4)

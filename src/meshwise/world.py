@@ -100,6 +100,8 @@ def resolve_backend(
         check_backend(requested)
         if requested == "nccl" and device.type != "cuda":
             raise ValueError("backend 'nccl' needs CUDA devices; use 'gloo' or 'shm' on CPU")
+        if requested == "shm+gloo" and device.type == "cuda":
+            raise ValueError(f"backend {requested!r} moves CPU tensors; use 'nccl' (or 'auto') on GPUs")
         return requested
     if device.type == "cuda":
         return "nccl"
