@@ -151,3 +151,28 @@ def test_bench_multinode_runs_on_one_host_and_its_replicas_agree(tmp_path):
     assert [row["bytes"] for row in result["all_reduce"]] == [64 << 10]
     assert result["all_reduce"][0]["wrong_elements"] == 0
     assert result["ddp"]["max_weight_difference"] == 0.0
+
+
+def _mesh_over_two_levels(node_map: list[int]) -> list[tuple[str, str, list[int]]]:
+    from meshwise.comm.mesh import MeshShape
+
+    with joined("auto", timeout=60, node_map=node_map, mesh=MeshShape(dp=2, tp=2)) as world:
+        found = []
+        for axis in ("tp", "dp"):
+            comm = world.mesh[axis]
+            data = torch.full((6,), world.rank + 1, dtype=torch.int64)
+            comm.all_reduce(data)
+            found.append((axis, comm.describe_levels(), data.tolist()))
+        return found
+
+
+def test_tensor_parallel_inside_a_node_and_data_parallel_across_split_into_two_level_groups():
+    """tp pairs share a node (shm alone), dp pairs span the nodes (one rank per node: gloo)."""
+    results = spawn(_mesh_over_two_levels, 4, ([0, 0, 1, 1],), timeout=110)
+    for rank, found in enumerate(results):
+        (_, tp_levels, tp_sum), (_, dp_levels, dp_sum) = found
+        node, local = divmod(rank, 2)
+        assert tp_sum == [sum(r + 1 for r in (2 * node, 2 * node + 1))] * 6
+        assert dp_sum == [sum(r + 1 for r in (local, local + 2))] * 6
+        assert tp_levels == "intra-node shm (2 ranks on one node)"
+        assert dp_levels == "inter-node gloo (2 nodes, one rank on each)"

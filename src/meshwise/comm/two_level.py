@@ -91,9 +91,14 @@ class TwoLevelCommunicator(AlgorithmCommunicator):
         if self.hierarchy is None:
             sizes = [len(m) for m in self.topology.members]
             return f"flat {self.levels['inter']} (nodes hold {sizes} ranks: no two-level collectives)"
+        local, nodes = self.hierarchy.local_size, self.topology.nodes
+        if nodes == 1:
+            return f"intra-node {self.levels['intra']} ({local} ranks on one node)"
+        if local == 1:
+            return f"inter-node {self.levels['inter']} ({nodes} nodes, one rank on each)"
         return (
-            f"intra-node {self.levels['intra']} ({self.hierarchy.local_size} ranks per node), "
-            f"inter-node {self.levels['inter']} ({self.topology.nodes} nodes), flat {self.base.backend}"
+            f"intra-node {self.levels['intra']} ({local} ranks per node), "
+            f"inter-node {self.levels['inter']} ({nodes} nodes), flat {self.base.backend}"
         )
 
     @classmethod
