@@ -90,7 +90,13 @@ def test_hierarchical_wins_when_the_inter_node_link_is_slow():
     quick_native = Calibration(fast, slow, LinkParams(1e-6, 1e-12, 1e-12))
     assert choose_algorithm("broadcast", 1 << 24, 16, quick_native, local_size=8) == "native"
     sluggish_native = Calibration(fast, slow, LinkParams(1e-3, 1e-7, 1e-11))
-    assert choose_algorithm("broadcast", 1 << 24, 16, sluggish_native, local_size=8) == "tree"
+    # the payload crosses to the other node once (then 3 fast steps inside it), not lg 16 = 4 times
+    assert choose_algorithm("broadcast", 1 << 24, 16, sluggish_native, local_size=8) == "hierarchical"
+    flat_only = [a for a in REGISTRY if a != "hierarchical"]
+    assert (
+        choose_algorithm("broadcast", 1 << 24, 16, sluggish_native, local_size=8, candidates=flat_only)
+        == "tree"
+    )
     with pytest.raises(ValueError, match="must divide"):
         predict_seconds("all_reduce", "hierarchical", 8, 6, fast, inter=slow, local_size=4)
 

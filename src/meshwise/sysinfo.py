@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from meshwise.comm.cost import DEFAULT_FILE, Calibration
+from meshwise.comm.factory import transport_levels
 from meshwise.runtime.cores import available_cores
 from meshwise.runtime.env import LaunchEnvError, detect_launch_env
 from meshwise.world import pick_device, resolve_backend
@@ -90,6 +91,10 @@ def _backends() -> dict[str, dict[str, Any]]:
             "note": "single-node shared memory" if os.path.isdir("/dev/shm") else "no /dev/shm",
         },
         "mpi": {"available": mpi4py, "note": _mpi_note(mpi4py)},
+        "shm+gloo": {
+            "available": os.path.isdir("/dev/shm") and dist.is_gloo_available(),
+            "note": "several nodes: shared memory inside each, gloo between",
+        },
     }
 
 
@@ -163,11 +168,17 @@ def collect(calibration_file: str | None = None) -> dict[str, Any]:
     if layout is not None:
         try:
             device = pick_device(layout)
+            backend = resolve_backend(
+                "auto",
+                device,
+                layout.world_size,
+                single_host=layout.num_nodes == 1,
+                ranks_per_node=layout.local_world_size,
+            )
             report["auto"] = {
                 "device": str(device),
-                "backend": resolve_backend(
-                    "auto", device, layout.world_size, single_host=layout.num_nodes == 1
-                ),
+                "backend": backend,
+                "levels": transport_levels(backend, layout.num_nodes),
             }
         except (RuntimeError, ValueError) as exc:
             report["auto"] = {"error": str(exc)}

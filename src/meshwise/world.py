@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -31,6 +32,7 @@ from meshwise.comm.factory import check_backend, create_communicator
 from meshwise.comm.instrumented import InstrumentedCommunicator
 from meshwise.comm.mesh import Mesh, MeshShape
 from meshwise.comm.shm.segment import check_memory_model
+from meshwise.comm.topology import Topology, gather_node_map
 from meshwise.runtime.env import LaunchEnv, detect_launch_env, resolve_ipv4
 from meshwise.runtime.flight_dumps import DEBUG_ENV, FLIGHT_DIR_ENV
 from meshwise.runtime.timeouts import DEFAULT_TIMEOUT_S
@@ -84,18 +86,30 @@ def _control_backend(device: torch.device) -> str:
 
 
 def resolve_backend(
-    requested: str, device: torch.device, world_size: int, *, single_host: bool = False
+    requested: str,
+    device: torch.device,
+    world_size: int,
+    *,
+    single_host: bool = False,
+    ranks_per_node: int | None = None,
 ) -> str:
-    """What ``auto`` means: nccl on GPUs, shm for several CPU ranks on one x86-64 host, gloo otherwise."""
+    """What ``auto`` means: nccl on GPUs (NCCL is topology-aware itself), shm for several CPU ranks on one
+    x86-64 host, ``shm+gloo`` (shared memory inside each node, gloo between) for CPU ranks spread over
+    several nodes holding ``ranks_per_node`` > 1 ranks each, gloo otherwise."""
     if requested != "auto":
         check_backend(requested)
         if requested == "nccl" and device.type != "cuda":
             raise ValueError("backend 'nccl' needs CUDA devices; use 'gloo' or 'shm' on CPU")
+        if requested == "shm+gloo" and device.type == "cuda":
+            raise ValueError(f"backend {requested!r} moves CPU tensors; use 'nccl' (or 'auto') on GPUs")
         return requested
     if device.type == "cuda":
         return "nccl"
-    if single_host and world_size > 1 and _shm_supported():
-        return "shm"
+    if world_size > 1 and _shm_supported():
+        if single_host:
+            return "shm"
+        if ranks_per_node is not None and ranks_per_node > 1:
+            return "shm+gloo"
     return "gloo"
 
 
@@ -154,6 +168,7 @@ def init(
     debug: bool | None = None,
     flight_recorder_ops: int = flight_recorder.DEFAULT_CAPACITY,
     mesh: MeshShape | None = None,
+    node_map: Sequence[int] | None = None,
 ) -> World:
     """Join the job described by the environment and return this rank's :class:`World`.
 
@@ -165,6 +180,9 @@ def init(
     ``World.comm`` records its last ``flight_recorder_ops`` operations (dumped on a failure and merged by
     ``meshwise run`` into a hang report). ``debug=True`` checks every collective's fingerprint across
     ranks before it runs and raises on a mismatch; ``None`` follows ``meshwise run --debug``.
+
+    ``node_map`` (the node id of every rank) overrides the launcher's node ranks for ``auto`` and
+    ``shm+gloo``: one host then stands in for several nodes, as the tests and benchmarks do.
     """
     global _current, _owns_process_group, _dump_server
     if _current is not None:
@@ -185,11 +203,16 @@ def init(
             torch.cuda.set_device(chosen_device)
         _init_process_group(layout, chosen_device, timeout)
         _owns_process_group = True
-    single_host = (
-        backend == "auto" and chosen_device.type == "cpu" and dist.get_world_size() > 1 and _on_one_host()
+    topology = None
+    if backend in ("auto", "shm+gloo") and chosen_device.type == "cpu" and dist.get_world_size() > 1:
+        topology = Topology(tuple(node_map)) if node_map is not None else gather_node_map(layout)
+    single_host = topology is not None and topology.nodes == 1 and _on_one_host()
+    per_node = topology.local_size if topology is not None and topology.uniform else None
+    name = resolve_backend(
+        backend, chosen_device, layout.world_size, single_host=single_host, ranks_per_node=per_node
     )
-    name = resolve_backend(backend, chosen_device, layout.world_size, single_host=single_host)
-    comm = _instrument(create_communicator(name, timeout=timeout), debug, flight_recorder_ops)
+    options = {"node_map": topology.node_of} if name == "shm+gloo" and topology is not None else {}
+    comm = _instrument(create_communicator(name, timeout=timeout, **options), debug, flight_recorder_ops)
     shape = mesh if mesh is not None else MeshShape(dp=dist.get_world_size())
     try:
         grid = Mesh(comm, shape)

@@ -10,6 +10,14 @@ express as a·α + b·β + c·γ + s·σ + d·δ:
   the tree's one-way steps separate the exchange-step terms σ, δ from α, β);
 * ``inter``  — the same plan among one rank per node, measured only when the job spans several nodes.
 
+A job over several nodes holding the same number of ranks each also measures the *levels* of the
+two-level communicator (``backend="auto"`` there, :mod:`meshwise.comm.two_level`), each on its own
+transport's collectives (``NATIVE_PLAN``): ``intra`` on shared memory among the ranks of a node, ``inter``
+on gloo among the ranks at one local position of every node *with every local position measuring at
+once* (each iteration starts at one barrier over the whole job and lasts until the slowest group is
+done: the hierarchical collectives' traffic pattern, so a network the ranks of a node share is priced as
+shared), and ``flat`` on gloo over the whole job. The outcome names the transport of each.
+
 A class that cannot be measured in this job (one node → no ``inter``; one rank per node → no ``intra``)
 keeps its value from the existing file, or the built-in default, and the outcome says so. The fit is
 :func:`~meshwise.comm.cost.fit.fit_link_params` (non-negative least squares on relative error). Its *worst
@@ -26,6 +34,7 @@ dominated by whichever other job happened to run; the benchmark tables keep repo
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -34,9 +43,13 @@ import torch
 from meshwise.bench.live import EventProgress
 from meshwise.bench.runner import RunResult, SweepConfig, run_sweep
 from meshwise.comm.algorithms import with_algorithm
+from meshwise.comm.algorithms.hierarchical import Hierarchy, member_split
 from meshwise.comm.api import Communicator
-from meshwise.comm.cost import DEFAULT_FILE, Calibration, CostSample, LinkParams, WorldLinks
+from meshwise.comm.cost import DEFAULT_FILE, Calibration, CostSample, Levels, LinkParams, WorldLinks
 from meshwise.comm.cost.fit import fit_link_params
+from meshwise.comm.native import NativeCommunicator
+from meshwise.comm.topology import Topology
+from meshwise.comm.two_level import build_hierarchy
 
 NATIVE_PLAN = (("all_reduce", "native"), ("all_gather", "native"), ("reduce_scatter", "native"))
 LINK_PLAN = (("all_reduce", "ring"), ("all_gather", "ring"), ("all_reduce", "rd"), ("all_reduce", "tree"))
@@ -62,6 +75,8 @@ class CalibrationOutcome:
     runs: tuple[RunResult, ...]
     world_size: int  # the entry this run wrote
     world_sizes: tuple[int, ...]  # every world size the file now holds an entry for
+    #: the two-level links (intra, inter, flat), each named after its transport; empty on one node
+    levels: tuple[LinkFit, ...] = ()
 
 
 def _sweep(
@@ -123,14 +138,16 @@ def calibrate(
     source = f"value from {file}" if file.exists() else "built-in default"
     node_ids = sorted(set(nodes))
     members = {node: [r for r, n in enumerate(nodes) if n == node] for node in node_ids}
-    runs = _sweep(base, control, NATIVE_PLAN, sweep, device, progress, "native")
-    fits = {"native": _fit("native", runs)} if base.world_size > 1 else {}
+    levels = _calibrate_levels(control, Topology(tuple(nodes)), sweep, device, progress)
+    native_runs = _sweep(base, control, NATIVE_PLAN, sweep, device, progress, "native")
+    runs = list(native_runs)
+    fits = {"native": _fit("native", native_runs)} if base.world_size > 1 else {}
 
     if len(node_ids) == 1:
         local, local_control = base, control
     else:
-        local = _member_split(base, [members[n] for n in node_ids])
-        local_control = _member_split(control, [members[n] for n in node_ids])
+        local = member_split(base, [members[n] for n in node_ids])
+        local_control = member_split(control, [members[n] for n in node_ids])
     if local.world_size > 1:
         intra_runs = _sweep(local, local_control, LINK_PLAN, sweep, device, progress, "intra")
         runs += intra_runs
@@ -141,14 +158,17 @@ def calibrate(
 
     if len(node_ids) > 1:
         leaders = [members[n][0] for n in node_ids]
-        across = base.split(leaders)
-        across_control = control.split(leaders)
-        if across is not None and across_control is not None:
+        # every other rank gets a group of its own: each rank joins exactly one group of the partition
+        # (see hierarchical.member_split for why that matters)
+        partition = [leaders, *([r] for r in range(base.world_size) if r not in leaders)]
+        across = member_split(base, partition)
+        across_control = member_split(control, partition)
+        if base.rank in leaders:
             inter_runs = _sweep(across, across_control, LINK_PLAN, sweep, device, progress, "inter")
             runs += inter_runs
             fits["inter"] = _fit("inter", inter_runs)
-            across.close()
-            across_control.close()
+        across.close()
+        across_control.close()
         control.barrier()  # the other ranks wait here while the leaders measure
     if base.rank != 0:
         return None
@@ -158,17 +178,94 @@ def calibrate(
         fits.get("native") or _kept("native", known.native, "a single rank", source),
     )
     merged = merge_fit(previous, base.world_size, *(fit.params for fit in links))
+    level_fits = tuple(levels)
+    if level_fits:
+        merged = merged.with_levels(Levels(*(fit.params for fit in level_fits)))
     saved = merged.save(file)
     sizes = tuple(p for p, _ in merged.by_world_size)
-    return CalibrationOutcome(str(saved), links, tuple(runs), base.world_size, sizes)
+    return CalibrationOutcome(str(saved), links, tuple(runs), base.world_size, sizes, level_fits)
+
+
+def _calibrate_levels(
+    control: Communicator,
+    topology: Topology,
+    sweep: SweepConfig,
+    device: torch.device,
+    progress: EventProgress | None,
+) -> list[LinkFit]:
+    """The two-level communicator's links, fitted (every rank calls it; empty where the job has one
+    node, nodes of one rank, or nodes holding different numbers of ranks)."""
+    if topology.nodes < 2 or not topology.uniform or topology.local_size < 2 or device.type != "cpu":
+        return []
+    flat = NativeCommunicator(None, timeout=control.timeout)
+    hierarchy = build_hierarchy(flat, topology, "shm")
+    assert hierarchy is not None  # uniform nodes
+    try:
+        return measure_levels(hierarchy, flat, control, sweep, device, progress)
+    finally:
+        hierarchy.close()
+
+
+def measure_levels(
+    hierarchy: Hierarchy,
+    flat: Communicator,
+    control: Communicator,
+    sweep: SweepConfig,
+    device: torch.device,
+    progress: EventProgress | None = None,
+) -> list[LinkFit]:
+    """Fit the intra, inter and flat links of an existing two-level layout (every rank calls it); each
+    fit is named after its transport. Every group of a level runs at once, started together by
+    ``control``'s barrier (the nodes' intra groups side by side, every local position across nodes
+    sharing the network), as in the hierarchical collectives; no further groups are split."""
+    fits = []
+    for name, comm in (("intra", hierarchy.intra), ("inter", hierarchy.inter), ("flat", flat)):
+        label = f"{name}-node {comm.backend}" if name != "flat" else f"flat {comm.backend}"
+        samples = _concurrent_samples(comm, control, sweep, device)
+        params, excess = fit_link_params(samples)
+        fits.append(LinkFit(label, params, 1.0 + excess, len(samples)))
+        if progress is not None:
+            progress.advance(progress.add_task(f"calibrate {label}", total=1))
+    control.barrier()
+    return fits
+
+
+def _concurrent_samples(
+    comm: Communicator, control: Communicator, sweep: SweepConfig, device: torch.device
+) -> list[CostSample]:
+    """The fastest iteration of each of ``NATIVE_PLAN``'s collectives on ``comm`` at every size, every
+    iteration started by a barrier of ``control`` (a group spanning all of ``comm``'s sibling groups) and
+    lasting until the slowest rank of all of them is done."""
+    p = comm.world_size
+    samples = []
+    for collective, _ in NATIVE_PLAN:
+        for nbytes in sweep.sizes:
+            count = max(1, nbytes // (4 * p)) * p  # float32 elements, a multiple of the group size
+            whole = torch.ones(count, device=device)
+            part = torch.ones(count // p, device=device)
+            times = torch.zeros(sweep.iters, dtype=torch.float64)
+            for i in range(sweep.warmup + sweep.iters):
+                control.barrier()
+                start = time.perf_counter()
+                if collective == "all_reduce":
+                    comm.all_reduce(whole)
+                elif collective == "all_gather":
+                    comm.all_gather(whole, part)
+                else:
+                    comm.reduce_scatter(part, whole)
+                if i >= sweep.warmup:
+                    times[i - sweep.warmup] = time.perf_counter() - start
+            control.all_reduce(times, "max")
+            samples.append(CostSample(collective, "native", count * 4, p, float(times.min())))
+    return samples
 
 
 def merge_fit(
     previous: Calibration, world_size: int, intra: LinkParams, inter: LinkParams, native: LinkParams
 ) -> Calibration:
     """``previous`` with this job's fit as the top-level links and as the entry for ``world_size``; the
-    entries of other world sizes stay, so successive runs at different sizes accumulate."""
-    latest = Calibration(intra, inter, native, previous.by_world_size)
+    entries of other world sizes and the two-level links stay, so successive runs accumulate."""
+    latest = replace(previous, intra=intra, inter=inter, native=native)
     return latest.with_world(world_size, WorldLinks(intra, native))
 
 
@@ -183,17 +280,6 @@ def previous_calibration(file: Path) -> Calibration:
     return Calibration.load(file) if file.exists() else Calibration.builtin()
 
 
-def _member_split(comm: Communicator, groups: list[list[int]]) -> Communicator:
-    """This rank's group among ``groups`` (every rank calls split for every group, in the same order)."""
-    mine = None
-    for ranks in groups:
-        sub = comm.split(ranks)
-        if sub is not None:
-            mine = sub
-    assert mine is not None  # the groups partition the ranks
-    return mine
-
-
 def format_outcome(outcome: CalibrationOutcome) -> str:
     """α and σ in µs, β, γ and δ as the bandwidths they stand for (GB/s), and the fit error per link."""
     held = ", ".join(str(p) for p in outcome.world_sizes)
@@ -205,20 +291,12 @@ def format_outcome(outcome: CalibrationOutcome) -> str:
         f"# {'link':<7} {'alpha(us)':>10} {'1/beta(GB/s)':>13} {'1/gamma(GB/s)':>14} {'sigma(us)':>10} "
         f"{'1/delta(GB/s)':>14} {'worst factor':>12}"
     )
-    for fit in outcome.links:
-        p = fit.params
-        error = f"{fit.worst_factor:.2f}x" if fit.worst_factor is not None else "-"
-        line = (
-            f"# {fit.name:<7} {p.alpha * 1e6:>10.2f} {_bandwidth(p.beta):>13} {_bandwidth(p.gamma):>14} "
-            f"{p.sigma * 1e6:>10.2f} {_bandwidth(p.delta):>14} {error:>12}"
-        )
-        if fit.note:
-            line += f"  {fit.note}"
-        elif fit.samples:
-            line += f"  ({fit.samples} samples)"
-        lines.append(line)
+    lines.extend(_link_line(fit) for fit in outcome.links)
+    if outcome.levels:
+        lines.append("# two-level links (backend auto over several nodes), each named after its transport:")
+        lines.extend(_link_line(fit, width=14) for fit in outcome.levels)
     lines.append(f"# auto prices with it when named: --calibration-file {outcome.path}")
-    for fit in outcome.links:
+    for fit in (*outcome.links, *outcome.levels):
         if fit.worst_factor is not None and fit.worst_factor > POOR_FIT_FACTOR:
             lines.append(
                 f"# warning: the {fit.name} fit is poor: some size is off by {fit.worst_factor:.2f}x; the "
@@ -226,6 +304,19 @@ def format_outcome(outcome: CalibrationOutcome) -> str:
                 "rerun with more iterations, -n, or when it is quiet)"
             )
     return "\n".join(lines)
+
+
+def _link_line(fit: LinkFit, width: int = 7) -> str:
+    """One link's row of the outcome table."""
+    p = fit.params
+    error = f"{fit.worst_factor:.2f}x" if fit.worst_factor is not None else "-"
+    line = (
+        f"# {fit.name:<{width}} {p.alpha * 1e6:>10.2f} {_bandwidth(p.beta):>13} {_bandwidth(p.gamma):>14} "
+        f"{p.sigma * 1e6:>10.2f} {_bandwidth(p.delta):>14} {error:>12}"
+    )
+    if fit.note:
+        return line + f"  {fit.note}"
+    return line + (f"  ({fit.samples} samples)" if fit.samples else "")
 
 
 def _bandwidth(seconds_per_byte: float) -> str:

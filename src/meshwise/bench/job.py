@@ -22,7 +22,7 @@ from meshwise.bench.live import EventProgress, Sink, emitter
 from meshwise.bench.runner import RunResult, SweepConfig, run_sweep, sweep_length
 from meshwise.comm.algorithms import registry, with_algorithm
 from meshwise.comm.api import Communicator
-from meshwise.comm.cost import PARAMETERS, Calibration, LinkParams
+from meshwise.comm.cost import PARAMETERS, Calibration, Levels, LinkParams
 from meshwise.comm.cost.calibration import source_of
 from meshwise.comm.factory import create_communicator
 from meshwise.runtime.timeouts import DEFAULT_TIMEOUT_S
@@ -71,27 +71,34 @@ def shared_calibration(control: Communicator, path: str | None) -> Calibration:
     on every rank (all ranks call it): the entry measured at this world size, or the nearest one
     (``Calibration.for_world``)."""
     width = len(PARAMETERS)
-    values = torch.zeros(3 * width, dtype=torch.float64)
+    values = torch.zeros(6 * width + 1, dtype=torch.float64)  # + whether the file holds two-level links
     if control.rank == 0:
         cal = Calibration.from_option(path).for_world(control.world_size)
-        links = (cal.intra, cal.inter, cal.native)
-        values = torch.tensor(
-            [getattr(link, name) for link in links for name in PARAMETERS], dtype=torch.float64
-        )
+        levels = cal.two_level()  # the two-level communicator's links (shm+gloo)
+        links = (cal.intra, cal.inter, cal.native, levels.intra, levels.inter, levels.native)
+        numbers = [getattr(link, name) for link in links for name in PARAMETERS]
+        values = torch.tensor([*numbers, float(cal.levels is not None)], dtype=torch.float64)
     control.broadcast(values, 0)
-    numbers = values.tolist()
-    links = (LinkParams(*numbers[i : i + width]) for i in range(0, 3 * width, width))
-    return Calibration(*links, source=source_of(path))
+    *numbers, measured = values.tolist()
+    intra, inter, native, *level_links = (
+        LinkParams(*numbers[i : i + width]) for i in range(0, 6 * width, width)
+    )
+    levels = Levels(*level_links) if measured else None
+    return Calibration(intra, inter, native, source=source_of(path), levels=levels)
 
 
-def data_communicator(backend: str, world: World, timeout: float) -> tuple[Communicator, torch.device]:
-    """The communicator under test for ``backend`` and the device its tensors live on."""
+def data_communicator(
+    backend: str, world: World, timeout: float, calibration: Calibration
+) -> tuple[Communicator, torch.device]:
+    """The communicator under test for ``backend`` and the device its tensors live on (``shm+gloo``
+    chooses flat or hierarchical per call with ``calibration``'s two-level links)."""
     if backend == "nccl":
         device = torch.device("cuda", world.local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
         group = dist.new_group(backend="nccl")
         return create_communicator("nccl", group, timeout=timeout), device
-    return create_communicator(backend, timeout=timeout), torch.device("cpu")
+    options = {"calibration": calibration} if backend == "shm+gloo" else {}
+    return create_communicator(backend, timeout=timeout, **options), torch.device("cpu")
 
 
 def bench_rank_main(job: BenchJob, sink: Sink | None = None) -> JobResult | None:
@@ -115,7 +122,7 @@ def _run(job: BenchJob, world: World, emit: Callable[[tuple], None] | None) -> J
     calibration = shared_calibration(control, job.pricing_file)
     progress = EventProgress(emit) if emit is not None else None
     for backend in job.backends:
-        base, device = data_communicator(backend, world, job.timeout)
+        base, device = data_communicator(backend, world, job.timeout, calibration)
         for algorithm in job.algorithms:
             comm = with_algorithm(base, algorithm, node_map=nodes, calibration=calibration)
             for collective in job.collectives:

@@ -126,7 +126,7 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str, help_text: str
         "-r", "--root", type=int, default=0, help="root of broadcast/reduce/gather/scatter; -1: every root"
     )
     parser.add_argument(
-        "--backend", default=None, help="comma list of gloo,nccl,shm,mpi (default nccl on GPUs)"
+        "--backend", default=None, help="comma list of gloo,nccl,shm,mpi,shm+gloo (default nccl on GPUs)"
     )
     parser.add_argument(
         "--algo",

@@ -61,11 +61,14 @@ def render(report: dict[str, Any]) -> str:
             lines.append(f"job         {launch['job_id']} (restart {launch['restart_count']})")
     auto = report.get("auto")
     if auto is not None:
-        lines.append(
-            f"auto        ERROR: {auto['error']}"
-            if "error" in auto
-            else f"auto        backend {auto['backend']} on {auto['device']}"
-        )
+        if "error" in auto:
+            lines.append(f"auto        ERROR: {auto['error']}")
+        else:
+            line = f"auto        backend {auto['backend']} on {auto['device']}"
+            levels = auto["levels"]
+            if levels["inter-node"] != "-":  # several nodes: which transport serves each level
+                line += f": intra-node {levels['intra-node']}, inter-node {levels['inter-node']}"
+            lines.append(line)
     lines.append("backends")
     for name, entry in report["backends"].items():
         mark = "yes" if entry["available"] else "no "

@@ -2,7 +2,8 @@
 
 Every parallel strategy talks to a :class:`Communicator` (``meshwise.init().comm``, or
 :func:`create_communicator` over a torch.distributed group), never to a transport, so the same code
-runs on gloo, NCCL, shared memory (``shm``) or MPI; ``meshwise.comm.algorithms.with_algorithm`` swaps
+runs on gloo, NCCL, shared memory (``shm``), shared memory inside nodes and gloo between them
+(``shm+gloo``, :mod:`meshwise.comm.two_level`) or MPI; ``meshwise.comm.algorithms.with_algorithm`` swaps
 in our algorithms (ring, tree, rd, rhd, pairwise, linear, hierarchical, or ``auto``).
 
 Every rank of a group calls each collective in the same order with matching sizes, dtypes and roots.

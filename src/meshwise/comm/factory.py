@@ -8,6 +8,7 @@ transports (shared memory, MPI) bootstrap through it. The factory only maps name
 from __future__ import annotations
 
 import importlib
+from typing import Any
 
 import torch.distributed as dist
 
@@ -20,7 +21,18 @@ BACKENDS = {
     "nccl": "meshwise.comm.native:NativeCommunicator",
     "shm": "meshwise.comm.shm:ShmCommunicator",
     "mpi": "meshwise.comm.mpi.communicator:MpiCommunicator",
+    # several nodes on CPUs: shared memory inside each node, gloo between nodes (meshwise.comm.two_level)
+    "shm+gloo": "meshwise.comm.two_level:TwoLevelCommunicator",
 }
+
+
+def transport_levels(backend: str, nodes: int) -> dict[str, str]:
+    """Which transport serves each level of a job on ``backend`` over ``nodes`` nodes (what ``meshwise
+    info`` and the benchmarks print): a composite name ``intra+inter`` names both, a single backend serves
+    both levels (NCCL and gloo route inside and between nodes themselves), and a one-node job has no
+    inter-node level."""
+    intra, _, inter = backend.partition("+")
+    return {"intra-node": intra, "inter-node": (inter or intra) if nodes > 1 else "-"}
 
 
 def check_backend(name: str, *, allow_auto: bool = True, what: str = "backend") -> str:
@@ -34,10 +46,15 @@ def check_backend(name: str, *, allow_auto: bool = True, what: str = "backend") 
 
 
 def create_communicator(
-    backend: str, group: dist.ProcessGroup | None = None, *, timeout: float = DEFAULT_TIMEOUT_S
+    backend: str,
+    group: dist.ProcessGroup | None = None,
+    *,
+    timeout: float = DEFAULT_TIMEOUT_S,
+    **options: Any,
 ) -> Communicator:
-    """The Communicator for ``backend`` over ``group`` (default: the world)."""
+    """The Communicator for ``backend`` over ``group`` (default: the world); ``options`` go to the
+    backend's ``from_process_group`` (e.g. ``node_map=`` for ``shm+gloo``)."""
     check_backend(backend, allow_auto=False)
     module_name, class_name = BACKENDS[backend].split(":")
     cls = getattr(importlib.import_module(module_name), class_name)
-    return cls.from_process_group(group, timeout=timeout)
+    return cls.from_process_group(group, timeout=timeout, **options)

@@ -75,3 +75,24 @@ def choose_algorithm(
 
 #: ``auto`` asks the same few questions on every step of a training loop: remember the answers
 cached_choice = functools.lru_cache(maxsize=4096)(choose_algorithm)
+
+
+def choose_level_split(
+    collective: str, nbytes: float, world_size: int, local_size: int, calibration: Calibration
+) -> str:
+    """What the two-level communicator (:mod:`meshwise.comm.two_level`) runs: ``native`` (its flat
+    collective over every rank) or ``hierarchical`` (inside nodes, then across), priced with
+    ``calibration``'s two-level links and no margin, since both are the transports' own collectives."""
+    return choose_algorithm(
+        collective,
+        nbytes,
+        world_size,
+        calibration.two_level(),
+        local_size=local_size,
+        candidates=("hierarchical",),
+        margin=1.0,
+    )
+
+
+#: the two-level communicator asks on every call too
+cached_level_split = functools.lru_cache(maxsize=4096)(choose_level_split)

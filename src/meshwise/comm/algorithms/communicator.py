@@ -70,8 +70,13 @@ class AlgorithmCommunicator(Communicator):
         calibration: Calibration | None = None,
         segment_bytes: int = DEFAULT_SEGMENT_BYTES,
         check_consistency: bool = False,
+        hierarchy: Hierarchy | None = None,
     ) -> None:
+        """``hierarchy`` hands in ready-made node and cross-node communicators (another transport per
+        level, :mod:`meshwise.comm.two_level`); otherwise a ``node_map`` splits them off ``base``."""
         algo = canonical_algorithm(algo)
+        if hierarchy is not None:
+            node_map = hierarchy.topology.node_of
         if segment_bytes <= 0:
             raise ValueError(f"segment_bytes must be positive, got {segment_bytes}")
         if algo == "hierarchical" and node_map is None:
@@ -84,9 +89,9 @@ class AlgorithmCommunicator(Communicator):
         self.segment_bytes = segment_bytes
         self.check_consistency = check_consistency
         self.node_map = list(node_map) if node_map is not None else None
-        self.hierarchy: Hierarchy | None = None
+        self.hierarchy: Hierarchy | None = hierarchy
         self._owned: list[Communicator] = []  # communicators this wrapper split off and must close
-        if node_map is not None and algo in ("hierarchical", "auto"):
+        if hierarchy is None and node_map is not None and algo in ("hierarchical", "auto"):
             inter = self.calibration.inter
             inter_cal = Calibration(inter, inter, inter, source=self.calibration.source)
 
@@ -94,7 +99,7 @@ class AlgorithmCommunicator(Communicator):
                 cal = inter_cal if sub_algo == "auto" else self.calibration
                 return AlgorithmCommunicator(sub, sub_algo, calibration=cal, segment_bytes=segment_bytes)
 
-            self.hierarchy = Hierarchy(base, node_map, wrap)
+            self.hierarchy = Hierarchy.split(base, node_map, wrap)
 
     def __repr__(self) -> str:
         return f"AlgorithmCommunicator(algo={self.algo!r}, base={self.base!r})"
@@ -169,7 +174,8 @@ class AlgorithmCommunicator(Communicator):
         data = accumulator(tensor).view(-1)
         if algo == "hierarchical":
             assert self.hierarchy is not None
-            self.hierarchy.all_reduce(data, ReduceOp.SUM if op is ReduceOp.AVG else op)
+            pieces = self._pieces(data.numel() * data.element_size() // self.hierarchy.local_size)
+            self.hierarchy.all_reduce(data, ReduceOp.SUM if op is ReduceOp.AVG else op, pieces)
         else:
             block = data.numel() * data.element_size() // self.world_size
             plan = build_plan(
@@ -226,6 +232,10 @@ class AlgorithmCommunicator(Communicator):
         algo = self.choose("broadcast", tensor.numel() * tensor.element_size())
         if algo == "native" or self.world_size == 1:
             return self.base._broadcast(tensor, root)
+        if algo == "hierarchical":
+            assert self.hierarchy is not None
+            self.hierarchy.broadcast(tensor.view(-1), root)
+            return CompletedWork()
         plan = build_plan("broadcast", algo, self.rank, self.world_size, (tensor.numel(),), root)
         self._run(plan, {"data": tensor.view(-1)})
         return CompletedWork()
@@ -236,6 +246,10 @@ class AlgorithmCommunicator(Communicator):
         algo = self.choose("all_gather", sum(counts) * input.element_size())
         if algo == "native" or self.world_size == 1:
             return self.base._all_gather(outputs, input)
+        if algo == "hierarchical":
+            assert self.hierarchy is not None
+            self.hierarchy.all_gather(outputs, input)
+            return CompletedWork()
         flat = _flat_slots(outputs)
         data = flat if flat is not None else torch.empty(sum(counts), dtype=input.dtype, device=input.device)
         start = sum(counts[: self.rank])

@@ -152,9 +152,10 @@ _ENTRIES = (
     Algorithm("linear", "every message posted at once", "1 round, p-1 messages", _LINEAR),
     Algorithm(
         "hierarchical",
-        "node reduce-scatter, cross-node all_reduce, node all-gather",
+        "across nodes on 1/L of the data, then inside each node (all_reduce: RS, AR, AG)",
         "see formulas",
-        {C.ALL_REDUCE: Impl(None, None)},  # composed of per-node communicators; priced over two links
+        # composed of per-node communicators; priced over two links
+        {c: Impl(None, None) for c in (C.ALL_REDUCE, C.ALL_GATHER, C.BROADCAST)},
     ),
 )
 
@@ -229,11 +230,11 @@ def predict_seconds(
     local_size: int | None = None,
 ) -> float:
     """Predicted time of one call. ``hierarchical`` also needs ``inter`` and ``local_size`` (ranks per
-    node): intra-node ring reduce-scatter, inter-node all-reduce of n/L bytes, intra-node ring all-gather."""
+    node); ``link`` is then the intra-node one (:func:`~meshwise.comm.cost.formulas.hierarchical_seconds`)."""
     if algo == "hierarchical":
-        if collective != "all_reduce" or inter is None or local_size is None:
-            raise ValueError("hierarchical cost is defined for all_reduce and needs inter= and local_size=")
-        return f.hierarchical_all_reduce_seconds(nbytes, world_size, local_size, link, inter)
+        if inter is None or local_size is None:
+            raise ValueError("hierarchical cost needs inter= and local_size=")
+        return f.hierarchical_seconds(collective, nbytes, world_size, local_size, link, inter)
     return link.seconds(coefficients(collective, algo, nbytes, world_size))
 
 

@@ -12,7 +12,7 @@ Only the first two are imported here: they depend on nothing else of meshwise, s
 them without a cycle.
 """
 
-from meshwise.comm.cost.calibration import BUILTIN, DEFAULT_FILE, Calibration, CostSample, WorldLinks
+from meshwise.comm.cost.calibration import BUILTIN, DEFAULT_FILE, Calibration, CostSample, Levels, WorldLinks
 from meshwise.comm.cost.formulas import PARAMETERS, Coefficients, LinkParams
 
 __all__ = [
@@ -22,6 +22,7 @@ __all__ = [
     "Calibration",
     "Coefficients",
     "CostSample",
+    "Levels",
     "LinkParams",
     "WorldLinks",
 ]

@@ -4,7 +4,8 @@ Three links are calibrated: ``intra`` (our algorithms between ranks of one node)
 nodes) and ``native`` (the backend's own collectives, so ``auto`` only replaces them where an algorithm of
 ours is predicted to be faster). ``intra`` and ``native`` may also be calibrated per world size
 (:meth:`Calibration.for_world`): on a machine whose ranks share cores, α grows with the number of ranks,
-so one set of parameters cannot describe both 2 and 4 ranks.
+so one set of parameters cannot describe both 2 and 4 ranks. A job over several nodes also calibrates
+:class:`Levels`, the links of the two-level communicator (one transport inside a node, another between).
 
 Nothing reads a file behind the caller's back: a calibration is either :meth:`Calibration.builtin`
 (the documented default wherever one is optional) or :meth:`Calibration.load` of a path the caller
@@ -18,7 +19,7 @@ import json
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from meshwise.comm.cost.formulas import LinkParams
@@ -37,6 +38,34 @@ DEFAULT_FILE = Path("~/.cache/meshwise/calibration.json")
 _DEFAULT_INTRA = LinkParams(alpha=1.5e-3, beta=1.0e-9, gamma=5.0e-10)
 _DEFAULT_INTER = LinkParams(alpha=1.5e-3, beta=1.0e-9, gamma=5.0e-10)
 _DEFAULT_NATIVE = LinkParams(alpha=2.0e-4, beta=4.0e-10, gamma=4.0e-10)
+
+
+@dataclass(frozen=True)
+class Levels:
+    """The links of the two-level communicator (``backend="auto"`` across nodes: shared memory inside a
+    node, gloo or NCCL between nodes), each measured on that transport's own collectives:
+
+    * ``intra`` — among the ranks of one node, on the intra-node transport;
+    * ``inter`` — among the ranks at one local position on every node, *while every local position
+      runs at once* (the pattern of the hierarchical collectives, so a network the L ranks of a node
+      share shows up as an L× larger β);
+    * ``flat``  — the inter-node transport's collectives over the whole job (what runs when the model
+      says the hierarchy does not pay).
+    """
+
+    intra: LinkParams
+    inter: LinkParams
+    flat: LinkParams
+
+
+# Built-in levels: shared memory at ~5 GB/s inside a node, a 10 Gbit/s network between nodes (shared by
+# two ranks per node in the hierarchical pattern). Only an order of magnitude: `meshwise bench
+# --calibrate` on two or more nodes measures the real ones.
+_DEFAULT_LEVELS = Levels(
+    intra=LinkParams(alpha=2.0e-5, beta=2.0e-10, gamma=2.0e-10),
+    inter=LinkParams(alpha=1.0e-4, beta=1.6e-9, gamma=4.0e-10),
+    flat=LinkParams(alpha=1.0e-4, beta=8.0e-10, gamma=4.0e-10),
+)
 
 
 @dataclass(frozen=True)
@@ -74,6 +103,8 @@ class Calibration:
     native: LinkParams = _DEFAULT_NATIVE
     by_world_size: tuple[tuple[int, WorldLinks], ...] = ()
     source: str = field(default=BUILTIN, compare=False)
+    #: the two-level communicator's links (None: never calibrated across nodes; the built-in ones apply)
+    levels: Levels | None = None
 
     def __post_init__(self) -> None:
         entries = dict(self.by_world_size)
@@ -86,11 +117,21 @@ class Calibration:
         """The documented default: the development box's values (``auto`` then keeps native collectives)."""
         return cls(_DEFAULT_INTRA, _DEFAULT_INTER, _DEFAULT_NATIVE)
 
+    def two_level(self) -> Calibration:
+        """What the two-level communicator prices with, in the shape ``choose_algorithm`` reads: its
+        intra- and inter-node levels as ``intra`` / ``inter``, its flat collectives as ``native``."""
+        levels = self.levels if self.levels is not None else _DEFAULT_LEVELS
+        return Calibration(levels.intra, levels.inter, levels.flat, source=self.source)
+
+    def with_levels(self, levels: Levels) -> Calibration:
+        """This calibration with the two-level links replaced."""
+        return replace(self, levels=levels)
+
     def with_world(self, world_size: int, links: WorldLinks) -> Calibration:
         """This calibration with the entry for ``world_size`` set to ``links`` (the others kept), so that
         calibrating one world size after another accumulates them."""
         entries = {**dict(self.by_world_size), world_size: links}
-        return Calibration(self.intra, self.inter, self.native, tuple(entries.items()), self.source)
+        return replace(self, by_world_size=tuple(entries.items()))
 
     def for_world(self, world_size: int) -> Calibration:
         """The links to price a job of ``world_size`` ranks with: the entry measured at that size, else the
@@ -99,11 +140,11 @@ class Calibration:
         if world_size < 1:
             raise ValueError(f"world_size must be at least 1, got {world_size}")
         if not self.by_world_size:
-            return Calibration(self.intra, self.inter, self.native, source=self.source)
+            return replace(self, by_world_size=())
         _, links = min(
             self.by_world_size, key=lambda entry: (abs(math.log2(entry[0] / world_size)), -entry[0])
         )
-        return Calibration(links.intra, self.inter, links.native, source=self.source)
+        return replace(self, intra=links.intra, native=links.native, by_world_size=())
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Calibration:
@@ -147,6 +188,8 @@ def _to_json(calibration: Calibration) -> dict[str, object]:
     }
     if calibration.by_world_size:
         raw["by_world_size"] = {str(p): asdict(links) for p, links in calibration.by_world_size}
+    if calibration.levels is not None:
+        raw["levels"] = asdict(calibration.levels)
     return raw
 
 
@@ -165,7 +208,13 @@ def _from_json(raw: object, source: str) -> Calibration:
         if not isinstance(value, Mapping):
             raise TypeError(f"by_world_size[{key!r}] must be an object, got {type(value).__name__}")
         by_world.append((int(key), WorldLinks(_link(value["intra"]), _link(value["native"]))))
-    return Calibration(intra, inter, native, tuple(by_world), source)
+    levels = None
+    if "levels" in raw:
+        entry = raw["levels"]
+        if not isinstance(entry, Mapping):
+            raise TypeError(f"'levels' must be an object, got {type(entry).__name__}")
+        levels = Levels(*(_link(entry[name]) for name in ("intra", "inter", "flat")))
+    return Calibration(intra, inter, native, tuple(by_world), source, levels)
 
 
 def _link(raw: object) -> LinkParams:

@@ -181,20 +181,41 @@ def uneven_all_to_all_bytes(send_bytes: Sequence[Sequence[float]]) -> float:
     return max(*sent, *received) * p / (p - 1)
 
 
-def hierarchical_all_reduce_seconds(
-    nbytes: float, world_size: int, local_size: int, intra: LinkParams, inter: LinkParams
+def hierarchical_seconds(
+    collective: str, nbytes: float, world_size: int, local_size: int, intra: LinkParams, inter: LinkParams
 ) -> float:
-    """Two links, so no single coefficient vector: ring reduce-scatter within each node, the faster of
-    ring and Rabenseifner all-reduce of n/L bytes across nodes, ring all-gather within each node."""
+    """Two links, so no single coefficient vector. L = ``local_size`` ranks per node, N nodes:
+
+    * all_reduce: ring reduce-scatter within each node, the faster of ring and Rabenseifner all-reduce of
+      n/L bytes across nodes, ring all-gather within each node;
+    * all_gather: ring all-gather of n/L bytes (N slots of n/p) across nodes, then of n within the node;
+    * broadcast: binomial broadcast of n across nodes, then within each node. Only one rank per node
+      crosses here, so pricing that step with ``inter`` (below) is conservative on a shared network.
+
+    ``inter`` is the link one rank sees while its L node-mates cross at the same time (how
+    ``meshwise bench --calibrate`` measures it): where the nodes' network is the bottleneck, its β is L
+    times the link's own, and that sharing is what makes the two-level all-reduce (2 − 1/L)× a flat
+    ring on two nodes rather than 2(p−1)/p ÷ 2(N−1)/(N·L).
+    """
     if local_size < 1 or world_size % local_size:
         raise ValueError(f"local_size {local_size} must divide the world size {world_size}")
     nodes = world_size // local_size
-    within = 0.0
-    if local_size > 1:
-        within = intra.seconds(ring_reduce_scatter(nbytes, local_size))
-        within += intra.seconds(ring_all_gather(nbytes, local_size))
-    if nodes == 1:
-        return within
-    shard = nbytes / local_size
-    across = min(inter.seconds(f(shard, nodes)) for f in (ring_all_reduce, rhd_all_reduce))
+    within = across = 0.0
+    if collective == "all_reduce":
+        if local_size > 1:
+            within = intra.seconds(ring_reduce_scatter(nbytes, local_size))
+            within += intra.seconds(ring_all_gather(nbytes, local_size))
+        if nodes > 1:
+            shard = nbytes / local_size
+            across = min(inter.seconds(f(shard, nodes)) for f in (ring_all_reduce, rhd_all_reduce))
+    elif collective == "all_gather":
+        within = intra.seconds(ring_all_gather(nbytes, local_size)) if local_size > 1 else 0.0
+        across = inter.seconds(ring_all_gather(nbytes / local_size, nodes)) if nodes > 1 else 0.0
+    elif collective == "broadcast":
+        within = intra.seconds(tree_broadcast(nbytes, local_size)) if local_size > 1 else 0.0
+        across = inter.seconds(tree_broadcast(nbytes, nodes)) if nodes > 1 else 0.0
+    else:
+        raise ValueError(
+            f"hierarchical cost is defined for all_reduce, all_gather and broadcast, not {collective}"
+        )
     return within + across
