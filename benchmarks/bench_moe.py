@@ -42,14 +42,14 @@ STATE_BYTES_PER_PARAMETER = 16  # fp32 weight, gradient, Adam m and v
 
 
 class TimedAllToAll:
-    """A Communicator stand-in for the exchange: forwards ``all_to_all`` and adds up its seconds."""
+    """A Communicator stand-in for the exchange: forwards ``all_to_all_single`` and adds up its seconds."""
 
     def __init__(self, comm: Communicator) -> None:
         self.comm, self.rank, self.world_size, self.seconds = comm, comm.rank, comm.world_size, 0.0
 
-    def all_to_all(self, output, input) -> None:
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes) -> None:
         started = time.perf_counter()
-        self.comm.all_to_all(output, input)
+        self.comm.all_to_all_single(output, input, output_split_sizes, input_split_sizes)
         self.seconds += time.perf_counter() - started
 
 

@@ -30,11 +30,10 @@ from meshwise.models.moe import RunExperts
 def all_to_all_rows(comm: Communicator, tensor: Tensor, send_rows: list[int], recv_rows: list[int]) -> Tensor:
     """Rows ``send_rows[j]`` of ``tensor`` (in rank order) go to rank j; returns the rows received,
     ``recv_rows[i]`` from rank i, concatenated. The one place the dispatcher touches the Communicator:
-    it uses the list form of ``all_to_all`` (uneven slots); a split-size ``all_to_all_single`` is a
-    drop-in replacement for these three lines."""
+    the split-size ``all_to_all_single``, whose mismatched splits are named on every rank."""
     tensor = tensor.contiguous()
     received = tensor.new_empty((sum(recv_rows), *tensor.shape[1:]))
-    comm.all_to_all(list(received.split(recv_rows)), list(tensor.split(send_rows)))
+    comm.all_to_all_single(received, tensor, recv_rows, send_rows)
     return received
 
 
@@ -83,7 +82,7 @@ class AllToAllExchange:
         ranks, local = self.comm.world_size, self.local
         # 1. counts: slot j of ours (our rows for j's experts) becomes row `rank` of j's matrix.
         received_counts = torch.empty_like(counts)
-        self.comm.all_to_all(received_counts, counts.contiguous())
+        self.comm.all_to_all_single(received_counts, counts.contiguous())
         matrix = received_counts.reshape(ranks, local).cpu()  # [source rank, local expert]
         send_rows = counts.reshape(ranks, local).sum(dim=1).tolist()
         recv_rows = matrix.sum(dim=1).tolist()
