@@ -47,7 +47,7 @@ class TimedAllToAll:
     def __init__(self, comm: Communicator) -> None:
         self.comm, self.rank, self.world_size, self.seconds = comm, comm.rank, comm.world_size, 0.0
 
-    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes) -> None:
+    def all_to_all_single(self, output, input, output_split_sizes=None, input_split_sizes=None) -> None:
         started = time.perf_counter()
         self.comm.all_to_all_single(output, input, output_split_sizes, input_split_sizes)
         self.seconds += time.perf_counter() - started
