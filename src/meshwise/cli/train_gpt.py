@@ -131,7 +131,13 @@ def add_parser(models: argparse._SubParsersAction) -> None:
         metavar="DIR",
         help="torch.profiler's operators (and CUDA kernels) of a few steps, DIR/rank{R}.json",
     )
-    io.add_argument("--timeout", type=float, default=3600.0, help="deadline for the whole job, seconds")
+    io.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="a deadline for the whole job in seconds, exit 124 when passed (default: none; a hung "
+        "collective is reported after 300 s whatever this says)",
+    )
     parser.set_defaults(func=handler)
 
 

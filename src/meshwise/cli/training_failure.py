@@ -24,6 +24,7 @@ from typing import Any
 
 from meshwise.cli.outputs import check_output, finish_training
 from meshwise.comm.api import PeerFailureError
+from meshwise.runtime.deadline import DEADLINE_EXIT, DeadlineExceeded
 from meshwise.runtime.env import detect_launch_env
 from meshwise.runtime.spawn import SpawnError
 from meshwise.train.errors import TrainingError
@@ -46,6 +47,9 @@ def run_training_command(command: str, args: argparse.Namespace, run: Callable[[
     except (ValueError, FileNotFoundError) as exc:
         print(f"meshwise {command}: error: {exc}", file=sys.stderr)
         return 2
+    except DeadlineExceeded as exc:
+        print(f"meshwise {command}: error: {exc}", file=sys.stderr)
+        return DEADLINE_EXIT
     except Exception as exc:  # a failed run: one report, by the rank it concerns
         return report_failure(command, exc)
     return finish_training(command, result, args.json)

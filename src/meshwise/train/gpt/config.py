@@ -70,7 +70,7 @@ class GPTTrainConfig:
     seed: int = 0
     backend: str = "auto"
     device: str | None = None
-    timeout: float = 3600.0
+    timeout: float | None = None  # a deadline for the whole job (None: none); waits time out anyway
     cache_dir: str | None = None  # where the default corpus is cached (tests use a temporary one)
     init_from: str | None = None  # Hugging Face GPT-2 weights to start from (train/gpt/init_from.py)
     export_hf: str | None = None  # folder rank 0 writes Hugging Face GPT-2 weights into at the end
@@ -227,7 +227,7 @@ class GPTTrainConfig:
             raise ValueError(f"--sample must be a number of tokens ≥ 0, got {self.sample}")
         if not 0 <= self.seed < 2**63:
             raise ValueError(f"--seed must be in 0 .. 2**63-1, got {self.seed}")
-        if self.timeout <= 0:
+        if self.timeout is not None and self.timeout <= 0:
             raise ValueError(f"--timeout must be positive seconds, got {self.timeout}")
 
     def _check_pipeline(self, shape: MeshShape) -> None:
