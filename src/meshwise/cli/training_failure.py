@@ -22,7 +22,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from meshwise.cli.outputs import check_output, finish_training
+from meshwise.cli.outputs import check_plot, finish_training, probe_directory, probe_file
 from meshwise.comm.api import PeerFailureError
 from meshwise.runtime.deadline import DEADLINE_EXIT, DeadlineExceeded
 from meshwise.runtime.env import detect_launch_env
@@ -41,8 +41,7 @@ def run_training_command(command: str, args: argparse.Namespace, run: Callable[[
     line with exit code 2, a failed run reported by :func:`report_failure`, a finished one by
     :func:`~meshwise.cli.outputs.finish_training`."""
     try:
-        check_output("--json", args.json)
-        check_output("--trace", args.trace)
+        check_outputs(args)
         result = run()
     except (ValueError, FileNotFoundError) as exc:
         print(f"meshwise {command}: error: {exc}", file=sys.stderr)
@@ -53,6 +52,24 @@ def run_training_command(command: str, args: argparse.Namespace, run: Callable[[
     except Exception as exc:  # a failed run: one report, by the rank it concerns
         return report_failure(command, exc)
     return finish_training(command, result, args.json)
+
+
+#: each output flag of the train commands and how it is probed: a file, a directory, or an image file
+OUTPUT_FLAGS = {
+    "json": ("--json", probe_file),
+    "trace": ("--trace", probe_file),
+    "timeline": ("--timeline", check_plot),
+    "checkpoint": ("--checkpoint", probe_directory),
+    "export_hf": ("--export-hf", probe_directory),
+    "torch_profile": ("--torch-profile", probe_directory),
+}
+
+
+def check_outputs(args: argparse.Namespace) -> None:
+    """Probe every output path the command was given with a real write, before any rank starts: a run
+    must not train for hours and then lose its result to a path it could not write."""
+    for name, (flag, probe) in OUTPUT_FLAGS.items():
+        probe(flag, getattr(args, name, None))
 
 
 def report_failure(command: str, exc: Exception) -> int:
