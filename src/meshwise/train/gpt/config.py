@@ -20,6 +20,7 @@ from meshwise.models.gpt import GPTConfig, gpt_config
 from meshwise.runtime.env import plan_ranks
 from meshwise.runtime.timeouts import wait_timeout
 from meshwise.train.checkpoint import checkpoint_directory
+from meshwise.train.checkpoint_check import check_dcp_checkpoint
 from meshwise.train.torch_profile import check_directory
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -261,7 +262,7 @@ class GPTTrainConfig:
             validate_pipeline(self.model_config, shape.pp, m, self.schedule, self.virtual_stages)
 
     def _check_checkpoint(self, model: GPTConfig) -> None:
-        from meshwise.train.gpt.checkpoint import RUN_FILE, read_run
+        from meshwise.train.gpt.checkpoint import RUN_FILE, read_run, step_dir
 
         directory = checkpoint_directory(self.checkpoint, self.resume)
         if directory is None:
@@ -274,6 +275,7 @@ class GPTTrainConfig:
                 )
             return
         run = read_run(directory)
+        check_dcp_checkpoint(step_dir(directory, run["step"]))  # one line naming a damaged file
         saved = GPTConfig(**run["model"])
         if saved != model:
             raise ValueError(f"{directory} holds a run of {saved}, not of {model}: pass the same model flags")
