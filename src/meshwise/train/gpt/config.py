@@ -275,7 +275,6 @@ class GPTTrainConfig:
                 )
             return
         run = read_run(directory)
-        check_dcp_checkpoint(step_dir(directory, run["step"]))  # one line naming a damaged file
         saved = GPTConfig(**run["model"])
         if saved != model:
             raise ValueError(f"{directory} holds a run of {saved}, not of {model}: pass the same model flags")
@@ -290,6 +289,7 @@ class GPTTrainConfig:
                 f"{directory} has already completed {run['step']} of --steps {self.steps}; pass a larger "
                 "--steps to train further"
             )
+        check_dcp_checkpoint(step_dir(directory, run["step"]))  # one line naming a damaged file
 
 
 #: with no --micro-batch(es), a pipeline gets up to this many micro-batches per stage (m ≤ 4·p keeps the
