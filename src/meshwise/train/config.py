@@ -7,9 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from meshwise.comm.factory import check_backend
+from meshwise.comm.factory import check_backend_here
 from meshwise.data.mnist import find_mnist_files
-from meshwise.runtime.env import check_mpi_launch
 from meshwise.runtime.timeouts import wait_timeout
 from meshwise.train.checkpoint import check_writable, checkpoint_directory, checkpoint_file, read_checkpoint
 from meshwise.train.workloads import WORKLOADS, Workload
@@ -85,9 +84,7 @@ class TrainConfig:
             raise ValueError(f"--seed must be in 0 .. 2**63-1, got {self.seed}")
         if self.timeout is not None and self.timeout <= 0:
             raise ValueError(f"--timeout must be positive seconds, got {self.timeout}")
-        check_backend(self.backend, what="--backend")
-        if self.backend == "mpi":
-            check_mpi_launch(f"train {self.model}")
+        check_backend_here(self.backend, device=self.device, command=f"train {self.model}")
         if self.strategy not in STRATEGIES:
             choices = ", ".join(STRATEGIES)
             raise ValueError(f"--strategy {self.strategy!r} is unknown; choose one of {choices}")

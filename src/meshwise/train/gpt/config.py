@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from meshwise.comm.factory import check_backend
+from meshwise.comm.factory import check_backend_here
 from meshwise.comm.mesh import MeshShape
 from meshwise.data.corpus import NAME as DEFAULT_CORPUS
 from meshwise.data.corpus import default_corpus
@@ -181,7 +181,7 @@ class GPTTrainConfig:
             )
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda was asked for but CUDA is not available here; use --device cpu")
-        check_backend(self.backend, what="--backend")
+        check_backend_here(self.backend, device=self.device, command="train gpt")
         if self.torch_profile is not None:
             check_directory(self.torch_profile)
         self.load_data().check_vocab(model.vocab)  # builds the default corpus once, before ranks start
