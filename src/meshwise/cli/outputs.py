@@ -114,6 +114,6 @@ def finish_training(command: str, result: Any, json_path: str | None) -> int:
     if result is None:
         return 0
     print(result.summary(), flush=True)
-    text = json.dumps(result.to_json(), indent=2) + "\n"
+    text = json.dumps({"complete": True, **result.to_json()}, indent=2) + "\n"
     writers = [("JSON", json_path, lambda: Path(json_path).write_text(text))] if json_path else []
     return 0 if write_outputs(command, writers) else 1

@@ -111,6 +111,19 @@ def add_parser(models: argparse._SubParsersAction) -> None:
         "--comm-stats", action="store_true", help="count calls and bytes of every collective per mesh axis"
     )
     io.add_argument("--json", default=None, metavar="FILE", help="write the run's metrics as JSON")
+    io.add_argument(
+        "--log-every",
+        type=int,
+        default=None,
+        metavar="N",
+        help="also print a progress line every N steps, terminal or not (default: at evaluations only)",
+    )
+    io.add_argument(
+        "--metrics",
+        default=None,
+        metavar="FILE",
+        help="append one JSON line per reported step to FILE as the run goes (default: none)",
+    )
     measure = parser.add_argument_group("profile")
     measure.add_argument(
         "--profile",

@@ -16,12 +16,14 @@ closed by peer" on rank 0 when rank 1 raised), which used to look like the cause
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
 import traceback
 from collections.abc import Callable
 from typing import Any
 
+from meshwise.cli.interrupted import stop_signals, stopped_line, write_incomplete_json
 from meshwise.cli.outputs import check_plot, finish_training, probe_directory, probe_file
 from meshwise.comm.api import PeerFailureError
 from meshwise.runtime.deadline import DEADLINE_EXIT, DeadlineExceeded
@@ -39,25 +41,41 @@ PEER_GRACE_SECONDS = 10.0
 def run_training_command(command: str, args: argparse.Namespace, run: Callable[[], Any]) -> int:
     """Both train commands' handler body: output paths checked before any rank starts, bad input as one
     line with exit code 2, a failed run reported by :func:`report_failure`, a finished one by
-    :func:`~meshwise.cli.outputs.finish_training`."""
+    :func:`~meshwise.cli.outputs.finish_training`; a run stopped by SIGINT/SIGTERM, its deadline or a
+    failure still leaves its ``--json``, marked incomplete (:mod:`meshwise.cli.interrupted`)."""
+    reporter = detect_launch_env().rank == 0  # this process speaks for the job
+    received: list[signal.Signals] = []  # SIGINT/SIGTERM that arrived while the run went
     try:
         check_outputs(args)
-        result = run()
+        with stop_signals(received):
+            result = run()
     except (ValueError, FileNotFoundError) as exc:
         print(f"meshwise {command}: error: {exc}", file=sys.stderr)
         return 2
     except DeadlineExceeded as exc:
         print(f"meshwise {command}: error: {exc}", file=sys.stderr)
-        return DEADLINE_EXIT
-    except Exception as exc:  # a failed run: one report, by the rank it concerns
-        return report_failure(command, exc)
-    return finish_training(command, result, args.json)
+        code, stopped = DEADLINE_EXIT, str(exc)
+    except BaseException as exc:  # a failed or interrupted run: one report, by the rank it concerns
+        if received:  # whatever the interrupt was wrapped in on its way up
+            if reporter:
+                print(stopped_line(command, received[0], getattr(args, "checkpoint", None)), file=sys.stderr)
+            code, stopped = 128 + received[0], f"{received[0].name} received"
+        elif isinstance(exc, Exception):
+            code, stopped = report_failure(command, exc), f"{type(exc).__name__}: {exc}"
+        else:
+            raise
+    else:
+        return finish_training(command, result, args.json)
+    if reporter:
+        write_incomplete_json(args, stopped)
+    return code
 
 
 #: each output flag of the train commands and how it is probed: a file, a directory, or an image file
 OUTPUT_FLAGS = {
     "json": ("--json", probe_file),
     "trace": ("--trace", probe_file),
+    "metrics": ("--metrics", probe_file),
     "timeline": ("--timeline", check_plot),
     "checkpoint": ("--checkpoint", probe_directory),
     "export_hf": ("--export-hf", probe_directory),

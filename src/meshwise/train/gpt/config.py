@@ -75,6 +75,8 @@ class GPTTrainConfig:
     cache_dir: str | None = None  # where the default corpus is cached (tests use a temporary one)
     init_from: str | None = None  # Hugging Face GPT-2 weights to start from (train/gpt/init_from.py)
     export_hf: str | None = None  # folder rank 0 writes Hugging Face GPT-2 weights into at the end
+    log_every: int | None = None  # also report every N-th step (default: the evaluation steps only)
+    metrics: str | None = None  # JSON-lines file: one record per reported step, as the run goes
 
     # ------------------------------------------------------------------ derived
     @property
@@ -202,6 +204,8 @@ class GPTTrainConfig:
         for flag, value in positive.items():
             if value < 1:
                 raise ValueError(f"{flag} must be at least 1, got {value}")
+        if self.log_every is not None and self.log_every < 1:
+            raise ValueError(f"--log-every must be at least 1, got {self.log_every}")
         if self.micro_batch is not None and self.micro_batch < 1:
             raise ValueError(f"--micro-batch must be at least 1, got {self.micro_batch}")
         for flag, value in (("--lr", self.lr), ("--min-lr", self.min_lr)):

@@ -32,6 +32,7 @@ from meshwise.train.gpt.peak import peak_flops
 from meshwise.train.gpt.profiling import GPTProfiling
 from meshwise.train.gpt.report import GPTResult, StepStats, step_line
 from meshwise.train.gpt.schedule import lr_at
+from meshwise.train.gpt.step_log import StepLog
 from meshwise.world import World, init
 
 SAMPLE_PROMPT = "\ndef "
@@ -68,6 +69,9 @@ class GPTTrainer:
             self._restore()
         self.console = Console(soft_wrap=True)
         self.profiling = GPTProfiling(world, config, self.step_runner, config.steps - self.first_step)
+        self.step_log = StepLog(
+            is_main=world.is_main, steps=config.steps, log_every=config.log_every, metrics=config.metrics
+        )
 
     # ------------------------------------------------------------------ checkpoints
     def _run_record(self) -> dict:
@@ -228,11 +232,13 @@ class GPTTrainer:
                 progress.update(
                     task, advance=1, status=f"loss {stats.loss:.3f}  {stats.tokens_per_second:,.0f} tok/s"
                 )
+                self.step_log.after_step(stats, mfu, progress.console)
                 if stats.val_loss is not None:
                     if world.is_main:
                         progress.console.print(step_line(stats, config.steps, mfu))
                     if config.checkpoint is not None:
                         self.save_checkpoint(step + 1)
+        self.step_log.close()
         self.step_runner.finish()
         text = self.sample(config.sample) if config.sample else None
         exported = self.export_hf(config.export_hf) if config.export_hf is not None else None

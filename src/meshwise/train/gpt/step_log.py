@@ -1,0 +1,42 @@
+"""Which steps a GPT run reports while it goes, and where: progress lines and the ``--metrics`` stream.
+
+Every evaluation step is reported (as before); ``--log-every N`` adds every N-th step, printed as a
+plain line whether or not stdout is a terminal (a batch job's log has no progress bar). Each reported
+step is also one JSON line of the ``--metrics`` stream (:mod:`meshwise.train.metrics_stream`). Only
+rank 0 reports; the other ranks' calls return at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from rich.console import Console
+
+from meshwise.train.gpt.report import StepStats, step_line
+from meshwise.train.metrics_stream import MetricsStream
+
+
+class StepLog:
+    """Rank 0's reporting of logged steps; :meth:`close` at the end of the run."""
+
+    def __init__(self, *, is_main: bool, steps: int, log_every: int | None, metrics: str | None) -> None:
+        self.is_main, self.steps, self.log_every = is_main, steps, log_every
+        self.stream = MetricsStream(metrics) if is_main and metrics is not None else None
+
+    def due(self, step: int) -> bool:
+        """Is 1-based ``step`` one of the --log-every steps (the last step always is)?"""
+        return self.log_every is not None and (step % self.log_every == 0 or step == self.steps)
+
+    def after_step(self, stats: StepStats, mfu: float, console: Console) -> None:
+        """Report ``stats`` if it is a logged step: a line unless the evaluation prints one, a record."""
+        evaluated = stats.val_loss is not None
+        if not self.is_main or not (evaluated or self.due(stats.step)):
+            return
+        if not evaluated:
+            console.print(step_line(stats, self.steps, mfu))
+        if self.stream is not None:
+            self.stream.write(asdict(stats) | {"tokens_per_second": stats.tokens_per_second, "mfu": mfu})
+
+    def close(self) -> None:
+        if self.stream is not None:
+            self.stream.close()
