@@ -32,6 +32,7 @@ from meshwise.train.gpt.peak import peak_flops
 from meshwise.train.gpt.profiling import GPTProfiling
 from meshwise.train.gpt.report import GPTResult, StepStats, step_line
 from meshwise.train.gpt.schedule import lr_at
+from meshwise.train.gpt.start_notes import start_notes
 from meshwise.train.gpt.step_log import StepLog
 from meshwise.world import World, init
 
@@ -64,6 +65,7 @@ class GPTTrainer:
         self.history: list[StepStats] = []
         self.first_step = 0
         self.initial_val_loss: float | None = None  # before the first step: the baseline learning beats
+        self.saved_run: dict | None = None  # the resumed checkpoint's run record
         self.checkpoint_path: str | None = None
         if config.resume:
             self._restore()
@@ -101,6 +103,7 @@ class GPTTrainer:
         assert self.config.checkpoint is not None
         state = self.step_runner.state_dict()
         run = checkpoint.load(self.config.checkpoint, state)
+        self.saved_run = run
         self.step_runner.load_state_dict(state)
         self.first_step = int(run["step"])
         self.history = [StepStats(**s) for s in run["history"]]
@@ -208,6 +211,8 @@ class GPTTrainer:
                 f"{'s' if world.world_size > 1 else ''} × {world.device} over {world.backend}, "
                 f"global batch {config.global_batch} × {self.seq_len}"
             )
+            for note in start_notes(config, self.model_config.vocab, self.saved_run):
+                self.console.print(f"note: {note}")
         if self.first_step == 0:
             self.initial_val_loss = self.evaluate()
         started = time.perf_counter()
