@@ -10,6 +10,7 @@ model and optimizer state and continues exactly.
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import asdict, replace
 
@@ -23,12 +24,13 @@ from meshwise.comm.mesh import AXES
 from meshwise.data.tokens import ByteTokenizer
 from meshwise.data.windows import train_batch, val_batches
 from meshwise.models.gpt import GPT
+from meshwise.runtime.cores import available_cores
 from meshwise.train.errors import TrainingError, diverged_on, train_on_rank
 from meshwise.train.gpt import checkpoint
 from meshwise.train.gpt.config import GPTTrainConfig
 from meshwise.train.gpt.init_from import export, load_weights
 from meshwise.train.gpt.parallelize import parallelize
-from meshwise.train.gpt.peak import peak_flops
+from meshwise.train.gpt.peak import peak_flops, shared_cores_peak, thread_hint
 from meshwise.train.gpt.profiling import GPTProfiling
 from meshwise.train.gpt.report import GPTResult, StepStats, step_line
 from meshwise.train.gpt.schedule import lr_at
@@ -66,6 +68,7 @@ class GPTTrainer:
         self.first_step = 0
         self.initial_val_loss: float | None = None  # before the first step: the baseline learning beats
         self.saved_run: dict | None = None  # the resumed checkpoint's run record
+        self.peak_notes: list[str] = []  # what the MFU peak had to assume (shared cores)
         self.checkpoint_path: str | None = None
         if config.resume:
             self._restore()
@@ -197,7 +200,23 @@ class GPTTrainer:
         mine, source = peak_flops(self.world.device, self.config.torch_dtype)
         total = torch.tensor([mine], dtype=torch.float64)
         self.world.comm.all_reduce(total, ReduceOp.SUM)
+        if source == "measured":  # CPU ranks may share this host's cores: see shared_cores_peak
+            return self._shared_cores_peak(total.item(), mine), source
         return total.item(), source
+
+    def _shared_cores_peak(self, summed: float, mine: float) -> float:
+        """The summed peak capped at this host's cores (every node alike), and the notes it implies."""
+        threads = torch.get_num_threads()
+        best = torch.tensor([mine / threads], dtype=torch.float64)
+        self.world.comm.all_reduce(best, ReduceOp.MAX)
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", self.world.world_size))
+        nodes = max(1, self.world.world_size // local)
+        cores = available_cores()
+        peak, note = shared_cores_peak(summed / nodes, best.item(), local * threads, cores)
+        self.peak_notes = [n for n in (note,) if n]
+        if self.world.world_size == 1:
+            self.peak_notes += [n for n in (thread_hint(threads, cores, os.getloadavg()[0]),) if n]
+        return peak * nodes
 
     def run(self) -> GPTResult:
         config, world = self.config, self.world
@@ -211,7 +230,7 @@ class GPTTrainer:
                 f"{'s' if world.world_size > 1 else ''} × {world.device} over {world.backend}, "
                 f"global batch {config.global_batch} × {self.seq_len}"
             )
-            for note in start_notes(config, self.model_config.vocab, self.saved_run):
+            for note in [*start_notes(config, self.model_config.vocab, self.saved_run), *self.peak_notes]:
                 self.console.print(f"note: {note}")
         if self.first_step == 0:
             self.initial_val_loss = self.evaluate()
@@ -275,6 +294,27 @@ class GPTTrainer:
             exported=exported,
             profile=self.profiling.finish(),
             notes=notes,
+            strategy={
+                "dp": self.dp,
+                "tp": self.mesh.shape.tp,
+                "pp": self.mesh.shape.pp,
+                "zero": config.zero,
+                "sp": config.sp,
+                "schedule": config.schedule if self.mesh.shape.pp > 1 else None,
+                "virtual_stages": config.virtual_stages,
+                "micro_batches": config.accumulation(self.dp),
+                "micro_batch_size": self.micro_batch,
+            },
+            outputs={
+                flag: path
+                for flag, path in (
+                    ("Trace", config.trace),
+                    ("Timeline", config.timeline),
+                    ("Torch profile", config.torch_profile),
+                    ("Metrics", config.metrics),
+                )
+                if path is not None
+            },
         )
 
     def _comm_stats(self) -> dict[str, dict[str, dict[str, float]]] | None:

@@ -35,7 +35,21 @@ def vocabulary_note(config: GPTTrainConfig, vocab: int) -> str | None:
     )
 
 
+def schedule_note(config: GPTTrainConfig, saved_run: dict[str, Any] | None) -> str | None:
+    """A resume with another --steps: the learning-rate schedule is a function of the run's length,
+    so the remaining steps follow one planned for the new length, not the one the checkpoint began."""
+    if saved_run is None or saved_run["run"].get("steps") in (None, config.steps):
+        return None
+    before = saved_run["run"]["steps"]
+    return (
+        f"--steps {config.steps} differs from the checkpoint's {before}: the learning-rate schedule "
+        f"(warmup {config.warmup_steps} steps, cosine decay to --min-lr {config.min_lr:g} "
+        f"at step {config.steps}) is re-planned for the new length, so steps {saved_run['step'] + 1} on "
+        f"follow it rather than the {before}-step plan"
+    )
+
+
 def start_notes(config: GPTTrainConfig, vocab: int, saved_run: dict[str, Any] | None) -> list[str]:
     """Every note that applies to this run (``saved_run``: a resumed checkpoint's run.json)."""
-    notes = [vocabulary_note(config, vocab)]
+    notes = [vocabulary_note(config, vocab), schedule_note(config, saved_run)]
     return [note for note in notes if note is not None]
