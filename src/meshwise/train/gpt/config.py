@@ -178,8 +178,9 @@ class GPTTrainConfig:
         micro = self.per_rank_micro_batch(shape.dp)
         if micro < 1 or self.global_batch % (shape.dp * micro):
             raise ValueError(
-                f"--micro-batch {micro} does not divide the per-rank batch {self.global_batch // shape.dp} "
-                f"(--global-batch {self.global_batch} / dp {shape.dp}): choose a divisor of it"
+                f"--micro-batch-size {micro} does not divide the per-rank batch "
+                f"{self.global_batch // shape.dp} (--global-batch {self.global_batch} / dp {shape.dp}): "
+                "choose a divisor of it"
             )
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda was asked for but CUDA is not available here; use --device cpu")
@@ -207,7 +208,7 @@ class GPTTrainConfig:
         if self.log_every is not None and self.log_every < 1:
             raise ValueError(f"--log-every must be at least 1, got {self.log_every}")
         if self.micro_batch is not None and self.micro_batch < 1:
-            raise ValueError(f"--micro-batch must be at least 1, got {self.micro_batch}")
+            raise ValueError(f"--micro-batch-size must be at least 1, got {self.micro_batch}")
         for flag, value in (("--lr", self.lr), ("--min-lr", self.min_lr)):
             if not (math.isfinite(value) and value >= 0) or (flag == "--lr" and value == 0):
                 raise ValueError(f"{flag} must be a positive number, got {value}")
@@ -239,7 +240,9 @@ class GPTTrainConfig:
         """--micro-batches and the pipeline flags: consistent, and a pipeline that can be built."""
         if self.micro_batches is not None:
             if self.micro_batch is not None:
-                raise ValueError("give --micro-batch (sequences) or --micro-batches (how many), not both")
+                raise ValueError(
+                    "give --micro-batch-size (sequences) or --micro-batches (how many), not both"
+                )
             per_rank = self.global_batch // shape.dp
             if self.micro_batches < 1 or per_rank % self.micro_batches:
                 raise ValueError(
