@@ -15,6 +15,7 @@ from meshwise.cli.training_failure import run_training_command
 from meshwise.models.gpt import CONFIGS
 from meshwise.parallel.pipeline_parallel.schedules import SCHEDULES
 from meshwise.train.gpt import GPTTrainConfig, run_gpt_training
+from meshwise.train.gpt.schedule import LR_SCHEDULES
 
 _DEFAULTS = {f.name: f.default for f in fields(GPTTrainConfig)}
 
@@ -121,7 +122,25 @@ def add_parser(models: argparse._SubParsersAction) -> None:
     run.add_argument(
         "--warmup", type=int, default=d["warmup"], help="linear warmup steps (default: a tenth of --steps)"
     )
-    run.add_argument("--min-lr", type=float, default=d["min_lr"], help="cosine floor (default %(default)s)")
+    run.add_argument(
+        "--min-lr", type=float, default=d["min_lr"], help="floor the decay ends at (default %(default)s)"
+    )
+    run.add_argument(
+        "--lr-schedule",
+        choices=LR_SCHEDULES,
+        default=d["lr_schedule"],
+        help="decay after warmup; wsd holds the peak until the last 20 %% of the steps, then decays "
+        "linearly (default %(default)s)",
+    )
+    run.add_argument(
+        "--dropout",
+        type=float,
+        default=d["dropout"],
+        help="dropout probability, dp/ZeRO only (default %(default)s)",
+    )
+    run.add_argument("--beta1", type=float, default=d["beta1"], help="AdamW beta1 (default %(default)s)")
+    run.add_argument("--beta2", type=float, default=d["beta2"], help="AdamW beta2 (default %(default)s)")
+    run.add_argument("--eps", type=float, default=d["eps"], help="AdamW epsilon (default %(default)s)")
     run.add_argument(
         "--weight-decay",
         type=float,
@@ -156,6 +175,13 @@ def add_parser(models: argparse._SubParsersAction) -> None:
     )
     io.add_argument(
         "--checkpoint", default=None, metavar="DIR", help="DCP checkpoint at every validation (default: none)"
+    )
+    io.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=None,
+        metavar="N",
+        help="checkpoint every N steps and at the end instead (default: at every validation)",
     )
     io.add_argument("--resume", action="store_true", help="continue the run checkpointed in --checkpoint DIR")
     io.add_argument(

@@ -4,7 +4,7 @@ before any rank starts, each failure one line that says what to change."""
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -76,6 +76,12 @@ class GPTTrainConfig:
     init_from: str | None = None  # Hugging Face GPT-2 weights to start from (train/gpt/init_from.py)
     export_hf: str | None = None  # folder rank 0 writes Hugging Face GPT-2 weights into at the end
     log_every: int | None = None  # also report every N-th step (default: the evaluation steps only)
+    lr_schedule: str = "cosine"  # the decay after warmup: cosine, linear, constant or wsd (schedule.py)
+    dropout: float = 0.0  # on attention weights and residual branches, as GPT-2 (tp = pp = 1)
+    beta1: float = 0.9  # AdamW's first-moment decay
+    beta2: float = 0.95  # AdamW's second-moment decay (GPT-3's 0.95 rather than torch's 0.999)
+    eps: float = 1e-8  # AdamW's denominator floor
+    checkpoint_every: int | None = None  # checkpoint every N steps (default: at every evaluation)
     metrics: str | None = None  # JSON-lines file: one record per reported step, as the run goes
 
     # ------------------------------------------------------------------ derived
@@ -88,8 +94,10 @@ class GPTTrainConfig:
         if self.init_from is not None:
             from meshwise.train.gpt.init_from import init_model_config
 
-            return init_model_config(self.init_from, self.config, sizes)
-        return gpt_config(self.config or DEFAULT_MODEL, **sizes)
+            model = init_model_config(self.init_from, self.config, sizes)
+        else:
+            model = gpt_config(self.config or DEFAULT_MODEL, **sizes)
+        return replace(model, dropout=self.dropout) if self.dropout else model
 
     @property
     def model_name(self) -> str:
@@ -207,6 +215,7 @@ class GPTTrainConfig:
                 raise ValueError(f"{flag} must be at least 1, got {value}")
         if self.log_every is not None and self.log_every < 1:
             raise ValueError(f"--log-every must be at least 1, got {self.log_every}")
+        check_optimisation(self)
         if self.micro_batch is not None and self.micro_batch < 1:
             raise ValueError(f"--micro-batch-size must be at least 1, got {self.micro_batch}")
         for flag, value in (("--lr", self.lr), ("--min-lr", self.min_lr)):
@@ -312,3 +321,30 @@ def default_pipeline_micro_batches(per_rank: int, pp: int, schedule: str) -> int
     if schedule == "interleaved":
         divisors = [m for m in divisors if m % pp == 0] or [1]
     return max(divisors)
+
+
+def check_optimisation(config: GPTTrainConfig) -> None:
+    """The flags of the Add list (issue 30): schedule shape, dropout, AdamW's betas and eps, checkpoints."""
+    from meshwise.train.gpt.schedule import LR_SCHEDULES
+
+    if config.lr_schedule not in LR_SCHEDULES:
+        raise ValueError(
+            f"--lr-schedule {config.lr_schedule!r} is unknown; choose one of {', '.join(LR_SCHEDULES)}"
+        )
+    if not 0.0 <= config.dropout < 1.0:
+        raise ValueError(f"--dropout must be in [0, 1), got {config.dropout}")
+    if config.dropout and (config.tp > 1 or config.pp > 1):
+        raise ValueError(
+            "--dropout is supported with data parallelism and ZeRO only: tensor- and pipeline-parallel ranks "
+            "would draw different masks for the same activations; drop --dropout or --tp/--pp"
+        )
+    for flag, value in (("--beta1", config.beta1), ("--beta2", config.beta2)):
+        if not 0.0 <= value < 1.0:
+            raise ValueError(f"{flag} must be in [0, 1), got {value}")
+    if not (math.isfinite(config.eps) and config.eps > 0):
+        raise ValueError(f"--eps must be a positive number, got {config.eps}")
+    if config.checkpoint_every is not None:
+        if config.checkpoint_every < 1:
+            raise ValueError(f"--checkpoint-every must be at least 1, got {config.checkpoint_every}")
+        if config.checkpoint is None:
+            raise ValueError("--checkpoint-every needs --checkpoint DIR: where to write them")

@@ -35,7 +35,7 @@ from meshwise.train.gpt.profiling import GPTProfiling
 from meshwise.train.gpt.report import GPTResult, StepStats, step_line
 from meshwise.train.gpt.schedule import lr_at
 from meshwise.train.gpt.start_notes import start_notes
-from meshwise.train.gpt.step_log import StepLog
+from meshwise.train.gpt.step_log import StepLog, checkpoint_due
 from meshwise.world import World, init
 
 SAMPLE_PROMPT = "\ndef "
@@ -64,6 +64,8 @@ class GPTTrainer:
         if config.init_from is not None and not config.resume:  # a resumed run continues its own weights
             load_weights(model, config.init_from)
         self.step_runner = parallelize(model, self.mesh, config)
+        for group in self.step_runner.optimizer.param_groups:  # --beta1/--beta2/--eps
+            group.update(betas=(config.beta1, config.beta2), eps=config.eps)
         self.history: list[StepStats] = []
         self.first_step = 0
         self.initial_val_loss: float | None = None  # before the first step: the baseline learning beats
@@ -127,7 +129,14 @@ class GPTTrainer:
     def train_step(self, step: int) -> StepStats:
         """One optimizer step (0-based ``step``); the returned loss is the global batch's mean."""
         config, runner, profiling = self.config, self.step_runner, self.profiling
-        lr = lr_at(step, lr=config.lr, min_lr=config.min_lr, warmup=config.warmup_steps, steps=config.steps)
+        lr = lr_at(
+            step,
+            lr=config.lr,
+            min_lr=config.min_lr,
+            warmup=config.warmup_steps,
+            steps=config.steps,
+            shape=config.lr_schedule,
+        )
         with profiling.step():
             started = time.perf_counter()
             with profiling.phase("optimizer"):
@@ -257,11 +266,10 @@ class GPTTrainer:
                     task, advance=1, status=f"loss {stats.loss:.3f}  {stats.tokens_per_second:,.0f} tok/s"
                 )
                 self.step_log.after_step(stats, mfu, progress.console)
-                if stats.val_loss is not None:
-                    if world.is_main:
-                        progress.console.print(step_line(stats, config.steps, mfu))
-                    if config.checkpoint is not None:
-                        self.save_checkpoint(step + 1)
+                if stats.val_loss is not None and world.is_main:
+                    progress.console.print(step_line(stats, config.steps, mfu))
+                if checkpoint_due(config, step + 1, evaluated=stats.val_loss is not None):
+                    self.save_checkpoint(step + 1)
         self.step_log.close()
         self.step_runner.finish()
         text = self.sample(config.sample) if config.sample else None

@@ -43,7 +43,7 @@ def schedule_note(config: GPTTrainConfig, saved_run: dict[str, Any] | None) -> s
     before = saved_run["run"]["steps"]
     return (
         f"--steps {config.steps} differs from the checkpoint's {before}: the learning-rate schedule "
-        f"(warmup {config.warmup_steps} steps, cosine decay to --min-lr {config.min_lr:g} "
+        f"(warmup {config.warmup_steps} steps, {config.lr_schedule} decay to --min-lr {config.min_lr:g} "
         f"at step {config.steps}) is re-planned for the new length, so steps {saved_run['step'] + 1} on "
         f"follow it rather than the {before}-step plan"
     )

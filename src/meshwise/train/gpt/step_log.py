@@ -1,4 +1,4 @@
-"""Which steps a GPT run reports while it goes, and where: progress lines and the ``--metrics`` stream.
+"""Which steps a GPT run reports and checkpoints: progress lines, the ``--metrics`` stream, checkpoints.
 
 Every evaluation step is reported (as before); ``--log-every N`` adds every N-th step, printed as a
 plain line whether or not stdout is a terminal (a batch job's log has no progress bar). Each reported
@@ -12,6 +12,7 @@ from dataclasses import asdict
 
 from rich.console import Console
 
+from meshwise.train.gpt.config import GPTTrainConfig
 from meshwise.train.gpt.report import StepStats, step_line
 from meshwise.train.metrics_stream import MetricsStream
 
@@ -40,3 +41,13 @@ class StepLog:
     def close(self) -> None:
         if self.stream is not None:
             self.stream.close()
+
+
+def checkpoint_due(config: GPTTrainConfig, step: int, *, evaluated: bool) -> bool:
+    """Is a checkpoint written after 1-based ``step``? At every evaluation by default; with
+    ``--checkpoint-every N`` every N-th step and the last one instead, whatever the evaluations do."""
+    if config.checkpoint is None:
+        return False
+    if config.checkpoint_every is None:
+        return evaluated
+    return step % config.checkpoint_every == 0 or step == config.steps
