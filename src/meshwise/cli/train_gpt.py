@@ -168,6 +168,13 @@ def add_parser(models: argparse._SubParsersAction) -> None:
         help="text file (read as bytes), or uint16 .bin token file (default: this Python's standard library)",
     )
     io.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="PATH",
+        help="tokenizer.json (or its folder) to tokenize a text --data with, cached beside it as .bin, and "
+        "to decode --sample; local files only (default: the --init-from folder's, else bytes)",
+    )
+    io.add_argument(
         "--eval-every", type=int, default=d["eval_every"], help="validate every N steps (default %(default)s)"
     )
     io.add_argument(

@@ -83,6 +83,7 @@ class GPTTrainConfig:
     eps: float = 1e-8  # AdamW's denominator floor
     checkpoint_every: int | None = None  # checkpoint every N steps (default: at every evaluation)
     metrics: str | None = None  # JSON-lines file: one record per reported step, as the run goes
+    tokenizer: str | None = None  # local tokenizer.json (or its folder) for a text --data and --sample
 
     # ------------------------------------------------------------------ derived
     @property
@@ -154,9 +155,25 @@ class GPTTrainConfig:
         tokens: np.ndarray
         if self.data is None:
             tokens, name = default_corpus(self.cache_dir), DEFAULT_CORPUS
+        elif self.tokenizer_path is not None and Path(self.data).suffix != ".bin":
+            from meshwise.data.local_tokenizer import tokenize_cached
+
+            tokens, cache = tokenize_cached(self.data, self.tokenizer_path)
+            name = cache.name
         else:
             tokens, name = load_tokens(self.data), Path(self.data).name
         return TokenSplits.split(name, tokens, self.train_seq_len)
+
+    @property
+    def tokenizer_path(self) -> str | None:
+        """--tokenizer, else the --init-from folder's tokenizer.json when it has one (None: bytes)."""
+        if self.tokenizer is not None:
+            return self.tokenizer
+        if self.init_from is not None:
+            folder = Path(self.init_from) if Path(self.init_from).is_dir() else Path(self.init_from).parent
+            if (folder / "tokenizer.json").is_file():
+                return str(folder)
+        return None
 
     def to_json(self) -> dict:
         return asdict(self)

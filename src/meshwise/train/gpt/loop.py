@@ -21,6 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from meshwise.comm.api import ReduceOp
 from meshwise.comm.counting import CountingCommunicator
 from meshwise.comm.mesh import AXES
+from meshwise.data.local_tokenizer import FileTokenizer
 from meshwise.data.tokens import ByteTokenizer
 from meshwise.data.windows import train_batch, val_batches
 from meshwise.models.gpt import GPT
@@ -189,12 +190,17 @@ class GPTTrainer:
         if not self.world.is_main:
             return None
         model.eval()
-        tokenizer = ByteTokenizer()
+        tokenizer = (
+            ByteTokenizer()
+            if self.config.tokenizer_path is None
+            else FileTokenizer(self.config.tokenizer_path)
+        )
         prompt = torch.tensor(tokenizer.encode(SAMPLE_PROMPT).astype("int64"), device=self.world.device)
         generator = torch.Generator(device=self.world.device).manual_seed(self.config.seed)
         out = model.generate(prompt[None], tokens, temperature=0.8, top_k=40, generator=generator)[0].tolist()
         model.train()
-        return tokenizer.decode(out) if self.model_config.vocab <= 256 else " ".join(map(str, out))
+        decodable = self.model_config.vocab <= 256 or self.config.tokenizer_path is not None
+        return tokenizer.decode(out) if decodable else " ".join(map(str, out))
 
     def export_hf(self, directory: str) -> str | None:
         """Rank 0 writes the trained weights in Hugging Face GPT-2 format; every rank calls it, since

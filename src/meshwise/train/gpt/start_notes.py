@@ -20,7 +20,7 @@ def data_tokenizer(config: GPTTrainConfig) -> str | None:
     ``.bin`` token file (its tokenizer is not recorded)."""
     if config.data is not None and Path(config.data).suffix == TOKEN_SUFFIX:
         return None
-    return "bytes"
+    return "bytes" if config.data is None or config.tokenizer_path is None else "tokenizer"
 
 
 def vocabulary_note(config: GPTTrainConfig, vocab: int) -> str | None:
