@@ -160,6 +160,11 @@ def add_parser(models: argparse._SubParsersAction) -> None:
         help="compute precision; fp16 with --zero (default %(default)s)",
     )
     run.add_argument("--seed", type=int, default=0, help="initial weights and data order (default 0)")
+    run.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile each transformer block; on a CPU this needs a C++ compiler (gcc or clang)",
+    )
     io = parser.add_argument_group("data, evaluation, output")
     io.add_argument(
         "--data",

@@ -84,6 +84,7 @@ class GPTTrainConfig:
     checkpoint_every: int | None = None  # checkpoint every N steps (default: at every evaluation)
     metrics: str | None = None  # JSON-lines file: one record per reported step, as the run goes
     tokenizer: str | None = None  # local tokenizer.json (or its folder) for a text --data and --sample
+    compile: bool = False  # torch.compile each transformer block in place (train/gpt/loop.py)
 
     # ------------------------------------------------------------------ derived
     @property

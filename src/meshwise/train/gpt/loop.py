@@ -64,6 +64,9 @@ class GPTTrainer:
         model = GPT(self.model_config).to(world.device)
         if config.init_from is not None and not config.resume:  # a resumed run continues its own weights
             load_weights(model, config.init_from)
+        if config.compile:  # per block and in place: parameter names, and so checkpoints, stay as they are
+            for block in model.blocks:
+                block.compile()
         self.step_runner = parallelize(model, self.mesh, config)
         for group in self.step_runner.optimizer.param_groups:  # --beta1/--beta2/--eps
             group.update(betas=(config.beta1, config.beta2), eps=config.eps)
