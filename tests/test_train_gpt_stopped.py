@@ -85,3 +85,17 @@ def test_sigterm_and_sigint_stop_alike_naming_the_checkpoint_kept(text, tmp_path
     assert "Traceback" not in err
     result = json.loads(summary.read_text())
     assert result["complete"] is False and result["checkpoint_step"] == step
+
+
+def test_reported_steps_become_tensorboard_scalars(text, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = tmp_path / "tb"
+    argv = gpt_argv(
+        text, "--steps", "3", "--eval-every", "3", "--log-every", "1", "--tensorboard", str(board)
+    )
+    assert main(argv) == 0
+    events = EventAccumulator(str(board))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3]
+    assert [e.step for e in events.Scalars("train/val_loss")] == [3]

@@ -219,6 +219,13 @@ def add_parser(models: argparse._SubParsersAction) -> None:
         help="also print a progress line every N steps, terminal or not (default: at evaluations only)",
     )
     io.add_argument(
+        "--tensorboard",
+        default=None,
+        metavar="DIR",
+        help="TensorBoard event files of the reported steps in DIR, needs meshwise[tensorboard] "
+        "(default: none)",
+    )
+    io.add_argument(
         "--metrics",
         default=None,
         metavar="FILE",

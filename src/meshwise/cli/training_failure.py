@@ -80,6 +80,7 @@ OUTPUT_FLAGS = {
     "checkpoint": ("--checkpoint", probe_directory),
     "export_hf": ("--export-hf", probe_directory),
     "torch_profile": ("--torch-profile", probe_directory),
+    "tensorboard": ("--tensorboard", probe_directory),
 }
 
 

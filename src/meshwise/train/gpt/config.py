@@ -85,6 +85,7 @@ class GPTTrainConfig:
     metrics: str | None = None  # JSON-lines file: one record per reported step, as the run goes
     tokenizer: str | None = None  # local tokenizer.json (or its folder) for a text --data and --sample
     compile: bool = False  # torch.compile each transformer block in place (train/gpt/loop.py)
+    tensorboard: str | None = None  # directory for TensorBoard event files of the reported steps
 
     # ------------------------------------------------------------------ derived
     @property
@@ -366,3 +367,7 @@ def check_optimisation(config: GPTTrainConfig) -> None:
             raise ValueError(f"--checkpoint-every must be at least 1, got {config.checkpoint_every}")
         if config.checkpoint is None:
             raise ValueError("--checkpoint-every needs --checkpoint DIR: where to write them")
+    if config.tensorboard is not None:
+        from meshwise.train.gpt.step_log import check_tensorboard
+
+        check_tensorboard()

@@ -81,7 +81,11 @@ class GPTTrainer:
         self.console = Console(soft_wrap=True)
         self.profiling = GPTProfiling(world, config, self.step_runner, config.steps - self.first_step)
         self.step_log = StepLog(
-            is_main=world.is_main, steps=config.steps, log_every=config.log_every, metrics=config.metrics
+            is_main=world.is_main,
+            steps=config.steps,
+            log_every=config.log_every,
+            metrics=config.metrics,
+            tensorboard=config.tensorboard,
         )
 
     # ------------------------------------------------------------------ checkpoints
