@@ -95,3 +95,26 @@ def test_a_run_checkpoints_every_n_steps(text, tmp_path):
     argv = gpt_argv(text, "--steps", "4", "--eval-every", "100", "--checkpoint", str(directory))
     assert main([*argv, "--checkpoint-every", "3"]) == 0
     assert json.loads((directory / "run.json").read_text())["step"] == 4
+
+
+def test_keep_leaves_the_latest_k_checkpoints(text, tmp_path):
+    directory = tmp_path / "ckpt"
+    argv = gpt_argv(text, "--steps", "5", "--eval-every", "100", "--checkpoint", str(directory))
+    assert main([*argv, "--checkpoint-every", "1", "--keep", "3"]) == 0
+    assert sorted(p.name for p in directory.glob("step-*")) == ["step-000003", "step-000004", "step-000005"]
+    assert json.loads((directory / "run.json").read_text())["step"] == 5
+
+
+def test_stale_steps_spare_the_target_and_the_latest_before_it(tmp_path):
+    from meshwise.train.gpt.checkpoint import stale_steps, step_dir
+
+    for step in (2, 4, 6, 8):
+        step_dir(tmp_path, step).mkdir()
+    names = lambda paths: sorted(p.name for p in paths)  # noqa: E731
+    assert names(stale_steps(tmp_path, step_dir(tmp_path, 6), 1)) == [
+        "step-000002",
+        "step-000004",
+        "step-000008",
+    ]
+    assert names(stale_steps(tmp_path, step_dir(tmp_path, 6), 2)) == ["step-000002", "step-000008"]
+    assert names(stale_steps(tmp_path, step_dir(tmp_path, 8), 9)) == []

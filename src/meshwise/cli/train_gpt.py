@@ -195,6 +195,13 @@ def add_parser(models: argparse._SubParsersAction) -> None:
         metavar="N",
         help="checkpoint every N steps and at the end instead (default: at every validation)",
     )
+    io.add_argument(
+        "--keep",
+        type=int,
+        default=d["keep"],
+        metavar="K",
+        help="latest checkpoints kept (default %(default)s)",
+    )
     io.add_argument("--resume", action="store_true", help="continue the run checkpointed in --checkpoint DIR")
     io.add_argument(
         "--export-hf",

@@ -82,6 +82,7 @@ class GPTTrainConfig:
     beta2: float = 0.95  # AdamW's second-moment decay (GPT-3's 0.95 rather than torch's 0.999)
     eps: float = 1e-8  # AdamW's denominator floor
     checkpoint_every: int | None = None  # checkpoint every N steps (default: at every evaluation)
+    keep: int = 1  # the latest checkpoints kept in --checkpoint DIR
     metrics: str | None = None  # JSON-lines file: one record per reported step, as the run goes
     tokenizer: str | None = None  # local tokenizer.json (or its folder) for a text --data and --sample
     compile: bool = False  # torch.compile each transformer block in place (train/gpt/loop.py)
@@ -367,6 +368,8 @@ def check_optimisation(config: GPTTrainConfig) -> None:
             raise ValueError(f"--checkpoint-every must be at least 1, got {config.checkpoint_every}")
         if config.checkpoint is None:
             raise ValueError("--checkpoint-every needs --checkpoint DIR: where to write them")
+    if config.keep < 1:
+        raise ValueError(f"--keep must be at least 1 (the latest checkpoint), got {config.keep}")
     if config.tensorboard is not None:
         from meshwise.train.gpt.step_log import check_tensorboard
 

@@ -109,6 +109,7 @@ class GPTTrainer:
             self._run_record(),
             is_main=self.world.is_main,
             barrier=self.world.comm.barrier,
+            keep=self.config.keep,
         )
         self.checkpoint_path = str(path)
 
