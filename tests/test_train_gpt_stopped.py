@@ -99,3 +99,14 @@ def test_reported_steps_become_tensorboard_scalars(text, tmp_path):
     events.Reload()
     assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3]
     assert [e.step for e in events.Scalars("train/val_loss")] == [3]
+
+
+def test_a_spawned_rank_failure_prints_its_traceback_once_then_the_line_naming_it(capsys):
+    from meshwise.cli.training_failure import report_failure
+    from meshwise.runtime.spawn import SpawnError
+
+    trace = 'Traceback (most recent call last):\n  File "x.py", line 1, in f\nRuntimeError: boom\n'
+    assert report_failure("train gpt", SpawnError(f"rank 1 failed: RuntimeError: boom\n{trace}", rank=1)) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "Traceback (most recent call last):" and err.count("RuntimeError: boom") == 1
+    assert err[-1] == "meshwise train gpt: rank 1 failed: RuntimeError: boom"

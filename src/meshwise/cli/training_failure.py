@@ -10,7 +10,8 @@ closed by peer" on rank 0 when rank 1 raised), which used to look like the cause
   and the error, last, so it is also what a launcher's stderr tail ends with;
 - a rank stopped because a peer left (:class:`~meshwise.comm.api.PeerFailureError`) says only that, in
   one line (the peer's own report is the one to read), and lets the peer exit first;
-- ``-np N`` ranks spawned here are reported by this process (``SpawnError`` names the rank).
+- ``-np N`` ranks spawned here are reported by this process (``SpawnError`` names the rank): the
+  rank's traceback once, then the line naming the rank, last, as for a launched rank.
 """
 
 from __future__ import annotations
@@ -98,8 +99,11 @@ def report_failure(command: str, exc: Exception) -> int:
         if exc.rank == 0:
             print(f"{name}: error: {exc}", file=sys.stderr)
         return exc.exit_code
-    if isinstance(exc, SpawnError):
-        print(f"{name}: {exc}", file=sys.stderr)
+    if isinstance(exc, SpawnError):  # "rank 1 failed: …" then the rank's traceback: the traceback first
+        headline, _, trace = str(exc).partition("\n")
+        if trace:
+            print(trace.rstrip("\n"), file=sys.stderr)
+        print(f"{name}: {headline}", file=sys.stderr)
         return 1
     layout = detect_launch_env()
     who = f"rank {layout.rank}" if layout.world_size > 1 else "the run"
