@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 
+import pytest
 import torch.distributed.checkpoint as dcp
 
 import meshwise
@@ -20,6 +21,7 @@ from meshwise.cli import main
 from meshwise.comm.mesh import Mesh, MeshShape
 from meshwise.models.gpt import CONFIGS, GPT
 from meshwise.runtime.spawn import spawn
+from meshwise.train.checkpoint_check import DamagedCheckpointError
 from meshwise.train.gpt import GPTTrainConfig
 from meshwise.train.gpt.loop import GPTTrainer
 from test_gpt_pipeline_train import _tiny as tiny_run
@@ -145,4 +147,5 @@ def test_a_checkpoint_of_another_model_is_refused_and_left_alone(text: str, tmp_
     assert main(argv) == 2
     assert "already exists; pass --resume" in capsys.readouterr().err
     assert {path: path.read_bytes() for path in directory.rglob("*") if path.is_file()} == before
-    _tiny(text, pp=2, layers=2, checkpoint=str(directory), resume=True).validate()  # the matching model
+    with pytest.raises(DamagedCheckpointError, match=r"\.metadata is unreadable"):  # past the model check
+        _tiny(text, pp=2, layers=2, checkpoint=str(directory), resume=True).validate()

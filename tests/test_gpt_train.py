@@ -28,6 +28,7 @@ from meshwise.data.tokens import write_tokens
 from meshwise.data.windows import train_batch
 from meshwise.models.gpt import GPT, language_model_loss
 from meshwise.runtime.spawn import spawn
+from meshwise.train.checkpoint_check import DamagedCheckpointError
 from meshwise.train.gpt import GPTTrainConfig
 from meshwise.train.gpt.loop import GPTTrainer
 from meshwise.train.gpt.parallelize import build_optimizer
@@ -229,7 +230,7 @@ def _bad_cases(text: str, tmp: Path) -> list[tuple[dict, str]]:
         ({"sp": True}, r"--sp splits the sequence across the tensor-parallel ranks: add --tp 2"),
         ({"nproc": 4, "tp": 4, "sp": True, "seq_len": 30}, r"sequence of 30 tokens into --tp 4 shards"),
         ({"nproc": 5}, "--global-batch 12 is not divisible by dp = 5"),
-        ({"nproc": 2, "micro_batch": 4}, "--micro-batch 4 does not divide the per-rank batch 6"),
+        ({"nproc": 2, "micro_batch": 4}, "--micro-batch-size 4 does not divide the per-rank batch 6"),
         ({"steps": 0}, "--steps must be at least 1"),
         ({"warmup": 50}, "--warmup must be in 0..49"),
         ({"min_lr": 1.0}, "--min-lr 1.0 is above --lr"),
@@ -262,7 +263,8 @@ def test_resume_refuses_a_different_run(text: str, tmp_path) -> None:
         _tiny(text, checkpoint=str(tmp_path)).validate()
     with pytest.raises(ValueError, match="holds a run of"):
         _tiny(text, checkpoint=str(tmp_path), resume=True).validate()
-    _tiny(text, checkpoint=str(tmp_path), resume=True, layers=2).validate()
+    with pytest.raises(DamagedCheckpointError, match=r"\.metadata is missing"):  # past the run checks
+        _tiny(text, checkpoint=str(tmp_path), resume=True, layers=2).validate()
     with pytest.raises(ValueError, match="trained with global_batch 12, not 6"):
         _tiny(
             text, checkpoint=str(tmp_path), resume=True, layers=2, global_batch=6, micro_batch=None

@@ -19,9 +19,9 @@ from meshwise.parallel.pipeline_parallel.timeline import (
 )
 
 
-def _unit_time_events(name: str, p: int, m: int) -> list[Event]:
+def _unit_time_events(name: str, p: int, m: int, v: int = 1) -> list[Event]:
     """Events of a dependency-respecting, as-soon-as-possible run with the simulator's unit costs."""
-    schedule = build_schedule(name, p, m)
+    schedule = build_schedule(name, p, m, v)
     finish: dict[tuple[str, int, int], float] = {}
     clock, events, position = [0.0] * p, [], [0] * p
     while any(position[r] < len(schedule.ranks[r]) for r in range(p)):
@@ -95,3 +95,22 @@ def test_message_hops_count_only_receivers_that_sat_idle() -> None:
         Event(0, "B", 1, 0, 7.3, 9.3),
     ]
     assert message_hops(build_schedule("gpipe", 2, 2), events) == pytest.approx([0.1, 0.1])
+
+
+def test_the_diagram_has_a_legend_readable_labels_and_chunks_under_interleaving() -> None:
+    """Issue 30.9: what each box and line means is on the figure; labels at 8 pt; ``·cN`` names the chunk
+    when ranks hold several (interleaved), and nothing is added when they hold one."""
+    import matplotlib.pyplot as plt
+
+    from meshwise.parallel.pipeline_parallel.timeline import LABEL_FONTSIZE, LEGEND, figure
+
+    for name, v, chunked in (("1f1b", 1, False), ("interleaved", 2, True)):
+        events = _unit_time_events(name, 2, 4, v)
+        fig = figure(events, title=name)
+        ax = fig.axes[0]
+        assert [t.get_text() for t in ax.get_legend().get_texts()] == list(LEGEND.values())
+        labels = [t for t in ax.texts]
+        assert labels and all(t.get_fontsize() >= LABEL_FONTSIZE for t in labels)
+        assert any("·c" in t.get_text() for t in labels) == chunked
+        assert ("chunk" in ax.get_legend().get_title().get_text()) == chunked
+        plt.close(fig)

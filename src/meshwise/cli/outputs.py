@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,39 @@ def check_output(option: str, path: str | None) -> None:
         )
     if not os.access(parent, os.W_OK | os.X_OK) or (target.exists() and not os.access(target, os.W_OK)):
         raise ValueError(f"{option} {path}: not writable; choose another path")
+
+
+def probe_file(option: str, path: str | None) -> None:
+    """:func:`check_output`, then a real scratch write beside ``path``: permission bits do not tell
+    (root passes every ``os.access``; read-only mounts, /proc and full disks refuse anyway)."""
+    check_output(option, path)
+    if path is None or path == "-":
+        return
+    _scratch_write(option, path, Path(path).parent if str(Path(path).parent) else Path("."))
+
+
+def probe_directory(option: str, path: str | None) -> None:
+    """Raise ValueError unless ``path`` is, or can be created as, a directory files can be written
+    into: a scratch file in it, or a scratch directory where it would be created (nothing is left)."""
+    if path is None:
+        return
+    target = Path(path)
+    if target.exists() and not target.is_dir():
+        raise ValueError(f"{option} {path} is a file; name a directory (it is created if missing)")
+    existing = next(p for p in (target, *target.parents) if p.exists())
+    if not existing.is_dir():
+        raise ValueError(f"{option} {path} is not writable ({existing} is a file); choose another path")
+    _scratch_write(option, path, existing)
+
+
+def _scratch_write(option: str, path: str, directory: Path) -> None:
+    try:
+        with tempfile.TemporaryDirectory(dir=directory, prefix=".meshwise-probe-") as scratch:
+            (Path(scratch) / "probe").write_bytes(b"meshwise")
+    except OSError as exc:
+        raise ValueError(
+            f"{option} {path} is not writable ({exc.strerror or exc} in {directory}); choose another path"
+        ) from None
 
 
 def plot_formats() -> dict[str, str]:
@@ -54,7 +88,7 @@ def check_plot(option: str, path: str | None) -> None:
             f"{option} {path}: unknown image format {'.' + extension if extension else '(no extension)'}; "
             f"end the name with one of {', '.join('.' + e for e in sorted(formats))}"
         )
-    check_output(option, path)
+    probe_file(option, path)
 
 
 def write_outputs(command: str, writers: list[tuple[str, str, Callable[[], None]]]) -> bool:
@@ -80,6 +114,6 @@ def finish_training(command: str, result: Any, json_path: str | None) -> int:
     if result is None:
         return 0
     print(result.summary(), flush=True)
-    text = json.dumps(result.to_json(), indent=2) + "\n"
+    text = json.dumps({"complete": True, **result.to_json()}, indent=2) + "\n"
     writers = [("JSON", json_path, lambda: Path(json_path).write_text(text))] if json_path else []
     return 0 if write_outputs(command, writers) else 1

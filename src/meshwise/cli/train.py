@@ -69,7 +69,13 @@ def add_workload_parser(models: argparse._SubParsersAction, model: str, blurb: s
     parser.add_argument(
         "--debug", action="store_true", help="check every collective across ranks before it runs"
     )
-    parser.add_argument("--timeout", type=float, default=3600.0, help="deadline for the whole job, seconds")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="a deadline for the whole job in seconds, exit 124 when passed (default: none; a hung "
+        "collective is reported after 300 s whatever this says)",
+    )
     parser.set_defaults(func=handler)
 
 

@@ -1,9 +1,9 @@
-"""``meshwise train gpt``: GPT language-model training on a device mesh, offline by default.
+"""meshwise train gpt: GPT language-model training on a device mesh, offline by default.
 
 Trains on this Python installation's standard library source (byte tokens, built once and cached) unless
-``--data PATH`` names a text file or a flat uint16 ``.bin`` token file. The global batch is fixed; with
-more ranks each takes a smaller slice, and ``--micro-batch`` splits a rank's slice into accumulated
-micro-batches, so the run computes the same thing on any number of ranks.
+--data PATH names a text file or a flat uint16 .bin token file. The global batch is fixed; with
+more ranks each takes a smaller slice, and --micro-batch-size (or --micro-batches) splits a rank's
+slice into accumulated micro-batches, so the run computes the same thing on any number of ranks.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from meshwise.cli.training_failure import run_training_command
 from meshwise.models.gpt import CONFIGS
 from meshwise.parallel.pipeline_parallel.schedules import SCHEDULES
 from meshwise.train.gpt import GPTTrainConfig, run_gpt_training
+from meshwise.train.gpt.schedule import LR_SCHEDULES
 
 _DEFAULTS = {f.name: f.default for f in fields(GPTTrainConfig)}
 
@@ -28,20 +29,32 @@ def add_parser(models: argparse._SubParsersAction) -> None:
     )
     d = _DEFAULTS
     ranks = parser.add_argument_group("ranks and mesh")
-    ranks.add_argument("-np", "--nproc", dest="nproc", type=int, default=None, help="local ranks to start")
+    ranks.add_argument(
+        "-np",
+        "--nproc",
+        "--nproc-per-node",
+        dest="nproc",
+        type=int,
+        default=None,
+        help="local ranks to start (default: 1, or the ranks a launcher started)",
+    )
     ranks.add_argument("--dp", type=int, default=None, help="data-parallel size (default: ranks / (tp·pp))")
-    ranks.add_argument("--tp", type=int, default=1, help="tensor-parallel size (must divide the heads)")
-    ranks.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (stages)")
+    ranks.add_argument(
+        "--tp", type=int, default=1, help="tensor-parallel size, divides the heads (default 1)"
+    )
+    ranks.add_argument("--pp", type=int, default=1, help="pipeline-parallel size: stages (default 1)")
     ranks.add_argument(
         "--zero",
         type=int,
         default=0,
         choices=(0, 1, 2, 3),
-        help="ZeRO stage over the dp ranks: 1 optimizer state, 2 +gradients, 3 +parameters (0 = off)",
+        help="ZeRO stage over the dp ranks: 1 optimizer state, 2 +gradients, 3 +parameters (default 0: off)",
     )
-    ranks.add_argument("--sp", action="store_true", help="sequence parallelism, with --tp")
-    ranks.add_argument("--backend", default="auto", help="communicator backend (auto, gloo, nccl, shm, mpi)")
-    ranks.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if present")
+    ranks.add_argument("--sp", action="store_true", help="sequence parallelism, with --tp (default off)")
+    ranks.add_argument(
+        "--backend", default="auto", help="communicator backend: auto, gloo, nccl, shm, mpi (default auto)"
+    )
+    ranks.add_argument("--device", choices=("cpu", "cuda"), default=None, help="(default: cuda if present)")
     model = parser.add_argument_group("model")
     model.add_argument(
         "--config",
@@ -53,15 +66,17 @@ def add_parser(models: argparse._SubParsersAction) -> None:
         default=None,
         metavar="PATH",
         help="start from Hugging Face GPT-2 weights: model.safetensors, pytorch_model.bin or their folder "
-        "(its config.json gives the architecture); --resume wins over it",
+        "(its config.json gives the architecture); --resume wins over it (default: none)",
     )
     for flag in ("layers", "hidden", "heads", "vocab"):
-        model.add_argument(f"--{flag}", type=int, default=None, help=f"override the config's {flag}")
+        model.add_argument(
+            f"--{flag}", type=int, default=None, help=f"override the config's {flag} (default: the config's)"
+        )
     model.add_argument(
         "--seq-len",
         type=int,
         default=None,
-        help="training context (default: the config's; at most 128 on a CPU)",
+        help="training context (default: the config's, at most 128 on a CPU)",
     )
     experts = parser.add_argument_group("mixture of experts (one process or -np N data parallel)")
     experts.add_argument("--experts", type=int, default=None, help="experts per MLP (0: dense; config's)")
@@ -74,16 +89,26 @@ def add_parser(models: argparse._SubParsersAction) -> None:
     run = parser.add_argument_group("optimisation")
     run.add_argument("--steps", type=int, default=d["steps"], help="optimizer steps (default %(default)s)")
     run.add_argument(
-        "--global-batch", type=int, default=d["global_batch"], help="sequences per step, all ranks"
+        "--global-batch",
+        type=int,
+        default=d["global_batch"],
+        help="sequences per step, all ranks (default %(default)s)",
     )
     run.add_argument(
-        "--micro-batch", type=int, default=None, help="sequences per rank per forward (accumulate)"
+        "--micro-batch-size",
+        dest="micro_batch",
+        type=int,
+        default=None,
+        metavar="SIZE",
+        help="SIZE of a micro-batch: sequences per rank per forward, accumulated (default: the whole "
+        "per-rank batch; under --pp, that batch in up to 4·pp micro-batches)",
     )
     run.add_argument(
         "--micro-batches",
         type=int,
         default=None,
-        help="micro-batches per rank per step (instead of --micro-batch)",
+        metavar="COUNT",
+        help="NUMBER of micro-batches per rank per step, instead of --micro-batch-size (default: see it)",
     )
     run.add_argument(
         "--recompute",
@@ -98,40 +123,142 @@ def add_parser(models: argparse._SubParsersAction) -> None:
         metavar="K",
         help="with --recompute full: only the first K blocks of each pipeline stage",
     )
+    # the earlier spelling of --micro-batch-size keeps working, out of sight: one letter from --micro-batches
+    run.add_argument("--micro-batch", dest="micro_batch", type=int, help=argparse.SUPPRESS)
     pipe = parser.add_argument_group("pipeline (--pp > 1)")
-    pipe.add_argument("--schedule", default=d["schedule"], choices=SCHEDULES, help="default %(default)s")
     pipe.add_argument(
-        "--virtual-stages", type=int, default=1, help="chunks per rank (--schedule interleaved)"
+        "--schedule",
+        default=d["schedule"],
+        choices=SCHEDULES,
+        help="pipeline schedule; zb is zero-bubble ZB-H1 (backward split into input- and weight-gradient "
+        "halves, 1F1B's memory) (default %(default)s)",
     )
-    pipe.add_argument("--timeline", default=None, metavar="FILE", help="diagram of the last step (PNG)")
+    pipe.add_argument(
+        "--virtual-stages", type=int, default=1, help="chunks per rank, --schedule interleaved (default 1)"
+    )
+    pipe.add_argument(
+        "--timeline", default=None, metavar="FILE", help="diagram of the last step, PNG (default: none)"
+    )
     run.add_argument("--lr", type=float, default=d["lr"], help="peak learning rate (default %(default)s)")
     run.add_argument(
-        "--warmup", type=int, default=d["warmup"], help="linear warmup steps (default %(default)s)"
+        "--warmup", type=int, default=d["warmup"], help="linear warmup steps (default: a tenth of --steps)"
     )
-    run.add_argument("--min-lr", type=float, default=d["min_lr"], help="cosine floor (default %(default)s)")
-    run.add_argument("--weight-decay", type=float, default=d["weight_decay"], help="AdamW decay of matrices")
-    run.add_argument("--grad-clip", type=float, default=d["grad_clip"], help="max gradient norm, 0 = off")
+    run.add_argument(
+        "--min-lr", type=float, default=d["min_lr"], help="floor the decay ends at (default %(default)s)"
+    )
+    run.add_argument(
+        "--lr-schedule",
+        choices=LR_SCHEDULES,
+        default=d["lr_schedule"],
+        help="decay after warmup; wsd holds the peak until the last 20 %% of the steps, then decays "
+        "linearly (default %(default)s)",
+    )
+    run.add_argument(
+        "--dropout",
+        type=float,
+        default=d["dropout"],
+        help="dropout probability, dp/ZeRO only (default %(default)s)",
+    )
+    run.add_argument("--beta1", type=float, default=d["beta1"], help="AdamW beta1 (default %(default)s)")
+    run.add_argument("--beta2", type=float, default=d["beta2"], help="AdamW beta2 (default %(default)s)")
+    run.add_argument("--eps", type=float, default=d["eps"], help="AdamW epsilon (default %(default)s)")
+    run.add_argument(
+        "--weight-decay",
+        type=float,
+        default=d["weight_decay"],
+        help="AdamW decay of matrices (default %(default)s)",
+    )
+    run.add_argument(
+        "--grad-clip",
+        type=float,
+        default=d["grad_clip"],
+        help="max gradient norm, 0 = off (default %(default)s)",
+    )
     run.add_argument(
         "--dtype",
         choices=("fp32", "bf16", "fp16"),
         default=d["dtype"],
-        help="compute precision (fp16: with --zero)",
+        help="compute precision; fp16 with --zero (default %(default)s)",
     )
     run.add_argument("--seed", type=int, default=0, help="initial weights and data order (default 0)")
+    run.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile each transformer block; on a CPU this needs a C++ compiler (gcc or clang)",
+    )
     io = parser.add_argument_group("data, evaluation, output")
-    io.add_argument("--data", default=None, metavar="PATH", help="text file, or uint16 .bin token file")
-    io.add_argument("--eval-every", type=int, default=d["eval_every"], help="validate every N steps")
-    io.add_argument("--eval-windows", type=int, default=d["eval_windows"], help="validation windows")
-    io.add_argument("--checkpoint", default=None, metavar="DIR", help="DCP checkpoint at every validation")
+    io.add_argument(
+        "--data",
+        default=None,
+        metavar="PATH",
+        help="text file (read as bytes), or uint16 .bin token file (default: this Python's standard library)",
+    )
+    io.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="PATH",
+        help="tokenizer.json (or its folder) to tokenize a text --data with, cached beside it as .bin, and "
+        "to decode --sample; local files only (default: the --init-from folder's, else bytes)",
+    )
+    io.add_argument(
+        "--eval-every", type=int, default=d["eval_every"], help="validate every N steps (default %(default)s)"
+    )
+    io.add_argument(
+        "--eval-windows", type=int, default=d["eval_windows"], help="validation windows (default %(default)s)"
+    )
+    io.add_argument(
+        "--checkpoint", default=None, metavar="DIR", help="DCP checkpoint at every validation (default: none)"
+    )
+    io.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=None,
+        metavar="N",
+        help="checkpoint every N steps and at the end instead (default: at every validation)",
+    )
+    io.add_argument(
+        "--keep",
+        type=int,
+        default=d["keep"],
+        metavar="K",
+        help="latest checkpoints kept (default %(default)s)",
+    )
     io.add_argument("--resume", action="store_true", help="continue the run checkpointed in --checkpoint DIR")
     io.add_argument(
-        "--export-hf", default=None, metavar="DIR", help="write the trained weights as Hugging Face GPT-2"
+        "--export-hf",
+        default=None,
+        metavar="DIR",
+        help="write the trained weights as Hugging Face GPT-2 (default: none)",
     )
-    io.add_argument("--sample", type=int, default=0, metavar="N", help="print N generated tokens at the end")
+    io.add_argument(
+        "--sample", type=int, default=0, metavar="N", help="print N generated tokens at the end (default 0)"
+    )
     io.add_argument(
         "--comm-stats", action="store_true", help="count calls and bytes of every collective per mesh axis"
     )
-    io.add_argument("--json", default=None, metavar="FILE", help="write the run's metrics as JSON")
+    io.add_argument(
+        "--json", default=None, metavar="FILE", help="write the run's metrics as JSON (default: none)"
+    )
+    io.add_argument(
+        "--log-every",
+        type=int,
+        default=None,
+        metavar="N",
+        help="also print a progress line every N steps, terminal or not (default: at evaluations only)",
+    )
+    io.add_argument(
+        "--tensorboard",
+        default=None,
+        metavar="DIR",
+        help="TensorBoard event files of the reported steps in DIR, needs meshwise[tensorboard] "
+        "(default: none)",
+    )
+    io.add_argument(
+        "--metrics",
+        default=None,
+        metavar="FILE",
+        help="append one JSON line per reported step to FILE as the run goes (default: none)",
+    )
     measure = parser.add_argument_group("profile")
     measure.add_argument(
         "--profile",
@@ -144,15 +271,22 @@ def add_parser(models: argparse._SubParsersAction) -> None:
         default=None,
         metavar="FILE",
         help="Chrome/Perfetto trace of every rank's steps: phases, communication and, with --pp, the "
-        "pipeline instructions (implies --profile)",
+        "pipeline instructions; implies --profile (default: none)",
     )
     measure.add_argument(
         "--torch-profile",
         default=None,
         metavar="DIR",
-        help="torch.profiler's operators (and CUDA kernels) of a few steps, DIR/rank{R}.json",
+        help="torch.profiler's operators (and CUDA kernels) of a few steps, DIR/rank{R}.json (default: none)",
     )
-    io.add_argument("--timeout", type=float, default=3600.0, help="deadline for the whole job, seconds")
+    io.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="a deadline for the whole job in seconds, exit 124 when passed (default: none; a hung "
+        "collective is reported after 300 s whatever this says)",
+    )
     parser.set_defaults(func=handler)
 
 

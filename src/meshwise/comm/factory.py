@@ -10,9 +10,11 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from meshwise.comm.api import Communicator
+from meshwise.runtime.env import check_mpi_launch
 from meshwise.runtime.timeouts import DEFAULT_TIMEOUT_S
 
 #: backend name -> "module:class"; every class offers ``from_process_group(group, timeout=...)``.
@@ -43,6 +45,19 @@ def check_backend(name: str, *, allow_auto: bool = True, what: str = "backend") 
         return name
     choices = ("auto or " if allow_auto else "") + "one of " + ", ".join(sorted(BACKENDS))
     raise ValueError(f"{what} {name!r} is unknown; choose {choices}")
+
+
+def check_backend_here(name: str, *, device: str | None, command: str, what: str = "--backend") -> str:
+    """:func:`check_backend`, then whether ``name`` can run in this process, before any rank starts:
+    ``nccl`` needs CUDA (a CPU run would fail in every rank's init), ``mpi`` an MPI launcher (a
+    singleton MPI_Init fails with a traceback and leaves Open MPI's segments in /dev/shm)."""
+    check_backend(name, what=what)
+    if name == "nccl" and (device == "cpu" or not torch.cuda.is_available()):
+        where = "the run is on --device cpu" if device == "cpu" else "CUDA is not available here"
+        raise ValueError(f"{what} nccl needs CUDA GPUs, but {where}; use --backend gloo or shm (or auto)")
+    if name == "mpi":
+        check_mpi_launch(command)
+    return name
 
 
 def create_communicator(

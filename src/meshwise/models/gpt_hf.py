@@ -40,6 +40,10 @@ _CONV1D = {"attn.c_proj": "attn.out", "mlp.c_fc": "mlp.fc", "mlp.c_proj": "mlp.p
 _AS_IS = {"ln_1": "ln1", "ln_2": "ln2"}
 
 
+#: the id of GPT-2's ``<|endoftext|>`` token, its bos and eos (the last of its 50,257)
+GPT2_END_OF_TEXT = 50256
+
+
 def weights_file(path: str | Path) -> Path:
     """The weights file of ``path`` (a file, or a folder holding model.safetensors or pytorch_model.bin)."""
     path = Path(path)
@@ -169,6 +173,9 @@ def save_hf_gpt2(model: GPT, directory: str | Path) -> Path:
         "activation_function": "gelu_new",
         "layer_norm_epsilon": 1e-5,
         "tie_word_embeddings": True,
+        # GPT-2's <|endoftext|> starts and ends texts; a smaller (byte) vocabulary has no such token
+        "bos_token_id": GPT2_END_OF_TEXT if c.vocab > GPT2_END_OF_TEXT else None,
+        "eos_token_id": GPT2_END_OF_TEXT if c.vocab > GPT2_END_OF_TEXT else None,
         "resid_pdrop": c.dropout,
         "embd_pdrop": c.dropout,
         "attn_pdrop": c.dropout,

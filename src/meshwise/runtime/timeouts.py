@@ -11,6 +11,7 @@ from __future__ import annotations
 DEFAULT_TIMEOUT_S = 300.0
 
 
-def wait_timeout(deadline: float) -> float:
-    """The bound on each wait within a job that may take ``deadline`` seconds in all."""
-    return min(deadline, DEFAULT_TIMEOUT_S)
+def wait_timeout(deadline: float | None) -> float:
+    """The bound on each wait within a job that may take ``deadline`` seconds in all (None: no
+    deadline, which leaves the hang timeout at its default)."""
+    return DEFAULT_TIMEOUT_S if deadline is None else min(deadline, DEFAULT_TIMEOUT_S)

@@ -7,9 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from meshwise.comm.factory import check_backend
+from meshwise.comm.factory import check_backend_here
 from meshwise.data.mnist import find_mnist_files
-from meshwise.runtime.env import check_mpi_launch
 from meshwise.runtime.timeouts import wait_timeout
 from meshwise.train.checkpoint import check_writable, checkpoint_directory, checkpoint_file, read_checkpoint
 from meshwise.train.workloads import WORKLOADS, Workload
@@ -35,7 +34,7 @@ class TrainConfig:
     checkpoint: str | None = None
     resume: bool = False
     data_dir: str | None = None
-    timeout: float = 3600.0
+    timeout: float | None = None  # a deadline for the whole job (None: none); waits time out anyway
     profile: bool = False  # time each step's phases and print the breakdown with a verdict
     trace: str | None = None  # write a Chrome/Perfetto trace of the profiled steps (implies profile)
     debug: bool = False  # check every collective across ranks (meshwise.init(debug=True))
@@ -83,11 +82,9 @@ class TrainConfig:
             raise ValueError(f"--lr must be a positive number, got {self.base_lr}")
         if not 0 <= self.seed < 2**63:
             raise ValueError(f"--seed must be in 0 .. 2**63-1, got {self.seed}")
-        if self.timeout <= 0:
+        if self.timeout is not None and self.timeout <= 0:
             raise ValueError(f"--timeout must be positive seconds, got {self.timeout}")
-        check_backend(self.backend, what="--backend")
-        if self.backend == "mpi":
-            check_mpi_launch(f"train {self.model}")
+        check_backend_here(self.backend, device=self.device, command=f"train {self.model}")
         if self.strategy not in STRATEGIES:
             choices = ", ".join(STRATEGIES)
             raise ValueError(f"--strategy {self.strategy!r} is unknown; choose one of {choices}")

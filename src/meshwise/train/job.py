@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+
+from meshwise.runtime.deadline import job_deadline
 from meshwise.runtime.on_ranks import run_on_ranks
 from meshwise.train.config import TrainConfig
 from meshwise.train.errors import TrainingError
@@ -15,7 +18,8 @@ def run_training(config: TrainConfig) -> TrainResult | None:
     Raises :class:`TrainingError` (rank 0's, which says the most) when the run had to stop.
     """
     config.validate()
-    outcome = run_on_ranks(train_rank_main, (config,), nproc=config.nproc, default=1, deadline=config.timeout)
+    with job_deadline(config.timeout):
+        outcome = run_on_ranks(train_rank_main, (config,), nproc=config.nproc, default=1, deadline=math.inf)
     if isinstance(outcome, TrainingError):
         raise outcome
     return outcome

@@ -312,8 +312,8 @@ class Breakdown:
         keys = measured[0].keys() if measured else ()
         return cls({k: statistics.fmean(s[k] for s in measured) for k in keys}, len(measured))
 
-    def verdict(self) -> Verdict:
-        return verdict(self.parts)
+    def verdict(self, knobs: Mapping[str, str] = KNOBS) -> Verdict:
+        return verdict(self.parts, knobs)
 
     def to_json(self) -> dict:
         return {"steps": self.steps, "median_seconds": self.parts, "verdict": self.verdict().__dict__}
@@ -335,8 +335,9 @@ class Verdict:
         return f"{share}: {self.bound}-bound — {self.knob}"
 
 
-def verdict(parts: Mapping[str, float]) -> Verdict:
-    """Efficiency band and the part that bounds the step, from one step's (or the median) parts."""
+def verdict(parts: Mapping[str, float], knobs: Mapping[str, str] = KNOBS) -> Verdict:
+    """Efficiency band and the part that bounds the step, from one step's (or the median) parts;
+    ``knobs`` says what to change per bound part, in the command's own flags."""
     step = parts["step"]
     compute = sum(parts.get(p, 0.0) for p in COMPUTE)
     efficiency = compute / step if step > 0 else 0.0
@@ -348,13 +349,13 @@ def verdict(parts: Mapping[str, float]) -> Verdict:
         "other": parts.get("other", 0.0),
     }
     bound = "compute" if efficiency >= 0.80 else max(overheads, key=overheads.__getitem__)
-    return Verdict(efficiency, band, bound, KNOBS[bound])
+    return Verdict(efficiency, band, bound, knobs[bound])
 
 
 _OPTIONAL_ROWS = ("forward_backward", "bubble")
 
 
-def table(breakdown: Breakdown) -> str:
+def table(breakdown: Breakdown, knobs: Mapping[str, str] = KNOBS) -> str:
     """The per-step breakdown as text: median ms and share of the step, then the verdict."""
     parts, step = breakdown.parts, breakdown.parts["step"]
     rows = [*PHASES[:4], "comm_exposed", "optimizer", "bubble", "other"]
@@ -365,7 +366,7 @@ def table(breakdown: Breakdown) -> str:
         lines.append(f"  {name:<18}{1e3 * parts[name]:9.2f}{100 * parts[name] / step:7.1f}")
     lines.append(f"  {'step':<18}{1e3 * step:9.2f}{100.0:7.1f}")
     lines.append(f"  comm hidden under compute: {1e3 * parts['comm_hidden']:.2f} ms")
-    lines.append(f"verdict: {breakdown.verdict().line()}")
+    lines.append(f"verdict: {breakdown.verdict(knobs).line()}")
     return "\n".join(lines)
 
 

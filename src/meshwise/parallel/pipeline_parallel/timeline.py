@@ -120,19 +120,50 @@ def write_trace(events: Sequence[Event], path: str | Path) -> None:
     Path(path).write_text(json.dumps(chrome_trace(events)))
 
 
+#: the legend's words for each kind of box (and the receive-wait line)
+LEGEND = {
+    "F": "F: forward",
+    "B": "B: backward (input gradient, hatched)",
+    "W": "W: weight gradient (pale)",
+    "wait": "waiting to receive",
+}
+#: box labels in points: readable at the saved 120 dpi
+LABEL_FONTSIZE = 8
+
+
+def box_label(event: Event, chunked: bool) -> str:
+    """``F3`` — op and micro-batch — or, when ranks hold several chunks (interleaving), ``F3·c1``."""
+    return f"{event.op}{event.micro_batch}" + (f"·c{event.chunk}" if chunked else "")
+
+
 def draw(events: Sequence[Event], path: str | Path, *, title: str, theory: float | None = None) -> None:
+    """Save :func:`figure` as ``path``."""
+    import matplotlib.pyplot as plt
+
+    fig = figure(events, title=title, theory=theory)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def figure(events: Sequence[Event], *, title: str, theory: float | None = None):  # -> matplotlib Figure
     """One row per rank, F/B/W boxes coloured by micro-batch (B hatched, W pale), idle time left blank
-    (receive waits as a thin grey line under the row)."""
+    (receive waits as a thin grey line under the row), a legend of those, and each box labelled with its
+    micro-batch — and its chunk under interleaving — where the box is wide enough for the label."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
 
     ranks = sorted({e.rank for e in events})
     micro = max((e.micro_batch for e in events), default=0) + 1
     colours = plt.get_cmap("tab20" if micro > 10 else "tab10")
-    fig, ax = plt.subplots(figsize=(12, 0.6 * len(ranks) + 1.6))
+    fig, ax = plt.subplots(figsize=(12, 0.6 * len(ranks) + 2.2))
     origin = min((e.start for e in events), default=0.0)
+    span = max((e.end for e in events), default=origin) - origin
+    chunked = len({(e.rank, e.chunk) for e in events if e.op != "wait"}) > len(ranks)
+    # a label fits a box about its characters × 0.6 % of the axis wide (12 in at 8 pt)
     for e in events:
         if e.op == "wait":
             ax.plot(
@@ -151,8 +182,10 @@ def draw(events: Sequence[Event], path: str | Path, *, title: str, theory: float
             linewidth=0.4,
             **style,
         )
-        if width > 0:
-            ax.text(left + width / 2, e.rank, f"{e.op}{e.micro_batch}", ha="center", va="center", fontsize=6)
+        label = box_label(e, chunked)
+        if width > 0 and width >= 0.006 * len(label) * span * 1e3:
+            ax.text(left + width / 2, e.rank, label, ha="center", va="center", fontsize=LABEL_FONTSIZE,
+                    bbox={"facecolor": "white", "alpha": 0.75, "edgecolor": "none", "pad": 0.6})  # fmt: skip
     ax.set_yticks(ranks, [f"rank {r}" for r in ranks])
     ax.invert_yaxis()
     ax.set_xlabel("ms since the step started")
@@ -160,9 +193,25 @@ def draw(events: Sequence[Event], path: str | Path, *, title: str, theory: float
     if theory is not None:
         bubble += f", theory {theory:.1%}"
     ax.set_title(f"{title} — {bubble}")
+    handles = [
+        Patch(facecolor="lightgrey", edgecolor="black", label=LEGEND["F"]),
+        Patch(facecolor="lightgrey", edgecolor="black", hatch="//", label=LEGEND["B"]),
+        Patch(facecolor="lightgrey", edgecolor="black", alpha=0.45, label=LEGEND["W"]),
+        Line2D([], [], color="grey", lw=2, label=LEGEND["wait"]),
+    ]
+    note = "colour: micro-batch" + (";  label ·cN: model chunk N (interleaved)" if chunked else "")
+    ax.legend(
+        handles=handles,
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.18),
+        ncol=4,
+        fontsize=8,
+        title=note,
+        title_fontsize=8,
+        frameon=False,
+    )
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return fig
 
 
 def gather_events(comm: Communicator, events: Sequence[Event], root: int = 0) -> list[Event] | None:

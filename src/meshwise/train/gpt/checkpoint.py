@@ -61,8 +61,10 @@ def save(
     *,
     is_main: bool,
     barrier: Any,
+    keep: int = 1,
 ) -> Path:
-    """Collective: every rank writes its part of ``state``; rank 0 then repoints run.json and prunes."""
+    """Collective: every rank writes its part of ``state``; rank 0 then repoints run.json and prunes
+    all but the ``keep`` latest step directories (this one included)."""
     target = step_dir(directory, step)
     dcp.save(state, checkpoint_id=str(target))
     barrier()  # every rank's files are complete before run.json names them
@@ -71,11 +73,18 @@ def save(
         temporary = path.with_name(f".{RUN_FILE}.{os.getpid()}.tmp")
         temporary.write_text(json.dumps({"format": FORMAT, "step": step, **run}, indent=1) + "\n")
         os.replace(temporary, path)
-        for old in Path(directory).glob("step-*"):
-            if old != target:
-                shutil.rmtree(old, ignore_errors=True)
+        for old in stale_steps(directory, target, keep):
+            shutil.rmtree(old, ignore_errors=True)
     barrier()  # on return, on every rank, run.json names this step
     return target
+
+
+def stale_steps(directory: str | Path, target: Path, keep: int) -> list[Path]:
+    """The step directories ``--keep keep`` removes once run.json names ``target``: every one but
+    ``target`` and the ``keep - 1`` latest before it (a later one is left from another run's attempt)."""
+    earlier = sorted(p for p in Path(directory).glob("step-*") if p.name < target.name)
+    kept = set(earlier[len(earlier) - (keep - 1) :]) if keep > 1 else set()
+    return [p for p in Path(directory).glob("step-*") if p != target and p not in kept]
 
 
 def load(directory: str | Path, state: dict[str, Any]) -> dict[str, Any]:

@@ -4,13 +4,13 @@ before any rank starts, each failure one line that says what to change."""
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from meshwise.comm.factory import check_backend
+from meshwise.comm.factory import check_backend_here
 from meshwise.comm.mesh import MeshShape
 from meshwise.data.corpus import NAME as DEFAULT_CORPUS
 from meshwise.data.corpus import default_corpus
@@ -20,6 +20,7 @@ from meshwise.models.gpt import GPTConfig, gpt_config
 from meshwise.runtime.env import plan_ranks
 from meshwise.runtime.timeouts import wait_timeout
 from meshwise.train.checkpoint import checkpoint_directory
+from meshwise.train.checkpoint_check import check_dcp_checkpoint
 from meshwise.train.gpt.moe import check_moe_training, moe_overrides
 from meshwise.train.torch_profile import check_directory
 
@@ -71,7 +72,7 @@ class GPTTrainConfig:
     seed: int = 0
     backend: str = "auto"
     device: str | None = None
-    timeout: float = 3600.0
+    timeout: float | None = None  # a deadline for the whole job (None: none); waits time out anyway
     cache_dir: str | None = None  # where the default corpus is cached (tests use a temporary one)
     init_from: str | None = None  # Hugging Face GPT-2 weights to start from (train/gpt/init_from.py)
     export_hf: str | None = None  # folder rank 0 writes Hugging Face GPT-2 weights into at the end
@@ -83,6 +84,18 @@ class GPTTrainConfig:
     z_loss_coef: float | None = None
     recompute: str = "none"  # activation recomputation: none, selective (attention core), full (blocks)
     recompute_layers: int | None = None  # with full: only the first K blocks of each pipeline stage
+    log_every: int | None = None  # also report every N-th step (default: the evaluation steps only)
+    lr_schedule: str = "cosine"  # the decay after warmup: cosine, linear, constant or wsd (schedule.py)
+    dropout: float = 0.0  # on attention weights and residual branches, as GPT-2 (tp = pp = 1)
+    beta1: float = 0.9  # AdamW's first-moment decay
+    beta2: float = 0.95  # AdamW's second-moment decay (GPT-3's 0.95 rather than torch's 0.999)
+    eps: float = 1e-8  # AdamW's denominator floor
+    checkpoint_every: int | None = None  # checkpoint every N steps (default: at every evaluation)
+    keep: int = 1  # the latest checkpoints kept in --checkpoint DIR
+    metrics: str | None = None  # JSON-lines file: one record per reported step, as the run goes
+    tokenizer: str | None = None  # local tokenizer.json (or its folder) for a text --data and --sample
+    compile: bool = False  # torch.compile each transformer block in place (train/gpt/loop.py)
+    tensorboard: str | None = None  # directory for TensorBoard event files of the reported steps
 
     # ------------------------------------------------------------------ derived
     @property
@@ -94,8 +107,10 @@ class GPTTrainConfig:
         if self.init_from is not None:
             from meshwise.train.gpt.init_from import init_model_config
 
-            return init_model_config(self.init_from, self.config, sizes)
-        return gpt_config(self.config or DEFAULT_MODEL, **sizes, **moe_overrides(self))
+            model = init_model_config(self.init_from, self.config, sizes)
+        else:
+            model = gpt_config(self.config or DEFAULT_MODEL, **sizes, **moe_overrides(self))
+        return replace(model, dropout=self.dropout) if self.dropout else model
 
     @property
     def model_name(self) -> str:
@@ -152,9 +167,25 @@ class GPTTrainConfig:
         tokens: np.ndarray
         if self.data is None:
             tokens, name = default_corpus(self.cache_dir), DEFAULT_CORPUS
+        elif self.tokenizer_path is not None and Path(self.data).suffix != ".bin":
+            from meshwise.data.local_tokenizer import tokenize_cached
+
+            tokens, cache = tokenize_cached(self.data, self.tokenizer_path)
+            name = cache.name
         else:
             tokens, name = load_tokens(self.data), Path(self.data).name
         return TokenSplits.split(name, tokens, self.train_seq_len)
+
+    @property
+    def tokenizer_path(self) -> str | None:
+        """--tokenizer, else the --init-from folder's tokenizer.json when it has one (None: bytes)."""
+        if self.tokenizer is not None:
+            return self.tokenizer
+        if self.init_from is not None:
+            folder = Path(self.init_from) if Path(self.init_from).is_dir() else Path(self.init_from).parent
+            if (folder / "tokenizer.json").is_file():
+                return str(folder)
+        return None
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -185,12 +216,13 @@ class GPTTrainConfig:
         micro = self.per_rank_micro_batch(shape.dp)
         if micro < 1 or self.global_batch % (shape.dp * micro):
             raise ValueError(
-                f"--micro-batch {micro} does not divide the per-rank batch {self.global_batch // shape.dp} "
-                f"(--global-batch {self.global_batch} / dp {shape.dp}): choose a divisor of it"
+                f"--micro-batch-size {micro} does not divide the per-rank batch "
+                f"{self.global_batch // shape.dp} (--global-batch {self.global_batch} / dp {shape.dp}): "
+                "choose a divisor of it"
             )
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda was asked for but CUDA is not available here; use --device cpu")
-        check_backend(self.backend, what="--backend")
+        check_backend_here(self.backend, device=self.device, command="train gpt")
         from meshwise.train.gpt.recompute import check_recompute_config
 
         check_recompute_config(self)
@@ -214,8 +246,11 @@ class GPTTrainConfig:
         for flag, value in positive.items():
             if value < 1:
                 raise ValueError(f"{flag} must be at least 1, got {value}")
+        if self.log_every is not None and self.log_every < 1:
+            raise ValueError(f"--log-every must be at least 1, got {self.log_every}")
+        check_optimisation(self)
         if self.micro_batch is not None and self.micro_batch < 1:
-            raise ValueError(f"--micro-batch must be at least 1, got {self.micro_batch}")
+            raise ValueError(f"--micro-batch-size must be at least 1, got {self.micro_batch}")
         for flag, value in (("--lr", self.lr), ("--min-lr", self.min_lr)):
             if not (math.isfinite(value) and value >= 0) or (flag == "--lr" and value == 0):
                 raise ValueError(f"{flag} must be a positive number, got {value}")
@@ -240,14 +275,16 @@ class GPTTrainConfig:
             raise ValueError(f"--sample must be a number of tokens ≥ 0, got {self.sample}")
         if not 0 <= self.seed < 2**63:
             raise ValueError(f"--seed must be in 0 .. 2**63-1, got {self.seed}")
-        if self.timeout <= 0:
+        if self.timeout is not None and self.timeout <= 0:
             raise ValueError(f"--timeout must be positive seconds, got {self.timeout}")
 
     def _check_pipeline(self, shape: MeshShape) -> None:
         """--micro-batches and the pipeline flags: consistent, and a pipeline that can be built."""
         if self.micro_batches is not None:
             if self.micro_batch is not None:
-                raise ValueError("give --micro-batch (sequences) or --micro-batches (how many), not both")
+                raise ValueError(
+                    "give --micro-batch-size (sequences) or --micro-batches (how many), not both"
+                )
             per_rank = self.global_batch // shape.dp
             if self.micro_batches < 1 or per_rank % self.micro_batches:
                 raise ValueError(
@@ -274,7 +311,7 @@ class GPTTrainConfig:
             validate_pipeline(self.model_config, shape.pp, m, self.schedule, self.virtual_stages)
 
     def _check_checkpoint(self, model: GPTConfig) -> None:
-        from meshwise.train.gpt.checkpoint import RUN_FILE, read_run
+        from meshwise.train.gpt.checkpoint import RUN_FILE, read_run, step_dir
 
         directory = checkpoint_directory(self.checkpoint, self.resume)
         if directory is None:
@@ -301,6 +338,7 @@ class GPTTrainConfig:
                 f"{directory} has already completed {run['step']} of --steps {self.steps}; pass a larger "
                 "--steps to train further"
             )
+        check_dcp_checkpoint(step_dir(directory, run["step"]))  # one line naming a damaged file
 
 
 #: with no --micro-batch(es), a pipeline gets up to this many micro-batches per stage (m ≤ 4·p keeps the
@@ -316,3 +354,36 @@ def default_pipeline_micro_batches(per_rank: int, pp: int, schedule: str) -> int
     if schedule == "interleaved":
         divisors = [m for m in divisors if m % pp == 0] or [1]
     return max(divisors)
+
+
+def check_optimisation(config: GPTTrainConfig) -> None:
+    """The flags of the Add list (issue 30): schedule shape, dropout, AdamW's betas and eps, checkpoints."""
+    from meshwise.train.gpt.schedule import LR_SCHEDULES
+
+    if config.lr_schedule not in LR_SCHEDULES:
+        raise ValueError(
+            f"--lr-schedule {config.lr_schedule!r} is unknown; choose one of {', '.join(LR_SCHEDULES)}"
+        )
+    if not 0.0 <= config.dropout < 1.0:
+        raise ValueError(f"--dropout must be in [0, 1), got {config.dropout}")
+    if config.dropout and (config.tp > 1 or config.pp > 1):
+        raise ValueError(
+            "--dropout is supported with data parallelism and ZeRO only: tensor- and pipeline-parallel ranks "
+            "would draw different masks for the same activations; drop --dropout or --tp/--pp"
+        )
+    for flag, value in (("--beta1", config.beta1), ("--beta2", config.beta2)):
+        if not 0.0 <= value < 1.0:
+            raise ValueError(f"{flag} must be in [0, 1), got {value}")
+    if not (math.isfinite(config.eps) and config.eps > 0):
+        raise ValueError(f"--eps must be a positive number, got {config.eps}")
+    if config.checkpoint_every is not None:
+        if config.checkpoint_every < 1:
+            raise ValueError(f"--checkpoint-every must be at least 1, got {config.checkpoint_every}")
+        if config.checkpoint is None:
+            raise ValueError("--checkpoint-every needs --checkpoint DIR: where to write them")
+    if config.keep < 1:
+        raise ValueError(f"--keep must be at least 1 (the latest checkpoint), got {config.keep}")
+    if config.tensorboard is not None:
+        from meshwise.train.gpt.step_log import check_tensorboard
+
+        check_tensorboard()

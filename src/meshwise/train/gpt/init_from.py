@@ -70,14 +70,56 @@ def _shapes(file: Path) -> dict[str, torch.Tensor]:
         return torch.load(file, map_location="cpu", weights_only=True)
 
 
+#: config.json fields that change the function a GPT-2 computes, with the values our model computes;
+#: a checkpoint that sets one otherwise is refused rather than loaded into a different function
+_FUNCTION_FIELDS: dict[str, tuple[object, ...]] = {
+    "activation_function": ("gelu_new", "gelu_pytorch_tanh"),  # both are GELU's tanh approximation
+    "layer_norm_epsilon": (1e-5,),
+    "scale_attn_weights": (True,),
+    "scale_attn_by_inverse_layer_idx": (False,),
+    "reorder_and_upcast_attn": (False,),
+    "tie_word_embeddings": (True,),  # an untied lm_head would be dropped: our head is the embedding
+}
+
+
+def unsupported_fields(data: dict) -> list[str]:
+    """Each field of a GPT-2 ``config.json`` whose value makes a function our GPT does not compute,
+    as ``name value (ours: ...)``; empty when the weights can be loaded as they are meant."""
+    wrong = [
+        f"{name} {data[name]!r} (ours: {' or '.join(map(repr, ours))})"
+        for name, ours in _FUNCTION_FIELDS.items()
+        if name in data and data[name] not in ours
+    ]
+    inner, width = data.get("n_inner"), data.get("n_embd")
+    if inner is not None and inner != 4 * (width or 0):
+        wrong.append(f"n_inner {inner!r} (ours: 4·n_embd = {4 * (width or 0)})")
+    return wrong
+
+
 def _from_config_json(path: Path) -> GPTConfig | None:
     config_json = (path if path.is_dir() else path.parent) / "config.json"
     if not config_json.is_file():
         return None
     try:
         data = json.loads(config_json.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{config_json} is not a GPT-2 config.json ({exc!r}): fix or remove it") from None
+    kind = data.get("model_type", "gpt2") if isinstance(data, dict) else None
+    if kind != "gpt2":
+        raise ValueError(
+            f"--init-from {path}: config.json describes a {kind!r} model, not GPT-2 (model_type 'gpt2'): "
+            "meshwise train gpt starts only from GPT-2 checkpoints"
+        )
+    wrong = unsupported_fields(data)
+    if wrong:
+        raise ValueError(
+            f"--init-from {path}: config.json sets {'; '.join(wrong)}: meshwise's GPT-2 computes another "
+            "function, so these weights would not mean what they were trained to; use a checkpoint with "
+            "GPT-2's values"
+        )
+    try:
         values = {ours: int(data[theirs]) for ours, theirs in _HF_NAMES.items()}
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"{config_json} is not a GPT-2 config.json ({exc!r}): fix or remove it") from None
     return GPTConfig(**values)
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+
+from meshwise.runtime.deadline import job_deadline
 from meshwise.runtime.on_ranks import run_on_ranks
 from meshwise.train.errors import TrainingError
 from meshwise.train.gpt.config import GPTTrainConfig
@@ -15,9 +18,10 @@ def run_gpt_training(config: GPTTrainConfig) -> GPTResult | None:
     Raises :class:`TrainingError` when the run had to stop (every rank raises it; rank 0's copy says so).
     """
     config.validate()
-    outcome = run_on_ranks(
-        train_gpt_rank_main, (config,), nproc=config.nproc, default=1, deadline=config.timeout
-    )
+    with job_deadline(config.timeout):  # the spawned ranks have none of their own: see job_deadline
+        outcome = run_on_ranks(
+            train_gpt_rank_main, (config,), nproc=config.nproc, default=1, deadline=math.inf
+        )
     if isinstance(outcome, TrainingError):
         raise outcome
     return outcome

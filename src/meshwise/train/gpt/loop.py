@@ -10,6 +10,7 @@ model and optimizer state and continues exactly.
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import asdict, replace
 
@@ -20,20 +21,24 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from meshwise.comm.api import ReduceOp
 from meshwise.comm.counting import CountingCommunicator
 from meshwise.comm.mesh import AXES
+from meshwise.data.local_tokenizer import FileTokenizer
 from meshwise.data.tokens import ByteTokenizer
 from meshwise.data.windows import train_batch, val_batches
 from meshwise.models.gpt import GPT
 from meshwise.parallel.expert_parallel import moe_report
+from meshwise.runtime.cores import available_cores
 from meshwise.train.errors import TrainingError, diverged_on, train_on_rank
 from meshwise.train.gpt import checkpoint
 from meshwise.train.gpt.config import GPTTrainConfig
 from meshwise.train.gpt.init_from import export, load_weights
 from meshwise.train.gpt.moe import moe_banner
 from meshwise.train.gpt.parallelize import parallelize
-from meshwise.train.gpt.peak import peak_flops
+from meshwise.train.gpt.peak import peak_flops, shared_cores_peak, thread_hint
 from meshwise.train.gpt.profiling import GPTProfiling
 from meshwise.train.gpt.report import GPTResult, StepStats, step_line
 from meshwise.train.gpt.schedule import lr_at
+from meshwise.train.gpt.start_notes import start_notes
+from meshwise.train.gpt.step_log import StepLog, checkpoint_due
 from meshwise.world import World, init
 
 SAMPLE_PROMPT = "\ndef "
@@ -61,15 +66,29 @@ class GPTTrainer:
         model = GPT(self.model_config).to(world.device)
         if config.init_from is not None and not config.resume:  # a resumed run continues its own weights
             load_weights(model, config.init_from)
+        if config.compile:  # per block and in place: parameter names, and so checkpoints, stay as they are
+            for block in model.blocks:
+                block.compile()
         self.step_runner = parallelize(model, self.mesh, config)
+        for group in self.step_runner.optimizer.param_groups:  # --beta1/--beta2/--eps
+            group.update(betas=(config.beta1, config.beta2), eps=config.eps)
         self.history: list[StepStats] = []
         self.first_step = 0
         self.initial_val_loss: float | None = None  # before the first step: the baseline learning beats
+        self.saved_run: dict | None = None  # the resumed checkpoint's run record
+        self.peak_notes: list[str] = []  # what the MFU peak had to assume (shared cores)
         self.checkpoint_path: str | None = None
         if config.resume:
             self._restore()
         self.console = Console(soft_wrap=True)
         self.profiling = GPTProfiling(world, config, self.step_runner, config.steps - self.first_step)
+        self.step_log = StepLog(
+            is_main=world.is_main,
+            steps=config.steps,
+            log_every=config.log_every,
+            metrics=config.metrics,
+            tensorboard=config.tensorboard,
+        )
 
     # ------------------------------------------------------------------ checkpoints
     def _run_record(self) -> dict:
@@ -92,6 +111,7 @@ class GPTTrainer:
             self._run_record(),
             is_main=self.world.is_main,
             barrier=self.world.comm.barrier,
+            keep=self.config.keep,
         )
         self.checkpoint_path = str(path)
 
@@ -99,6 +119,7 @@ class GPTTrainer:
         assert self.config.checkpoint is not None
         state = self.step_runner.state_dict()
         run = checkpoint.load(self.config.checkpoint, state)
+        self.saved_run = run
         self.step_runner.load_state_dict(state)
         self.first_step = int(run["step"])
         self.history = [StepStats(**s) for s in run["history"]]
@@ -119,7 +140,14 @@ class GPTTrainer:
     def train_step(self, step: int) -> StepStats:
         """One optimizer step (0-based ``step``); the returned loss is the global batch's mean."""
         config, runner, profiling = self.config, self.step_runner, self.profiling
-        lr = lr_at(step, lr=config.lr, min_lr=config.min_lr, warmup=config.warmup_steps, steps=config.steps)
+        lr = lr_at(
+            step,
+            lr=config.lr,
+            min_lr=config.min_lr,
+            warmup=config.warmup_steps,
+            steps=config.steps,
+            shape=config.lr_schedule,
+        )
         with profiling.step():
             started = time.perf_counter()
             with profiling.phase("optimizer"):
@@ -172,12 +200,17 @@ class GPTTrainer:
         if not self.world.is_main:
             return None
         model.eval()
-        tokenizer = ByteTokenizer()
+        tokenizer = (
+            ByteTokenizer()
+            if self.config.tokenizer_path is None
+            else FileTokenizer(self.config.tokenizer_path)
+        )
         prompt = torch.tensor(tokenizer.encode(SAMPLE_PROMPT).astype("int64"), device=self.world.device)
         generator = torch.Generator(device=self.world.device).manual_seed(self.config.seed)
         out = model.generate(prompt[None], tokens, temperature=0.8, top_k=40, generator=generator)[0].tolist()
         model.train()
-        return tokenizer.decode(out) if self.model_config.vocab <= 256 else " ".join(map(str, out))
+        decodable = self.model_config.vocab <= 256 or self.config.tokenizer_path is not None
+        return tokenizer.decode(out) if decodable else " ".join(map(str, out))
 
     def export_hf(self, directory: str) -> str | None:
         """Rank 0 writes the trained weights in Hugging Face GPT-2 format; every rank calls it, since
@@ -192,7 +225,23 @@ class GPTTrainer:
         mine, source = peak_flops(self.world.device, self.config.torch_dtype)
         total = torch.tensor([mine], dtype=torch.float64)
         self.world.comm.all_reduce(total, ReduceOp.SUM)
+        if source == "measured":  # CPU ranks may share this host's cores: see shared_cores_peak
+            return self._shared_cores_peak(total.item(), mine), source
         return total.item(), source
+
+    def _shared_cores_peak(self, summed: float, mine: float) -> float:
+        """The summed peak capped at this host's cores (every node alike), and the notes it implies."""
+        threads = torch.get_num_threads()
+        best = torch.tensor([mine / threads], dtype=torch.float64)
+        self.world.comm.all_reduce(best, ReduceOp.MAX)
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", self.world.world_size))
+        nodes = max(1, self.world.world_size // local)
+        cores = available_cores()
+        peak, note = shared_cores_peak(summed / nodes, best.item(), local * threads, cores)
+        self.peak_notes = [n for n in (note,) if n]
+        if self.world.world_size == 1:
+            self.peak_notes += [n for n in (thread_hint(threads, cores, os.getloadavg()[0]),) if n]
+        return peak * nodes
 
     def run(self) -> GPTResult:
         config, world = self.config, self.world
@@ -208,6 +257,8 @@ class GPTTrainer:
             )
             if (experts := moe_banner(self.model_config)) is not None:
                 self.console.print(experts)
+            for note in [*start_notes(config, self.model_config.vocab, self.saved_run), *self.peak_notes]:
+                self.console.print(f"note: {note}")
         if self.first_step == 0:
             self.initial_val_loss = self.evaluate()
         started = time.perf_counter()
@@ -232,14 +283,16 @@ class GPTTrainer:
                 progress.update(
                     task, advance=1, status=f"loss {stats.loss:.3f}  {stats.tokens_per_second:,.0f} tok/s"
                 )
+                self.step_log.after_step(stats, mfu, progress.console)
                 if stats.val_loss is not None:
                     router = moe_report(self.step_runner.model, self.mesh.dp)  # since the last line
                     if world.is_main:
                         progress.console.print(step_line(stats, config.steps, mfu))
                         if router is not None:
                             progress.console.print(f"  {router.line()}")
-                    if config.checkpoint is not None:
-                        self.save_checkpoint(step + 1)
+                if checkpoint_due(config, step + 1, evaluated=stats.val_loss is not None):
+                    self.save_checkpoint(step + 1)
+        self.step_log.close()
         self.step_runner.finish()
         text = self.sample(config.sample) if config.sample else None
         exported = self.export_hf(config.export_hf) if config.export_hf is not None else None
@@ -271,6 +324,27 @@ class GPTTrainer:
             exported=exported,
             profile=self.profiling.finish(),
             notes=notes,
+            strategy={
+                "dp": self.dp,
+                "tp": self.mesh.shape.tp,
+                "pp": self.mesh.shape.pp,
+                "zero": config.zero,
+                "sp": config.sp,
+                "schedule": config.schedule if self.mesh.shape.pp > 1 else None,
+                "virtual_stages": config.virtual_stages,
+                "micro_batches": config.accumulation(self.dp),
+                "micro_batch_size": self.micro_batch,
+            },
+            outputs={
+                flag: path
+                for flag, path in (
+                    ("Trace", config.trace),
+                    ("Timeline", config.timeline),
+                    ("Torch profile", config.torch_profile),
+                    ("Metrics", config.metrics),
+                )
+                if path is not None
+            },
         )
 
     def _comm_stats(self) -> dict[str, dict[str, dict[str, float]]] | None:

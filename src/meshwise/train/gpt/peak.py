@@ -70,3 +70,32 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
     # denominator is therefore the best rate these cores reach in either precision.
     rates = {measured_peak(device, dtype), measured_peak(device, torch.float32)}
     return max(rates), "measured"
+
+
+def shared_cores_peak(
+    summed: float, best_per_thread: float, threads: int, cores: int
+) -> tuple[float, str | None]:
+    """The peak of ranks on one host that share its ``cores``: the sum of their measured peaks, but
+    never more than ``cores`` threads at the best rate one thread reached. Ranks whose ``threads``
+    together outnumber the cores each time a matmul in the slices the scheduler gives them, and the
+    best of those is a whole core's rate: summed, the peak grew with every rank added. Returns the
+    peak and, when the cores are oversubscribed, a note saying so."""
+    if threads <= cores:
+        return summed, None
+    note = (
+        f"{threads} threads over the ranks on {cores} cores: the ranks share cores (oversubscribed), so "
+        f"MFU is against those {cores} cores' peak; fewer ranks (-np) or OMP_NUM_THREADS avoid the sharing"
+    )
+    return min(summed, best_per_thread * cores), note
+
+
+def thread_hint(threads: int, cores: int, load: float) -> str | None:
+    """For one rank: a hint when its OpenMP threads outnumber the cores other work leaves free
+    (``load``: the 1-minute load average, which counts runnable processes)."""
+    free = max(1, int(cores - load))
+    if threads <= free:
+        return None
+    return (
+        f"torch uses {threads} threads but only about {free} of {cores} cores are free (load {load:.1f}): "
+        f"set OMP_NUM_THREADS={free} (threads waiting for a busy core slow every matmul)"
+    )

@@ -59,6 +59,10 @@ class GPTResult:
     profile: dict | None = None
     #: the strategy's own summary lines (ZeRO: per-rank memory vs the formula, the fp16 loss scale)
     notes: tuple[str, ...] = ()
+    #: how the work was split: ZeRO stage, sequence parallelism, pipeline schedule, virtual stages, …
+    strategy: dict[str, Any] | None = None
+    #: the files the run wrote besides --json (trace, timeline, torch profile, metrics), by flag
+    outputs: dict[str, str] | None = None
 
     @property
     def trained(self) -> tuple[StepStats, ...]:
@@ -86,10 +90,14 @@ class GPTResult:
         lines.append(
             f"Ranks               = {self.world_size} × {self.device} ({self.backend}), mesh {self.mesh}"
         )
+        per_dp, m = self.micro_batch * self.accumulation, self.accumulation
         lines.append(
-            f"Batch               = {self.global_batch} × {self.seq_len} tokens global "
-            f"({self.micro_batch}/rank × {self.accumulation} micro-batches), {self.dtype}"
+            f"Batch               = {self.global_batch} sequences × {self.seq_len} tokens per step; {per_dp} "
+            f"per data-parallel rank in {m} micro-batch{'es' if m > 1 else ''} of {self.micro_batch}, "
+            f"{self.dtype}"
         )
+        if self.strategy:
+            lines.append(f"Strategy            = {strategy_line(self.strategy)}")
         resumed = f", resumed after step {self.first_step}" if self.first_step else ""
         lines.append(f"Steps               = {len(self.trained)} run{resumed}, {self.steps} in total")
         if self.val_losses:
@@ -109,11 +117,13 @@ class GPTResult:
             lines.append(f"Checkpoint          = {self.checkpoint}")
         if self.exported:
             lines.append(f"Hugging Face export = {self.exported}")
+        for flag, path in (self.outputs or {}).items():
+            lines.append(f"{flag:<20}= {path}")
         lines += self.notes
         if self.comm_stats:
             lines += self._comm_lines()
         if self.profile is not None:
-            lines += ["", table(Breakdown.from_json(self.profile))]
+            lines += ["", table(Breakdown.from_json(self.profile), GPT_KNOBS)]
             if "pipeline_idle_fraction" in self.profile:
                 idle = self.profile["pipeline_idle_fraction"]
                 lines.append(
@@ -147,7 +157,38 @@ class GPTResult:
             mfu=self.mfu,
             final_val_loss=self.val_losses[-1][1] if self.val_losses else None,
         )
+        if self.profile is not None and "verdict" in self.profile:  # the advice in train gpt's flags
+            verdict = data["profile"]["verdict"]
+            verdict["knob"] = GPT_KNOBS[verdict["bound"]]
         return data
+
+
+#: what to change when a part bounds the step, in ``train gpt``'s own flags (the generic advice names
+#: knobs of other commands: DataParallel buckets, DataLoader workers)
+GPT_KNOBS = {
+    "communication": "send less or overlap more: a larger per-rank batch (--global-batch), --zero 1 or 2 "
+    "rather than 3, a smaller --tp, a faster --backend (shm on one host, nccl on GPUs), or fewer ranks (-np)",
+    "data": "batches come from memory here; give --data as a .bin token file to skip decoding text",
+    "bubble": "shrink the pipeline bubble: more --micro-batches per step (m >> pp), or --schedule "
+    "interleaved --virtual-stages 2, or --schedule zb",
+    "other": "host overhead between phases (evaluation, logging, metric syncs): raise --eval-every / "
+    "--log-every, drop --comm-stats",
+    "compute": "compute dominates, as it should: add ranks (-np), use --device cuda, or --dtype bf16",
+}
+
+
+def strategy_line(strategy: dict[str, Any]) -> str:
+    """``ZeRO-2 over dp 2, tp 2 with sequence parallelism, pp 2 (1f1b, 4 micro-batches)``."""
+    parts = [
+        f"ZeRO-{strategy['zero']} over dp {strategy['dp']}" if strategy["zero"] else f"dp {strategy['dp']}"
+    ]
+    if strategy["tp"] > 1:
+        parts.append(f"tp {strategy['tp']}{' with sequence parallelism' if strategy['sp'] else ''}")
+    if strategy["pp"] > 1:
+        virtual = f", {strategy['virtual_stages']} virtual stages" if strategy["virtual_stages"] > 1 else ""
+        m = strategy["micro_batches"]
+        parts.append(f"pp {strategy['pp']} ({strategy['schedule']}, {m} micro-batches{virtual})")
+    return ", ".join(parts)
 
 
 def step_line(stats: StepStats, steps: int, mfu: float) -> str:

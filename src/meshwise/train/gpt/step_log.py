@@ -1,0 +1,88 @@
+"""Which steps a GPT run reports and checkpoints: progress lines, the ``--metrics`` stream, checkpoints.
+
+Every evaluation step is reported (as before); ``--log-every N`` adds every N-th step, printed as a
+plain line whether or not stdout is a terminal (a batch job's log has no progress bar). Each reported
+step is also one JSON line of the ``--metrics`` stream (:mod:`meshwise.train.metrics_stream`) and,
+with ``--tensorboard DIR``, scalars in TensorBoard event files (the optional ``tensorboard`` package
+writes its own format, which nothing else here could). Only
+rank 0 reports; the other ranks' calls return at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from rich.console import Console
+
+from meshwise.train.gpt.config import GPTTrainConfig
+from meshwise.train.gpt.report import StepStats, step_line
+from meshwise.train.metrics_stream import MetricsStream
+
+
+class StepLog:
+    """Rank 0's reporting of logged steps; :meth:`close` at the end of the run."""
+
+    def __init__(
+        self,
+        *,
+        is_main: bool,
+        steps: int,
+        log_every: int | None,
+        metrics: str | None,
+        tensorboard: str | None = None,
+    ) -> None:
+        self.is_main, self.steps, self.log_every = is_main, steps, log_every
+        self.stream = MetricsStream(metrics) if is_main and metrics is not None else None
+        self.board = tensorboard_writer(tensorboard) if is_main and tensorboard is not None else None
+
+    def due(self, step: int) -> bool:
+        """Is 1-based ``step`` one of the --log-every steps (the last step always is)?"""
+        return self.log_every is not None and (step % self.log_every == 0 or step == self.steps)
+
+    def after_step(self, stats: StepStats, mfu: float, console: Console) -> None:
+        """Report ``stats`` if it is a logged step: a line unless the evaluation prints one, a record."""
+        evaluated = stats.val_loss is not None
+        if not self.is_main or not (evaluated or self.due(stats.step)):
+            return
+        if not evaluated:
+            console.print(step_line(stats, self.steps, mfu))
+        record = asdict(stats) | {"tokens_per_second": stats.tokens_per_second, "mfu": mfu}
+        if self.stream is not None:
+            self.stream.write(record)
+        if self.board is not None:
+            for name in ("loss", "val_loss", "lr", "grad_norm", "tokens_per_second", "mfu"):
+                if record[name] is not None:
+                    self.board.add_scalar(f"train/{name}", record[name], stats.step)
+
+    def close(self) -> None:
+        if self.stream is not None:
+            self.stream.close()
+        if self.board is not None:
+            self.board.close()
+
+
+def checkpoint_due(config: GPTTrainConfig, step: int, *, evaluated: bool) -> bool:
+    """Is a checkpoint written after 1-based ``step``? At every evaluation by default; with
+    ``--checkpoint-every N`` every N-th step and the last one instead, whatever the evaluations do."""
+    if config.checkpoint is None:
+        return False
+    if config.checkpoint_every is None:
+        return evaluated
+    return step % config.checkpoint_every == 0 or step == config.steps
+
+
+def check_tensorboard() -> None:
+    """``--tensorboard`` needs the optional ``tensorboard`` package: say so before any rank starts."""
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:
+        raise ValueError(
+            "--tensorboard needs the tensorboard package: pip install 'meshwise[tensorboard]'"
+        ) from None
+
+
+def tensorboard_writer(directory: str):  # -> torch.utils.tensorboard.SummaryWriter
+    """An event-file writer into ``directory`` (TensorBoard's own format, via torch's writer)."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    return SummaryWriter(log_dir=directory)
