@@ -225,7 +225,7 @@ def _bad_cases(text: str, tmp: Path) -> list[tuple[dict, str]]:
         ({"nproc": 3, "tp": 3}, r"hidden size 64 is not divisible by --tp 3"),
         ({"nproc": 4, "tp": 3}, r"4 ranks do not split into groups of --tp 3"),
         ({"nproc": 2, "tp": 4}, r"--tp 4 is larger than the 2 ranks started"),
-        ({"nproc": 6, "tp": 2, "pp": 2}, r"6 ranks cannot be split into tp·pp = 2·2 = 4 groups"),
+        ({"nproc": 6, "tp": 2, "pp": 2}, r"6 ranks cannot be split into pp·tp = 2·2 = 4 groups"),
         ({"sp": True}, r"--sp splits the sequence across the tensor-parallel ranks: add --tp 2"),
         ({"nproc": 4, "tp": 4, "sp": True, "seq_len": 30}, r"sequence of 30 tokens into --tp 4 shards"),
         ({"nproc": 5}, "--global-batch 12 is not divisible by dp = 5"),

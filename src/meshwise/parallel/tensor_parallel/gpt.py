@@ -50,29 +50,16 @@ from meshwise.parallel.tensor_parallel.vocab import VocabParallelEmbedding
 
 
 def check_tensor_parallel(
-    config: GPTConfig,
-    tp: int,
-    *,
-    sequence_parallel: bool = False,
-    world_size: int | None = None,
-    seq_len: int | None = None,
+    config: GPTConfig, tp: int, *, sequence_parallel: bool = False, seq_len: int | None = None
 ) -> None:
     """Raise ``ValueError`` saying what to change when ``config`` cannot be split ``tp`` ways.
 
     Plain arithmetic, so the CLI calls it before starting any rank. ``seq_len`` is the length trained on
-    (default: the config's context), which sequence parallelism splits ``tp`` ways.
+    (default: the config's context), which sequence parallelism splits ``tp`` ways. Whether ``tp`` fits
+    the number of ranks is the mesh's check (:meth:`~meshwise.comm.mesh.MeshShape.infer`).
     """
     if tp < 1:
         raise ValueError(f"--tp must be at least 1, got {tp}")
-    if world_size is not None and tp > world_size:
-        raise ValueError(
-            f"--tp {tp} is larger than the {world_size} ranks started: start at least {tp} ranks (-np {tp}) "
-            f"or lower --tp"
-        )
-    if world_size is not None and world_size % tp:
-        raise ValueError(
-            f"{world_size} ranks do not split into groups of --tp {tp}: use a divisor of {world_size}"
-        )
     divisors = [d for d in range(1, config.heads + 1) if config.heads % d == 0]
     if config.hidden % tp:
         raise ValueError(

@@ -224,13 +224,10 @@ def check_supported(config: GPTTrainConfig) -> None:
         check_zero(config)
     if config.sp and config.tp < 2:
         raise ValueError("--sp splits the sequence across the tensor-parallel ranks: add --tp 2 or more")
+    config.mesh_shape(config.world_size())  # the degree checks: sizes that divide the ranks
     if config.tp > 1:
         check_tensor_parallel(
-            config.model_config,
-            config.tp,
-            sequence_parallel=config.sp,
-            world_size=config.world_size(),
-            seq_len=config.train_seq_len,
+            config.model_config, config.tp, sequence_parallel=config.sp, seq_len=config.train_seq_len
         )
     name = strategy_name(config)
     if name not in STRATEGIES:  # each strategy exists, not their combination
