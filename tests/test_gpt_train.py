@@ -221,7 +221,7 @@ def _bad_cases(text: str, tmp: Path) -> list[tuple[dict, str]]:
         ({"data": str(odd)}, "odd number"),
         ({"data": str(big)}, "token id 300 but the model's vocabulary is 256: pass --vocab 301"),
         ({"data": str(short)}, "fewer than one window"),
-        ({"nproc": 3, "dp": 2}, r"dp·tp·pp = 2·1·1 = 2 but 3 ranks were started"),
+        ({"nproc": 3, "dp": 2}, r"dp = 2 but 3 ranks were started: start 2 ranks"),
         ({"nproc": 3, "tp": 3}, r"hidden size 64 is not divisible by --tp 3"),
         ({"nproc": 4, "tp": 3}, r"4 ranks do not split into groups of --tp 3"),
         ({"nproc": 2, "tp": 4}, r"--tp 4 is larger than the 2 ranks started"),

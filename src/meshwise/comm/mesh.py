@@ -104,10 +104,11 @@ class MeshShape:
                 raise ValueError(f"mesh size {axis} must be at least 1, got {n}")
         if self.size != world_size:
             used = {a: n for a, n in self.sizes.items() if n > 1} or {"dp": 1}
+            product = f"{'·'.join(used)} = {'·'.join(map(str, used.values()))}"
+            product += f" = {self.size}" if len(used) > 1 else ""
             raise ValueError(
-                f"{'·'.join(used)} = {'·'.join(map(str, used.values()))} = {self.size} but {world_size} "
-                f"ranks were started: start {self.size} ranks (-np {self.size}) or choose sizes whose "
-                f"product is {world_size}"
+                f"{product} but {world_size} ranks were started: start {self.size} ranks (-np {self.size}) "
+                f"or choose sizes whose product is {world_size}"
             )
         return self
 
