@@ -63,7 +63,7 @@ def _build(name: str, config: str, comms: dict) -> tuple[nn.Module, torch.optim.
         model = DataParallel(model, comms["gloo"])
     else:
         stage, backend = int(name[4]), name.split("/")[1]
-        model = shard(model, comms[backend], stage=stage)
+        model = shard(model, comms[backend], stage=stage, units=list(model.blocks))  # as FSDP2 above
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
 
 

@@ -18,7 +18,8 @@ from tests.tp_checks import run_checks
 from meshwise.comm.counting import CommStats, bus_factor
 from meshwise.comm.mesh import MeshShape
 from meshwise.models.gpt import CONFIGS, GPTConfig
-from meshwise.parallel.tensor_parallel import check_tensor_parallel, padded_vocab
+from meshwise.models.gpt_plan import check_tensor_parallel
+from meshwise.parallel.tensor_parallel import padded_vocab
 from meshwise.runtime.spawn import spawn
 
 TOLERANCE = 2e-5  # fp32: sums in another order, nothing else

@@ -252,6 +252,11 @@ class Mesh:
         raise AttributeError(f"Mesh has no axis {axis!r}; axes are {', '.join(AXES)} and 'batch'")
 
     @property
+    def job(self) -> Communicator:
+        """The communicator over every rank of the mesh (the one it was split from)."""
+        return self._parent
+
+    @property
     def batch_index(self) -> int:
         """This rank's slice of the global batch (of ``shape.batch_size``)."""
         return self._comms["batch"].rank

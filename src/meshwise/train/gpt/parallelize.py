@@ -30,7 +30,7 @@ by :meth:`~meshwise.train.profile.StepProfiler.record`-ing the instructions it r
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -40,8 +40,9 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from meshwise.comm.mesh import Mesh
 from meshwise.models.gpt import GPT, language_model_loss
+from meshwise.models.gpt_plan import gpt_plan
 from meshwise.parallel import DataParallel
-from meshwise.parallel.tensor_parallel import check_tensor_parallel
+from meshwise.parallel.placement import Placement, clip_grad_norm_, place
 from meshwise.train.gpt.config import GPTTrainConfig
 from meshwise.train.profile import StepProfiler
 
@@ -54,9 +55,21 @@ class ParallelStep(ABC):
     optimizer: torch.optim.Optimizer
     profiler: StepProfiler | None = None  # set by the loop under --profile
 
-    def __init__(self, config: GPTTrainConfig, device: torch.device) -> None:
+    #: this rank's parameters under the plain model's names, with where each lies on the mesh; a strategy
+    #: that keeps them (not ZeRO's flat shards) sets it, and :meth:`clip_grad_norm` needs nothing else
+    placements: dict[str, tuple[nn.Parameter, Placement]]
+
+    def __init__(self, config: GPTTrainConfig, mesh: Mesh, device: torch.device) -> None:
         self.device = device
         self.dtype = config.torch_dtype
+        self.mesh = mesh
+        self.placements = {}
+
+    def place(self, named: Iterable[tuple[str, nn.Parameter]], **how: Any) -> None:
+        """Record this rank's ``named`` parameters' placements (``how``: see :func:`place`)."""
+        named = list(named)
+        params = dict(named)
+        self.placements = {name: (params[name], p) for name, p in place(named, **how).items()}
 
     def autocast(self) -> AbstractContextManager[Any]:
         """bf16 mixed precision: weights, gradients and optimizer stay fp32; matmuls run in bf16."""
@@ -95,8 +108,10 @@ class ParallelStep(ABC):
     @abstractmethod
     def forward_backward(self, micro_batches: Sequence[Batch]) -> float: ...
 
-    @abstractmethod
-    def clip_grad_norm(self, max_norm: float) -> float: ...
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Clip by the norm of the whole model's gradient, from the placements (one all-reduce)."""
+        pairs = list(self.placements.values())
+        return clip_grad_norm_(pairs, max_norm, self.mesh.coordinates, self.mesh.job)
 
     @abstractmethod
     def eval_loss_sum(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor: ...
@@ -158,9 +173,10 @@ class DataParallelStep(ParallelStep):
     (the first micro-batches accumulate under ``no_sync``)."""
 
     def __init__(self, model: GPT, mesh: Mesh, config: GPTTrainConfig) -> None:
-        super().__init__(config, next(model.parameters()).device)
+        super().__init__(config, mesh, next(model.parameters()).device)
         self.model = DataParallel(model, mesh.dp)
         self.optimizer = build_optimizer(model, config)
+        self.place(model.named_parameters())
 
     def forward_backward(self, micro_batches: Sequence[Batch]) -> float:
         return self.accumulate_gradients(micro_batches, self._loss)
@@ -168,12 +184,6 @@ class DataParallelStep(ParallelStep):
     def _loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         with self.autocast():
             return language_model_loss(self.model(inputs), targets)
-
-    def clip_grad_norm(self, max_norm: float) -> float:
-        params = self.model.module.parameters()
-        if max_norm > 0:
-            return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-        return float(torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None]))
 
     @torch.no_grad()
     def eval_loss_sum(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -225,10 +235,7 @@ def check_supported(config: GPTTrainConfig) -> None:
     if config.sp and config.tp < 2:
         raise ValueError("--sp splits the sequence across the tensor-parallel ranks: add --tp 2 or more")
     config.mesh_shape(config.world_size())  # the degree checks: sizes that divide the ranks
-    if config.tp > 1:
-        check_tensor_parallel(
-            config.model_config, config.tp, sequence_parallel=config.sp, seq_len=config.train_seq_len
-        )
+    gpt_plan(config.model_config).check_tensor_parallel(config.tp, config.sp, config.train_seq_len)
     name = strategy_name(config)
     if name not in STRATEGIES:  # each strategy exists, not their combination
         flags = " ".join(f"--{flag}" for flag in name.split("+"))

@@ -10,21 +10,22 @@ Checkpoints and ``--sample`` are in :mod:`meshwise.train.gpt.pipeline_state`.
 
 from __future__ import annotations
 
-import math
+import copy
 from collections.abc import Sequence
+from functools import partial
 
 import torch
 from torch import nn
 
-from meshwise.comm.api import ReduceOp
 from meshwise.comm.mesh import Mesh
 from meshwise.models.gpt import GPT
-from meshwise.parallel.pipeline_parallel import chunk_parameters, theoretical_bubble
-from meshwise.parallel.pipeline_parallel.builder import pipeline_gpt
+from meshwise.models.gpt_plan import gpt_plan, tensor_parallel
+from meshwise.parallel.pipeline_parallel import theoretical_bubble
+from meshwise.parallel.pipeline_parallel.builder import build_pipeline
 from meshwise.parallel.pipeline_parallel.executor import Event
-from meshwise.parallel.pipeline_parallel.partition import GPTChunk
+from meshwise.parallel.pipeline_parallel.partition import LayerChunk
 from meshwise.parallel.pipeline_parallel.timeline import COMPUTE_OPS, draw, gather_events
-from meshwise.parallel.tensor_parallel import shard_dim, vocab_parallel_cross_entropy
+from meshwise.parallel.tensor_parallel import vocab_parallel_cross_entropy
 from meshwise.train.gpt.config import GPTTrainConfig
 from meshwise.train.gpt.parallelize import Batch, ParallelStep, build_optimizer
 from meshwise.train.gpt.pipeline_state import (
@@ -39,11 +40,11 @@ class StageModule(nn.Module):
     """A rank's chunks as one module whose parameter names are the plain model's (``blocks.5.mlp.fc.weight``),
     for the optimizer, ``train()``/``eval()`` and name-keyed state."""
 
-    def __init__(self, chunks: Sequence[GPTChunk]) -> None:
+    def __init__(self, chunks: Sequence[LayerChunk]) -> None:
         super().__init__()
         blocks: dict[str, nn.Module] = {}
         for chunk in chunks:
-            blocks.update(chunk.blocks.items())
+            blocks.update(chunk.layers.items())
             if chunk.first:
                 self.wte, self.wpe = chunk.wte, chunk.wpe
             if chunk.last:
@@ -57,21 +58,31 @@ class PipelineStep(ParallelStep):
     def __init__(self, model: GPT, mesh: Mesh, config: GPTTrainConfig) -> None:
         """With ``--tp`` every stage is tensor parallel (± ``--sp``) inside ``mesh.tp``; the gradient norm
         then sums the squares of shards over tp, replicated parameters counted once."""
-        super().__init__(config, next(model.parameters()).device)
+        super().__init__(config, mesh, next(model.parameters()).device)
         self.mesh, self.config = mesh, config
         micro_batches = config.accumulation(mesh.shape.dp)
-        self.executor, self.chunks = pipeline_gpt(
+        plan, loss, tp = gpt_plan(model.config), None, mesh.tp.world_size
+        if tp > 1:  # each stage tensor parallel: shard a copy of the model, then cut it
+            model = tensor_parallel(copy.deepcopy(model), mesh.tp, sequence_parallel=config.sp)
+            assert plan.tensor_parallel is not None
+            loss = partial(plan.tensor_parallel.loss, comm=mesh.tp, reduction="mean")
+        self.executor, self.chunks = build_pipeline(
             model,
+            plan,
             mesh.pp,
             schedule=config.schedule,
             micro_batches=micro_batches,
             virtual_stages=config.virtual_stages,
             dp=mesh.dp,
-            tp=mesh.tp,
-            sequence_parallel=config.sp,
+            loss=loss,
+            sequence_shards=tp if config.sp else 1,
+            in_place=tp > 1,
         )
         self.model = StageModule(self.chunks)
         self.optimizer = build_optimizer(self.model, config)
+        held = dict(self.model.named_parameters())
+        copies = {b: a for a, b in plan.tied if b in held and a not in held}  # the last stage's head copy
+        self.place(held.items(), divided={"pp"}, tied=copies)
         self._last_events: list[Event] = []
         self._theory = theoretical_bubble(mesh.shape.pp, micro_batches, config.virtual_stages)
         self._title = f"{config.schedule} pp={mesh.shape.pp} m={micro_batches} v={config.virtual_stages}"
@@ -90,28 +101,6 @@ class PipelineStep(ParallelStep):
                     self.profiler.record(phase, label, event.start, event.end)
         self._last_events = result.events
         return result.loss
-
-    def clip_grad_norm(self, max_norm: float) -> float:
-        params = chunk_parameters(self.chunks)
-        counted = [p for p in params if not (self.mesh.shape.pp > 1 and self._is_head_copy(p))]
-        squares = torch.zeros(2, dtype=torch.float64)  # [tp shards, replicated over tp]
-        for p in counted:
-            if p.grad is not None:
-                squares[int(shard_dim(p) is None)] += p.grad.double().square().sum()
-        self.mesh.tp.all_reduce(squares[:1], ReduceOp.SUM)
-        squares = squares.sum(0, keepdim=True)
-        self.mesh.pp.all_reduce(squares, ReduceOp.SUM)
-        norm = math.sqrt(squares.item())
-        if max_norm > 0:
-            scale = max_norm / (norm + 1e-6)  # torch.nn.utils.clip_grad_norm_'s rule
-            if scale < 1:
-                for p in params:
-                    if p.grad is not None:
-                        p.grad.mul_(scale)
-        return norm
-
-    def _is_head_copy(self, param: torch.Tensor) -> bool:
-        return any(c.last and not c.first and param is c.head.weight for c in self.chunks)
 
     @torch.no_grad()
     def eval_loss_sum(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -23,8 +23,9 @@ import torch
 
 from meshwise.comm.mesh import Mesh
 from meshwise.models.gpt import GPT
+from meshwise.models.gpt_plan import tensor_parallel
 from meshwise.parallel import DataParallel
-from meshwise.parallel.tensor_parallel import full_tensors, shard_dim, tensor_parallel
+from meshwise.parallel.tensor_parallel import full_tensors
 from meshwise.parallel.tensor_parallel import vocab_parallel_cross_entropy as parallel_loss
 from meshwise.parallel.tensor_parallel.shards import gather_full, local_shard
 from meshwise.train.gpt.config import GPTTrainConfig
@@ -35,12 +36,13 @@ class TensorParallelStep(ParallelStep):
     """This rank's shard of the model, AdamW over the shard, DataParallel over ``mesh.dp``."""
 
     def __init__(self, model: GPT, mesh: Mesh, config: GPTTrainConfig) -> None:
-        super().__init__(config, next(model.parameters()).device)
+        super().__init__(config, mesh, next(model.parameters()).device)
         self.tp = mesh.tp
         self.config = model.config
         self.local = tensor_parallel(model, mesh.tp, sequence_parallel=config.sp)
         self.model = DataParallel(self.local, mesh.dp)
         self.optimizer = build_optimizer(self.local, config)
+        self.place(self.local.named_parameters())
 
     def _loss(self, inputs: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
         with self.autocast():
@@ -49,21 +51,6 @@ class TensorParallelStep(ParallelStep):
 
     def forward_backward(self, micro_batches: Sequence[Batch]) -> float:
         return self.accumulate_gradients(micro_batches, self._loss)
-
-    def clip_grad_norm(self, max_norm: float) -> float:
-        squares = torch.zeros(2, dtype=torch.float64)
-        grads = [p.grad for p in self.local.parameters() if p.grad is not None]
-        for param in self.local.parameters():
-            if param.grad is not None:
-                squares[int(shard_dim(param) is None)] += param.grad.double().square().sum()
-        sharded = squares[:1].clone()
-        self.tp.all_reduce(sharded)
-        norm = float((sharded[0] + squares[1]).sqrt())
-        coefficient = max_norm / (norm + 1e-6)  # torch's clip_grad_norm_ rule
-        if max_norm > 0 and coefficient < 1:
-            for grad in grads:
-                grad.mul_(coefficient)
-        return norm
 
     @torch.no_grad()
     def eval_loss_sum(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -30,6 +30,7 @@ from torch import nn
 
 from meshwise.comm.mesh import Mesh
 from meshwise.models.gpt import GPT, language_model_loss
+from meshwise.models.gpt_plan import gpt_plan
 from meshwise.parallel.zero import LossScaler, shard
 from meshwise.parallel.zero.checkpoint import sharded_tensor
 from meshwise.parallel.zero.memory import rank_lines
@@ -60,10 +61,15 @@ class ZeroStep(ParallelStep):
     """This rank's master shards, AdamW over them, and (fp16) a loss scaler."""
 
     def __init__(self, model: GPT, mesh: Mesh, config: GPTTrainConfig) -> None:
-        super().__init__(config, next(model.parameters()).device)
+        super().__init__(config, mesh, next(model.parameters()).device)
         self.config = model.config
         self.model = shard(
-            model, mesh.dp, stage=config.zero, mixed_precision=PRECISION[config.dtype], separate_by=decays
+            model,
+            mesh.dp,
+            stage=config.zero,
+            mixed_precision=PRECISION[config.dtype],
+            separate_by=decays,
+            units=gpt_plan(model.config).layer_modules(model) if config.zero == 3 else None,
         )
         groups = [
             {"params": self.model.parameters_where(decays), "weight_decay": config.weight_decay},

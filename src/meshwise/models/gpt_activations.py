@@ -24,7 +24,7 @@ from torch import nn
 
 from meshwise.comm.api import Communicator
 from meshwise.models.gpt import GPT, GPTConfig
-from meshwise.parallel.tensor_parallel.gpt import tensor_parallel
+from meshwise.models.gpt_plan import tensor_parallel
 
 
 def layer_activation_bytes(
