@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from meshwise.comm.mesh import MeshShape
-from meshwise.parallel.placement import Placement, clip_grad_norm_, global_grad_norm, place
+from meshwise.parallel.placement import Placement, clip_gradients_, global_grad_norm, place
 from meshwise.parallel.tensor_parallel.layers import SHARD_DIM
 
 
@@ -66,16 +66,16 @@ def test_place_reads_the_tensor_parallel_mark_and_clipping_follows_torch() -> No
     assert placements["bias"].tied_to == "other" and not placements["bias"].counted_at(origin)
     with pytest.raises(ValueError, match="unknown mesh axes"):
         Placement("x", divided=frozenset({"xp"}))
-    with pytest.raises(ValueError, match="tp_dim exactly when"):
-        Placement("x", divided=frozenset({"tp"}))
+    with pytest.raises(ValueError, match="a tp_dim needs tp"):
+        Placement("x", tp_dim=0)
     reference = nn.Linear(3, 4)
     ours = nn.Linear(3, 4)
     for p, q in zip(reference.parameters(), ours.parameters(), strict=True):
         p.grad = torch.full_like(p, 2.0)
         q.grad = torch.full_like(q, 2.0)
     expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
-    pairs = [(p, Placement(n)) for n, p in ours.named_parameters()]
-    norm = clip_grad_norm_(pairs, 1.0, MeshShape().coordinates(0), _Contribution())  # type: ignore[arg-type]
+    pairs = [(p.grad, Placement(n)) for n, p in ours.named_parameters()]
+    norm = clip_gradients_(pairs, 1.0, MeshShape().coordinates(0), _Contribution())  # type: ignore[arg-type]
     assert norm == pytest.approx(expected.item(), rel=1e-6)
     for p, q in zip(reference.parameters(), ours.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad)

@@ -33,15 +33,15 @@ class Placement:
 
     name: str  # the plain model's name
     divided: frozenset[str] = frozenset()  # axes whose ranks hold disjoint parts of it
-    tp_dim: int | None = None  # the tensor dimension cut over tp ("tp" in divided)
+    tp_dim: int | None = None  # the tensor dimension cut over tp (None for a flat shard of several)
     tied_to: str | None = None  # this copy mirrors that parameter (kept equal; counted there)
 
     def __post_init__(self) -> None:
         unknown = self.divided - set(AXES)
         if unknown:
             raise ValueError(f"placement of {self.name}: unknown mesh axes {sorted(unknown)}")
-        if (self.tp_dim is not None) != ("tp" in self.divided):
-            raise ValueError(f"placement of {self.name}: a tp_dim exactly when divided over tp")
+        if self.tp_dim is not None and "tp" not in self.divided:
+            raise ValueError(f"placement of {self.name}: a tp_dim needs tp among the divided axes")
 
     def counted_at(self, coordinates: Mapping[str, int]) -> bool:
         """Whether this rank's copy counts in a sum over the whole model: not a tied copy, and the first
@@ -87,18 +87,19 @@ def global_grad_norm(
     return math.sqrt(total.item())
 
 
-def clip_grad_norm_(
-    params: Sequence[tuple[nn.Parameter, Placement]],
+def clip_gradients_(
+    grads: Sequence[tuple[torch.Tensor | None, Placement]],
     max_norm: float,
     coordinates: Mapping[str, int],
     job: Communicator,
 ) -> float:
-    """Scale every local gradient so the whole model's norm is at most ``max_norm`` (0: only measure),
-    by torch's ``clip_grad_norm_`` rule (``max_norm / (norm + 1e-6)`` when below 1); returns the norm."""
-    norm = global_grad_norm([(p.grad, placement) for p, placement in params], coordinates, job)
+    """Scale every local gradient (a parameter's, or a ZeRO gradient shard) so the whole model's norm is
+    at most ``max_norm`` (0: only measure), by torch's ``clip_grad_norm_`` rule (``max_norm / (norm +
+    1e-6)`` when below 1); returns the norm. Tied copies are scaled too, counted once."""
+    norm = global_grad_norm(grads, coordinates, job)
     coefficient = max_norm / (norm + 1e-6)
     if max_norm > 0 and coefficient < 1:
-        for param, _ in params:
-            if param.grad is not None:
-                param.grad.mul_(coefficient)
+        for grad, _ in grads:
+            if grad is not None:
+                grad.mul_(coefficient)
     return norm

@@ -197,8 +197,7 @@ class ShardedModel(nn.Module):
         ``max_norm=math.inf`` only measures."""
         if norm_type not in (2.0, math.inf):
             raise ValueError(f"norm_type must be 2.0 or math.inf, got {norm_type}")
-        self._grads.reduce_for_step(self.groups)
-        pending = [g.pending_gradient() for g in self.groups]
+        pending = self.gradient_shards()
         shards = [grad.float() for grad in pending if grad is not None]
         device = self.groups[0].device
         if norm_type == math.inf:
@@ -216,6 +215,13 @@ class ShardedModel(nn.Module):
             if grad is not None:
                 grad.mul_(coefficient.to(grad.dtype))
         return total.reshape(())
+
+    def gradient_shards(self) -> list[torch.Tensor | None]:
+        """Each group's reduced gradient shard the next step will use (None: no gradient), after stage 1
+        reduced what ``no_sync`` left; scaling them in place clips (a caller's own global norm, e.g.
+        over a mesh where the shards are also tensor-parallel shards)."""
+        self._grads.reduce_for_step(self.groups)
+        return [g.pending_gradient() for g in self.groups]
 
     # ------------------------------------------------------------------ state
     def memory_report(self, optimizer: torch.optim.Optimizer | None = None) -> MemoryReport:

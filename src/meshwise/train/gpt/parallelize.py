@@ -42,7 +42,7 @@ from meshwise.comm.mesh import Mesh
 from meshwise.models.gpt import GPT, language_model_loss
 from meshwise.models.gpt_plan import gpt_plan
 from meshwise.parallel import DataParallel
-from meshwise.parallel.placement import Placement, clip_grad_norm_, place
+from meshwise.parallel.placement import Placement, clip_gradients_, place
 from meshwise.train.gpt.config import GPTTrainConfig
 from meshwise.train.profile import StepProfiler
 
@@ -110,8 +110,8 @@ class ParallelStep(ABC):
 
     def clip_grad_norm(self, max_norm: float) -> float:
         """Clip by the norm of the whole model's gradient, from the placements (one all-reduce)."""
-        pairs = list(self.placements.values())
-        return clip_grad_norm_(pairs, max_norm, self.mesh.coordinates, self.mesh.job)
+        grads = [(param.grad, placement) for param, placement in self.placements.values()]
+        return clip_gradients_(grads, max_norm, self.mesh.coordinates, self.mesh.job)
 
     @abstractmethod
     def eval_loss_sum(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor: ...
@@ -256,4 +256,4 @@ from meshwise.train.gpt.pipeline_step import PipelineStep  # noqa: E402
 from meshwise.train.gpt.zero_step import ZeroStep  # noqa: E402
 
 STRATEGIES["pp"] = STRATEGIES["tp+pp"] = STRATEGIES["tp+pp+sp"] = PipelineStep
-STRATEGIES["zero"] = ZeroStep
+STRATEGIES["zero"] = STRATEGIES["tp+zero"] = STRATEGIES["tp+zero+sp"] = ZeroStep

@@ -31,6 +31,9 @@ from torch import nn
 from meshwise.comm.mesh import Mesh
 from meshwise.models.gpt import GPT, language_model_loss
 from meshwise.models.gpt_plan import gpt_plan
+from meshwise.parallel.placement import Placement, clip_gradients_
+from meshwise.parallel.tensor_parallel import shard_dim
+from meshwise.parallel.tensor_parallel.shards import gather_full
 from meshwise.parallel.zero import LossScaler, shard
 from meshwise.parallel.zero.checkpoint import sharded_tensor
 from meshwise.parallel.zero.memory import rank_lines
@@ -48,41 +51,79 @@ def decays(_name: str, param: nn.Parameter) -> bool:
 
 def check_zero(config: GPTTrainConfig) -> None:
     """--zero's own limits, before any rank starts."""
-    missing = [flag for flag, on in (("--tp", config.tp > 1), ("--pp", config.pp > 1)) if on]
-    if config.zero and missing:
+    if config.zero and config.pp > 1:
         raise ValueError(
-            f"--zero {config.zero} with {' and '.join(missing)}: ZeRO inside a tensor- or pipeline-parallel "
-            "stage (sharding over mesh.dp of each stage's parameters) is not built yet; drop "
-            f"{' and '.join(missing)} or --zero"
+            f"--zero {config.zero} with --pp: ZeRO inside a pipeline stage (sharding over mesh.dp of each "
+            "stage's parameters) is not built yet; drop --pp or --zero"
+        )
+    if config.zero and config.tp > 1 and (config.checkpoint is not None or config.resume):
+        raise ValueError(
+            f"--zero {config.zero} with --tp trains, but its checkpoints (ZeRO's flat shards of "
+            "tensor-parallel shards) are not built yet: drop --checkpoint, or --tp or --zero"
         )
 
 
+def tensor_parallel_key(name: str, param: nn.Parameter) -> tuple[bool, bool]:
+    """ZeRO's flat groups never mix kinds the step treats apart: AdamW's decayed and undecayed
+    parameters, and tensor-parallel shards and parameters replicated over tp (a group's gradient shard
+    then has one placement, so the global norm counts it exactly once)."""
+    return decays(name, param), shard_dim(param) is not None
+
+
 class ZeroStep(ParallelStep):
-    """This rank's master shards, AdamW over them, and (fp16) a loss scaler."""
+    """This rank's master shards, AdamW over them, and (fp16) a loss scaler.
+
+    With ``--tp`` the model is first cut into this rank's tensor-parallel shard (the order
+    :func:`~meshwise.train.gpt.parallelize.parallelize` documents: TP, then data parallelism over dp), and
+    ZeRO shards those shards over ``mesh.dp``: each (dp, tp) rank holds 1/(dp·tp) of every tp-sharded
+    weight and 1/dp of the replicated ones — the layout of Megatron's distributed optimizer, or FSDP2
+    over DTensor TP with the flat range in place of FSDP2's dim-0 chunk. Flat groups keep tp shards and
+    tp-replicated parameters apart (:func:`tensor_parallel_key`), so each gradient shard has one
+    :class:`~meshwise.parallel.placement.Placement` and the global norm is the generic one.
+    """
 
     def __init__(self, model: GPT, mesh: Mesh, config: GPTTrainConfig) -> None:
         super().__init__(config, mesh, next(model.parameters()).device)
         self.config = model.config
+        self.plan = gpt_plan(model.config)
+        self.tp = mesh.tp
+        if mesh.tp.world_size > 1:
+            assert self.plan.tensor_parallel is not None
+            model = self.plan.tensor_parallel.convert(model, mesh.tp, config.sp)
         self.model = shard(
             model,
             mesh.dp,
             stage=config.zero,
             mixed_precision=PRECISION[config.dtype],
-            separate_by=decays,
-            units=gpt_plan(model.config).layer_modules(model) if config.zero == 3 else None,
+            separate_by=tensor_parallel_key,
+            units=self.plan.layer_modules(model) if config.zero == 3 else None,
         )
+        self._shard_placements = [
+            Placement(group.name, divided=frozenset({"dp", "tp"} if tp_sharded else {"dp"}))
+            for group in self.model.groups
+            for tp_sharded in [shard_dim(group.params[0]) is not None]
+        ]
         groups = [
             {"params": self.model.parameters_where(decays), "weight_decay": config.weight_decay},
             {"params": self.model.parameters_where(lambda n, p: not decays(n, p)), "weight_decay": 0.0},
         ]
         self.optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.95))
-        self.scaler = LossScaler(mesh.dp) if config.dtype == "fp16" else None
+        self.scaler = LossScaler(mesh.job) if config.dtype == "fp16" else None  # every rank skips together
+
+    def _loss(self, inputs: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        logits = self.model(inputs)
+        if self.tp.world_size > 1:  # this rank's vocabulary slice of the logits
+            assert self.plan.tensor_parallel is not None
+            return self.plan.tensor_parallel.loss(logits.float(), targets, self.tp, reduction)
+        if reduction == "mean":
+            return language_model_loss(logits, targets)
+        return torch.nn.functional.cross_entropy(
+            logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum"
+        )
 
     def forward_backward(self, micro_batches: Sequence[Batch]) -> float:
         return self.accumulate_gradients(
-            micro_batches,
-            lambda inputs, targets: language_model_loss(self.model(inputs), targets),
-            self.scaler.scale_loss if self.scaler else None,
+            micro_batches, self._loss, self.scaler.scale_loss if self.scaler else None
         )
 
     def clip_grad_norm(self, max_norm: float) -> float:
@@ -91,18 +132,22 @@ class ZeroStep(ParallelStep):
             self.scaler.update(found_inf)
             if found_inf:
                 return math.inf  # skipped: the optimizer finds no gradient
-        return float(self.model.clip_grad_norm_(max_norm if max_norm > 0 else math.inf))
+        shards = list(zip(self.model.gradient_shards(), self._shard_placements, strict=True))
+        return clip_gradients_(shards, max_norm, self.mesh.coordinates, self.mesh.job)
 
     @torch.no_grad()
     def eval_loss_sum(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = self.model(inputs)
-        return torch.nn.functional.cross_entropy(
-            logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum"
-        )
+        return self._loss(inputs, targets, reduction="sum")
 
     def full_model(self) -> GPT:
+        """The plain GPT (collective: gathered over dp by ZeRO, then over tp)."""
         full = GPT(self.config).to(self.device)
-        full.load_state_dict(self.model.state_dict())
+        state = self.model.state_dict()
+        if self.tp.world_size > 1:
+            params = self.model.module.state_dict(keep_vars=True)
+            shapes = full.state_dict()
+            state = {key: gather_full(state[key], params[key], self.tp, shapes[key].shape) for key in state}
+        full.load_state_dict(state)
         return full
 
     def summary_lines(self) -> list[str]:
