@@ -63,7 +63,8 @@ def _build(name: str, config: str, comms: dict) -> tuple[nn.Module, torch.optim.
         model = DataParallel(model, comms["gloo"])
     else:
         stage, backend = int(name[4]), name.split("/")[1]
-        model = shard(model, comms[backend], stage=stage, units=list(model.blocks))  # as FSDP2 above
+        units = list(model.blocks) if stage == 3 else None  # the blocks, as FSDP2 above
+        model = shard(model, comms[backend], stage=stage, units=units)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
 
 

@@ -106,3 +106,45 @@ def test_every_layout_trains_as_one_process_does(text: str, flags: dict) -> None
     for result in results:
         assert result["loss"] < LOSS_TOLERANCE, result
         assert result["params"] < PARAM_TOLERANCE, result
+
+
+# ---------------------------------------------------------------------------------------------- resume
+RESUME_AT, RESUME_STEPS = 2, 4
+
+
+def _train(text: str, root: str, flags: dict, resume: bool) -> dict:
+    """Layout A: RESUME_STEPS steps, a checkpoint after RESUME_AT; or layout B: resume from it."""
+    config = _config(text, checkpoint=f"{root}/ckpt", resume=resume, **flags)
+    world = meshwise.init("gloo", timeout=90, mesh=config.mesh_shape(int(os.environ["WORLD_SIZE"])))
+    try:
+        trainer = GPTTrainer(world, config)
+        losses = {}
+        for step in range(trainer.first_step, RESUME_STEPS):
+            losses[step] = trainer.train_step(step).loss
+            if step + 1 == RESUME_AT and not resume:
+                trainer.save_checkpoint(RESUME_AT)
+        model = trainer.step_runner.sampling_model()
+        held = next(model.parameters()).device.type != "meta"
+        params = {n: p.detach().numpy().copy() for n, p in model.named_parameters()} if held else None
+        return {"losses": losses, "params": params}
+    finally:
+        meshwise.shutdown()
+
+
+RESUMES = {
+    "tp2 → dp2": ({"nproc": 2, "tp": 2}, {"nproc": 2}),
+    "dp2 → tp2": ({"nproc": 2}, {"nproc": 2, "tp": 2}),
+    "zero3 → tp2": ({"nproc": 2, "zero": 3}, {"nproc": 2, "tp": 2}),
+    "pp2·dp2 → one process": ({"pp": 2}, {"nproc": 1}),
+}
+
+
+@pytest.mark.parametrize(("first", "then"), RESUMES.values(), ids=RESUMES.keys())
+def test_a_checkpoint_resumes_exactly_on_another_layout(text: str, tmp_path, first: dict, then: dict) -> None:
+    root = str(tmp_path)
+    a = spawn(_train, first.get("nproc", 4), args=(text, root, first, False), timeout=110)[0]
+    b = spawn(_train, then.get("nproc", 4), args=(text, root, then, True), timeout=110)[0]
+    for step in range(RESUME_AT, RESUME_STEPS):
+        assert b["losses"][step] == pytest.approx(a["losses"][step], abs=LOSS_TOLERANCE), step
+    for name, value in a["params"].items():
+        assert abs(b["params"][name] - value).max() < PARAM_TOLERANCE, name

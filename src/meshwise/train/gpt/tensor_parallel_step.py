@@ -23,7 +23,7 @@ import torch
 
 from meshwise.comm.mesh import Mesh
 from meshwise.models.gpt import GPT
-from meshwise.models.gpt_plan import tensor_parallel
+from meshwise.models.gpt_plan import gpt_plan, tensor_parallel
 from meshwise.parallel import DataParallel
 from meshwise.parallel.tensor_parallel import full_tensors
 from meshwise.parallel.tensor_parallel import vocab_parallel_cross_entropy as parallel_loss
@@ -81,6 +81,8 @@ class TensorParallelStep(ParallelStep):
             }
             for group in self.optimizer.param_groups
         ]
+        for first, copy in gpt_plan(self.config).tied:  # the plain model's state names both keys
+            model.setdefault(copy, model[first])
         return {"model": model, "optim": {"state": state, "param_groups": groups}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -88,21 +90,18 @@ class TensorParallelStep(ParallelStep):
         with torch.no_grad():
             for name, param in named.items():
                 param.copy_(local_shard(state["model"][name], param, self.tp))
-        order = [name for group in state["optim"]["param_groups"] for name in group["params"]]
-        index = {name: i for i, name in enumerate(order)}
-        optim = {
-            "state": {
-                index[name]: {
-                    key: local_shard(value, named[name], self.tp)
-                    if isinstance(value, torch.Tensor) and value.dim() > 0
-                    else value
-                    for key, value in entry.items()
-                }
-                for name, entry in state["optim"]["state"].items()
-            },
-            "param_groups": [
-                {**group, "params": [index[name] for name in group["params"]]}
-                for group in state["optim"]["param_groups"]
-            ],
+        # AdamW's slots by name, into this optimizer's own order (a checkpoint of another layout — ZeRO's
+        # groups, say — lists its parameters in another one); the hyper-parameters stay this run's
+        names = {id(param): name for name, param in named.items()}
+        order = [names[id(p)] for group in self.optimizer.param_groups for p in group["params"]]
+        slots = {
+            i: {
+                key: local_shard(value, named[name], self.tp)
+                if isinstance(value, torch.Tensor) and value.dim() > 0
+                else value
+                for key, value in state["optim"]["state"][name].items()
+            }
+            for i, name in enumerate(order)
         }
-        self.optimizer.load_state_dict(optim)
+        groups = self.optimizer.state_dict()["param_groups"]
+        self.optimizer.load_state_dict({"state": slots, "param_groups": groups})
