@@ -2,13 +2,10 @@
 
 The loop (:mod:`meshwise.train.gpt.loop`) knows nothing about how the model is cut. It asks
 :func:`parallelize` for a :class:`ParallelStep` — this rank's part of the model, its optimizer, and how
-one step's micro-batches turn into gradients — and then only calls that object's methods. A strategy
-plugs in by adding one entry to :data:`STRATEGIES`:
-
-    STRATEGIES["zero"] = build_zero_step      # (model, mesh, config) -> ParallelStep
-
-and naming itself in :func:`strategy_name`. :func:`check_supported` refuses a combination that has no
-entry (e.g. ``--zero`` with ``--tp``) before any rank starts, listing the ones that exist.
+one step's micro-batches turn into gradients — and then only calls that object's methods.
+:func:`parallelize` applies the strategies in one fixed order (tensor → context → pipeline →
+recomputation → data parallel / ZeRO), and :func:`check_supported` refuses, before any rank starts, a
+combination that cannot be built yet (``--zero`` with ``--pp``).
 
 What a ParallelStep must guarantee, so the loop and its tests stay valid for every strategy:
 
@@ -197,37 +194,8 @@ class DataParallelStep(ParallelStep):
         return self.model.module
 
 
-def _tensor_parallel_step(model: GPT, mesh: Mesh, config: GPTTrainConfig) -> ParallelStep:
-    from meshwise.train.gpt.tensor_parallel_step import TensorParallelStep  # it subclasses ParallelStep
-
-    return TensorParallelStep(model, mesh, config)
-
-
-#: strategy name → builder; the other parallelism issues add their entries here.
-STRATEGIES: dict[str, Callable[[GPT, Mesh, GPTTrainConfig], ParallelStep]] = {
-    "dp": DataParallelStep,
-    "tp": _tensor_parallel_step,
-    "tp+sp": _tensor_parallel_step,
-}
-
-
-def strategy_name(config: GPTTrainConfig) -> str:
-    """Which strategy a config asks for (one name per combination a builder supports)."""
-    asked = [
-        flag
-        for flag, on in (
-            ("tp", config.tp > 1),
-            ("pp", config.pp > 1),
-            ("zero", config.zero > 0),
-            ("sp", config.sp),
-        )
-        if on
-    ]
-    return "+".join(asked) if asked else "dp"
-
-
 def check_supported(config: GPTTrainConfig) -> None:
-    """A clear error, before any rank starts, for a strategy that has not landed yet."""
+    """A clear error, before any rank starts, for a composition that cannot be built (or is not yet)."""
     if config.zero:
         from meshwise.train.gpt.zero_step import check_zero
 
@@ -236,24 +204,37 @@ def check_supported(config: GPTTrainConfig) -> None:
         raise ValueError("--sp splits the sequence across the tensor-parallel ranks: add --tp 2 or more")
     config.mesh_shape(config.world_size())  # the degree checks: sizes that divide the ranks
     gpt_plan(config.model_config).check_tensor_parallel(config.tp, config.sp, config.train_seq_len)
-    name = strategy_name(config)
-    if name not in STRATEGIES:  # each strategy exists, not their combination
-        flags = " ".join(f"--{flag}" for flag in name.split("+"))
-        raise ValueError(
-            f"{flags}: this combination is not available in meshwise train gpt yet; use one of "
-            f"{', '.join(s.replace('+', ' + ') for s in STRATEGIES)}"
-        )
+
+
+def step_class(config: GPTTrainConfig) -> type[ParallelStep]:
+    """Which class runs the composition the config asks for (see :func:`parallelize`)."""
+    from meshwise.train.gpt.pipeline_step import PipelineStep  # the steps subclass ParallelStep (above)
+    from meshwise.train.gpt.tensor_parallel_step import TensorParallelStep
+    from meshwise.train.gpt.zero_step import ZeroStep
+
+    if config.pp > 1:
+        return PipelineStep
+    if config.zero:
+        return ZeroStep
+    return TensorParallelStep if config.tp > 1 else DataParallelStep
 
 
 def parallelize(model: GPT, mesh: Mesh, config: GPTTrainConfig) -> ParallelStep:
-    """This rank's :class:`ParallelStep` for ``model`` (built identically on every rank) over ``mesh``."""
+    """This rank's :class:`ParallelStep` for ``model`` (built identically on every rank) over ``mesh``.
+
+    Strategies apply in one fixed order, whatever the combination:
+
+    1. tensor parallelism (± sequence parallelism) — the model's plan converts it to this rank's shard
+       over ``mesh.tp``;
+    2. context parallelism over ``mesh.cp`` (slot);
+    3. the pipeline — the (tensor-parallel) model cut into stages along the plan's layers, over
+       ``mesh.pp``;
+    4. activation recomputation of the layers this rank runs (slot);
+    5. data parallelism over ``mesh.dp`` of what the rank holds: DataParallel's bucketed all-reduce, or
+       ZeRO-1/2/3 sharding those (tensor-parallel) parameters further.
+
+    So ZeRO shards tensor-parallel shards, never the reverse (Megatron's distributed optimizer; FSDP2
+    over DTensor TP). :func:`step_class` names the class that runs a composition.
+    """
     check_supported(config)
-    return STRATEGIES[strategy_name(config)](model, mesh, config)
-
-
-# Strategies in their own modules register here (they import this module's ParallelStep: at the end).
-from meshwise.train.gpt.pipeline_step import PipelineStep  # noqa: E402
-from meshwise.train.gpt.zero_step import ZeroStep  # noqa: E402
-
-STRATEGIES["pp"] = STRATEGIES["tp+pp"] = STRATEGIES["tp+pp+sp"] = PipelineStep
-STRATEGIES["zero"] = STRATEGIES["tp+zero"] = STRATEGIES["tp+zero+sp"] = ZeroStep
+    return step_class(config)(model, mesh, config)
