@@ -148,3 +148,22 @@ def test_a_checkpoint_resumes_exactly_on_another_layout(text: str, tmp_path, fir
         assert b["losses"][step] == pytest.approx(a["losses"][step], abs=LOSS_TOLERANCE), step
     for name, value in a["params"].items():
         assert abs(b["params"][name] - value).max() < PARAM_TOLERANCE, name
+
+
+def test_a_checkpoint_is_read_by_torch_alone_into_a_plain_gpt(text: str, tmp_path) -> None:
+    """``dcp_to_torch_save`` (torch only, no meshwise) turns a zero3 checkpoint of 2 ranks into one file
+    whose model state loads into ``GPT`` and holds the run's weights (the next step's loss, recomputed)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    root = str(tmp_path)
+    run = spawn(_train, 2, args=(text, root, {"nproc": 2, "zero": 3}, False), timeout=110)[0]
+    dcp_to_torch_save(f"{root}/ckpt/step-{RESUME_AT:06d}", f"{root}/plain.pt")
+    state = torch.load(f"{root}/plain.pt", weights_only=True)
+    config = _config(text)
+    model = GPT(config.model_config)
+    model.load_state_dict(state["model"])
+    inputs, targets = train_batch(config.load_data(), 32, config.global_batch, config.seed, RESUME_AT, 0, 1)
+    with torch.no_grad():  # the loaded weights give the loss the run computed next from the checkpoint
+        loss = language_model_loss(model(inputs), targets).item()
+    assert loss == pytest.approx(run["losses"][RESUME_AT], abs=LOSS_TOLERANCE)
+    assert set(state["optim"]["state"]) == {n for n, _ in model.named_parameters()}
