@@ -35,7 +35,7 @@ from meshwise.parallel.placement import Placement, clip_gradients_
 from meshwise.parallel.tensor_parallel import shard_dim
 from meshwise.parallel.tensor_parallel.shards import gather_full
 from meshwise.parallel.zero import LossScaler, shard
-from meshwise.parallel.zero.checkpoint import sharded_tensor
+from meshwise.parallel.zero.checkpoint import Slices, sharded_tensor
 from meshwise.parallel.zero.memory import rank_lines
 from meshwise.train.gpt.config import GPTTrainConfig
 from meshwise.train.gpt.parallelize import Batch, ParallelStep, init_optimizer_state
@@ -55,11 +55,6 @@ def check_zero(config: GPTTrainConfig) -> None:
         raise ValueError(
             f"--zero {config.zero} with --pp: ZeRO inside a pipeline stage (sharding over mesh.dp of each "
             "stage's parameters) is not built yet; drop --pp or --zero"
-        )
-    if config.zero and config.tp > 1 and (config.checkpoint is not None or config.resume):
-        raise ValueError(
-            f"--zero {config.zero} with --tp trains, but its checkpoints (ZeRO's flat shards of "
-            "tensor-parallel shards) are not built yet: drop --checkpoint, or --tp or --zero"
         )
 
 
@@ -98,6 +93,8 @@ class ZeroStep(ParallelStep):
             separate_by=tensor_parallel_key,
             units=self.plan.layer_modules(model) if config.zero == 3 else None,
         )
+        with torch.device("meta"):  # the plain model's shapes, for tensor-parallel checkpoints
+            self._plain_shapes = {n: t.shape for n, t in GPT(self.config).state_dict().items()}
         self._shard_placements = [
             Placement(group.name, divided=frozenset({"dp", "tp"} if tp_sharded else {"dp"}))
             for group in self.model.groups
@@ -182,10 +179,12 @@ class ZeroStep(ParallelStep):
         params: dict[int, Any] = {}
         for group, names in zip(sharded.groups, sharded.param_names, strict=True):
             for index, (name, param) in enumerate(zip(names, group.params, strict=True)):
-                params[id(param)] = sharded_tensor(group, index, group.master.detach(), tuple(param.shape))
+                slices = self._slices(name, param)
+                shape = tuple(param.shape)
+                params[id(param)] = sharded_tensor(group, index, group.master.detach(), shape, slices=slices)
                 for key, value in self.optimizer.state[group.master].items():
                     if _per_element(value, group.master):
-                        piece = sharded_tensor(group, index, value.detach(), tuple(param.shape))
+                        piece = sharded_tensor(group, index, value.detach(), shape, slices=slices)
                     else:  # scalar state shared by the whole shard (AdamW's step)
                         piece = value.clone() if isinstance(value, torch.Tensor) else value
                     state.setdefault(name, {})[key] = piece
@@ -201,6 +200,20 @@ class ZeroStep(ParallelStep):
         if self.scaler is not None:
             result["scaler"] = self.scaler.state_dict()
         return result
+
+    def _slices(self, name: str, param: torch.Tensor) -> Slices:
+        """How this parameter's flat shards lie on the job: over this rank's dp group, and with tensor
+        parallelism over every tp rank's dp group, each holding its slice of the plain parameter."""
+        shape, here = self.mesh.shape, self.mesh.coordinates
+
+        def owners(tp_index: int) -> tuple[int, ...]:
+            return tuple(shape.rank_of(**{**here, "dp": d, "tp": tp_index}) for d in range(shape.dp))
+
+        dim = shard_dim(param)
+        if dim is None:
+            return Slices(owners=(owners(here["tp"]),))
+        slices = tuple(owners(t) for t in range(shape.tp))
+        return Slices(slices, mine=here["tp"], whole=tuple(self._plain_shapes[name]), dim=dim)
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
