@@ -137,14 +137,23 @@ class ParallelStep(ABC):
         )
 
 
-def build_optimizer(model: nn.Module, config: GPTTrainConfig) -> torch.optim.AdamW:
-    """AdamW as GPT-2 is trained: weight decay on matrices and embeddings only, not on biases and
-    LayerNorm gains (decaying those only pulls them from their useful values), betas (0.9, 0.95)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
-    rest = [p for p in params if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": rest, "weight_decay": 0.0}]
+def decays(_name: str, param: nn.Parameter) -> bool:
+    """AdamW's weight decay applies to matrices and embeddings (≥ 2 dims), not to biases and LayerNorm
+    gains (decaying those only pulls them from their useful values): the one rule every step uses."""
+    return param.dim() >= 2
+
+
+def adamw(decayed: list[nn.Parameter], rest: list[nn.Parameter], config: GPTTrainConfig) -> torch.optim.AdamW:
+    """AdamW as GPT-2 is trained — betas (0.9, 0.95), decay on ``decayed`` only — over any parameters
+    (whole ones, tensor-parallel shards, or ZeRO's flat master shards of one kind)."""
+    groups = [{"params": decayed, "weight_decay": config.weight_decay}, {"params": rest, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.95))
+
+
+def build_optimizer(model: nn.Module, config: GPTTrainConfig) -> torch.optim.AdamW:
+    """:func:`adamw` over ``model``'s trainable parameters, grouped by :func:`decays`."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return adamw([p for n, p in named if decays(n, p)], [p for n, p in named if not decays(n, p)], config)
 
 
 def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:

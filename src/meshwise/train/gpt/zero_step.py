@@ -38,15 +38,10 @@ from meshwise.parallel.zero import LossScaler, shard
 from meshwise.parallel.zero.checkpoint import Slices, sharded_tensor
 from meshwise.parallel.zero.memory import rank_lines
 from meshwise.train.gpt.config import GPTTrainConfig
-from meshwise.train.gpt.parallelize import Batch, ParallelStep, init_optimizer_state
+from meshwise.train.gpt.parallelize import Batch, ParallelStep, adamw, decays, init_optimizer_state
 
 #: --dtype → shard()'s mixed precision (float32 master shards in every case).
 PRECISION = {"fp32": None, "bf16": "bf16", "fp16": "fp16"}
-
-
-def decays(_name: str, param: nn.Parameter) -> bool:
-    """The data-parallel path's AdamW rule (``build_optimizer``): weight decay on tensors of ≥ 2 dims."""
-    return param.dim() >= 2
 
 
 def check_zero(config: GPTTrainConfig) -> None:
@@ -100,11 +95,8 @@ class ZeroStep(ParallelStep):
             for group in self.model.groups
             for tp_sharded in [shard_dim(group.params[0]) is not None]
         ]
-        groups = [
-            {"params": self.model.parameters_where(decays), "weight_decay": config.weight_decay},
-            {"params": self.model.parameters_where(lambda n, p: not decays(n, p)), "weight_decay": 0.0},
-        ]
-        self.optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.95))
+        decayed = self.model.parameters_where(decays)
+        self.optimizer = adamw(decayed, self.model.parameters_where(lambda n, p: not decays(n, p)), config)
         self.scaler = LossScaler(mesh.job) if config.dtype == "fp16" else None  # every rank skips together
 
     def _loss(self, inputs: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
