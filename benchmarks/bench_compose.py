@@ -38,6 +38,7 @@ from meshwise.models.gpt import CONFIGS, GPT, language_model_loss
 from meshwise.models.gpt_plan import gpt_plan
 from meshwise.parallel.tensor_parallel import vocab_parallel_cross_entropy
 from meshwise.parallel.zero import shard
+from meshwise.runtime.memory import peak_resident_bytes
 from meshwise.runtime.spawn import spawn
 from meshwise.train.gpt.zero_step import tensor_parallel_key
 from meshwise.world import World
@@ -145,21 +146,14 @@ def _timed(config: str, batch: int, seq: int, rounds: int, steps: int, warmup: i
     return {"samples": samples, "memory": memory, "first_loss": first_loss}
 
 
-def _vm_hwm() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    return -1
-
-
 def _rss_one(name: str, config: str, batch: int, seq: int) -> int:
     world = meshwise.init("gloo", device="cpu", timeout=600, mesh=SHAPE)
-    before = _vm_hwm()
+    before = peak_resident_bytes() or 0
     built = _build(name, config, world)
     step = _stepper(built, _tokens(config, batch, seq, world.mesh.coordinates["dp"]))
     for _ in range(2):
         step()
-    grown = _vm_hwm() - before
+    grown = (peak_resident_bytes() or 0) - before
     del built, step
     meshwise.shutdown()
     return grown

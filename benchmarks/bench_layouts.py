@@ -20,6 +20,7 @@ import sysconfig
 from pathlib import Path
 
 import meshwise
+from meshwise.runtime.memory import peak_resident_bytes
 from meshwise.runtime.spawn import spawn
 from meshwise.train.gpt import GPTTrainConfig
 from meshwise.train.gpt.loop import GPTTrainer
@@ -50,20 +51,13 @@ def _flags(flags: dict) -> str:
     return " ".join(words)
 
 
-def _vm_hwm() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    return -1
-
-
 def _run(config: GPTTrainConfig) -> dict:
     world = meshwise.init("gloo", timeout=600, mesh=config.mesh_shape(int(os.environ["WORLD_SIZE"])))
     try:
-        before = _vm_hwm()
+        before = peak_resident_bytes() or 0
         trainer = GPTTrainer(world, config)
         seconds = [trainer.train_step(step).seconds for step in range(config.steps)]
-        return {"seconds": seconds, "peak_rss_growth": _vm_hwm() - before}
+        return {"seconds": seconds, "peak_rss_growth": (peak_resident_bytes() or 0) - before}
     finally:
         meshwise.shutdown()
 
