@@ -29,18 +29,23 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from meshwise.comm.api import Communicator
 from meshwise.comm.mesh import Mesh
 from meshwise.models.gpt import GPT, language_model_loss
 from meshwise.models.gpt_plan import gpt_plan
 from meshwise.parallel import DataParallel
 from meshwise.parallel.placement import Placement, clip_gradients_, place
+from meshwise.parallel.plan import ParallelPlan
+from meshwise.train.gpt import tensor_parallel_state
 from meshwise.train.gpt.config import GPTTrainConfig
+from meshwise.train.gpt.optimizer import build_optimizer
 from meshwise.train.profile import StepProfiler
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -137,70 +142,84 @@ class ParallelStep(ABC):
         )
 
 
-def decays(_name: str, param: nn.Parameter) -> bool:
-    """AdamW's weight decay applies to matrices and embeddings (≥ 2 dims), not to biases and LayerNorm
-    gains (decaying those only pulls them from their useful values): the one rule every step uses."""
-    return param.dim() >= 2
+@dataclass(frozen=True)
+class LayerSharded:
+    """The model after the strategies that cut layers — 1. tensor parallelism (± sequence parallelism)
+    from the model's plan, 2. context parallelism (slot) — with the loss of its (possibly vocabulary-
+    sharded) output; what the pipeline and data parallelism / ZeRO then cut and wrap."""
+
+    model: GPT  # this rank's model: the whole GPT, or its tensor-parallel shard
+    plan: ParallelPlan
+    tp: Communicator
+    loss: Callable[[torch.Tensor, torch.Tensor, str], torch.Tensor]  # (output, targets, "mean" | "sum")
 
 
-def adamw(decayed: list[nn.Parameter], rest: list[nn.Parameter], config: GPTTrainConfig) -> torch.optim.AdamW:
-    """AdamW as GPT-2 is trained — betas (0.9, 0.95), decay on ``decayed`` only — over any parameters
-    (whole ones, tensor-parallel shards, or ZeRO's flat master shards of one kind)."""
-    groups = [{"params": decayed, "weight_decay": config.weight_decay}, {"params": rest, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.95))
+def shard_layers(model: GPT, mesh: Mesh, config: GPTTrainConfig) -> LayerSharded:
+    """Steps 1 and 2 of :func:`parallelize`, in place on ``model``."""
+    plan = gpt_plan(model.config)
+    loss = plain_loss
+    if mesh.tp.world_size > 1:
+        assert plan.tensor_parallel is not None  # check_supported refused it otherwise
+        tensor_parallel = plan.tensor_parallel
+        tensor_parallel.convert(model, mesh.tp, config.sp)
+
+        def loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+            return tensor_parallel.loss(logits.float(), targets, mesh.tp, reduction)
+
+    return LayerSharded(model, plan, mesh.tp, loss)
 
 
-def build_optimizer(model: nn.Module, config: GPTTrainConfig) -> torch.optim.AdamW:
-    """:func:`adamw` over ``model``'s trainable parameters, grouped by :func:`decays`."""
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    return adamw([p for n, p in named if decays(n, p)], [p for n, p in named if not decays(n, p)], config)
-
-
-def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create the optimizer's state before the first step (a step at learning rate 0 on zero gradients),
-    so a fresh run's state dict has the slots a checkpoint loads into — as torch's ``get_state_dict`` does
-    for the data-parallel path. A no-op once every parameter has state."""
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    if all(p in optimizer.state for p in params):
-        return
-    lrs = [group["lr"] for group in optimizer.param_groups]
-    for group in optimizer.param_groups:
-        group["lr"] = 0.0
-    for param in params:
-        param.grad = torch.zeros_like(param)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    for group, lr in zip(optimizer.param_groups, lrs, strict=True):
-        group["lr"] = lr
+def plain_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Next-token cross-entropy over whole logits, computed in float32 (as autocast would)."""
+    if reduction == "mean":
+        return language_model_loss(logits.float(), targets)
+    return torch.nn.functional.cross_entropy(
+        logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum"
+    )
 
 
 class DataParallelStep(ParallelStep):
-    """Every dp rank holds the whole model; gradients are averaged by :class:`DataParallel` once per step
-    (the first micro-batches accumulate under ``no_sync``)."""
+    """DataParallel over ``mesh.dp`` of this rank's model — the whole GPT, or with ``--tp`` its
+    tensor-parallel shard; gradients are averaged once per step (the first micro-batches accumulate under
+    ``no_sync``)."""
 
-    def __init__(self, model: GPT, mesh: Mesh, config: GPTTrainConfig) -> None:
-        super().__init__(config, mesh, next(model.parameters()).device)
-        self.model = DataParallel(model, mesh.dp)
-        self.optimizer = build_optimizer(model, config)
-        self.place(model.named_parameters())
+    def __init__(self, sharded: LayerSharded, mesh: Mesh, config: GPTTrainConfig) -> None:
+        super().__init__(config, mesh, next(sharded.model.parameters()).device)
+        self.sharded, self.local = sharded, sharded.model
+        self.model = DataParallel(self.local, mesh.dp)
+        self.optimizer = build_optimizer(self.local, config)
+        self.place(self.local.named_parameters())
 
     def forward_backward(self, micro_batches: Sequence[Batch]) -> float:
         return self.accumulate_gradients(micro_batches, self._loss)
 
-    def _loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def _loss(self, inputs: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
         with self.autocast():
-            return language_model_loss(self.model(inputs), targets)
+            logits = self.model(inputs) if reduction == "mean" else self.local(inputs)
+        return self.sharded.loss(logits, targets, reduction)
 
     @torch.no_grad()
     def eval_loss_sum(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        with self.autocast():
-            logits = self.model.module(inputs)
-        return torch.nn.functional.cross_entropy(
-            logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum"
-        )
+        return self._loss(inputs, targets, reduction="sum")
 
     def full_model(self) -> GPT:
-        return self.model.module
+        """The plain GPT: this rank's own, or reassembled from the tp shards (collective over tp)."""
+        if self.sharded.tp.world_size == 1:
+            return self.local
+        return tensor_parallel_state.full_model(self.local, self.sharded.tp)
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.sharded.tp.world_size == 1:
+            return super().state_dict()
+        return tensor_parallel_state.tensor_parallel_state_dict(self.local, self.optimizer, self.sharded.tp)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.sharded.tp.world_size == 1:
+            super().load_state_dict(state)
+        else:
+            tensor_parallel_state.load_tensor_parallel_state_dict(
+                self.local, self.optimizer, state, self.sharded.tp
+            )
 
 
 def check_supported(config: GPTTrainConfig) -> None:
@@ -216,34 +235,33 @@ def check_supported(config: GPTTrainConfig) -> None:
 
 
 def step_class(config: GPTTrainConfig) -> type[ParallelStep]:
-    """Which class runs the composition the config asks for (see :func:`parallelize`)."""
+    """Which class runs steps 3–5 of :func:`parallelize` for the config."""
     from meshwise.train.gpt.pipeline_step import PipelineStep  # the steps subclass ParallelStep (above)
-    from meshwise.train.gpt.tensor_parallel_step import TensorParallelStep
     from meshwise.train.gpt.zero_step import ZeroStep
 
     if config.pp > 1:
         return PipelineStep
-    if config.zero:
-        return ZeroStep
-    return TensorParallelStep if config.tp > 1 else DataParallelStep
+    return ZeroStep if config.zero else DataParallelStep
 
 
 def parallelize(model: GPT, mesh: Mesh, config: GPTTrainConfig) -> ParallelStep:
-    """This rank's :class:`ParallelStep` for ``model`` (built identically on every rank) over ``mesh``.
+    """This rank's :class:`ParallelStep` for ``model`` (built identically on every rank, converted in
+    place) over ``mesh``.
 
     Strategies apply in one fixed order, whatever the combination:
 
     1. tensor parallelism (± sequence parallelism) — the model's plan converts it to this rank's shard
-       over ``mesh.tp``;
-    2. context parallelism over ``mesh.cp`` (slot);
+       over ``mesh.tp`` (:func:`shard_layers`);
+    2. context parallelism over ``mesh.cp`` (slot, in :func:`shard_layers`);
     3. the pipeline — the (tensor-parallel) model cut into stages along the plan's layers, over
-       ``mesh.pp``;
+       ``mesh.pp`` (:class:`~meshwise.train.gpt.pipeline_step.PipelineStep`);
     4. activation recomputation of the layers this rank runs (slot);
-    5. data parallelism over ``mesh.dp`` of what the rank holds: DataParallel's bucketed all-reduce, or
-       ZeRO-1/2/3 sharding those (tensor-parallel) parameters further.
+    5. data parallelism over ``mesh.dp`` of what the rank holds: DataParallel's bucketed all-reduce
+       (:class:`DataParallelStep`), or ZeRO-1/2/3 sharding those (tensor-parallel) parameters further
+       (:class:`~meshwise.train.gpt.zero_step.ZeroStep`).
 
     So ZeRO shards tensor-parallel shards, never the reverse (Megatron's distributed optimizer; FSDP2
-    over DTensor TP). :func:`step_class` names the class that runs a composition.
+    over DTensor TP).
     """
     check_supported(config)
-    return step_class(config)(model, mesh, config)
+    return step_class(config)(shard_layers(model, mesh, config), mesh, config)

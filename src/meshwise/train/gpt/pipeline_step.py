@@ -10,7 +10,6 @@ Checkpoints and ``--sample`` are in :mod:`meshwise.train.gpt.pipeline_state`.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 from functools import partial
 
@@ -19,15 +18,13 @@ from torch import nn
 
 from meshwise.comm.mesh import Mesh
 from meshwise.models.gpt import GPT
-from meshwise.models.gpt_plan import gpt_plan, tensor_parallel
 from meshwise.parallel.pipeline_parallel import theoretical_bubble
 from meshwise.parallel.pipeline_parallel.builder import build_pipeline
 from meshwise.parallel.pipeline_parallel.executor import Event
 from meshwise.parallel.pipeline_parallel.partition import LayerChunk
 from meshwise.parallel.pipeline_parallel.timeline import COMPUTE_OPS, draw, gather_events
-from meshwise.parallel.tensor_parallel import vocab_parallel_cross_entropy
 from meshwise.train.gpt.config import GPTTrainConfig
-from meshwise.train.gpt.parallelize import Batch, ParallelStep, build_optimizer
+from meshwise.train.gpt.parallelize import Batch, LayerSharded, ParallelStep, build_optimizer
 from meshwise.train.gpt.pipeline_state import (
     gather_plain_model,
     group_names,
@@ -55,17 +52,13 @@ class StageModule(nn.Module):
 class PipelineStep(ParallelStep):
     """Pipeline parallelism (``--pp``, ``--schedule``, ``--virtual-stages``) for the GPT loop."""
 
-    def __init__(self, model: GPT, mesh: Mesh, config: GPTTrainConfig) -> None:
-        """With ``--tp`` every stage is tensor parallel (± ``--sp``) inside ``mesh.tp``; the gradient norm
-        then sums the squares of shards over tp, replicated parameters counted once."""
+    def __init__(self, sharded: LayerSharded, mesh: Mesh, config: GPTTrainConfig) -> None:
+        """With ``--tp`` the model arrives as this rank's tensor-parallel shard (± ``--sp``) and every
+        stage is cut from it; the stages' loss is then the vocabulary-parallel one."""
+        model, plan, tp = sharded.model, sharded.plan, mesh.tp.world_size
         super().__init__(config, mesh, next(model.parameters()).device)
-        self.mesh, self.config = mesh, config
+        self.mesh, self.config, self.sharded_loss = mesh, config, sharded.loss
         micro_batches = config.accumulation(mesh.shape.dp)
-        plan, loss, tp = gpt_plan(model.config), None, mesh.tp.world_size
-        if tp > 1:  # each stage tensor parallel: shard a copy of the model, then cut it
-            model = tensor_parallel(copy.deepcopy(model), mesh.tp, sequence_parallel=config.sp)
-            assert plan.tensor_parallel is not None
-            loss = partial(plan.tensor_parallel.loss, comm=mesh.tp, reduction="mean")
         self.executor, self.chunks = build_pipeline(
             model,
             plan,
@@ -74,9 +67,9 @@ class PipelineStep(ParallelStep):
             micro_batches=micro_batches,
             virtual_stages=config.virtual_stages,
             dp=mesh.dp,
-            loss=loss,
+            loss=partial(sharded.loss, reduction="mean"),
             sequence_shards=tp if config.sp else 1,
-            in_place=tp > 1,
+            in_place=True,  # the model is this run's own (and a tp one holds a communicator: no copies)
         )
         self.model = StageModule(self.chunks)
         self.optimizer = build_optimizer(self.model, config)
@@ -104,16 +97,7 @@ class PipelineStep(ParallelStep):
 
     @torch.no_grad()
     def eval_loss_sum(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        def loss_sum(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            if self.mesh.shape.tp > 1:  # this rank's vocabulary slice of the logits
-                vocab = self._shape_model.config.vocab
-                return vocab_parallel_cross_entropy(
-                    logits.float(), y, self.mesh.tp, vocab=vocab, reduction="sum"
-                )
-            return torch.nn.functional.cross_entropy(
-                logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="sum"
-            )
-
+        loss_sum = partial(self.sharded_loss, reduction="sum")
         with self.autocast():
             return torch.tensor(self.executor.forward_only(inputs, targets, loss_sum), dtype=torch.float64)
 

@@ -29,8 +29,7 @@ import torch
 from torch import nn
 
 from meshwise.comm.mesh import Mesh
-from meshwise.models.gpt import GPT, language_model_loss
-from meshwise.models.gpt_plan import gpt_plan
+from meshwise.models.gpt import GPT
 from meshwise.parallel.placement import Placement, clip_gradients_
 from meshwise.parallel.tensor_parallel import shard_dim
 from meshwise.parallel.tensor_parallel.shards import gather_full
@@ -38,7 +37,8 @@ from meshwise.parallel.zero import LossScaler, shard
 from meshwise.parallel.zero.checkpoint import Slices, sharded_tensor
 from meshwise.parallel.zero.memory import rank_lines
 from meshwise.train.gpt.config import GPTTrainConfig
-from meshwise.train.gpt.parallelize import Batch, ParallelStep, adamw, decays, init_optimizer_state
+from meshwise.train.gpt.optimizer import adamw, decays, init_optimizer_state
+from meshwise.train.gpt.parallelize import Batch, LayerSharded, ParallelStep
 
 #: --dtype → shard()'s mixed precision (float32 master shards in every case).
 PRECISION = {"fp32": None, "bf16": "bf16", "fp16": "fp16"}
@@ -72,14 +72,11 @@ class ZeroStep(ParallelStep):
     :class:`~meshwise.parallel.placement.Placement` and the global norm is the generic one.
     """
 
-    def __init__(self, model: GPT, mesh: Mesh, config: GPTTrainConfig) -> None:
+    def __init__(self, sharded: LayerSharded, mesh: Mesh, config: GPTTrainConfig) -> None:
+        model = sharded.model
         super().__init__(config, mesh, next(model.parameters()).device)
-        self.config = model.config
-        self.plan = gpt_plan(model.config)
-        self.tp = mesh.tp
-        if mesh.tp.world_size > 1:
-            assert self.plan.tensor_parallel is not None
-            model = self.plan.tensor_parallel.convert(model, mesh.tp, config.sp)
+        self.config, self.plan, self.tp = model.config, sharded.plan, sharded.tp
+        self.sharded_loss = sharded.loss
         self.model = shard(
             model,
             mesh.dp,
@@ -100,15 +97,7 @@ class ZeroStep(ParallelStep):
         self.scaler = LossScaler(mesh.job) if config.dtype == "fp16" else None  # every rank skips together
 
     def _loss(self, inputs: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-        logits = self.model(inputs)
-        if self.tp.world_size > 1:  # this rank's vocabulary slice of the logits
-            assert self.plan.tensor_parallel is not None
-            return self.plan.tensor_parallel.loss(logits.float(), targets, self.tp, reduction)
-        if reduction == "mean":
-            return language_model_loss(logits, targets)
-        return torch.nn.functional.cross_entropy(
-            logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum"
-        )
+        return self.sharded_loss(self.model(inputs), targets, reduction)
 
     def forward_backward(self, micro_batches: Sequence[Batch]) -> float:
         return self.accumulate_gradients(
