@@ -3,10 +3,12 @@
 The parity test follows the DDP test's recipe: every rank runs the real trainer on its dp slice (with
 gradient accumulation) and, beside it, a one-process reference written here from plain pieces (the full
 global batch, micro-batches accumulated, the same AdamW, schedule and clipping) and compares losses and
-parameters after every step. The parameter tolerance, 1e-5 at lr 1e-3, is about 1 % of one Adam update:
+parameters after every step. The parameter tolerance, 5e-5 at lr 1e-3, is 5 % of one Adam update:
 Adam divides a gradient by its own magnitude, so where the per-token contributions to a gradient nearly
 cancel, the summation order (6 micro-batches here, 3 × 2 there plus an all-reduce) shows up in that one
-coordinate's first update, and then stays constant rather than growing.
+coordinate's first update, and then stays constant rather than growing (measured: up to 1.4e-5 with
+torch 2.13 on 3 ranks and under tp 2, above the 1e-5 this test used to allow); a wrong gradient is off
+by a whole update.
 """
 
 from __future__ import annotations
@@ -111,7 +113,7 @@ def test_parallel_training_with_accumulation_matches_one_process(
     for result in spawn(_parity, ranks, args=(text, overrides), timeout=100):
         assert result["micro-batches"] == 6 // dp  # 12 sequences = dp × 2 × accumulation
         assert result["loss"] < 1e-5
-        assert result["params"] < 1e-5
+        assert result["params"] < 5e-5
 
 
 # ---------------------------------------------------------------------------------------------- resume
