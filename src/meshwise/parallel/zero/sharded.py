@@ -299,8 +299,9 @@ def shard(
 ) -> ShardedModel:
     """Shard ``model`` over ``comm`` (default: the world's; pass a mesh axis such as ``mesh.dp``).
 
-    ``stage`` 1 shards optimizer state, 2 also gradients, 3 also parameters (gathered per unit: GPT
-    blocks by default, or ``units``). ``mixed_precision``: ``None``/``"fp32"``, ``"bf16"`` or a
+    ``stage`` 1 shards optimizer state, 2 also gradients, 3 also parameters (gathered per unit: ``units``
+    — a model's plan gives its layers, ``plan.layer_modules(model)`` — or by default each
+    parameter-holding child, layer stacks opened up). ``mixed_precision``: ``None``/``"fp32"``, ``"bf16"`` or a
     :class:`MixedPrecision`. ``prefetch``: how many units ahead stage 3 starts gathering.
     ``bucket_mb``/``first_bucket_mb``: stages 1/2 group sizes (DataParallel's buckets). Every argument
     is checked before any communication. ``separate_by(name, param)``: a key; parameters with different
