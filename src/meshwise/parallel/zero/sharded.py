@@ -301,8 +301,8 @@ def shard(
 
     ``stage`` 1 shards optimizer state, 2 also gradients, 3 also parameters (gathered per unit: ``units``
     — a model's plan gives its layers, ``plan.layer_modules(model)`` — or by default each
-    parameter-holding child, layer stacks opened up). ``mixed_precision``: ``None``/``"fp32"``, ``"bf16"`` or a
-    :class:`MixedPrecision`. ``prefetch``: how many units ahead stage 3 starts gathering.
+    parameter-holding child, layer stacks opened up). ``mixed_precision``: ``None``/``"fp32"``,
+    ``"bf16"`` or a :class:`MixedPrecision`. ``prefetch``: how many units ahead stage 3 starts gathering.
     ``bucket_mb``/``first_bucket_mb``: stages 1/2 group sizes (DataParallel's buckets). Every argument
     is checked before any communication. ``separate_by(name, param)``: a key; parameters with different
     keys get different flat groups, so an optimizer param group can hold exactly one kind (weight decay
