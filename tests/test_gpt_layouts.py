@@ -45,6 +45,8 @@ LAYOUTS: dict[str, dict] = {
     "zero3·tp2": {"zero": 3, "tp": 2},
     "zero1·tp2·sp": {"zero": 1, "tp": 2, "sp": True},
     "pp2·tp2 interleaved": {"pp": 2, "tp": 2, "schedule": "interleaved", "virtual_stages": 2},
+    "zero2·pp2": {"zero": 2, "pp": 2},
+    "zero1·pp2 interleaved": {"zero": 1, "pp": 2, "schedule": "interleaved", "virtual_stages": 2},
 }
 
 
@@ -106,8 +108,8 @@ def test_every_layout_trains_as_one_process_does(text: str, flags: dict) -> None
 
 @pytest.mark.slow
 def test_three_dimensions_on_eight_ranks_train_as_one_process_does(text: str) -> None:
-    """dp2·tp2·pp2: every axis of the mesh at once (ZeRO inside a pipeline stage is not built yet)."""
-    flags = {"nproc": 8, "tp": 2, "pp": 2}
+    """dp2·tp2·pp2 with ZeRO-1: every strategy at once — each stage's tp shards sharded over dp."""
+    flags = {"nproc": 8, "tp": 2, "pp": 2, "zero": 1}
     _check_rows(spawn(_compare, 8, args=(text, flags), timeout=115))
 
 

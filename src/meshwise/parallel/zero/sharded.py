@@ -216,6 +216,20 @@ class ShardedModel(nn.Module):
                 grad.mul_(coefficient.to(grad.dtype))
         return total.reshape(())
 
+    def reduce_accumulated(self) -> None:
+        """Reduce-scatter the gradients backward passes under :meth:`no_sync` accumulated (stages 1/2)."""
+        self._grads.reduce_accumulated(self.groups)
+
+    def unsharded_gradient(self, param: torch.Tensor) -> torch.Tensor:
+        """The view of ``param``'s accumulated, not yet reduced gradient in its group's flat buffer
+        (stages 1/2, under :meth:`no_sync`): where a pipeline sums its tied copies before the reduce."""
+        for group in self.groups:
+            for index, held in enumerate(group.params):
+                if held is param:
+                    offset = group.layout.offsets[index]
+                    return group.unsharded_gradient()[offset : offset + param.numel()].view(param.shape)
+        raise KeyError("not a parameter of this sharded model")
+
     def gradient_shards(self) -> list[torch.Tensor | None]:
         """Each group's reduced gradient shard the next step will use (None: no gradient), after stage 1
         reduced what ``no_sync`` left; scaling them in place clips (a caller's own global norm, e.g.

@@ -11,6 +11,7 @@ Checkpoints and ``--sample`` are in :mod:`meshwise.train.gpt.pipeline_state`.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import nullcontext
 from functools import partial
 
 import torch
@@ -23,7 +24,12 @@ from meshwise.parallel.pipeline_parallel.builder import build_pipeline
 from meshwise.parallel.pipeline_parallel.executor import Event
 from meshwise.parallel.pipeline_parallel.partition import LayerChunk
 from meshwise.parallel.pipeline_parallel.timeline import COMPUTE_OPS, draw, gather_events
+from meshwise.parallel.placement import Placement, clip_gradients_
+from meshwise.parallel.tensor_parallel import shard_dim
+from meshwise.parallel.zero import shard
+from meshwise.parallel.zero.sharded import ShardedModel
 from meshwise.train.gpt.config import GPTTrainConfig
+from meshwise.train.gpt.optimizer import adamw, decays
 from meshwise.train.gpt.parallelize import Batch, LayerSharded, ParallelStep, build_optimizer
 from meshwise.train.gpt.pipeline_state import (
     gather_plain_model,
@@ -31,6 +37,7 @@ from meshwise.train.gpt.pipeline_state import (
     load_stage_state_dict,
     stage_state_dict,
 )
+from meshwise.train.gpt.zero_step import tensor_parallel_key
 
 
 class StageModule(nn.Module):
@@ -66,16 +73,21 @@ class PipelineStep(ParallelStep):
             schedule=config.schedule,
             micro_batches=micro_batches,
             virtual_stages=config.virtual_stages,
-            dp=mesh.dp,
+            dp=None if config.zero else mesh.dp,  # ZeRO reduce-scatters each stage's gradients itself
             loss=partial(sharded.loss, reduction="mean"),
             sequence_shards=tp if config.sp else 1,
             in_place=True,  # the model is this run's own (and a tp one holds a communicator: no copies)
         )
         self.model = StageModule(self.chunks)
-        self.optimizer = build_optimizer(self.model, config)
         held = dict(self.model.named_parameters())
         copies = {b: a for a, b in plan.tied if b in held and a not in held}  # the last stage's head copy
-        self.place(held.items(), divided={"pp"}, tied=copies)
+        self.zero: ShardedModel | None = None
+        if config.zero:  # step 5 on each stage: ZeRO-1/2 of the stage's (tp) parameters over dp
+            self.zero, self.optimizer, self._shard_placements = stage_zero(self.model, mesh, config, copies)
+            self.executor.gradient_of = self.zero.unsharded_gradient  # the tied sum, before the reduce
+        else:
+            self.optimizer = build_optimizer(self.model, config)
+            self.place(held.items(), divided={"pp"}, tied=copies)
         self._last_events: list[Event] = []
         self._theory = theoretical_bubble(mesh.shape.pp, micro_batches, config.virtual_stages)
         self._title = f"{config.schedule} pp={mesh.shape.pp} m={micro_batches} v={config.virtual_stages}"
@@ -84,8 +96,10 @@ class PipelineStep(ParallelStep):
             self._group_names = group_names(self._shape_model, build_optimizer(self._shape_model, config))
 
     def forward_backward(self, micro_batches: Sequence[Batch]) -> float:
-        with self.autocast():
+        with self.autocast(), self.zero.no_sync() if self.zero is not None else nullcontext():
             result = self.executor.step([x for x, _ in micro_batches], [y for _, y in micro_batches])
+        if self.zero is not None:  # the stage's gradients, tied copies summed, reduce-scattered over dp
+            self.zero.reduce_accumulated()
         if self.profiler is not None:
             for event in result.events:
                 if event.op in COMPUTE_OPS:
@@ -94,6 +108,12 @@ class PipelineStep(ParallelStep):
                     self.profiler.record(phase, label, event.start, event.end)
         self._last_events = result.events
         return result.loss
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        if self.zero is None:
+            return super().clip_grad_norm(max_norm)
+        shards = list(zip(self.zero.gradient_shards(), self._shard_placements, strict=True))
+        return clip_gradients_(shards, max_norm, self.mesh.coordinates, self.mesh.job)
 
     @torch.no_grad()
     def eval_loss_sum(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -108,6 +128,9 @@ class PipelineStep(ParallelStep):
     def sampling_model(self) -> GPT:
         """Collective over the pp group of dp replica 0: its stages' weights gathered into a plain GPT on
         its first stage (the job's rank 0); the other ranks get the meta-device shape."""
+        if self.zero is not None:  # the updated shards' all-gathers land first
+            for group in self.zero.groups:
+                group.wait_gathered()
         if self.mesh.coordinates["dp"] != 0:
             return self._shape_model
         gathered = gather_plain_model(
@@ -131,3 +154,24 @@ class PipelineStep(ParallelStep):
         if gathered is None or self.mesh.coordinates["dp"] != 0:
             return
         draw(gathered, self.config.timeline, title=self._title, theory=self._theory)
+
+
+def stage_zero(
+    stage: StageModule, mesh: Mesh, config: GPTTrainConfig, copies: dict[str, str]
+) -> tuple[ShardedModel, torch.optim.Optimizer, list[Placement]]:
+    """ZeRO-1/2 of a pipeline stage over ``mesh.dp``: the sharded stage, AdamW over its master shards,
+    and each flat group's placement (divided over dp and pp, and tp for tp shards; the last stage's
+    tied head copy in a group of its own, counted once in the norm, on the first stage)."""
+
+    def key(name: str, param: nn.Parameter) -> tuple[bool, bool, bool]:
+        return (*tensor_parallel_key(name, param), name in copies)
+
+    zero = shard(stage, mesh.dp, stage=config.zero, separate_by=key)
+    rest = zero.parameters_where(lambda n, p: not decays(n, p))
+    optimizer = adamw(zero.parameters_where(decays), rest, config)
+    placements = []
+    for group, names in zip(zero.groups, zero.param_names, strict=True):
+        tp_sharded = shard_dim(group.params[0]) is not None
+        divided = frozenset({"dp", "pp", "tp"} if tp_sharded else {"dp", "pp"})
+        placements.append(Placement(group.name, divided=divided, tied_to=copies.get(names[0])))
+    return zero, optimizer, placements
