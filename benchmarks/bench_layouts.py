@@ -38,6 +38,7 @@ LAYOUTS: dict[str, dict] = {  # gpt-nano has 6 heads: tp splits them 2 (or 3) wa
     "zero3×4": {"zero": 3},
     "zero3·tp2": {"zero": 3, "tp": 2},
     "zero1·tp2·sp": {"zero": 1, "tp": 2, "sp": True},
+    "zero2·pp2": {"zero": 2, "pp": 2},
 }
 
 
