@@ -217,7 +217,6 @@ def test_the_command_line_trains_fp16_zero3_prints_memory_and_resumes_as_zero1(t
     [
         ({"nproc": 2, "pp": 2, "zero": 3}, r"--zero 3 with --pp: .* --zero 3 .* not built yet; drop --pp"),
         ({"nproc": 2, "pp": 2, "zero": 1, "dtype": "bf16"}, r"--zero 1 with --pp: .* --dtype bf16 with"),
-        ({"nproc": 2, "pp": 2, "zero": 2, "checkpoint": "c"}, r"--checkpoint/--resume with --pp is not"),
         ({"dtype": "fp16"}, r"--dtype fp16 needs loss scaling, .* with --zero 1\|2\|3: add --zero"),
     ],
 )

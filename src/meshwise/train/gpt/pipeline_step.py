@@ -35,9 +35,15 @@ from meshwise.train.gpt.pipeline_state import (
     gather_plain_model,
     group_names,
     load_stage_state_dict,
+    optimizer_key,
     stage_state_dict,
 )
-from meshwise.train.gpt.zero_step import tensor_parallel_key
+from meshwise.train.gpt.zero_step import (
+    load_zero_state_dict,
+    tensor_parallel_key,
+    zero_slices,
+    zero_state_dict,
+)
 
 
 class StageModule(nn.Module):
@@ -139,12 +145,19 @@ class PipelineStep(ParallelStep):
         return self._shape_model if gathered is None else gathered
 
     def state_dict(self) -> dict:
+        if self.zero is not None:  # each (dp, tp) rank of each stage writes its flat range
+            shapes = {name: t.shape for name, t in self._shape_model.state_dict().items()}
+            slices = zero_slices(self.mesh, shapes)
+            return zero_state_dict(self.zero, self.optimizer, slices, self._group_names, optimizer_key)
         return stage_state_dict(
             self.model, self.optimizer, self._group_names, tp=self.mesh.tp, config=self._shape_model.config
         )
 
     def load_state_dict(self, state: dict) -> None:
-        load_stage_state_dict(self.model, self.optimizer, state, tp=self.mesh.tp)
+        if self.zero is not None:
+            load_zero_state_dict(self.zero, self.optimizer, state, optimizer_key)
+        else:
+            load_stage_state_dict(self.model, self.optimizer, state, tp=self.mesh.tp)
 
     def finish(self) -> None:
         """``--timeline``: the last step's diagram, drawn once (drawing is slower than a small step)."""

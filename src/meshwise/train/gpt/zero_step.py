@@ -22,7 +22,7 @@ seam's contract asks of a sharded strategy, and how it is met here:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -36,6 +36,7 @@ from meshwise.parallel.tensor_parallel.shards import gather_full
 from meshwise.parallel.zero import LossScaler, shard
 from meshwise.parallel.zero.checkpoint import Slices, sharded_tensor
 from meshwise.parallel.zero.memory import rank_lines
+from meshwise.parallel.zero.sharded import ShardedModel
 from meshwise.train.gpt.config import GPTTrainConfig
 from meshwise.train.gpt.optimizer import adamw, decays, init_optimizer_state
 from meshwise.train.gpt.parallelize import Batch, LayerSharded, ParallelStep
@@ -52,7 +53,6 @@ def check_zero(config: GPTTrainConfig) -> None:
             for what, on in (
                 ("--zero 3 (its stage-3 gathers around a pipeline stage)", config.zero == 3),
                 (f"--dtype {config.dtype}", config.dtype != "fp32"),
-                ("--checkpoint/--resume", config.checkpoint is not None or config.resume),
             )
             if on
         ]
@@ -151,85 +151,102 @@ class ZeroStep(ParallelStep):
         return lines
 
     # ------------------------------------------------------------------ checkpoints
-    def _names(self, masters: Sequence[torch.Tensor]) -> list[str]:
-        """The plain model's names of the parameters in these master shards, in flat order."""
-        sharded = self.model
-        of = {id(g.master): names for g, names in zip(sharded.groups, sharded.param_names, strict=True)}
-        return [name for master in masters for name in of[id(master)]]
-
     def state_dict(self) -> dict[str, Any]:
-        """The data-parallel checkpoint layout — ``model[name]`` and ``optim.state[name][key]`` shaped like
-        the plain parameter — where each tensor is a ``ShardedTensor`` whose local shards are views of
-        this rank's master shard (or AdamW moment): DCP writes only this rank's elements, and loading into
-        this dict reads only the ranges this rank's layout needs, in place. No rank ever holds a whole
-        tensor, which is the point of ZeRO when a model does not fit. The scalar ``step`` is replicated.
-        :meth:`load_state_dict` expects this dict back, filled by ``dcp.load``."""
-        init_optimizer_state(self.optimizer)
-        sharded = self.model
-        state: dict[str, dict[str, Any]] = {}
-        params: dict[int, Any] = {}
-        for group, names in zip(sharded.groups, sharded.param_names, strict=True):
-            for index, (name, param) in enumerate(zip(names, group.params, strict=True)):
-                slices = self._slices(name, param)
-                shape = tuple(param.shape)
-                params[id(param)] = sharded_tensor(group, index, group.master.detach(), shape, slices=slices)
-                for key, value in self.optimizer.state[group.master].items():
-                    if _per_element(value, group.master):
-                        piece = sharded_tensor(group, index, value.detach(), shape, slices=slices)
-                    else:  # scalar state shared by the whole shard (AdamW's step)
-                        piece = value.clone() if isinstance(value, torch.Tensor) else value
-                    state.setdefault(name, {})[key] = piece
-        model = {
-            key: params[id(value)] if id(value) in params else value.detach().clone()
-            for key, value in sharded.module.state_dict(keep_vars=True).items()
-        }
-        param_groups = [
-            {**{k: v for k, v in group.items() if k != "params"}, "params": self._names(group["params"])}
-            for group in self.optimizer.param_groups
-        ]
-        result = {"model": model, "optim": {"state": state, "param_groups": param_groups}}
+        names = {id(g.master): n for g, n in zip(self.model.groups, self.model.param_names, strict=True)}
+        groups = [[n for m in group["params"] for n in names[id(m)]] for group in self.optimizer.param_groups]
+        slices = zero_slices(self.mesh, self._plain_shapes)
+        result = zero_state_dict(self.model, self.optimizer, slices, groups)
         if self.scaler is not None:
             result["scaler"] = self.scaler.state_dict()
         return result
 
-    def _slices(self, name: str, param: torch.Tensor) -> Slices:
-        """How this parameter's flat shards lie on the job: over this rank's dp group, and with tensor
-        parallelism over every tp rank's dp group, each holding its slice of the plain parameter."""
-        shape, here = self.mesh.shape, self.mesh.coordinates
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        load_zero_state_dict(self.model, self.optimizer, state)
+        if self.scaler is not None:
+            self.scaler.load_state_dict(state["scaler"])
 
-        def owners(tp_index: int) -> tuple[int, ...]:
-            return tuple(shape.rank_of(**{**here, "dp": d, "tp": tp_index}) for d in range(shape.dp))
 
+def zero_state_dict(
+    zero: ShardedModel,
+    optimizer: torch.optim.Optimizer,
+    slices_of: Callable[[str, torch.Tensor], Slices],
+    group_names: list[list[str]],
+    optimizer_key: Callable[[str], str] = lambda name: name,
+) -> dict[str, Any]:
+    """The data-parallel checkpoint layout — ``model[name]`` and ``optim.state[name][key]`` shaped like
+    the plain parameter — where each tensor is a ``ShardedTensor`` whose local shards are views of this
+    rank's master shard (or AdamW moment), placed on the job by ``slices_of`` (:func:`zero_slices`): DCP
+    writes only this rank's elements, and loading into this dict reads only the ranges this rank's layout
+    needs, in place. No rank ever holds a whole tensor, which is the point of ZeRO when a model does not
+    fit. The scalar ``step`` is replicated. ``group_names``: the plain model's names of each optimizer
+    group (as a data-parallel run records them); ``optimizer_key``: a parameter's key in the optimizer
+    state (a pipeline's head copy keeps AdamW's state under the tied embedding's name).
+    :func:`load_zero_state_dict` expects this dict back, filled by ``dcp.load``."""
+    init_optimizer_state(optimizer)
+    state: dict[str, dict[str, Any]] = {}
+    params: dict[int, Any] = {}
+    for group, names in zip(zero.groups, zero.param_names, strict=True):
+        for index, (name, param) in enumerate(zip(names, group.params, strict=True)):
+            slices = slices_of(name, param)
+            shape = tuple(param.shape)
+            params[id(param)] = sharded_tensor(group, index, group.master.detach(), shape, slices=slices)
+            for key, value in optimizer.state[group.master].items():
+                if _per_element(value, group.master):
+                    piece = sharded_tensor(group, index, value.detach(), shape, slices=slices)
+                else:  # scalar state shared by the whole shard (AdamW's step)
+                    piece = value.clone() if isinstance(value, torch.Tensor) else value
+                state.setdefault(optimizer_key(name), {})[key] = piece
+    model = {
+        key: params[id(value)] if id(value) in params else value.detach().clone()
+        for key, value in zero.module.state_dict(keep_vars=True).items()
+    }
+    param_groups = [
+        {**{k: v for k, v in group.items() if k != "params"}, "params": names}
+        for group, names in zip(optimizer.param_groups, group_names, strict=True)
+    ]
+    return {"model": model, "optim": {"state": state, "param_groups": param_groups}}
+
+
+@torch.no_grad()
+def load_zero_state_dict(
+    zero: ShardedModel,
+    optimizer: torch.optim.Optimizer,
+    state: dict[str, Any],
+    optimizer_key: Callable[[str], str] = lambda name: name,
+) -> None:
+    """Finish a load into :func:`zero_state_dict`'s dict: DCP already wrote this rank's ranges (of a
+    checkpoint from any layout: dp, tp, pp, any stage or N) into the master shards and moments through the
+    local shards' views; what is left is pushing masters to the compute copies, the replicated scalars and
+    buffers (the hyper-parameters stay this run's: they come from its flags, the rate from the schedule)."""
+    buffers = dict(zero.module.named_buffers())
+    for key, value in state["model"].items():
+        if key in buffers:
+            buffers[key].copy_(value)
+    saved = state["optim"]["state"]
+    for group, names in zip(zero.groups, zero.param_names, strict=True):
+        group.refresh()
+        entry = optimizer.state[group.master]
+        for key, value in saved[optimizer_key(names[0])].items():
+            if not _per_element(entry.get(key), group.master):
+                entry[key] = value.clone() if isinstance(value, torch.Tensor) else value
+
+
+def zero_slices(mesh: Mesh, plain_shapes: dict[str, torch.Size]) -> Callable[[str, torch.Tensor], Slices]:
+    """How a parameter's flat shards lie on the job: over this rank's dp group, and for a tp shard over
+    every tp rank's dp group, each holding its slice of the plain parameter (of ``plain_shapes[name]``)."""
+    shape, here = mesh.shape, mesh.coordinates
+
+    def owners(tp_index: int) -> tuple[int, ...]:
+        return tuple(shape.rank_of(**{**here, "dp": d, "tp": tp_index}) for d in range(shape.dp))
+
+    def slices_of(name: str, param: torch.Tensor) -> Slices:
         dim = shard_dim(param)
         if dim is None:
             return Slices(owners=(owners(here["tp"]),))
-        slices = tuple(owners(t) for t in range(shape.tp))
-        return Slices(slices, mine=here["tp"], whole=tuple(self._plain_shapes[name]), dim=dim)
+        held = tuple(owners(t) for t in range(shape.tp))
+        return Slices(held, mine=here["tp"], whole=tuple(plain_shapes[name]), dim=dim)
 
-    @torch.no_grad()
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Finish a load into :meth:`state_dict`'s dict: DCP already wrote this rank's ranges (of a
-        checkpoint from any layout: dp, tp, any stage or N) into the master shards and moments through
-        the local shards' views; what is left is pushing masters to the compute copies, the replicated
-        scalars, the groups' settings, buffers and the loss scaler."""
-        sharded = self.model
-        buffers = dict(sharded.module.named_buffers())
-        for key, value in state["model"].items():
-            if key in buffers:
-                buffers[key].copy_(value)
-        saved = state["optim"]
-        for group, names in zip(sharded.groups, sharded.param_names, strict=True):
-            group.refresh()
-            entry = self.optimizer.state[group.master]
-            for key, value in saved["state"][names[0]].items():
-                if not _per_element(entry.get(key), group.master):
-                    entry[key] = value.clone() if isinstance(value, torch.Tensor) else value
-        by_name = {name: group for group in saved["param_groups"] for name in group["params"]}
-        for group in self.optimizer.param_groups:
-            settings = by_name[self._names(group["params"])[0]]
-            group.update({k: v for k, v in settings.items() if k != "params"})
-        if self.scaler is not None:
-            self.scaler.load_state_dict(state["scaler"])
+    return slices_of
 
 
 def _per_element(value: Any, master: torch.Tensor) -> bool:
