@@ -56,7 +56,8 @@ from torch.distributed.pipelining import (
 import meshwise
 from meshwise.comm.api import ReduceOp
 from meshwise.comm.shm import ShmCommunicator
-from meshwise.models.gpt import GPT, GPTConfig
+from meshwise.models.gpt import GPT, GPTConfig, language_model_loss
+from meshwise.models.gpt_plan import gpt_plan
 from meshwise.parallel.pipeline_parallel import (
     Event,
     build_schedule,
@@ -64,8 +65,8 @@ from meshwise.parallel.pipeline_parallel import (
     partition,
     theoretical_bubble,
 )
-from meshwise.parallel.pipeline_parallel.builder import micro_batches_of, pipeline_gpt
-from meshwise.parallel.pipeline_parallel.partition import GPTChunk, chunks_of_rank, tied_parameters
+from meshwise.parallel.pipeline_parallel.builder import build_pipeline, micro_batches_of
+from meshwise.parallel.pipeline_parallel.partition import chunks_of_rank, tied_parameters
 from meshwise.parallel.pipeline_parallel.timeline import (
     draw,
     gather_events,
@@ -148,7 +149,9 @@ def _contenders(
     out: dict[str, tuple] = {}
     v = VIRTUAL_STAGES.get(schedule, 1)
     for name, comm in (("meshwise/gloo", gloo), ("meshwise/shm", shm)):
-        executor, chunks = pipeline_gpt(model, comm, schedule=schedule, micro_batches=m, virtual_stages=v)
+        executor, chunks = build_pipeline(
+            model, gpt_plan(model.config), comm, schedule=schedule, micro_batches=m, virtual_stages=v
+        )
         meter = _measured(chunks[0])
         opt = torch.optim.SGD(chunk_parameters(chunks), lr=0.01)
         inputs, targets = micro_batches_of(x, m), micro_batches_of(y, m)
@@ -161,11 +164,11 @@ def _contenders(
 
         out[name] = (ours, meter, executor.schedule, executor, chunks)
     plan = build_schedule(schedule, 2, m, v)
-    local = chunks_of_rank(partition(model, 2, v), rank, 2)
+    local = chunks_of_rank(partition(model, gpt_plan(model.config), 2, v), rank, 2)
     meter = _measured(local[0])
     ids = plan.local_chunks(rank)
     stages = [PipelineStage(c, i, 2 * v, torch.device("cpu")) for c, i in zip(local, ids, strict=True)]
-    pipe = TORCH_SCHEDULES[schedule](stages if v > 1 else stages[0], m, loss_fn=GPTChunk.loss)
+    pipe = TORCH_SCHEDULES[schedule](stages if v > 1 else stages[0], m, loss_fn=language_model_loss)
     timeline = _TorchTimeline(stages, pipe, rank)
     opt = torch.optim.SGD(chunk_parameters(local), lr=0.01)
     tied = tied_parameters(local)

@@ -42,8 +42,9 @@ from torch import nn
 import meshwise
 from meshwise.comm.shm import ShmCommunicator
 from meshwise.models.gpt import GPT, GPTConfig, language_model_loss
-from meshwise.parallel.tensor_parallel import tensor_parallel, vocab_parallel_cross_entropy
-from meshwise.parallel.tensor_parallel.memory import layer_activation_report
+from meshwise.models.gpt_activations import layer_activation_report
+from meshwise.models.gpt_plan import tensor_parallel
+from meshwise.parallel.tensor_parallel import vocab_parallel_cross_entropy
 from meshwise.runtime.spawn import spawn
 
 TARGETS = {"meshwise/gloo": 1.0, "meshwise/shm": 0.7}  # step time vs dtensor/gloo, at most

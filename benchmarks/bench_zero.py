@@ -36,6 +36,7 @@ from meshwise.comm.shm import ShmCommunicator
 from meshwise.models.gpt import CONFIGS, GPT, language_model_loss
 from meshwise.parallel import DataParallel
 from meshwise.parallel.zero import shard
+from meshwise.runtime.memory import peak_resident_bytes
 from meshwise.runtime.spawn import spawn
 
 #: step time at most this ratio to the named baseline
@@ -63,7 +64,8 @@ def _build(name: str, config: str, comms: dict) -> tuple[nn.Module, torch.optim.
         model = DataParallel(model, comms["gloo"])
     else:
         stage, backend = int(name[4]), name.split("/")[1]
-        model = shard(model, comms[backend], stage=stage)
+        units = list(model.blocks) if stage == 3 else None  # the blocks, as FSDP2 above
+        model = shard(model, comms[backend], stage=stage, units=units)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
 
 
@@ -151,25 +153,18 @@ def _two_ranks(config: str, batch: int, seq: int, rounds: int, steps: int, warmu
     return {"samples": samples, "memory": memory, "max_weight_difference_vs_ddp": agreement}
 
 
-def _vm_hwm() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    return -1
-
-
 def _rss_one(name: str, config: str, batch: int, seq: int) -> int:
     """Peak resident-memory growth of one configuration built and stepped twice in a fresh process."""
     world = meshwise.init("gloo", device="cpu", timeout=600)
     comms = {"gloo": world.comm}
     if name.endswith("shm"):
         comms["shm"] = ShmCommunicator.from_process_group(None, timeout=600)
-    before = _vm_hwm()
+    before = peak_resident_bytes() or 0
     model, opt = _build(name, config, comms)
     step = _stepper(model, opt, _tokens(config, batch, seq, world.rank))
     for _ in range(2):
         step()
-    grown = _vm_hwm() - before
+    grown = (peak_resident_bytes() or 0) - before
     del model, opt, step
     if "shm" in comms:
         comms["shm"].close()

@@ -21,8 +21,9 @@ import torch
 import meshwise
 from meshwise.comm.mesh import Mesh, MeshShape
 from meshwise.models.gpt import GPT, gpt_config
+from meshwise.models.gpt_plan import gpt_plan
 from meshwise.parallel.pipeline_parallel import SCHEDULES, chunk_parameters, theoretical_bubble
-from meshwise.parallel.pipeline_parallel.builder import micro_batches_of, pipeline_gpt, validate_pipeline
+from meshwise.parallel.pipeline_parallel.builder import build_pipeline, micro_batches_of, validate_pipeline
 from meshwise.parallel.pipeline_parallel.timeline import draw, gather_events, measured_bubble, write_trace
 
 
@@ -45,11 +46,12 @@ def main() -> None:
     world = meshwise.init(backend=args.backend)
     pp = args.pp or world.world_size
     shape = MeshShape.infer(world.world_size, pp=pp)
-    validate_pipeline(config, pp, args.micro_batches, args.schedule, args.virtual_stages)
+    validate_pipeline(config.layers, pp, args.micro_batches, args.schedule, args.virtual_stages)
     mesh = Mesh(world.comm, shape)
     torch.manual_seed(0)
-    executor, chunks = pipeline_gpt(
+    executor, chunks = build_pipeline(
         GPT(config),
+        gpt_plan(config),
         mesh.pp,
         schedule=args.schedule,
         micro_batches=args.micro_batches,

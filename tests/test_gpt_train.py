@@ -3,10 +3,12 @@
 The parity test follows the DDP test's recipe: every rank runs the real trainer on its dp slice (with
 gradient accumulation) and, beside it, a one-process reference written here from plain pieces (the full
 global batch, micro-batches accumulated, the same AdamW, schedule and clipping) and compares losses and
-parameters after every step. The parameter tolerance, 1e-5 at lr 1e-3, is about 1 % of one Adam update:
+parameters after every step. The parameter tolerance, 5e-5 at lr 1e-3, is 5 % of one Adam update:
 Adam divides a gradient by its own magnitude, so where the per-token contributions to a gradient nearly
 cancel, the summation order (6 micro-batches here, 3 × 2 there plus an all-reduce) shows up in that one
-coordinate's first update, and then stays constant rather than growing.
+coordinate's first update, and then stays constant rather than growing (measured: up to 1.4e-5 with
+torch 2.13 on 3 ranks and under tp 2, above the 1e-5 this test used to allow); a wrong gradient is off
+by a whole update.
 """
 
 from __future__ import annotations
@@ -112,7 +114,7 @@ def test_parallel_training_with_accumulation_matches_one_process(
     for result in spawn(_parity, ranks, args=(text, overrides), timeout=100):
         assert result["micro-batches"] == 6 // dp  # 12 sequences = dp × 2 × accumulation
         assert result["loss"] < 1e-5
-        assert result["params"] < 1e-5
+        assert result["params"] < 5e-5
 
 
 # ---------------------------------------------------------------------------------------------- resume
@@ -222,11 +224,11 @@ def _bad_cases(text: str, tmp: Path) -> list[tuple[dict, str]]:
         ({"data": str(odd)}, "odd number"),
         ({"data": str(big)}, "token id 300 but the model's vocabulary is 256: pass --vocab 301"),
         ({"data": str(short)}, "fewer than one window"),
-        ({"nproc": 3, "dp": 2}, r"dp·tp·pp = 2·1·1 = 2 but 3 ranks were started"),
+        ({"nproc": 3, "dp": 2}, r"dp = 2 but 3 ranks were started: start 2 ranks"),
         ({"nproc": 3, "tp": 3}, r"hidden size 64 is not divisible by --tp 3"),
         ({"nproc": 4, "tp": 3}, r"4 ranks do not split into groups of --tp 3"),
         ({"nproc": 2, "tp": 4}, r"--tp 4 is larger than the 2 ranks started"),
-        ({"nproc": 6, "tp": 2, "pp": 2}, r"6 ranks cannot be split into tp·pp = 2·2 = 4 groups"),
+        ({"nproc": 6, "tp": 2, "pp": 2}, r"6 ranks cannot be split into pp·tp = 2·2 = 4 groups"),
         ({"sp": True}, r"--sp splits the sequence across the tensor-parallel ranks: add --tp 2"),
         ({"nproc": 4, "tp": 4, "sp": True, "seq_len": 30}, r"sequence of 30 tokens into --tp 4 shards"),
         ({"nproc": 5}, "--global-batch 12 is not divisible by dp = 5"),

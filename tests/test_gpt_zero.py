@@ -215,8 +215,8 @@ def test_the_command_line_trains_fp16_zero3_prints_memory_and_resumes_as_zero1(t
 @pytest.mark.parametrize(
     ("overrides", "match"),
     [
-        ({"nproc": 4, "tp": 2, "zero": 1}, r"--zero 1 with --tp: ZeRO inside a tensor- or pipeline-parallel"),
-        ({"nproc": 2, "pp": 2, "zero": 3}, r"--zero 3 with --pp: .* not built yet; drop --pp or --zero"),
+        ({"nproc": 2, "pp": 2, "zero": 3}, r"--zero 3 with --pp: .* --zero 3 .* not built yet; drop --pp"),
+        ({"nproc": 2, "pp": 2, "zero": 1, "dtype": "bf16"}, r"--zero 1 with --pp: .* --dtype bf16 with"),
         ({"dtype": "fp16"}, r"--dtype fp16 needs loss scaling, .* with --zero 1\|2\|3: add --zero"),
     ],
 )
@@ -228,3 +228,5 @@ def test_zero_bad_input_is_one_clear_error_before_any_rank_starts(text: str, ove
 def test_zero_on_one_rank_and_fp16_with_zero_are_valid(text: str) -> None:  # noqa: F811
     _tiny(text, zero=2, nproc=1).validate()
     _tiny(text, zero=1, dtype="fp16", nproc=2).validate()
+    _tiny(text, zero=3, tp=2, sp=True, nproc=4).validate()  # ZeRO over tensor-parallel shards
+    _tiny(text, zero=2, pp=2, nproc=4).validate()  # ZeRO-2 on each pipeline stage

@@ -15,8 +15,9 @@ import torch
 import meshwise
 from meshwise.comm.mesh import Mesh, MeshShape
 from meshwise.models.gpt import GPT, GPTConfig, language_model_loss
+from meshwise.models.gpt_plan import gpt_plan
 from meshwise.parallel.pipeline_parallel import PipelineFailure, chunk_parameters
-from meshwise.parallel.pipeline_parallel.builder import micro_batches_of, pipeline_gpt
+from meshwise.parallel.pipeline_parallel.builder import build_pipeline, micro_batches_of
 from meshwise.runtime.spawn import spawn
 
 CONFIG = GPTConfig(layers=8, hidden=32, heads=4, seq_len=16, vocab=64)
@@ -39,8 +40,8 @@ def _reference() -> GPT:
 def _compare(pp, dp, schedule: str, m: int, v: int, dp_size: int = 1, dp_rank: int = 0) -> dict[str, float]:
     """Worst |loss − ref| and |grad − ref| over STEPS steps of SGD, and whether the weights stayed equal."""
     reference = _reference()
-    executor, chunks = pipeline_gpt(
-        reference, pp, schedule=schedule, micro_batches=m, virtual_stages=v, dp=dp
+    executor, chunks = build_pipeline(
+        reference, gpt_plan(CONFIG), pp, schedule=schedule, micro_batches=m, virtual_stages=v, dp=dp
     )
     ref_params = dict(reference.named_parameters(remove_duplicate=False))
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
@@ -80,7 +81,7 @@ def _configs(p: int) -> list[tuple[str, int, int]]:
 
 def _failure(comm) -> dict[str, object]:
     """Stage 1 raises on micro-batch 2: every rank must raise PipelineFailure naming it, quickly."""
-    executor, chunks = pipeline_gpt(_reference(), comm, schedule="1f1b", micro_batches=4)
+    executor, chunks = build_pipeline(_reference(), gpt_plan(CONFIG), comm, schedule="1f1b", micro_batches=4)
     if comm.rank == 1:
         original = chunks[0].forward
         calls = {"n": 0}
@@ -108,7 +109,7 @@ def _failure(comm) -> dict[str, object]:
 
 def _bad_batch(comm, who: int, what: str) -> dict[str, object]:
     """Rank ``who`` passes a bad batch on the first step: every rank must stop with the reason."""
-    executor, _ = pipeline_gpt(_reference(), comm, schedule="1f1b", micro_batches=4)
+    executor, _ = build_pipeline(_reference(), gpt_plan(CONFIG), comm, schedule="1f1b", micro_batches=4)
     x, y = (micro_batches_of(t, 4) for t in _batch(0, MICRO * 4))
     if comm.rank == who:
         x, y = (None, y) if what == "inputs" else (x, y[:3])

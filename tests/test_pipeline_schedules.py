@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from meshwise.models.gpt import GPT, GPTConfig
+from meshwise.models.gpt_plan import gpt_plan
 from meshwise.parallel.pipeline_parallel import (
     Instruction,
     Op,
@@ -101,7 +102,7 @@ def test_simulator_rejects_broken_schedules() -> None:
 
 
 def test_bad_input_names_the_fix() -> None:
-    config = GPTConfig(layers=4, hidden=32, heads=4, seq_len=8)
+    config = GPTConfig(layers=4, hidden=32, heads=4, seq_len=8).layers
     with pytest.raises(ValueError, match="4 layers cannot be cut into 8 pipeline chunks"):
         validate_pipeline(config, 4, 8, "interleaved", 2)
     with pytest.raises(ValueError, match="must be a multiple of --pp 4"):
@@ -119,10 +120,11 @@ def test_partition_balances_blocks_and_keeps_names() -> None:
     assert balanced_split([1] * 8, 3, first_extra=2, last_extra=2) == [2, 4, 2]
     config = GPTConfig(layers=6, hidden=32, heads=4, seq_len=8, vocab=2048)  # heavy embedding and head
     model = GPT(config)
-    chunks = partition(model, 3)
+    plan = gpt_plan(config)
+    chunks = partition(model, plan, 3)
     assert [len(c.blocks) for c in chunks] == [1, 4, 1]
-    assert [len(c.blocks) for c in partition(model, 3, layers_per_chunk=[2, 2, 2])] == [2, 2, 2]
+    assert [len(c.layers) for c in partition(model, plan, 3, layers_per_chunk=[2, 2, 2])] == [2, 2, 2]
     names = {n for c in chunks for n, _ in c.named_parameters()}
     assert names == {n for n, _ in model.named_parameters(remove_duplicate=False)}
     with pytest.raises(ValueError, match="summing to the model's 6 layers"):
-        partition(model, 3, layers_per_chunk=[2, 2, 1])
+        partition(model, plan, 3, layers_per_chunk=[2, 2, 1])

@@ -9,6 +9,7 @@ are exercised too.
 
 from __future__ import annotations
 
+import copy
 from functools import partial
 
 import torch
@@ -16,8 +17,9 @@ import torch
 import meshwise
 from meshwise.comm.mesh import Mesh, MeshShape
 from meshwise.models.gpt import GPT, GPTConfig, language_model_loss
+from meshwise.models.gpt_plan import gpt_plan, tensor_parallel
 from meshwise.parallel.pipeline_parallel import chunk_parameters
-from meshwise.parallel.pipeline_parallel.builder import micro_batches_of, pipeline_gpt
+from meshwise.parallel.pipeline_parallel.builder import build_pipeline, micro_batches_of
 from meshwise.parallel.tensor_parallel import full_tensors, shard_dim, vocab_parallel_cross_entropy
 from meshwise.runtime.spawn import spawn
 
@@ -49,9 +51,12 @@ def _compare(mesh: Mesh, schedule: str, m: int, v: int, sp: bool) -> dict[str, f
     torch.manual_seed(0)
     reference = GPT(CONFIG)
     dp_size, dp_rank = mesh.shape.dp, mesh.coordinates["dp"]
-    executor, chunks = pipeline_gpt(
-        reference, mesh.pp, schedule=schedule, micro_batches=m, virtual_stages=v, tp=mesh.tp,
-        sequence_parallel=sp, dp=mesh.dp if dp_size > 1 else None,
+    stage_model = tensor_parallel(copy.deepcopy(reference), mesh.tp, sequence_parallel=sp)
+    loss = partial(vocab_parallel_cross_entropy, comm=mesh.tp, vocab=CONFIG.vocab)
+    executor, chunks = build_pipeline(
+        stage_model, gpt_plan(CONFIG), mesh.pp, schedule=schedule, micro_batches=m, virtual_stages=v,
+        dp=mesh.dp if dp_size > 1 else None, loss=loss, sequence_shards=mesh.tp.world_size if sp else 1,
+        in_place=True,
     )  # fmt: skip
     ref_params = dict(reference.named_parameters(remove_duplicate=False))
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)

@@ -15,6 +15,7 @@ from torch import nn
 
 import meshwise
 from meshwise.models.gpt import GPT, GPTConfig, language_model_loss
+from meshwise.models.gpt_plan import gpt_plan
 from meshwise.parallel.zero import shard, zero_formula
 from meshwise.parallel.zero.layout import FlatLayout
 from meshwise.parallel.zero.units import ROOT, default_units, plan_stage3
@@ -202,7 +203,7 @@ def _stage3_lifecycle() -> dict[str, object]:
     events: list[str] = []
     torch.manual_seed(0)
     gpt = GPT(GPT_SMALL)
-    model = shard(gpt, _Recorder(world.comm, events), stage=3)
+    model = shard(gpt, _Recorder(world.comm, events), stage=3, units=list(gpt.blocks))
 
     def stored(block) -> int:
         return block.attn.q.weight.untyped_storage().nbytes()
@@ -298,8 +299,10 @@ def test_flat_layout_pads_and_pieces_cover_every_element_once():
 
 def test_gpt_units_are_blocks_and_the_tied_head_lives_in_the_root():
     gpt = GPT(GPT_SMALL)
-    assert default_units(gpt) == list(gpt.blocks)
-    plans = plan_stage3(gpt, default_units(gpt))
+    units = gpt_plan(gpt.config).layer_modules(gpt)
+    assert units == list(gpt.blocks)
+    assert default_units(gpt)[:2] == [gpt.wte, gpt.wpe]  # without a plan: every parameter-holding child
+    plans = plan_stage3(gpt, units)
     assert [p.unit for p in plans] == [2, 1, ROOT]  # gradient-ready order: last block first
     assert "wte.weight" in plans[-1].names and not any("head" in n for p in plans for n in p.names)
     shared = nn.Linear(2, 2)

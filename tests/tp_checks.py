@@ -17,6 +17,8 @@ from meshwise.comm.api import Communicator
 from meshwise.comm.counting import CountingCommunicator
 from meshwise.comm.mesh import Mesh, MeshShape
 from meshwise.models.gpt import GPT, GPTConfig, language_model_loss
+from meshwise.models.gpt_activations import layer_activation_report
+from meshwise.models.gpt_plan import tensor_parallel
 from meshwise.parallel import DataParallel
 from meshwise.parallel.tensor_parallel import (
     copy_to_region,
@@ -26,10 +28,8 @@ from meshwise.parallel.tensor_parallel import (
     reduce_from_region,
     scatter_to_sequence,
     split_last,
-    tensor_parallel,
     vocab_parallel_cross_entropy,
 )
-from meshwise.parallel.tensor_parallel.memory import layer_activation_report
 from meshwise.parallel.tensor_parallel.regions import gathered_linears
 
 

@@ -4,8 +4,9 @@ Order matters (the seeds' most common pitfall): the device is chosen from the *l
 before the process group exists, so NCCL never creates contexts on GPU 0 for every rank. torch.distributed
 is always initialised as the control plane (nccl on CUDA, gloo otherwise); the data-plane Communicator
 returned in :class:`World` may be another transport (shared memory, MPI) that bootstraps through it.
-The World also holds the job's :class:`~meshwise.comm.mesh.Mesh` (dp × tp × pp, pure data parallelism
-unless asked otherwise), so a strategy finds its groups where it finds the world communicator.
+The World also holds the job's :class:`~meshwise.comm.mesh.Mesh` (named axes pp × dp × ep × cp × tp,
+pure data parallelism unless asked otherwise), so a strategy finds its groups where it finds the world
+communicator.
 """
 
 from __future__ import annotations
@@ -172,8 +173,9 @@ def init(
 ) -> World:
     """Join the job described by the environment and return this rank's :class:`World`.
 
-    ``mesh`` arranges the ranks on dp/tp/pp axes (default: every rank on ``dp``); its product must equal
-    the world size. Idempotent: a second call returns the same World. When torch.distributed was already
+    ``mesh`` arranges the ranks on the mesh axes (default: every rank on ``dp``); its product must equal
+    the world size. Idempotent: a second call returns the same World — and refuses another ``mesh``
+    rather than silently ignoring it. When torch.distributed was already
     initialised by the script itself (an unmodified torch program), that group is adopted rather than
     replaced.
 
@@ -186,6 +188,11 @@ def init(
     """
     global _current, _owns_process_group, _dump_server
     if _current is not None:
+        if mesh is not None and mesh != _current.mesh.shape:
+            raise ValueError(
+                f"meshwise.init(mesh={mesh!r}) but this process already joined with {_current.mesh.shape!r}: "
+                "call meshwise.shutdown() first, or build another arrangement with Mesh(world.comm, shape)"
+            )
         return _current
     layout = detect_launch_env()
     needs_mpi = layout.master_addr is None or layout.master_port is None or not layout.local_layout_known

@@ -13,10 +13,21 @@ GIB = 2**30
 
 def available_memory(meminfo: str = "/proc/meminfo") -> int | None:
     """Bytes the kernel says can be allocated without swapping (``MemAvailable``); None if unknown."""
+    return _kib_field(meminfo, "MemAvailable:")
+
+
+def peak_resident_bytes(status: str = "/proc/self/status") -> int | None:
+    """This process's peak resident set so far (``VmHWM``), for benchmarks' per-rank peak memory on a
+    CPU; None where the kernel does not say."""
+    return _kib_field(status, "VmHWM:")
+
+
+def _kib_field(path: str, key: str) -> int | None:
+    """The ``key: N kB`` line of a /proc file, in bytes; None if it is missing or unreadable."""
     try:
-        with open(meminfo) as handle:
+        with open(path) as handle:
             for line in handle:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(key):
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass

@@ -1,6 +1,8 @@
-"""Pipeline parallelism: cut a GPT into chunks, schedule micro-batches through them, run the schedule.
+"""Pipeline parallelism: cut a model (by its plan) into chunks, schedule micro-batches through them, run
+the schedule.
 
-- :mod:`.partition` — chunks of a GPT balanced by parameters (or explicit), the tied embedding/head pair;
+- :mod:`.partition` — chunks of a model balanced by parameters (or explicit), the plan's tied pairs;
+- :mod:`.builder` — model, plan and pp group to this rank's chunks and executor, sizes checked first;
 - :mod:`.schedules` — GPipe, 1F1B, interleaved 1F1B and ZB-H1 as per-rank instruction lists (plain data);
 - :mod:`.simulator` — unit-time execution proving a schedule complete, matched and deadlock-free, with its
   bubble and activations in flight;
@@ -11,7 +13,7 @@
 
 from meshwise.parallel.pipeline_parallel.executor import Event, PipelineExecutor, PipelineFailure, StepResult
 from meshwise.parallel.pipeline_parallel.partition import (
-    GPTChunk,
+    LayerChunk,
     chunk_parameters,
     chunks_of_rank,
     partition,
@@ -23,8 +25,8 @@ from meshwise.parallel.pipeline_parallel.simulator import ScheduleError, simulat
 __all__ = [
     "SCHEDULES",
     "Event",
-    "GPTChunk",
     "Instruction",
+    "LayerChunk",
     "Op",
     "PipelineExecutor",
     "PipelineFailure",

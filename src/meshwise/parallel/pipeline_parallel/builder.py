@@ -1,73 +1,70 @@
-"""One call from a GPT and a pp group to a ready executor, with every size checked before any compute."""
+"""One call from a model, its plan and a pp group to a ready executor, every size checked before compute."""
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
-from functools import partial
 
 import torch
+from torch import nn
 
 from meshwise.comm.api import Communicator
-from meshwise.models.gpt import GPT, GPTConfig
 from meshwise.parallel.pipeline_parallel.executor import PipelineExecutor
 from meshwise.parallel.pipeline_parallel.partition import (
-    GPTChunk,
+    LayerChunk,
     check_layers,
     chunks_of_rank,
     partition,
     tied_parameters,
 )
 from meshwise.parallel.pipeline_parallel.schedules import build_schedule, validate
-from meshwise.parallel.tensor_parallel import tensor_parallel, vocab_parallel_cross_entropy
+from meshwise.parallel.plan import Loss, ParallelPlan
 
 
 def validate_pipeline(
-    config: GPTConfig, stages: int, micro_batches: int, schedule: str, virtual_stages: int = 1
+    layers: int, stages: int, micro_batches: int, schedule: str, virtual_stages: int = 1
 ) -> None:
-    """Every error a pipeline of these sizes would hit, raised up front with the fix in the message."""
+    """Every error a pipeline of these sizes over ``layers`` layers would hit, raised up front with the fix
+    in the message."""
     validate(schedule, stages, micro_batches, virtual_stages)
-    check_layers(config.layers, stages * virtual_stages)
+    check_layers(layers, stages * virtual_stages)
 
 
-def pipeline_gpt(
-    model: GPT,
+def build_pipeline(
+    model: nn.Module,
+    plan: ParallelPlan,
     pp: Communicator,
     *,
     schedule: str = "1f1b",
     micro_batches: int,
     virtual_stages: int = 1,
     dp: Communicator | None = None,
-    tp: Communicator | None = None,
-    sequence_parallel: bool = False,
+    loss: Loss | None = None,
+    sequence_shards: int = 1,
     layers_per_chunk: Sequence[int] | None = None,
-) -> tuple[PipelineExecutor, list[GPTChunk]]:
+    in_place: bool = False,
+) -> tuple[PipelineExecutor, list[LayerChunk]]:
     """This rank's chunks of ``model`` and the executor that trains them.
 
     Every rank passes the same ``model`` (same seed): the chunks are cut from it, so the stages start from
-    exactly the weights a one-process run would. Optimise the returned chunks' parameters.
+    exactly the weights a one-process run would. Optimise the returned chunks' parameters. ``loss``
+    defaults to the plan's.
 
-    With ``tp`` (this rank's tensor-parallel group, a stage's ranks) each stage is tensor parallel inside
-    it: a copy of the model is sharded by :func:`tensor_parallel` first, then cut, so rank ``r`` of a
-    stage's tp group exchanges activations with rank ``r`` of its neighbours' (its own ``pp`` group) —
-    the replicated hidden states, or with ``sequence_parallel`` its shard of the sequence — and the last
-    stage's loss is the vocabulary-parallel cross-entropy.
+    A tensor-parallel stage is a model already converted to this rank's shard (``in_place=True``: its
+    layers hold a communicator that must not be copied), with the sharded loss; rank ``r`` of a stage's tp
+    group then exchanges activations with rank ``r`` of its neighbours' (its own ``pp`` group) — the
+    replicated hidden states, or under sequence parallelism (``sequence_shards`` = tp) its shard of the
+    sequence.
     """
     stages = pp.world_size
-    validate_pipeline(model.config, stages, micro_batches, schedule, virtual_stages)
-    plan = build_schedule(schedule, stages, micro_batches, virtual_stages)
-    loss = GPTChunk.loss
-    sharded = tp is not None and tp.world_size > 1
-    if sharded:
-        model = tensor_parallel(copy.deepcopy(model), tp, sequence_parallel=sequence_parallel)
-        loss = partial(vocab_parallel_cross_entropy, comm=tp, vocab=model.config.vocab)
-    elif sequence_parallel:
-        raise ValueError("sequence parallelism splits the sequence across tensor-parallel ranks: pass tp")
-    shards = tp.world_size if sharded and sequence_parallel else 1  # type: ignore[union-attr]
-    cut = partition(model, stages, virtual_stages, layers_per_chunk, in_place=sharded, sequence_shards=shards)
+    validate_pipeline(len(plan.layer_modules(model)), stages, micro_batches, schedule, virtual_stages)
+    steps = build_schedule(schedule, stages, micro_batches, virtual_stages)
+    shards = sequence_shards
+    cut = partition(
+        model, plan, stages, virtual_stages, layers_per_chunk, in_place=in_place, sequence_shards=shards
+    )
     local = chunks_of_rank(cut, pp.rank, stages)
     tied = tied_parameters(local) if stages > 1 else ()
-    executor = PipelineExecutor(local, plan, pp, loss, dp=dp, tied=tied)
+    executor = PipelineExecutor(local, steps, pp, plan.loss if loss is None else loss, dp=dp, tied=tied)
     return executor, local
 
 

@@ -110,6 +110,9 @@ class PipelineExecutor:
         self.chunks = dict(zip(ids, chunks, strict=True))
         self.schedule, self.pp, self.dp, self.loss_fn = schedule, pp, dp, loss_fn
         self.tied, self.dtype = list(tied), dtype
+        #: where the tied copies' accumulated gradients are read and summed: ``.grad`` by default; a
+        #: wrapper that takes gradients from autograd into buffers of its own (ZeRO) points it there
+        self.gradient_of: Callable[[torch.Tensor], torch.Tensor] = _grad
         self.rank = pp.rank
         self._split = SplitBackward(chunks) if schedule.split_backward else None
         self._shapes: dict[int, torch.Size] = {}  # chunk → shape of its output (hidden states)
@@ -224,7 +227,7 @@ class PipelineExecutor:
         rank to finish a step) asks for it. The receive is posted only after the status all-reduce, so it
         can never take a failing neighbour's poison message in place of the gradient."""
         if self.tied:
-            run.tied_works = [self.pp.isend(_grad(p), self._tied_peer) for p in self.tied]
+            run.tied_works = [self.pp.isend(self.gradient_of(p), self._tied_peer) for p in self.tied]
 
     def _compute(self, run: _StepState, ins: Instruction) -> None:
         c, k = ins.chunk, ins.micro_batch
@@ -349,7 +352,7 @@ class PipelineExecutor:
         for w in run.tied_works + [self.pp.irecv(t, self._tied_peer) for t in theirs]:
             w.wait()
         for p, t in zip(self.tied, theirs, strict=True):
-            _grad(p).add_(t)
+            self.gradient_of(p).add_(t)
         if self.dp is not None and self.dp.world_size > 1:
             grads = [_grad(p) for p in self._params]
             flat = torch.cat([g.reshape(-1) for g in grads] + [torch.tensor([loss], dtype=grads[0].dtype)])

@@ -1,14 +1,16 @@
-"""Cut a GPT into pipeline chunks: the embedding, contiguous runs of blocks, the final norm and head.
+"""Cut a model into pipeline chunks along its plan: the first modules, runs of layers, the last modules.
 
-Chunk ``c`` of ``C = p·v`` holds blocks ``[start_c, end_c)``; chunk 0 also holds the token and position
-embeddings, chunk ``C−1`` the final LayerNorm and the output head. Blocks are balanced by parameter count
-(the embedding weighs on chunk 0 and the head's matmul on chunk C−1, so the end chunks get fewer blocks
-when the vocabulary is large) or given explicitly.
+Chunk ``c`` of ``C = p·v`` holds layers ``[start_c, end_c)`` of the plan's repeated layers; chunk 0 also
+holds the modules the plan runs first (a GPT's embeddings), chunk ``C−1`` the ones it runs last (final
+norm and head). Layers are balanced by parameter count (the first and last modules weigh on the end
+chunks, so those get fewer layers when they are heavy, e.g. a large vocabulary) or given explicitly.
+Nothing here knows a particular model: :class:`~meshwise.parallel.plan.ParallelPlan` says what to cut.
 
-The head is tied to the token embedding. When the first and last chunks live on different ranks each holds
-its own copy of that matrix (same initial values); :func:`tied_parameters` names the pair so the executor
-can sum their gradients after the backward, after which identical optimizer updates keep them equal — the
-same arrangement Megatron-LM uses for its word embeddings.
+A plan's *tied* parameters (a head tied to the token embedding) are one tensor in the plain model. When
+the first and last chunks live on different ranks each holds its own copy of it (same initial values);
+:func:`tied_parameters` names the pair so the executor can sum their gradients after the backward, after
+which identical optimizer updates keep them equal — the arrangement Megatron-LM uses for its word
+embeddings.
 
 Parameter names inside a chunk are the full model's (``blocks.3.attn.q.weight``, ``wte.weight``,
 ``head.weight``), so checkpoints and parity tests map chunk parameters to the model's one to one.
@@ -22,16 +24,17 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from meshwise.models.gpt import GPT, language_model_loss
-from meshwise.parallel.tensor_parallel.layers import SHARD_DIM, ColumnParallelLinear, shard_dim
+from meshwise.parallel.plan import ParallelPlan
 
 
-class GPTChunk(nn.Module):
-    """A contiguous slice of a GPT: ``forward`` maps tokens or hidden states to hidden states or logits."""
+class LayerChunk(nn.Module):
+    """A contiguous slice of a model: ``forward`` maps its input or hidden states to hidden states or its
+    output. The plan's modules and layers are attributes under the model's own names."""
 
     def __init__(
         self,
-        model: GPT,
+        model: nn.Module,
+        plan: ParallelPlan,
         start: int,
         end: int,
         *,
@@ -41,58 +44,70 @@ class GPTChunk(nn.Module):
         sequence_shards: int = 1,
     ) -> None:
         super().__init__()
+        self.plan = plan
         self.first, self.last = first, last
         self.start, self.end = start, end
-        self.config = model.config
         self.sequence_shards = sequence_shards
         if first:
-            self.wte, self.wpe, self.drop = model.wte, model.wpe, model.drop
-        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in range(start, end)})
+            for name in plan.first:
+                setattr(self, name, model.get_submodule(name))
+        layers = plan.layer_modules(model)
+        setattr(self, plan.layers, nn.ModuleDict({str(i): layers[i] for i in range(start, end)}))
         if last:
-            self.ln_f = model.ln_f
-            self.head = model.head if tied_here else _untied_head(model)
+            copies = {} if tied_here else {b: a for a, b in plan.tied}
+            for name in plan.last:
+                module = model.get_submodule(name)
+                for param_name in [p for p in copies if p.rpartition(".")[0] == name]:
+                    module = _own_copy(module, param_name.rpartition(".")[2])
+                setattr(self, name, module)
+
+    @property
+    def layers(self) -> nn.ModuleDict:
+        return getattr(self, self.plan.layers)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.first:
-            x = GPT.embed(self, x)  # type: ignore[arg-type]  # uses only wte, wpe, drop, config
-        for block in self.blocks.values():
-            x = block(x)
+            x = self.plan.enter(self, x)
+        for layer in self.layers.values():
+            x = layer(x)
         if self.last:
-            x = self.head(self.ln_f(x))
+            x = self.plan.leave(self, x)
         return x
 
     def output_shape(self, input_shape: torch.Size) -> torch.Size:
-        """Shape of the hidden states this chunk hands to the next: (batch, seq, hidden), with ``seq`` this
-        rank's shard of the sequence under sequence parallelism (the first chunk's embedding splits it)."""
-        seq = input_shape[1] // self.sequence_shards if self.first else input_shape[1]
-        return torch.Size([input_shape[0], seq, self.config.hidden])
-
-    @staticmethod
-    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return language_model_loss(logits, targets)
-
-
-def _untied_head(model: GPT) -> nn.Module:
-    """The last stage's own copy of the head: a plain Linear, or this rank's vocabulary rows of a
-    tensor-parallel one (the same slice of the tied matrix the first stage's embedding holds)."""
-    weight = nn.Parameter(model.wte.weight.detach().clone())
-    if isinstance(model.head, ColumnParallelLinear):
-        setattr(weight, SHARD_DIM, shard_dim(model.wte.weight))
-        head = model.head
-        return ColumnParallelLinear.from_shards(
-            weight, None, head.comm, sequence_parallel=head.sequence_parallel
-        )
-    head = nn.Linear(model.config.hidden, model.config.vocab, bias=False, device=weight.device)
-    head.weight = weight
-    return head
+        """Shape of the hidden states this chunk hands to the next; with sequence parallelism (the first
+        chunk's embedding splits the sequence) the sequence dimension is this rank's shard of it."""
+        if not self.first:
+            return input_shape
+        shape = list(self.plan.activation_shape(input_shape))
+        shape[-2] //= self.sequence_shards
+        return torch.Size(shape)
 
 
-def block_weights(model: GPT) -> tuple[list[int], int, int]:
-    """Parameters of each block, of the embedding end and of the head end (balancing weights)."""
-    blocks = [sum(p.numel() for p in block.parameters()) for block in model.blocks]
-    embed = model.wte.weight.numel() + model.wpe.weight.numel()
-    head = model.wte.weight.numel() + sum(p.numel() for p in model.ln_f.parameters())
-    return blocks, embed, head
+def _own_copy(module: nn.Module, attr: str) -> nn.Module:
+    """``module`` with its parameter ``attr`` replaced by a copy of equal value (for the last stage's end
+    of a tied pair): a shallow copy of the module, so layer state such as a tensor-parallel communicator is
+    shared, not duplicated; the parameter's marks (e.g. its tensor-parallel shard dimension) are kept."""
+    clone = copy.copy(module)
+    clone._parameters = dict(module._parameters)
+    source = module._parameters[attr]
+    assert source is not None
+    param = nn.Parameter(source.detach().clone(), requires_grad=source.requires_grad)
+    for key, value in vars(source).items():
+        if not key.startswith("_"):
+            setattr(param, key, value)
+    setattr(clone, attr, param)
+    return clone
+
+
+def block_weights(model: nn.Module, plan: ParallelPlan) -> tuple[list[int], int, int]:
+    """Parameters of each layer, of the first modules and of the last modules (balancing weights)."""
+
+    def count(names: Sequence[str]) -> int:
+        return sum(p.numel() for name in names for p in model.get_submodule(name).parameters())
+
+    layers = [sum(p.numel() for p in layer.parameters()) for layer in plan.layer_modules(model)]
+    return layers, count(plan.first), count(plan.last)
 
 
 def balanced_split(
@@ -136,26 +151,27 @@ def check_layers(layers: int, chunks: int) -> None:
 
 
 def partition(
-    model: GPT,
+    model: nn.Module,
+    plan: ParallelPlan,
     stages: int,
     virtual_stages: int = 1,
     layers_per_chunk: Sequence[int] | None = None,
     *,
     in_place: bool = False,
     sequence_shards: int = 1,
-) -> list[GPTChunk]:
+) -> list[LayerChunk]:
     """Every chunk of ``model`` (chunk c runs on rank c % stages), cut from a copy of it.
 
-    ``layers_per_chunk`` fixes the blocks of each chunk explicitly; by default they are balanced by
+    ``layers_per_chunk`` fixes the layers of each chunk explicitly; by default they are balanced by
     parameter count. ``in_place=True`` cuts ``model`` itself: for a tensor-parallel model, whose layers
     hold a communicator that must not be copied. ``sequence_shards`` is the tp size under sequence
     parallelism (chunks then hand over their rank's shard of the sequence).
     """
     chunks = stages * virtual_stages
-    layers = model.config.layers
+    layers = len(plan.layer_modules(model))
     if layers_per_chunk is None:
-        blocks, embed, head = block_weights(model)
-        sizes = balanced_split(blocks, chunks, first_extra=embed, last_extra=head)
+        blocks, first, last = block_weights(model, plan)
+        sizes = balanced_split(blocks, chunks, first_extra=first, last_extra=last)
     else:
         sizes = list(layers_per_chunk)
         check_layers(layers, chunks)
@@ -171,8 +187,9 @@ def partition(
         bounds.append((start, start + size))
         start += size
     return [
-        GPTChunk(
+        LayerChunk(
             model,
+            plan,
             a,
             b,
             first=c == 0,
@@ -184,7 +201,7 @@ def partition(
     ]
 
 
-def chunks_of_rank(chunks: Sequence[GPTChunk], rank: int, stages: int) -> list[GPTChunk]:
+def chunks_of_rank(chunks: Sequence[LayerChunk], rank: int, stages: int) -> list[LayerChunk]:
     """The chunks rank ``rank`` runs, in order: ``rank``, ``rank + p``, ``rank + 2p`` …"""
     return list(chunks[rank::stages])
 
@@ -195,10 +212,12 @@ def chunk_parameters(chunks: Sequence[nn.Module]) -> list[nn.Parameter]:
     return list({id(p): p for c in chunks for p in c.parameters()}.values())
 
 
-def tied_parameters(local: Sequence[GPTChunk]) -> list[nn.Parameter]:
-    """This rank's copies of the embedding/head matrix when the two ends are on different ranks."""
+def tied_parameters(local: Sequence[LayerChunk]) -> list[nn.Parameter]:
+    """This rank's copies of the plan's tied parameters when the two ends are on different ranks."""
     firsts = [c for c in local if c.first]
     lasts = [c for c in local if c.last]
     if firsts and lasts:
         return []  # one rank holds both ends: the tie is a shared Parameter already
-    return [c.wte.weight for c in firsts] + [c.head.weight for c in lasts]
+    return [c.get_parameter(a) for c in firsts for a, _ in c.plan.tied] + [
+        c.get_parameter(b) for c in lasts for _, b in c.plan.tied
+    ]

@@ -1,11 +1,11 @@
 """Tensor and sequence parallelism (Megatron-LM style) over any Communicator.
 
 ``regions`` holds the autograd communication ops, ``layers`` the column/row-parallel linears, ``vocab``
-the vocabulary-parallel embedding and cross-entropy, ``gpt`` the in-place conversion of our GPT, and
-``shards`` reassembles full tensors. See docs/tensor_parallel.md.
+the vocabulary-parallel embedding and cross-entropy, and ``shards`` reassembles full tensors. Which of a
+model's layers become which is the model's own plan (the GPT's: :mod:`meshwise.models.gpt_plan`).
+See docs/tensor_parallel.md.
 """
 
-from meshwise.parallel.tensor_parallel.gpt import check_tensor_parallel, tensor_parallel
 from meshwise.parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, shard_dim
 from meshwise.parallel.tensor_parallel.regions import (
     copy_to_region,
@@ -26,7 +26,6 @@ __all__ = [
     "ColumnParallelLinear",
     "RowParallelLinear",
     "VocabParallelEmbedding",
-    "check_tensor_parallel",
     "copy_to_region",
     "full_tensors",
     "gather_from_sequence",
@@ -36,6 +35,5 @@ __all__ = [
     "scatter_to_sequence",
     "shard_dim",
     "split_last",
-    "tensor_parallel",
     "vocab_parallel_cross_entropy",
 ]

@@ -19,6 +19,7 @@ refuses to overwrite an existing checkpoint unless asked to.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -155,37 +156,77 @@ def export_full(model: ShardedModel, path: str | Path) -> Path | None:
 
 # ---------------------------------------------------------------------- helpers
 def sharded_tensor(
-    group: FlatGroup, index: int, flat: torch.Tensor, shape: tuple[int, ...] | None = None
+    group: FlatGroup,
+    index: int,
+    flat: torch.Tensor,
+    shape: tuple[int, ...] | None = None,
+    *,
+    slices: Slices | None = None,
 ) -> ShardedTensor:
     """Parameter ``index`` of ``group`` as a ShardedTensor of ``shape`` (default: 1-D, its ``numel``
     elements) whose local shards are views of ``flat`` (this rank's flat shard of a parameter-shaped
     quantity: the master, a moment, a staging buffer). Each rank's piece of the parameter becomes the
     :func:`~.rectangles.boxes` covering it, computed from the layout every rank knows, so no metadata
-    is exchanged and padding is never part of a shard."""
+    is exchanged and padding is never part of a shard.
+
+    ``slices`` places it on a larger mesh (see :class:`Slices`): shards are named by job rank, and a
+    tensor-parallel slice's boxes move to where it lies in the plain parameter — the ShardedTensor then
+    has the plain parameter's shape and every (dp, tp) rank's shards together cover it."""
     layout = group.layout
-    numel = layout.numels[index]
-    shape = (numel,) if shape is None else tuple(shape)
+    shape = (layout.numels[index],) if shape is None else tuple(shape)
+    slices = slices if slices is not None else Slices.flat(group.comm.world_size)
+    whole = slices.whole or shape
     device = flat.device.type
     metadata, local = [], []
-    for rank in range(layout.world_size):
-        held = [piece for piece in layout.pieces(rank) if piece.param == index]
-        for piece in held:
-            for box in boxes(shape, piece.param_start, piece.param_start + piece.numel):
-                metadata.append(ShardMetadata(list(box.offsets), list(box.sizes), f"rank:{rank}/{device}"))
-                if rank == group.comm.rank:
-                    begin = piece.shard_start + box.flat_start - piece.param_start
-                    view = flat[begin : begin + box.numel].view(box.sizes)
-                    local.append(Shard(view, metadata[-1]))
-        if not held:  # an empty chunk: DCP mishandles a key some rank holds nothing of (it then reads
-            # nested keys the pre-2.4 way and misses them), and an empty parameter still needs one chunk.
-            # It sits at the far corner: DCP tells chunks apart by offset, and no real chunk starts there
-            empty = [0] * len(shape)
-            metadata.append(ShardMetadata(list(shape), empty, f"rank:{rank}/{device}"))
-            if rank == group.comm.rank:
-                local.append(Shard(flat[:0].view(empty), metadata[-1]))
+    for slice_index, owners in enumerate(slices.owners):
+        offset = slice_index * shape[slices.dim]
+        for rank in range(layout.world_size):
+            mine = slice_index == slices.mine and rank == group.comm.rank
+            placement = f"rank:{owners[rank]}/{device}"
+            placed = 0
+            for piece in (p for p in layout.pieces(rank) if p.param == index):
+                for box in boxes(shape, piece.param_start, piece.param_start + piece.numel):
+                    offsets, sizes = list(box.offsets), list(box.sizes)
+                    offsets[slices.dim] += offset
+                    sizes[slices.dim] = min(sizes[slices.dim], whole[slices.dim] - offsets[slices.dim])
+                    if sizes[slices.dim] <= 0:
+                        continue  # vocabulary padding only
+                    metadata.append(ShardMetadata(offsets, sizes, placement))
+                    placed += 1
+                    if mine:
+                        begin = piece.shard_start + box.flat_start - piece.param_start
+                        view = flat[begin : begin + box.numel].view(box.sizes)
+                        local.append(Shard(view.narrow(slices.dim, 0, sizes[slices.dim]), metadata[-1]))
+            if not placed:  # an empty chunk: DCP mishandles a key some rank holds nothing of (it then
+                # reads nested keys the pre-2.4 way and misses them), and an empty parameter still needs
+                # one chunk. It sits at the far corner: DCP tells chunks apart by offset, and no real
+                # chunk starts there
+                empty = [0] * len(whole)
+                metadata.append(ShardMetadata(list(whole), empty, placement))
+                if mine:
+                    local.append(Shard(flat[:0].view(empty), metadata[-1]))
     properties = TensorProperties(dtype=flat.dtype)
-    global_metadata = ShardedTensorMetadata(metadata, torch.Size(shape), properties)
+    global_metadata = ShardedTensorMetadata(metadata, torch.Size(whole), properties)
     return ShardedTensor._init_from_local_shards_and_global_metadata(local, global_metadata)
+
+
+@dataclass(frozen=True)
+class Slices:
+    """How a ZeRO-sharded parameter lies on the job: ``owners[t][d]`` is the job rank holding flat-layout
+    rank ``d``'s piece of slice ``t``; this rank holds slice ``mine``. Without tensor parallelism there
+    is one slice, the parameter itself. With it, a tp-sharded parameter is slice ``t`` (tp rank t's
+    shard) of ``whole`` along ``dim``; a tp-replicated one is one slice, and its copies on the other tp
+    ranks describe the same chunks, which DCP writes once."""
+
+    owners: tuple[tuple[int, ...], ...]
+    mine: int = 0
+    whole: tuple[int, ...] | None = None
+    dim: int = 0
+
+    @classmethod
+    def flat(cls, ranks: int) -> Slices:
+        """One slice whose flat-layout ranks are job ranks 0..ranks-1 (ZeRO over the whole job)."""
+        return cls(owners=(tuple(range(ranks)),))
 
 
 def _params_of(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

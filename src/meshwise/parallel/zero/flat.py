@@ -161,7 +161,7 @@ class FlatGroup:
     def device(self) -> torch.device:
         return self.master.device
 
-    def _unsharded_gradient(self) -> torch.Tensor:
+    def unsharded_gradient(self) -> torch.Tensor:
         """The unsharded gradient buffer, zeroed when it has to be created (stages 2/3: per step)."""
         if self.flat_grad is None:
             self.flat_grad = torch.zeros(self.layout.padded_numel, dtype=self.grad_dtype, device=self.device)
@@ -171,11 +171,11 @@ class FlatGroup:
     def accumulate(self, index: int, grad: torch.Tensor) -> None:
         """Add one parameter's local gradient into the unsharded gradient buffer."""
         offset = self.layout.offsets[index]
-        self._unsharded_gradient()[offset : offset + grad.numel()].add_(grad.reshape(-1))
+        self.unsharded_gradient()[offset : offset + grad.numel()].add_(grad.reshape(-1))
 
     def launch_reduce(self) -> None:
         """Start averaging the unsharded gradient over the ranks into this rank's slice."""
-        flat = self._unsharded_gradient()  # zeros when no local gradient arrived: peers still need it
+        flat = self.unsharded_gradient()  # zeros when no local gradient arrived: peers still need it
         self._reduce_out = torch.empty(self.layout.shard_numel, dtype=self.grad_dtype, device=self.device)
         self._reduce_work = self.comm.reduce_scatter(self._reduce_out, flat, ReduceOp.AVG, async_op=True)
 

@@ -125,8 +125,12 @@ class GradientSync:
     def reduce_for_step(self, groups: Sequence[FlatGroup]) -> None:
         """Stage 1: reduce-scatter what backward accumulated under ``no_sync`` only, before the step or
         a clip (stages 2/3 leave such gradients unreduced, as DataParallel does)."""
-        if self.stage != 1:
-            return
+        if self.stage == 1:
+            self.reduce_accumulated(groups)
+
+    def reduce_accumulated(self, groups: Sequence[FlatGroup]) -> None:
+        """Reduce-scatter now what backward accumulated under ``no_sync`` in ``groups`` (any stage: for a
+        caller whose backward passes all ran under ``no_sync``, e.g. a pipeline's micro-batches)."""
         asked = {id(group) for group in groups}
         chosen = [gi for gi, g in enumerate(self.groups) if gi in self._unreduced and id(g) in asked]
         for gi in chosen:

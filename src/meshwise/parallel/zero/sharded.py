@@ -197,8 +197,7 @@ class ShardedModel(nn.Module):
         ``max_norm=math.inf`` only measures."""
         if norm_type not in (2.0, math.inf):
             raise ValueError(f"norm_type must be 2.0 or math.inf, got {norm_type}")
-        self._grads.reduce_for_step(self.groups)
-        pending = [g.pending_gradient() for g in self.groups]
+        pending = self.gradient_shards()
         shards = [grad.float() for grad in pending if grad is not None]
         device = self.groups[0].device
         if norm_type == math.inf:
@@ -216,6 +215,27 @@ class ShardedModel(nn.Module):
             if grad is not None:
                 grad.mul_(coefficient.to(grad.dtype))
         return total.reshape(())
+
+    def reduce_accumulated(self) -> None:
+        """Reduce-scatter the gradients backward passes under :meth:`no_sync` accumulated (stages 1/2)."""
+        self._grads.reduce_accumulated(self.groups)
+
+    def unsharded_gradient(self, param: torch.Tensor) -> torch.Tensor:
+        """The view of ``param``'s accumulated, not yet reduced gradient in its group's flat buffer
+        (stages 1/2, under :meth:`no_sync`): where a pipeline sums its tied copies before the reduce."""
+        for group in self.groups:
+            for index, held in enumerate(group.params):
+                if held is param:
+                    offset = group.layout.offsets[index]
+                    return group.unsharded_gradient()[offset : offset + param.numel()].view(param.shape)
+        raise KeyError("not a parameter of this sharded model")
+
+    def gradient_shards(self) -> list[torch.Tensor | None]:
+        """Each group's reduced gradient shard the next step will use (None: no gradient), after stage 1
+        reduced what ``no_sync`` left; scaling them in place clips (a caller's own global norm, e.g.
+        over a mesh where the shards are also tensor-parallel shards)."""
+        self._grads.reduce_for_step(self.groups)
+        return [g.pending_gradient() for g in self.groups]
 
     # ------------------------------------------------------------------ state
     def memory_report(self, optimizer: torch.optim.Optimizer | None = None) -> MemoryReport:
@@ -293,9 +313,10 @@ def shard(
 ) -> ShardedModel:
     """Shard ``model`` over ``comm`` (default: the world's; pass a mesh axis such as ``mesh.dp``).
 
-    ``stage`` 1 shards optimizer state, 2 also gradients, 3 also parameters (gathered per unit: GPT
-    blocks by default, or ``units``). ``mixed_precision``: ``None``/``"fp32"``, ``"bf16"`` or a
-    :class:`MixedPrecision`. ``prefetch``: how many units ahead stage 3 starts gathering.
+    ``stage`` 1 shards optimizer state, 2 also gradients, 3 also parameters (gathered per unit: ``units``
+    — a model's plan gives its layers, ``plan.layer_modules(model)`` — or by default each
+    parameter-holding child, layer stacks opened up). ``mixed_precision``: ``None``/``"fp32"``,
+    ``"bf16"`` or a :class:`MixedPrecision`. ``prefetch``: how many units ahead stage 3 starts gathering.
     ``bucket_mb``/``first_bucket_mb``: stages 1/2 group sizes (DataParallel's buckets). Every argument
     is checked before any communication. ``separate_by(name, param)``: a key; parameters with different
     keys get different flat groups, so an optimizer param group can hold exactly one kind (weight decay

@@ -10,10 +10,11 @@ optimizer) nor dtypes.
 - Stages 1 and 2 keep every parameter gathered, so a group is only a communication bucket: trainable
   parameters are bucketed exactly as DataParallel's all-reduces are (reverse parameter order, small first
   bucket), so the first reduce-scatter starts while backward is still busy with the early layers.
-- Stage 3 gathers parameters unit by unit. A unit is a module — a GPT block by default, or any list the
-  user passes — and its groups are gathered just before its forward and backward and freed after them.
-  Everything no unit owns (embeddings, final norm, the tied head), and any parameter used by two units,
-  belongs to the *root*, which stays gathered from the start of forward to the end of backward.
+- Stage 3 gathers parameters unit by unit. A unit is a module — each parameter-holding child by default,
+  or the list the caller passes (a model's plan: its repeated layers) — and its groups are gathered just
+  before its forward and backward and freed after them. Everything no unit owns (with a GPT's plan: the
+  embeddings, final norm and tied head), and any parameter used by two units, belongs to the *root*,
+  which stays gathered from the start of forward to the end of backward.
 
 Groups are listed in the order their gradients become ready (the order reduce-scatters are launched in,
 identical on every rank): for stage 3 the last unit first and the root last.
@@ -44,12 +45,10 @@ class GroupPlan:
 
 
 def default_units(model: nn.Module) -> list[nn.Module]:
-    """Stage 3's units when none are given: GPT blocks; otherwise the parameter-holding children, with
-    ModuleLists and Sequentials opened up (so a layer stack shards layer by layer)."""
-    from meshwise.models.gpt import GPT
-
-    if isinstance(model, GPT):
-        return list(model.blocks)
+    """Stage 3's units when none are given: the parameter-holding children, with ModuleLists and
+    Sequentials opened up (so a layer stack shards layer by layer). A model with a
+    :class:`~meshwise.parallel.plan.ParallelPlan` passes its repeated layers instead
+    (``plan.layer_modules(model)``), leaving embeddings and head in the always-gathered root."""
     units: list[nn.Module] = []
     for child in model.children():
         if isinstance(child, nn.ModuleList | nn.Sequential):

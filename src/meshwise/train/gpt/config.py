@@ -308,7 +308,7 @@ class GPTTrainConfig:
 
         if self.global_batch % shape.dp == 0 and self.per_rank_micro_batch(shape.dp) >= 1:
             m = self.accumulation(shape.dp)
-            validate_pipeline(self.model_config, shape.pp, m, self.schedule, self.virtual_stages)
+            validate_pipeline(self.model_config.layers, shape.pp, m, self.schedule, self.virtual_stages)
 
     def _check_checkpoint(self, model: GPTConfig) -> None:
         from meshwise.train.gpt.checkpoint import RUN_FILE, read_run, step_dir

@@ -57,7 +57,7 @@ class GPTTrainer:
     def __init__(self, world: World, config: GPTTrainConfig) -> None:
         self.world, self.config = world, config
         self.mesh = world.mesh.map_axes(CountingCommunicator) if config.comm_stats else world.mesh
-        self.dp, self.dp_rank = self.mesh.shape.dp, self.mesh.coordinates["dp"]
+        self.dp, self.dp_rank = self.mesh.shape.batch_size, self.mesh.batch_index  # the batch axes
         self.splits = config.load_data()
         self.model_config = config.model_config
         self.seq_len = config.train_seq_len
@@ -162,7 +162,7 @@ class GPTTrainer:
                 norm = runner.clip_grad_norm(config.grad_clip)
                 runner.optimizer.step()
             loss = torch.tensor([local], dtype=torch.float64)
-            self.mesh.dp.all_reduce(loss, ReduceOp.AVG)
+            self.mesh.batch.all_reduce(loss, ReduceOp.AVG)
             seconds = time.perf_counter() - started
         if not math.isfinite(loss.item()):  # the same on every rank: the loss is known everywhere
             self._diverged(step, local, loss.item())
@@ -190,7 +190,7 @@ class GPTTrainer:
             loss = self.step_runner.eval_loss_sum(inputs.to(self.world.device), targets.to(self.world.device))
             totals += torch.tensor([loss.item(), targets.numel()], dtype=torch.float64)
         self.step_runner.model.train()
-        self.mesh.dp.all_reduce(totals, ReduceOp.SUM)
+        self.mesh.batch.all_reduce(totals, ReduceOp.SUM)
         return (totals[0] / totals[1]).item()
 
     def sample(self, tokens: int) -> str | None:
@@ -302,7 +302,7 @@ class GPTTrainer:
             parameters=parameters,
             dataset=self.splits.name,
             world_size=world.world_size,
-            mesh=f"dp={self.dp} tp={self.mesh.shape.tp} pp={self.mesh.shape.pp}",
+            mesh=self.mesh.shape.describe(),
             backend=world.backend,
             device=str(world.device),
             dtype=config.dtype,

@@ -2,13 +2,10 @@
 
 The loop (:mod:`meshwise.train.gpt.loop`) knows nothing about how the model is cut. It asks
 :func:`parallelize` for a :class:`ParallelStep` — this rank's part of the model, its optimizer, and how
-one step's micro-batches turn into gradients — and then only calls that object's methods. A strategy
-plugs in by adding one entry to :data:`STRATEGIES`:
-
-    STRATEGIES["zero"] = build_zero_step      # (model, mesh, config) -> ParallelStep
-
-and naming itself in :func:`strategy_name`. :func:`check_supported` refuses a combination that has no
-entry (e.g. ``--zero`` with ``--tp``) before any rank starts, listing the ones that exist.
+one step's micro-batches turn into gradients — and then only calls that object's methods.
+:func:`parallelize` applies the strategies in one fixed order (tensor → context → pipeline →
+recomputation → data parallel / ZeRO), and :func:`check_supported` refuses, before any rank starts, a
+combination that cannot be built yet (``--zero 3`` with ``--pp``).
 
 What a ParallelStep must guarantee, so the loop and its tests stay valid for every strategy:
 
@@ -30,20 +27,27 @@ by :meth:`~meshwise.train.profile.StepProfiler.record`-ing the instructions it r
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from meshwise.comm.api import Communicator
 from meshwise.comm.mesh import Mesh
 from meshwise.models.gpt import GPT, language_model_loss
+from meshwise.models.gpt_plan import gpt_plan
 from meshwise.models.moe import with_auxiliary_losses
 from meshwise.parallel import DataParallel
-from meshwise.parallel.tensor_parallel import check_tensor_parallel
+from meshwise.parallel.placement import Placement, clip_gradients_, place
+from meshwise.parallel.plan import ParallelPlan
+from meshwise.train.gpt import tensor_parallel_state
 from meshwise.train.gpt.config import GPTTrainConfig
+from meshwise.train.gpt.optimizer import build_optimizer
+from meshwise.train.gpt.recompute import recompute_step
 from meshwise.train.profile import StepProfiler
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -55,9 +59,21 @@ class ParallelStep(ABC):
     optimizer: torch.optim.Optimizer
     profiler: StepProfiler | None = None  # set by the loop under --profile
 
-    def __init__(self, config: GPTTrainConfig, device: torch.device) -> None:
+    #: this rank's parameters under the plain model's names, with where each lies on the mesh; a strategy
+    #: that keeps them (not ZeRO's flat shards) sets it, and :meth:`clip_grad_norm` needs nothing else
+    placements: dict[str, tuple[nn.Parameter, Placement]]
+
+    def __init__(self, config: GPTTrainConfig, mesh: Mesh, device: torch.device) -> None:
         self.device = device
         self.dtype = config.torch_dtype
+        self.mesh = mesh
+        self.placements = {}
+
+    def place(self, named: Iterable[tuple[str, nn.Parameter]], **how: Any) -> None:
+        """Record this rank's ``named`` parameters' placements (``how``: see :func:`place`)."""
+        named = list(named)
+        params = dict(named)
+        self.placements = {name: (params[name], p) for name, p in place(named, **how).items()}
 
     def autocast(self) -> AbstractContextManager[Any]:
         """bf16 mixed precision: weights, gradients and optimizer stay fp32; matmuls run in bf16."""
@@ -96,8 +112,10 @@ class ParallelStep(ABC):
     @abstractmethod
     def forward_backward(self, micro_batches: Sequence[Batch]) -> float: ...
 
-    @abstractmethod
-    def clip_grad_norm(self, max_norm: float) -> float: ...
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Clip by the norm of the whole model's gradient, from the placements (one all-reduce)."""
+        grads = [(param.grad, placement) for param, placement in self.placements.values()]
+        return clip_gradients_(grads, max_norm, self.mesh.coordinates, self.mesh.job)
 
     @abstractmethod
     def eval_loss_sum(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor: ...
@@ -126,134 +144,130 @@ class ParallelStep(ABC):
         )
 
 
-def build_optimizer(model: nn.Module, config: GPTTrainConfig) -> torch.optim.AdamW:
-    """AdamW as GPT-2 is trained: weight decay on matrices and embeddings only, not on biases and
-    LayerNorm gains (decaying those only pulls them from their useful values), betas (0.9, 0.95)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
-    rest = [p for p in params if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": rest, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.95))
+@dataclass(frozen=True)
+class LayerSharded:
+    """The model after the strategies that cut layers — 1. tensor parallelism (± sequence parallelism)
+    from the model's plan, 2. context parallelism (slot) — with the loss of its (possibly vocabulary-
+    sharded) output; what the pipeline and data parallelism / ZeRO then cut and wrap."""
+
+    model: GPT  # this rank's model: the whole GPT, or its tensor-parallel shard
+    plan: ParallelPlan
+    tp: Communicator
+    loss: Callable[[torch.Tensor, torch.Tensor, str], torch.Tensor]  # (output, targets, "mean" | "sum")
 
 
-def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create the optimizer's state before the first step (a step at learning rate 0 on zero gradients),
-    so a fresh run's state dict has the slots a checkpoint loads into — as torch's ``get_state_dict`` does
-    for the data-parallel path. A no-op once every parameter has state."""
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    if all(p in optimizer.state for p in params):
-        return
-    lrs = [group["lr"] for group in optimizer.param_groups]
-    for group in optimizer.param_groups:
-        group["lr"] = 0.0
-    for param in params:
-        param.grad = torch.zeros_like(param)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    for group, lr in zip(optimizer.param_groups, lrs, strict=True):
-        group["lr"] = lr
+def shard_layers(model: GPT, mesh: Mesh, config: GPTTrainConfig) -> LayerSharded:
+    """Steps 1 and 2 of :func:`parallelize`, in place on ``model``."""
+    plan = gpt_plan(model.config)
+    loss = plain_loss
+    if mesh.tp.world_size > 1:
+        assert plan.tensor_parallel is not None  # check_supported refused it otherwise
+        tensor_parallel = plan.tensor_parallel
+        tensor_parallel.convert(model, mesh.tp, config.sp)
+
+        def loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+            return tensor_parallel.loss(logits.float(), targets, mesh.tp, reduction)
+
+    return LayerSharded(model, plan, mesh.tp, loss)
+
+
+def plain_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Next-token cross-entropy over whole logits, computed in float32 (as autocast would)."""
+    if reduction == "mean":
+        return language_model_loss(logits.float(), targets)
+    return torch.nn.functional.cross_entropy(
+        logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum"
+    )
 
 
 class DataParallelStep(ParallelStep):
-    """Every dp rank holds the whole model; gradients are averaged by :class:`DataParallel` once per step
-    (the first micro-batches accumulate under ``no_sync``)."""
+    """DataParallel over ``mesh.dp`` of this rank's model — the whole GPT, or with ``--tp`` its
+    tensor-parallel shard; gradients are averaged once per step (the first micro-batches accumulate under
+    ``no_sync``)."""
 
-    def __init__(self, model: GPT, mesh: Mesh, config: GPTTrainConfig) -> None:
-        super().__init__(config, next(model.parameters()).device)
-        self.model = DataParallel(model, mesh.dp)
-        self.optimizer = build_optimizer(model, config)
+    def __init__(self, sharded: LayerSharded, mesh: Mesh, config: GPTTrainConfig) -> None:
+        super().__init__(config, mesh, next(sharded.model.parameters()).device)
+        self.sharded, self.local = sharded, sharded.model
+        self.model = DataParallel(self.local, mesh.dp)
+        self.optimizer = build_optimizer(self.local, config)
+        self.place(self.local.named_parameters())
 
     def forward_backward(self, micro_batches: Sequence[Batch]) -> float:
         return self.accumulate_gradients(micro_batches, self._loss)
 
-    def _loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def _loss(self, inputs: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
         with self.autocast():
-            return with_auxiliary_losses(language_model_loss(self.model(inputs), targets), self.model)
-
-    def clip_grad_norm(self, max_norm: float) -> float:
-        params = self.model.module.parameters()
-        if max_norm > 0:
-            return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-        return float(torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None]))
+            logits = self.model(inputs) if reduction == "mean" else self.local(inputs)
+        loss = self.sharded.loss(logits, targets, reduction)
+        # a MoE model's load-balancing and z-losses join the training gradient (not evaluation's sums)
+        return with_auxiliary_losses(loss, self.model) if reduction == "mean" else loss
 
     @torch.no_grad()
     def eval_loss_sum(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        with self.autocast():
-            logits = self.model.module(inputs)
-        return torch.nn.functional.cross_entropy(
-            logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum"
-        )
+        return self._loss(inputs, targets, reduction="sum")
 
     def full_model(self) -> GPT:
-        return self.model.module
+        """The plain GPT: this rank's own, or reassembled from the tp shards (collective over tp)."""
+        if self.sharded.tp.world_size == 1:
+            return self.local
+        return tensor_parallel_state.full_model(self.local, self.sharded.tp)
 
+    def state_dict(self) -> dict[str, Any]:
+        if self.sharded.tp.world_size == 1:
+            return super().state_dict()
+        return tensor_parallel_state.tensor_parallel_state_dict(self.local, self.optimizer, self.sharded.tp)
 
-def _tensor_parallel_step(model: GPT, mesh: Mesh, config: GPTTrainConfig) -> ParallelStep:
-    from meshwise.train.gpt.tensor_parallel_step import TensorParallelStep  # it subclasses ParallelStep
-
-    return TensorParallelStep(model, mesh, config)
-
-
-#: strategy name → builder; the other parallelism issues add their entries here.
-STRATEGIES: dict[str, Callable[[GPT, Mesh, GPTTrainConfig], ParallelStep]] = {
-    "dp": DataParallelStep,
-    "tp": _tensor_parallel_step,
-    "tp+sp": _tensor_parallel_step,
-}
-
-
-def strategy_name(config: GPTTrainConfig) -> str:
-    """Which strategy a config asks for (one name per combination a builder supports)."""
-    asked = [
-        flag
-        for flag, on in (
-            ("tp", config.tp > 1),
-            ("pp", config.pp > 1),
-            ("zero", config.zero > 0),
-            ("sp", config.sp),
-        )
-        if on
-    ]
-    return "+".join(asked) if asked else "dp"
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.sharded.tp.world_size == 1:
+            super().load_state_dict(state)
+        else:
+            tensor_parallel_state.load_tensor_parallel_state_dict(
+                self.local, self.optimizer, state, self.sharded.tp
+            )
 
 
 def check_supported(config: GPTTrainConfig) -> None:
-    """A clear error, before any rank starts, for a strategy that has not landed yet."""
+    """A clear error, before any rank starts, for a composition that cannot be built (or is not yet)."""
     if config.zero:
         from meshwise.train.gpt.zero_step import check_zero
 
         check_zero(config)
     if config.sp and config.tp < 2:
         raise ValueError("--sp splits the sequence across the tensor-parallel ranks: add --tp 2 or more")
-    if config.tp > 1:
-        check_tensor_parallel(
-            config.model_config,
-            config.tp,
-            sequence_parallel=config.sp,
-            world_size=config.world_size(),
-            seq_len=config.train_seq_len,
-        )
-    name = strategy_name(config)
-    if name not in STRATEGIES:  # each strategy exists, not their combination
-        flags = " ".join(f"--{flag}" for flag in name.split("+"))
-        raise ValueError(
-            f"{flags}: this combination is not available in meshwise train gpt yet; use one of "
-            f"{', '.join(s.replace('+', ' + ') for s in STRATEGIES)}"
-        )
+    config.mesh_shape(config.world_size())  # the degree checks: sizes that divide the ranks
+    gpt_plan(config.model_config).check_tensor_parallel(config.tp, config.sp, config.train_seq_len)
+
+
+def step_class(config: GPTTrainConfig) -> type[ParallelStep]:
+    """Which class runs steps 3–5 of :func:`parallelize` for the config."""
+    from meshwise.train.gpt.pipeline_step import PipelineStep  # the steps subclass ParallelStep (above)
+    from meshwise.train.gpt.zero_step import ZeroStep
+
+    if config.pp > 1:
+        return PipelineStep
+    return ZeroStep if config.zero else DataParallelStep
 
 
 def parallelize(model: GPT, mesh: Mesh, config: GPTTrainConfig) -> ParallelStep:
-    """This rank's :class:`ParallelStep` for ``model`` (built identically on every rank) over ``mesh``."""
+    """This rank's :class:`ParallelStep` for ``model`` (built identically on every rank, converted in
+    place) over ``mesh``.
+
+    Strategies apply in one fixed order, whatever the combination:
+
+    1. tensor parallelism (± sequence parallelism) — the model's plan converts it to this rank's shard
+       over ``mesh.tp`` (:func:`shard_layers`);
+    2. context parallelism over ``mesh.cp`` (slot, in :func:`shard_layers`);
+    3. the pipeline — the (tensor-parallel) model cut into stages along the plan's layers, over
+       ``mesh.pp`` (:class:`~meshwise.train.gpt.pipeline_step.PipelineStep`);
+    4. activation recomputation of the layers this rank runs (slot);
+    5. data parallelism over ``mesh.dp`` of what the rank holds: DataParallel's bucketed all-reduce
+       (:class:`DataParallelStep`), or ZeRO-1/2/3 sharding those (tensor-parallel) parameters further
+       (:class:`~meshwise.train.gpt.zero_step.ZeroStep`).
+
+    So ZeRO shards tensor-parallel shards, never the reverse (Megatron's distributed optimizer; FSDP2
+    over DTensor TP).
+    """
     check_supported(config)
-    step = STRATEGIES[strategy_name(config)](model, mesh, config)
-    recompute_step(step.model, config)  # --recompute: on the blocks this rank runs, whatever cut them
+    step = step_class(config)(shard_layers(model, mesh, config), mesh, config)
+    recompute_step(step.model, config)  # 4. --recompute: on the blocks this rank runs, whatever cut them
     return step
-
-
-# Strategies in their own modules register here (they import this module's ParallelStep: at the end).
-from meshwise.train.gpt.pipeline_step import PipelineStep  # noqa: E402
-from meshwise.train.gpt.recompute import recompute_step  # noqa: E402
-from meshwise.train.gpt.zero_step import ZeroStep  # noqa: E402
-
-STRATEGIES["pp"] = STRATEGIES["tp+pp"] = STRATEGIES["tp+pp+sp"] = PipelineStep
-STRATEGIES["zero"] = ZeroStep

@@ -37,7 +37,7 @@ from meshwise.parallel.tensor_parallel.shards import gather_full, local_shard
 TIED = ("wte.weight", "head.weight")
 
 
-def _optimizer_key(stage_name: str) -> str:
+def optimizer_key(stage_name: str) -> str:
     """The plain model's optimizer-state key of a stage parameter (the head copy is the tied matrix)."""
     return TIED[0] if stage_name in TIED else stage_name
 
@@ -95,7 +95,7 @@ def stage_state_dict(
         full = whole(name, param, param)
         for key in TIED if name in TIED else (name,):
             model[key] = full
-        state[_optimizer_key(name)] = {
+        state[optimizer_key(name)] = {
             key: whole(name, value, param) for key, value in _slots(optimizer, param).items()
         }
     param_groups = [
@@ -123,7 +123,7 @@ def load_stage_state_dict(
     index = {id(p): i for i, p in enumerate(p for group in optimizer.param_groups for p in group["params"])}
     slots = {
         index[id(param)]: {
-            key: mine(value, param) for key, value in state["optim"]["state"][_optimizer_key(name)].items()
+            key: mine(value, param) for key, value in state["optim"]["state"][optimizer_key(name)].items()
         }
         for name, param in named.items()
     }

@@ -10,28 +10,39 @@ Checkpoints and ``--sample`` are in :mod:`meshwise.train.gpt.pipeline_state`.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
+from contextlib import nullcontext
+from functools import partial
 
 import torch
 from torch import nn
 
-from meshwise.comm.api import ReduceOp
 from meshwise.comm.mesh import Mesh
 from meshwise.models.gpt import GPT
-from meshwise.parallel.pipeline_parallel import chunk_parameters, theoretical_bubble
-from meshwise.parallel.pipeline_parallel.builder import pipeline_gpt
+from meshwise.parallel.pipeline_parallel import theoretical_bubble
+from meshwise.parallel.pipeline_parallel.builder import build_pipeline
 from meshwise.parallel.pipeline_parallel.executor import Event
-from meshwise.parallel.pipeline_parallel.partition import GPTChunk
+from meshwise.parallel.pipeline_parallel.partition import LayerChunk
 from meshwise.parallel.pipeline_parallel.timeline import COMPUTE_OPS, draw, gather_events
-from meshwise.parallel.tensor_parallel import shard_dim, vocab_parallel_cross_entropy
+from meshwise.parallel.placement import Placement, clip_gradients_
+from meshwise.parallel.tensor_parallel import shard_dim
+from meshwise.parallel.zero import shard
+from meshwise.parallel.zero.sharded import ShardedModel
 from meshwise.train.gpt.config import GPTTrainConfig
-from meshwise.train.gpt.parallelize import Batch, ParallelStep, build_optimizer
+from meshwise.train.gpt.optimizer import adamw, decays
+from meshwise.train.gpt.parallelize import Batch, LayerSharded, ParallelStep, build_optimizer
 from meshwise.train.gpt.pipeline_state import (
     gather_plain_model,
     group_names,
     load_stage_state_dict,
+    optimizer_key,
     stage_state_dict,
+)
+from meshwise.train.gpt.zero_step import (
+    load_zero_state_dict,
+    tensor_parallel_key,
+    zero_slices,
+    zero_state_dict,
 )
 
 
@@ -39,11 +50,11 @@ class StageModule(nn.Module):
     """A rank's chunks as one module whose parameter names are the plain model's (``blocks.5.mlp.fc.weight``),
     for the optimizer, ``train()``/``eval()`` and name-keyed state."""
 
-    def __init__(self, chunks: Sequence[GPTChunk]) -> None:
+    def __init__(self, chunks: Sequence[LayerChunk]) -> None:
         super().__init__()
         blocks: dict[str, nn.Module] = {}
         for chunk in chunks:
-            blocks.update(chunk.blocks.items())
+            blocks.update(chunk.layers.items())
             if chunk.first:
                 self.wte, self.wpe = chunk.wte, chunk.wpe
             if chunk.last:
@@ -54,24 +65,35 @@ class StageModule(nn.Module):
 class PipelineStep(ParallelStep):
     """Pipeline parallelism (``--pp``, ``--schedule``, ``--virtual-stages``) for the GPT loop."""
 
-    def __init__(self, model: GPT, mesh: Mesh, config: GPTTrainConfig) -> None:
-        """With ``--tp`` every stage is tensor parallel (± ``--sp``) inside ``mesh.tp``; the gradient norm
-        then sums the squares of shards over tp, replicated parameters counted once."""
-        super().__init__(config, next(model.parameters()).device)
-        self.mesh, self.config = mesh, config
+    def __init__(self, sharded: LayerSharded, mesh: Mesh, config: GPTTrainConfig) -> None:
+        """With ``--tp`` the model arrives as this rank's tensor-parallel shard (± ``--sp``) and every
+        stage is cut from it; the stages' loss is then the vocabulary-parallel one."""
+        model, plan, tp = sharded.model, sharded.plan, mesh.tp.world_size
+        super().__init__(config, mesh, next(model.parameters()).device)
+        self.mesh, self.config, self.sharded_loss = mesh, config, sharded.loss
         micro_batches = config.accumulation(mesh.shape.dp)
-        self.executor, self.chunks = pipeline_gpt(
+        self.executor, self.chunks = build_pipeline(
             model,
+            plan,
             mesh.pp,
             schedule=config.schedule,
             micro_batches=micro_batches,
             virtual_stages=config.virtual_stages,
-            dp=mesh.dp,
-            tp=mesh.tp,
-            sequence_parallel=config.sp,
+            dp=None if config.zero else mesh.dp,  # ZeRO reduce-scatters each stage's gradients itself
+            loss=partial(sharded.loss, reduction="mean"),
+            sequence_shards=tp if config.sp else 1,
+            in_place=True,  # the model is this run's own (and a tp one holds a communicator: no copies)
         )
         self.model = StageModule(self.chunks)
-        self.optimizer = build_optimizer(self.model, config)
+        held = dict(self.model.named_parameters())
+        copies = {b: a for a, b in plan.tied if b in held and a not in held}  # the last stage's head copy
+        self.zero: ShardedModel | None = None
+        if config.zero:  # step 5 on each stage: ZeRO-1/2 of the stage's (tp) parameters over dp
+            self.zero, self.optimizer, self._shard_placements = stage_zero(self.model, mesh, config, copies)
+            self.executor.gradient_of = self.zero.unsharded_gradient  # the tied sum, before the reduce
+        else:
+            self.optimizer = build_optimizer(self.model, config)
+            self.place(held.items(), divided={"pp"}, tied=copies)
         self._last_events: list[Event] = []
         self._theory = theoretical_bubble(mesh.shape.pp, micro_batches, config.virtual_stages)
         self._title = f"{config.schedule} pp={mesh.shape.pp} m={micro_batches} v={config.virtual_stages}"
@@ -80,8 +102,10 @@ class PipelineStep(ParallelStep):
             self._group_names = group_names(self._shape_model, build_optimizer(self._shape_model, config))
 
     def forward_backward(self, micro_batches: Sequence[Batch]) -> float:
-        with self.autocast():
+        with self.autocast(), self.zero.no_sync() if self.zero is not None else nullcontext():
             result = self.executor.step([x for x, _ in micro_batches], [y for _, y in micro_batches])
+        if self.zero is not None:  # the stage's gradients, tied copies summed, reduce-scattered over dp
+            self.zero.reduce_accumulated()
         if self.profiler is not None:
             for event in result.events:
                 if event.op in COMPUTE_OPS:
@@ -92,39 +116,14 @@ class PipelineStep(ParallelStep):
         return result.loss
 
     def clip_grad_norm(self, max_norm: float) -> float:
-        params = chunk_parameters(self.chunks)
-        counted = [p for p in params if not (self.mesh.shape.pp > 1 and self._is_head_copy(p))]
-        squares = torch.zeros(2, dtype=torch.float64)  # [tp shards, replicated over tp]
-        for p in counted:
-            if p.grad is not None:
-                squares[int(shard_dim(p) is None)] += p.grad.double().square().sum()
-        self.mesh.tp.all_reduce(squares[:1], ReduceOp.SUM)
-        squares = squares.sum(0, keepdim=True)
-        self.mesh.pp.all_reduce(squares, ReduceOp.SUM)
-        norm = math.sqrt(squares.item())
-        if max_norm > 0:
-            scale = max_norm / (norm + 1e-6)  # torch.nn.utils.clip_grad_norm_'s rule
-            if scale < 1:
-                for p in params:
-                    if p.grad is not None:
-                        p.grad.mul_(scale)
-        return norm
-
-    def _is_head_copy(self, param: torch.Tensor) -> bool:
-        return any(c.last and not c.first and param is c.head.weight for c in self.chunks)
+        if self.zero is None:
+            return super().clip_grad_norm(max_norm)
+        shards = list(zip(self.zero.gradient_shards(), self._shard_placements, strict=True))
+        return clip_gradients_(shards, max_norm, self.mesh.coordinates, self.mesh.job)
 
     @torch.no_grad()
     def eval_loss_sum(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        def loss_sum(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            if self.mesh.shape.tp > 1:  # this rank's vocabulary slice of the logits
-                vocab = self._shape_model.config.vocab
-                return vocab_parallel_cross_entropy(
-                    logits.float(), y, self.mesh.tp, vocab=vocab, reduction="sum"
-                )
-            return torch.nn.functional.cross_entropy(
-                logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="sum"
-            )
-
+        loss_sum = partial(self.sharded_loss, reduction="sum")
         with self.autocast():
             return torch.tensor(self.executor.forward_only(inputs, targets, loss_sum), dtype=torch.float64)
 
@@ -135,6 +134,9 @@ class PipelineStep(ParallelStep):
     def sampling_model(self) -> GPT:
         """Collective over the pp group of dp replica 0: its stages' weights gathered into a plain GPT on
         its first stage (the job's rank 0); the other ranks get the meta-device shape."""
+        if self.zero is not None:  # the updated shards' all-gathers land first
+            for group in self.zero.groups:
+                group.wait_gathered()
         if self.mesh.coordinates["dp"] != 0:
             return self._shape_model
         gathered = gather_plain_model(
@@ -143,12 +145,19 @@ class PipelineStep(ParallelStep):
         return self._shape_model if gathered is None else gathered
 
     def state_dict(self) -> dict:
+        if self.zero is not None:  # each (dp, tp) rank of each stage writes its flat range
+            shapes = {name: t.shape for name, t in self._shape_model.state_dict().items()}
+            slices = zero_slices(self.mesh, shapes)
+            return zero_state_dict(self.zero, self.optimizer, slices, self._group_names, optimizer_key)
         return stage_state_dict(
             self.model, self.optimizer, self._group_names, tp=self.mesh.tp, config=self._shape_model.config
         )
 
     def load_state_dict(self, state: dict) -> None:
-        load_stage_state_dict(self.model, self.optimizer, state, tp=self.mesh.tp)
+        if self.zero is not None:
+            load_zero_state_dict(self.zero, self.optimizer, state, optimizer_key)
+        else:
+            load_stage_state_dict(self.model, self.optimizer, state, tp=self.mesh.tp)
 
     def finish(self) -> None:
         """``--timeline``: the last step's diagram, drawn once (drawing is slower than a small step)."""
@@ -158,3 +167,24 @@ class PipelineStep(ParallelStep):
         if gathered is None or self.mesh.coordinates["dp"] != 0:
             return
         draw(gathered, self.config.timeline, title=self._title, theory=self._theory)
+
+
+def stage_zero(
+    stage: StageModule, mesh: Mesh, config: GPTTrainConfig, copies: dict[str, str]
+) -> tuple[ShardedModel, torch.optim.Optimizer, list[Placement]]:
+    """ZeRO-1/2 of a pipeline stage over ``mesh.dp``: the sharded stage, AdamW over its master shards,
+    and each flat group's placement (divided over dp and pp, and tp for tp shards; the last stage's
+    tied head copy in a group of its own, counted once in the norm, on the first stage)."""
+
+    def key(name: str, param: nn.Parameter) -> tuple[bool, bool, bool]:
+        return (*tensor_parallel_key(name, param), name in copies)
+
+    zero = shard(stage, mesh.dp, stage=config.zero, separate_by=key)
+    rest = zero.parameters_where(lambda n, p: not decays(n, p))
+    optimizer = adamw(zero.parameters_where(decays), rest, config)
+    placements = []
+    for group, names in zip(zero.groups, zero.param_names, strict=True):
+        tp_sharded = shard_dim(group.params[0]) is not None
+        divided = frozenset({"dp", "pp", "tp"} if tp_sharded else {"dp", "pp"})
+        placements.append(Placement(group.name, divided=divided, tied_to=copies.get(names[0])))
+    return zero, optimizer, placements

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from meshwise.models.gpt import GPT
+from meshwise.models.gpt_plan import gpt_plan
 from meshwise.parallel.pipeline_parallel.partition import balanced_split, block_weights
 from meshwise.parallel.recompute import apply_recompute, check_recompute, stage_blocks
 from meshwise.train.gpt.config import GPTTrainConfig
@@ -19,7 +20,7 @@ def fewest_stage_blocks(config: GPTTrainConfig) -> int:
     if config.pp == 1:
         return config.model_config.layers
     with torch.device("meta"):
-        blocks, embed, head = block_weights(GPT(config.model_config))
+        blocks, embed, head = block_weights(GPT(config.model_config), gpt_plan(config.model_config))
     sizes = balanced_split(blocks, config.pp * config.virtual_stages, first_extra=embed, last_extra=head)
     return min(sum(sizes[rank :: config.pp]) for rank in range(config.pp))
 

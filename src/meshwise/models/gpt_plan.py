@@ -1,6 +1,12 @@
-"""``tensor_parallel(gpt, tp_comm, sequence_parallel=False)``: shard our GPT in place, Megatron style.
+"""The GPT's parallel plan: how every strategy may cut it, declared beside the model.
 
-Every rank of the tensor-parallel group calls it on the same full model (it is broadcast from the group's
+:func:`gpt_plan` is the :class:`~meshwise.parallel.plan.ParallelPlan` the strategies read — the blocks
+are the repeated layers (pipeline cut points, ZeRO-3 units), the embeddings run first and the final norm
+and head last, the head is tied to the token embedding, and :func:`tensor_parallel` is how the model
+becomes one rank's tensor-parallel shard. Nothing in :mod:`meshwise.parallel` imports the GPT.
+
+``tensor_parallel(gpt, tp_comm, sequence_parallel=False)`` shards the GPT in place, Megatron style. Every
+rank of the tensor-parallel group calls it on the same full model (it is broadcast from the group's
 first rank first, so differently seeded ranks still agree); each keeps its slice:
 
 ==================  ===================================================================================
@@ -32,12 +38,15 @@ where each rank holds different heads or tokens.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 from torch import nn
 
 from meshwise.comm.api import Communicator
-from meshwise.models.gpt import GPT, MLP, CausalSelfAttention, GPTConfig
+from meshwise.models.gpt import GPT, MLP, CausalSelfAttention, GPTConfig, language_model_loss
 from meshwise.parallel import broadcast_module_state
+from meshwise.parallel.plan import ParallelPlan, TensorParallelPlan
 from meshwise.parallel.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -46,33 +55,20 @@ from meshwise.parallel.tensor_parallel.layers import (
 )
 from meshwise.parallel.tensor_parallel.regions import copy_to_region, gathered_linears
 from meshwise.parallel.tensor_parallel.rng import RankRandomState, ShardDropout, share_cpu_random_state
-from meshwise.parallel.tensor_parallel.vocab import VocabParallelEmbedding
+from meshwise.parallel.tensor_parallel.vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
 
 def check_tensor_parallel(
-    config: GPTConfig,
-    tp: int,
-    *,
-    sequence_parallel: bool = False,
-    world_size: int | None = None,
-    seq_len: int | None = None,
+    config: GPTConfig, tp: int, *, sequence_parallel: bool = False, seq_len: int | None = None
 ) -> None:
     """Raise ``ValueError`` saying what to change when ``config`` cannot be split ``tp`` ways.
 
     Plain arithmetic, so the CLI calls it before starting any rank. ``seq_len`` is the length trained on
-    (default: the config's context), which sequence parallelism splits ``tp`` ways.
+    (default: the config's context), which sequence parallelism splits ``tp`` ways. Whether ``tp`` fits
+    the number of ranks is the mesh's check (:meth:`~meshwise.comm.mesh.MeshShape.infer`).
     """
     if tp < 1:
         raise ValueError(f"--tp must be at least 1, got {tp}")
-    if world_size is not None and tp > world_size:
-        raise ValueError(
-            f"--tp {tp} is larger than the {world_size} ranks started: start at least {tp} ranks (-np {tp}) "
-            f"or lower --tp"
-        )
-    if world_size is not None and world_size % tp:
-        raise ValueError(
-            f"{world_size} ranks do not split into groups of --tp {tp}: use a divisor of {world_size}"
-        )
     divisors = [d for d in range(1, config.heads + 1) if config.heads % d == 0]
     if config.hidden % tp:
         raise ValueError(
@@ -178,3 +174,35 @@ def tensor_parallel(gpt: GPT, tp_comm: Communicator, *, sequence_parallel: bool 
             if shard_dim(param) is None:
                 sum_gradient_over(param, tp_comm)
     return gpt
+
+
+def gpt_plan(config: GPTConfig) -> ParallelPlan:
+    """The plan of a GPT of ``config`` (see the module docstring)."""
+
+    def enter(holder: nn.Module, tokens: torch.Tensor) -> torch.Tensor:  # GPT.embed on a stage's modules
+        modules = SimpleNamespace(config=config, wte=holder.wte, wpe=holder.wpe, drop=holder.drop)
+        return GPT.embed(modules, tokens)  # type: ignore[arg-type]
+
+    def sharded_loss(
+        logits: torch.Tensor, targets: torch.Tensor, comm: Communicator, reduction: str
+    ) -> torch.Tensor:
+        return vocab_parallel_cross_entropy(logits, targets, comm, vocab=config.vocab, reduction=reduction)
+
+    def check(tp: int, sequence_parallel: bool, seq_len: int) -> None:
+        check_tensor_parallel(config, tp, sequence_parallel=sequence_parallel, seq_len=seq_len)
+
+    return ParallelPlan(
+        layers="blocks",
+        first=("wte", "wpe", "drop"),
+        last=("ln_f", "head"),
+        enter=enter,
+        leave=GPT.logits,  # type: ignore[arg-type]  # uses only ln_f and head
+        loss=language_model_loss,
+        activation_shape=lambda tokens: torch.Size([*tokens, config.hidden]),
+        tied=(("wte.weight", "head.weight"),),
+        tensor_parallel=TensorParallelPlan(
+            convert=lambda model, comm, sp: tensor_parallel(model, comm, sequence_parallel=sp),  # type: ignore[arg-type]
+            loss=sharded_loss,
+            check=check,
+        ),
+    )

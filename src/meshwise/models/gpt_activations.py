@@ -24,9 +24,9 @@ from torch import nn
 
 from meshwise.comm.api import Communicator
 from meshwise.models.gpt import GPT, GPTConfig
+from meshwise.models.gpt_plan import tensor_parallel
 from meshwise.parallel.recompute.formulas import layer_saved_bytes
 from meshwise.parallel.recompute.saved import saved_bytes
-from meshwise.parallel.tensor_parallel.gpt import tensor_parallel
 
 
 def layer_activation_bytes(

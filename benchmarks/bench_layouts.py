@@ -1,0 +1,101 @@
+"""Every layout ``meshwise train gpt`` composes, on gpt-nano and 4 ranks: step time and per-rank peak memory.
+
+For each layout the same 4 CPU ranks (gloo) run the real trainer — what ``meshwise train gpt -np 4
+<flags>`` runs — for ``--steps`` steps on the same tokens (the standard library's ``argparse.py``) from
+the same seed. A step's time is the trainer's own (the slowest rank's, as the loop reports it), the
+median over the steps after the first; per-rank peak memory is the growth of the resident set's high-water
+mark (VmHWM) from before the model is built to the end, the largest over the ranks. Layouts run one after
+another, so compare figures taken in one run only (the machine's load is printed with them).
+
+    python benchmarks/bench_layouts.py --json benchmarks/results/c25_layouts.json --markdown table.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sysconfig
+from pathlib import Path
+
+import meshwise
+from meshwise.runtime.memory import peak_resident_bytes
+from meshwise.runtime.spawn import spawn
+from meshwise.train.gpt import GPTTrainConfig
+from meshwise.train.gpt.loop import GPTTrainer
+
+#: layout → the flags of `meshwise train gpt -np 4`
+LAYOUTS: dict[str, dict] = {  # gpt-nano has 6 heads: tp splits them 2 (or 3) ways, never 4
+    "dp4": {},
+    "dp2·tp2": {"tp": 2},
+    "dp2·tp2·sp": {"tp": 2, "sp": True},
+    "pp4": {"pp": 4},
+    "pp2·dp2": {"pp": 2},
+    "pp2·tp2": {"pp": 2, "tp": 2},
+    "pp2·tp2 interleaved": {"pp": 2, "tp": 2, "schedule": "interleaved", "virtual_stages": 3},
+    "zero1×4": {"zero": 1},
+    "zero3×4": {"zero": 3},
+    "zero3·tp2": {"zero": 3, "tp": 2},
+    "zero1·tp2·sp": {"zero": 1, "tp": 2, "sp": True},
+    "zero2·pp2": {"zero": 2, "pp": 2},
+}
+
+
+def _flags(flags: dict) -> str:
+    words = [f"-np {flags.get('nproc', 4)}"]
+    for key, value in flags.items():
+        if key == "nproc":
+            continue
+        flag = "--" + key.replace("_", "-")
+        words.append(flag if value is True else f"{flag} {value}")
+    return " ".join(words)
+
+
+def _run(config: GPTTrainConfig) -> dict:
+    world = meshwise.init("gloo", timeout=600, mesh=config.mesh_shape(int(os.environ["WORLD_SIZE"])))
+    try:
+        before = peak_resident_bytes() or 0
+        trainer = GPTTrainer(world, config)
+        seconds = [trainer.train_step(step).seconds for step in range(config.steps)]
+        return {"seconds": seconds, "peak_rss_growth": (peak_resident_bytes() or 0) - before}
+    finally:
+        meshwise.shutdown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=4, help="steps per layout (the first is not timed)")
+    parser.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated layout names")
+    parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    parser.add_argument("--markdown", metavar="FILE", help="also write the table as Markdown")
+    args = parser.parse_args()
+    data = str(Path(sysconfig.get_paths()["stdlib"]) / "argparse.py")
+    rows = {}
+    for name in args.layouts.split(","):
+        flags = LAYOUTS[name]
+        settings = {"config": "gpt-nano", "data": data, "seq_len": 128, "global_batch": 8,
+                    "steps": args.steps, "warmup": 1, "backend": "gloo", "nproc": 4}  # fmt: skip
+        config = GPTTrainConfig(**(settings | flags)).validate()
+        results = spawn(_run, config.nproc or 4, args=(config,), timeout=1200)
+        rows[name] = {
+            "command": f"meshwise train gpt {_flags({'nproc': 4} | flags)} --seq-len 128 --global-batch 8",
+            "step_seconds": statistics.median(results[0]["seconds"][1:]),
+            "peak_rss_growth_mib": max(r["peak_rss_growth"] for r in results) / 2**20,
+            "load": os.getloadavg()[0],
+        }
+        row = rows[name]
+        print(f"{name:22} {row['step_seconds']:8.3f} s  {row['peak_rss_growth_mib']:8.1f} MiB  "
+              f"load {row['load']:.1f}   {row['command']}", flush=True)  # fmt: skip
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
+    if args.markdown:
+        lines = ["| layout | command | step s (median) | peak RSS growth / rank, MiB | load |",
+                 "|---|---|---:|---:|---:|"]  # fmt: skip
+        lines += [f"| {n} | `{r['command']}` | {r['step_seconds']:.3f} | {r['peak_rss_growth_mib']:.1f} | "
+                  f"{r['load']:.1f} |" for n, r in rows.items()]  # fmt: skip
+        Path(args.markdown).write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

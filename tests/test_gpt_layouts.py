@@ -1,0 +1,185 @@
+"""The layout matrix: every way ``meshwise train gpt`` composes dp, ZeRO, tp (+sp) and pp on 4 ranks
+trains gpt-tiny exactly as one process does, step by step.
+
+Each row spawns 4 ranks that run the real trainer on the row's mesh and, beside it, a one-process
+reference written here from plain pieces (the whole global batch, the same AdamW groups, schedule and
+clipping), and compares the global-batch loss and every parameter of the plain model after each step
+(gathered as ``--sample`` gathers it: on every rank, or on rank 0 for a pipeline).
+
+Tolerances (fp32): the loss to 2e-5, the parameters to 5e-5 at lr 1e-3 — 5 % of one Adam update.
+Adam divides each gradient by its own magnitude, so where per-token contributions nearly cancel, the
+summation order of a layout (shards summed by an all-reduce, micro-batches accumulated) shows up in that
+coordinate's first update; a layout that is wrong (a missing sum over tp, a tied copy counted twice in
+the clip, a shard applied to the wrong rows) is off by a whole update or more.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import meshwise
+from meshwise.data.windows import train_batch
+from meshwise.models.gpt import GPT, language_model_loss
+from meshwise.runtime.spawn import spawn
+from meshwise.train.gpt import GPTTrainConfig
+from meshwise.train.gpt.loop import GPTTrainer
+from meshwise.train.gpt.parallelize import build_optimizer
+from meshwise.train.gpt.schedule import lr_at
+
+STEPS = 3
+LOSS_TOLERANCE = 2e-5
+PARAM_TOLERANCE = 5e-5
+
+#: row name → the flags of `meshwise train gpt` on 4 ranks
+LAYOUTS: dict[str, dict] = {
+    "dp4": {},
+    "tp4": {"tp": 4},
+    "pp4": {"pp": 4},
+    "dp2·tp2": {"tp": 2},
+    "dp2·pp2": {"pp": 2},
+    "tp2·pp2": {"tp": 2, "pp": 2},
+    "zero3×4": {"zero": 3},
+    "zero3·tp2": {"zero": 3, "tp": 2},
+    "zero1·tp2·sp": {"zero": 1, "tp": 2, "sp": True},
+    "pp2·tp2 interleaved": {"pp": 2, "tp": 2, "schedule": "interleaved", "virtual_stages": 2},
+    "zero2·pp2": {"zero": 2, "pp": 2},
+    "zero1·pp2 interleaved": {"zero": 1, "pp": 2, "schedule": "interleaved", "virtual_stages": 2},
+}
+
+
+def _config(text: str, **flags) -> GPTTrainConfig:
+    settings = {
+        "nproc": 4,
+        "config": "gpt-tiny",
+        "data": text,
+        "seq_len": 32,
+        "global_batch": 8,
+        "steps": 20,
+        "warmup": 1,
+        "lr": 1e-3,
+        "backend": "gloo",
+    }
+    return GPTTrainConfig(**(settings | flags))
+
+
+def _compare(text: str, flags: dict) -> dict[str, float]:
+    config = _config(text, **flags)
+    world = meshwise.init("gloo", timeout=90, mesh=config.mesh_shape(int(os.environ["WORLD_SIZE"])))
+    try:
+        trainer = GPTTrainer(world, config)
+        torch.manual_seed(config.seed)
+        reference = GPT(config.model_config)
+        optimizer = build_optimizer(reference, config)
+        worst = {"loss": 0.0, "params": 0.0, "compared": 0.0}
+        for step in range(STEPS):
+            stats = trainer.train_step(step)
+            lr = lr_at(
+                step, lr=config.lr, min_lr=config.min_lr, warmup=config.warmup_steps, steps=config.steps
+            )
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            optimizer.zero_grad()
+            inputs, targets = train_batch(trainer.splits, 32, config.global_batch, config.seed, step, 0, 1)
+            loss = language_model_loss(reference(inputs), targets)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(reference.parameters(), config.grad_clip)
+            optimizer.step()
+            worst["loss"] = max(worst["loss"], abs(stats.loss - loss.item()))
+            ours = trainer.step_runner.sampling_model()  # collective, as --sample gathers it
+            if next(ours.parameters()).device.type != "meta":
+                diffs = [
+                    (p - q).abs().max().item()
+                    for p, q in zip(ours.parameters(), reference.parameters(), strict=True)
+                ]
+                worst["params"] = max([worst["params"], *diffs])
+                worst["compared"] += 1
+        return worst
+    finally:
+        meshwise.shutdown()
+
+
+@pytest.mark.parametrize("flags", LAYOUTS.values(), ids=LAYOUTS.keys())
+def test_every_layout_trains_as_one_process_does(text: str, flags: dict) -> None:
+    _check_rows(spawn(_compare, 4, args=(text, flags), timeout=110))
+
+
+@pytest.mark.slow
+def test_three_dimensions_on_eight_ranks_train_as_one_process_does(text: str) -> None:
+    """dp2·tp2·pp2 with ZeRO-1: every strategy at once — each stage's tp shards sharded over dp."""
+    flags = {"nproc": 8, "tp": 2, "pp": 2, "zero": 1}
+    _check_rows(spawn(_compare, 8, args=(text, flags), timeout=115))
+
+
+def _check_rows(results: list[dict]) -> None:
+    assert results[0]["compared"] == STEPS  # rank 0 always holds the gathered model
+    for result in results:
+        assert result["loss"] < LOSS_TOLERANCE, result
+        assert result["params"] < PARAM_TOLERANCE, result
+
+
+# ---------------------------------------------------------------------------------------------- resume
+RESUME_AT, RESUME_STEPS = 2, 4
+
+
+def _train(text: str, root: str, flags: dict, resume: bool) -> dict:
+    """Layout A: RESUME_STEPS steps, a checkpoint after RESUME_AT; or layout B: resume from it."""
+    config = _config(text, checkpoint=f"{root}/ckpt", resume=resume, **flags)
+    world = meshwise.init("gloo", timeout=90, mesh=config.mesh_shape(int(os.environ["WORLD_SIZE"])))
+    try:
+        trainer = GPTTrainer(world, config)
+        losses = {}
+        for step in range(trainer.first_step, RESUME_STEPS):
+            losses[step] = trainer.train_step(step).loss
+            if step + 1 == RESUME_AT and not resume:
+                trainer.save_checkpoint(RESUME_AT)
+        model = trainer.step_runner.sampling_model()
+        held = next(model.parameters()).device.type != "meta"
+        params = {n: p.detach().numpy().copy() for n, p in model.named_parameters()} if held else None
+        return {"losses": losses, "params": params}
+    finally:
+        meshwise.shutdown()
+
+
+RESUMES = {
+    "tp2 → dp2": ({"nproc": 2, "tp": 2}, {"nproc": 2}),
+    "dp2 → tp2": ({"nproc": 2}, {"nproc": 2, "tp": 2}),
+    "zero3 → tp2": ({"nproc": 2, "zero": 3}, {"nproc": 2, "tp": 2}),
+    "pp2·dp2 → one process": ({"pp": 2}, {"nproc": 1}),
+    "zero3·tp2 → pp2·dp2": ({"zero": 3, "tp": 2}, {"pp": 2}),
+    "dp4 → zero1·tp2·sp": ({}, {"zero": 1, "tp": 2, "sp": True}),
+    "zero2·pp2 → dp2": ({"zero": 2, "pp": 2}, {"nproc": 2}),
+    "tp2 → zero1·pp2·tp2": ({"nproc": 2, "tp": 2}, {"zero": 1, "pp": 2, "tp": 2}),
+}
+
+
+@pytest.mark.parametrize(("first", "then"), RESUMES.values(), ids=RESUMES.keys())
+def test_a_checkpoint_resumes_exactly_on_another_layout(text: str, tmp_path, first: dict, then: dict) -> None:
+    root = str(tmp_path)
+    a = spawn(_train, first.get("nproc", 4), args=(text, root, first, False), timeout=110)[0]
+    b = spawn(_train, then.get("nproc", 4), args=(text, root, then, True), timeout=110)[0]
+    for step in range(RESUME_AT, RESUME_STEPS):
+        assert b["losses"][step] == pytest.approx(a["losses"][step], abs=LOSS_TOLERANCE), step
+    for name, value in a["params"].items():
+        assert abs(b["params"][name] - value).max() < PARAM_TOLERANCE, name
+
+
+def test_a_checkpoint_is_read_by_torch_alone_into_a_plain_gpt(text: str, tmp_path) -> None:
+    """``dcp_to_torch_save`` (torch only, no meshwise) turns a zero3 checkpoint of 2 ranks into one file
+    whose model state loads into ``GPT`` and holds the run's weights (the next step's loss, recomputed)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    root = str(tmp_path)
+    run = spawn(_train, 2, args=(text, root, {"nproc": 2, "zero": 3}, False), timeout=110)[0]
+    dcp_to_torch_save(f"{root}/ckpt/step-{RESUME_AT:06d}", f"{root}/plain.pt")
+    state = torch.load(f"{root}/plain.pt", weights_only=True)
+    config = _config(text)
+    model = GPT(config.model_config)
+    model.load_state_dict(state["model"])
+    inputs, targets = train_batch(config.load_data(), 32, config.global_batch, config.seed, RESUME_AT, 0, 1)
+    with torch.no_grad():  # the loaded weights give the loss the run computed next from the checkpoint
+        loss = language_model_loss(model(inputs), targets).item()
+    assert loss == pytest.approx(run["losses"][RESUME_AT], abs=LOSS_TOLERANCE)
+    assert set(state["optim"]["state"]) == {n for n, _ in model.named_parameters()}
