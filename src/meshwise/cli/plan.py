@@ -155,34 +155,32 @@ def _cpu(gpus: int):
 def fixed_of(args: argparse.Namespace, problem: Problem) -> dict[str, object]:
     """The fixed dimensions, checked: a fixed mesh that cannot run the model fails in one line here."""
     fixed = {k: getattr(args, k) for k in FIXED if getattr(args, k) is not None}
-    mesh = {k: fixed[k] for k in ("dp", "tp", "pp") if k in fixed}
-    if mesh:
-        sizes = dict(mesh)
-        known = 1
-        for value in sizes.values():
-            known *= value
-        if problem.gpus % known:
-            raise ValueError(
-                f"{' × '.join(f'{k} {v}' for k, v in mesh.items())} does not divide --gpus "
-                f"{problem.gpus}: choose sizes whose product divides it"
-            )
-        free = [k for k in ("dp", "tp", "pp") if k not in sizes]
-        for k in free:
-            sizes[k] = problem.gpus // known if k == free[0] else 1
-        layout = Layout(
-            sizes["dp"],
-            sizes["tp"],
-            sizes["pp"],
-            fixed.get("zero", 0),
-            fixed.get("micro_batch", 1),
-            fixed.get("schedule", "1f1b"),
-            2 if fixed.get("schedule") == "interleaved" else 1,
-            fixed.get("recompute", "none"),
-            sizes["tp"] > 1,
+    known = 1
+    for k in ("dp", "tp", "pp"):
+        known *= fixed.get(k, 1)
+    if problem.gpus % known:
+        mesh = " × ".join(f"{k} {fixed[k]}" for k in ("dp", "tp", "pp") if k in fixed)
+        raise ValueError(
+            f"{mesh} does not divide --gpus {problem.gpus}: choose sizes whose product divides it"
         )
-        if len(free) <= 1:
-            check(layout, problem.model.config, problem.gpus, problem.global_batch)
+    if sum(k in fixed for k in ("dp", "tp", "pp")) >= 2:
+        check(representative(fixed, problem.gpus), problem.model.config, problem.gpus, problem.global_batch)
     return fixed
+
+
+def representative(fixed: dict[str, object], gpus: int) -> Layout:
+    """The simplest layout honouring ``fixed``: the GPUs not fixed go to the first free mesh axis."""
+    sizes = {k: fixed[k] for k in ("dp", "tp", "pp") if k in fixed}
+    rest = gpus // max(1, sizes.get("dp", 1) * sizes.get("tp", 1) * sizes.get("pp", 1))
+    for k in ("dp", "tp", "pp"):
+        if k not in sizes:
+            sizes[k], rest = rest, 1
+    schedule = str(fixed.get("schedule", "1f1b"))
+    return Layout(
+        int(sizes["dp"]), int(sizes["tp"]), int(sizes["pp"]), int(fixed.get("zero", 0)),
+        int(fixed.get("micro_batch", 1)), schedule, 2 if schedule == "interleaved" else 1,
+        str(fixed.get("recompute", "none")), int(sizes["tp"]) > 1,
+    )  # fmt: skip
 
 
 def handler(args: argparse.Namespace) -> int:
@@ -192,7 +190,10 @@ def handler(args: argparse.Namespace) -> int:
         problem = problem_of(args)
         fixed = fixed_of(args, problem)
         plan = advise(problem, fixed)
-        if plan.best is None:
+        if plan.best is None:  # say why the simplest layout honouring the flags cannot run, if it cannot
+            check(
+                representative(fixed, problem.gpus), problem.model.config, problem.gpus, problem.global_batch
+            )
             raise ValueError(
                 "no layout of these GPUs satisfies the fixed flags and the model's sizes: "
                 "relax --tp/--pp/--dp/--micro-batch or change --gpus"
