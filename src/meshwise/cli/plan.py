@@ -115,6 +115,10 @@ def model_spec(args: argparse.Namespace) -> ModelSpec:
                 sizes["vocab"] or 50257,
             )
         )
+    if args.gpu == "cpu" and sizes["seq_len"] is None:  # train gpt's default context on a CPU
+        from meshwise.train.gpt.config import CPU_SEQ_LEN
+
+        sizes["seq_len"] = min(gpt_config(args.config).seq_len, CPU_SEQ_LEN)
     return ModelSpec.of(gpt_config(args.config, **sizes))
 
 
@@ -187,6 +191,12 @@ def handler(args: argparse.Namespace) -> int:
     try:
         check_output("--json", args.json)
         check_plot("--plot", args.plot)
+        if args.validate is not None:
+            from meshwise.cli.plan_validate import check_validatable
+
+            if args.validate < 1 or args.steps < 2:
+                raise ValueError("--validate K needs K ≥ 1 and --steps ≥ 2 (the first step is warm-up)")
+            check_validatable(args.gpu, args.config)
         problem = problem_of(args)
         fixed = fixed_of(args, problem)
         plan = advise(problem, fixed)
@@ -208,7 +218,11 @@ def handler(args: argparse.Namespace) -> int:
     if args.validate:
         from meshwise.cli.plan_validate import validate
 
-        data["validation"] = validate(plan, args.validate, args.steps)
+        try:
+            data["validation"] = validate(plan, args.config, args.validate, args.steps)
+        except ValueError as exc:
+            print(f"meshwise plan: error: {exc}", file=sys.stderr)
+            return 2
     writers = []
     if args.json == "-":
         print(json.dumps(data, indent=2))
