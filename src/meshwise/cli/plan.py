@@ -17,6 +17,7 @@ from pathlib import Path
 from meshwise.cli import summary
 from meshwise.cli.outputs import check_output, check_plot, write_outputs
 from meshwise.plan import GPU_NAMES, ModelSpec, Precision, Problem, advise, hardware, with_overrides
+from meshwise.plan.hardware import measure_cpu
 from meshwise.plan.layout import RECOMPUTE, SCHEDULES, Layout, check
 from meshwise.plan.report import plot, render, to_json
 
@@ -127,7 +128,7 @@ def problem_of(args: argparse.Namespace) -> Problem:
         raise ValueError(f"--gpus must be at least 1, got {args.gpus}")
     model = model_spec(args)
     dtype = args.dtype or ("fp32" if args.gpu == "cpu" else "bf16")
-    machine = hardware(args.gpu) if args.gpu != "cpu" else _cpu(args.gpus)
+    machine = hardware(args.gpu) if args.gpu != "cpu" else measure_cpu(args.gpus, model.config)
     if args.calibrate and args.gpu != "cpu":
         from meshwise.plan.hardware import calibrated
 
@@ -148,12 +149,6 @@ def problem_of(args: argparse.Namespace) -> Problem:
         raise ValueError(f"--global-batch must be at least 1, got {batch}")
     # the CPU's SDPA without dropout and the GPUs' flash kernels save no s×s scores
     return Problem(model, machine, Precision(dtype, args.optimizer), batch, args.gpus)
-
-
-def _cpu(gpus: int):
-    from meshwise.plan.hardware import measure_cpu
-
-    return measure_cpu(ranks=gpus)
 
 
 def fixed_of(args: argparse.Namespace, problem: Problem) -> dict[str, object]:

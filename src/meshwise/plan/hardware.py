@@ -12,12 +12,15 @@ Nothing here starts a process; ``cpu`` measures matmuls and a copy in this proce
 
 from __future__ import annotations
 
+import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from meshwise.comm.cost import Calibration
 from meshwise.comm.cost.formulas import LinkParams
+from meshwise.models.gpt import GPTConfig
 
 GB = 1e9
 GIB = 2**30
@@ -25,7 +28,9 @@ GIB = 2**30
 
 @dataclass(frozen=True)
 class Efficiency:
-    """Fraction of peak FLOP/s a matmul of ``flops`` reaches: ``best · flops / (flops + half)``.
+    """Fraction of peak FLOP/s a matmul of ``flops`` reaches: ``best · flops / (flops + half)``, or, when
+    ``table`` holds measured (flops, fraction) points, their log-linear interpolation (clamped at the
+    ends) — what ``cpu`` and ``--calibrate`` measure, since a two-parameter fit is fragile on a busy host.
 
     Small matmuls are dominated by launch and memory traffic, large ones saturate near ``best``; ``half``
     is the size (FLOPs of one matmul) at which half of ``best`` is reached. GPU defaults: ``best`` 0.75
@@ -34,9 +39,18 @@ class Efficiency:
 
     best: float = 0.75
     half: float = 1e9
+    table: tuple[tuple[float, float], ...] = ()
 
     def at(self, flops: float) -> float:
-        return self.best * flops / (flops + self.half)
+        if not self.table:
+            return self.best * flops / (flops + self.half)
+        if flops <= self.table[0][0]:
+            return self.table[0][1]
+        for (f0, e0), (f1, e1) in zip(self.table, self.table[1:], strict=False):
+            if flops <= f1:
+                w = math.log(flops / f0) / math.log(f1 / f0)
+                return e0 + w * (e1 - e0)
+        return self.table[-1][1]
 
 
 @dataclass(frozen=True)
@@ -158,36 +172,59 @@ def with_overrides(
 
 
 # ---------------------------------------------------------------------------------------- this host
+def best_time(work: Callable[[], object], seconds: float = 0.2, least: int = 5) -> float:
+    """The fastest of at least ``least`` timed calls of ``work`` over about ``seconds``, after a warm-up:
+    on a host shared with other jobs the fastest run is the one that had the cores to itself."""
+    work()
+    best, deadline, runs = float("inf"), time.perf_counter() + seconds, 0
+    while runs < least or time.perf_counter() < deadline:
+        started = time.perf_counter()
+        work()
+        best = min(best, time.perf_counter() - started)
+        runs += 1
+    return best
+
+
 def matmul_rate(size: int, device: str = "cpu", dtype: str = "fp32", seconds: float = 0.15) -> float:
-    """Best FLOP/s of ``size``³ matmuls on ``device`` over about ``seconds`` (at least 3 timed)."""
+    """Best FLOP/s of ``size``³ matmuls on ``device`` (:func:`best_time` of them)."""
     import torch
 
     kind = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     a = torch.randn(size, size, device=device, dtype=kind)
     b = torch.randn(size, size, device=device, dtype=kind)
 
-    def timed() -> float:
-        started = time.perf_counter()
+    def multiply() -> None:
         a @ b
         if device == "cuda":
             torch.cuda.synchronize()
-        return time.perf_counter() - started
 
-    timed()
-    best, deadline, runs = 0.0, time.perf_counter() + seconds, 0
-    while runs < 3 or time.perf_counter() < deadline:
-        best = max(best, 2 * size**3 / timed())
-        runs += 1
-    return best
+    return 2 * size**3 / best_time(multiply, seconds)
 
 
-def fit_efficiency(rates: dict[int, float], peak: float) -> Efficiency:
-    """The curve through best rates of n³ matmuls: ``best`` = the fastest rate / ``peak``, ``half`` the
-    least-squares fit of top/rate − 1 = half/f over the sizes (f = 2n³ FLOPs; linear in 1/f)."""
-    top = max(rates.values())
-    pairs = [(2 * n**3, top / r - 1) for n, r in rates.items()]
-    half = sum(y / f for f, y in pairs) / sum(1 / f**2 for f, _ in pairs)
-    return Efficiency(best=top / peak, half=max(0.0, half))
+def fit_efficiency(points: dict[float, float], peak: float) -> Efficiency:
+    """The measured curve: ``points`` maps a GEMM size (FLOPs) to the FLOP/s reached there."""
+    return Efficiency(
+        best=max(points.values()) / peak, table=tuple((f, r / peak) for f, r in sorted(points.items()))
+    )
+
+
+def layer_rates(config: GPTConfig, micro_batches: tuple[int, ...] = (1, 2, 4, 8, 16)) -> dict[float, float]:
+    """FLOP/s one transformer block of ``config`` reaches in forward + backward here, keyed by its
+    largest GEMM (2·b·s·h·4h, what :mod:`step_time` evaluates the curve at): on a CPU the non-matmul
+    work (LayerNorm, GELU, attention, autograd) is a large share, and this measures it with the rest."""
+    import torch
+
+    from meshwise.models.gpt import Block
+
+    torch.manual_seed(0)
+    block = Block(config)
+    s, h = config.seq_len, config.hidden
+    per_token = 6 * (12 * h * h + 13 * h) + 12 * h * s
+    points = {}
+    for b in micro_batches:
+        x = torch.randn(b, s, h, requires_grad=True)
+        points[2.0 * b * s * h * 4 * h] = per_token * b * s / best_time(lambda x=x: block(x).sum().backward())
+    return points
 
 
 def calibrated(hw: Hardware, sizes: tuple[int, ...] = (256, 512, 1024, 2048, 4096)) -> Hardware:
@@ -197,7 +234,7 @@ def calibrated(hw: Hardware, sizes: tuple[int, ...] = (256, 512, 1024, 2048, 409
 
     if not torch.cuda.is_available():
         raise ValueError(f"--calibrate with --gpu {hw.name} needs a CUDA device here; use --gpu cpu on a CPU")
-    rates = {n: matmul_rate(n, "cuda", "bf16") for n in sizes}
+    rates = {2.0 * n**3: matmul_rate(n, "cuda", "bf16") for n in sizes}
     return replace(hw, efficiency=fit_efficiency(rates, hw.peak("bf16")), source="datasheet, calibrated here")
 
 
@@ -215,15 +252,18 @@ def copy_rate(nbytes: int = 64 * 2**20) -> float:
     return best
 
 
-def measure_cpu(sizes: tuple[int, ...] = (64, 128, 256, 512), ranks: int = 1) -> Hardware:
-    """This host as a planner sees it: peak and efficiency curve from fp32 matmuls measured now, memory
-    from /proc/meminfo, the links from the built-in calibration (gloo over loopback between local
-    processes), every core a "GPU" of one node. ``ranks`` local ranks split the cores the measurement
-    used, so each is credited 1/ranks of the rate."""
+def measure_cpu(
+    ranks: int = 1, layer: GPTConfig | None = None, sizes: tuple[int, ...] = (128, 256, 512)
+) -> Hardware:
+    """This host as a planner sees it, measured now: the peak is the best fp32 square matmul; the
+    efficiency curve comes from forward + backward of one block of ``layer`` (the model being planned)
+    at a few micro-batch sizes, or from the square matmuls without one. Memory from /proc/meminfo, links
+    from the built-in calibration (gloo over loopback between local processes), every core a "GPU" of
+    one node. ``ranks`` local ranks split the cores the measurement used: each is credited 1/ranks."""
     from meshwise.runtime.memory import available_memory
 
-    rates = {n: matmul_rate(n) for n in sizes}
-    peak = max(rates.values())
+    squares = {2.0 * n**3: matmul_rate(n) for n in sizes}
+    peak = max(squares.values())
     share = 1.0 / max(ranks, 1)
     native = Calibration.builtin().native
     link = Link(bandwidth=1 / native.beta, latency=native.alpha)
@@ -235,6 +275,6 @@ def measure_cpu(sizes: tuple[int, ...] = (64, 128, 256, 512), ranks: int = 1) ->
         intra=link,
         inter=link,
         per_node=max(os.cpu_count() or 1, 64),
-        efficiency=fit_efficiency(rates, peak),
+        efficiency=fit_efficiency(layer_rates(layer) if layer is not None else squares, peak),
         source="measured",
     )

@@ -23,12 +23,28 @@ MEMORY_KINDS = (
 )
 
 
+def count(n: float) -> str:
+    """7.500 B, 10.7 M, 220.5 K."""
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:,.3f} {unit}" if unit == "B" else f"{n / scale:,.1f} {unit}"
+    return f"{n:.0f}"
+
+
+def size(nbytes: float) -> str:
+    """Decimal units as the ZeRO paper writes them: 120.0 GB, 31.4 GB, 3.5 MB."""
+    for unit, scale in (("GB", GB), ("MB", 1e6), ("kB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes:.0f} B"
+
+
 def zero_line(problem: Problem) -> str:
     """The ZeRO paper's Figure 1 for this model: model states per GPU with all GPUs data parallel."""
     n, psi, prec = problem.gpus, problem.model.parameters, problem.precision
     per_param = f"{prec.value}+{prec.value}+{prec.optimizer_bytes}"
     stages = " · ".join(
-        f"{name} {sum(model_states(psi, n, stage, prec)) / GB:.1f} GB"
+        f"{name} {size(sum(model_states(psi, n, stage, prec)))}"
         for stage, name in enumerate(("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3"))
     )
     return f"Model states per GPU, {n}-way data parallel ({per_param} bytes/parameter): {stages}"
@@ -37,7 +53,7 @@ def zero_line(problem: Problem) -> str:
 def header(problem: Problem) -> list[str]:
     c, hw = problem.model.config, problem.hardware
     return [
-        f"Model     {problem.model.parameters / 1e9:,.3f} B parameters: {c.layers} layers, "
+        f"Model     {count(problem.model.parameters)} parameters: {c.layers} layers, "
         f"hidden {c.hidden}, "
         f"{c.heads} heads, vocab {c.vocab}, seq {c.seq_len}",
         f"Hardware  {problem.gpus} × {hw.name} ({hw.source}): {hw.peak(problem.precision.dtype) / 1e12:,.1f} "

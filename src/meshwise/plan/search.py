@@ -173,12 +173,13 @@ def neighbours(layout: Layout) -> Iterator[Layout]:
                 tp=tp,
                 pp=pp,
                 dp=gpus // (tp * pp),
+                zero=layout.zero if gpus // (tp * pp) > 1 else 0,
                 sp=tp > 1 and (layout.sp or layout.tp == 1),
                 schedule=layout.schedule if pp > 1 else "1f1b",
                 virtual=layout.virtual if pp > 1 else 1,
             )
     for zero in (layout.zero - 1, layout.zero + 1):
-        if 0 <= zero <= 3:
+        if 0 <= zero <= 3 and layout.dp > 1:
             yield replace(layout, zero=zero)
     for b in (layout.micro_batch * 2, layout.micro_batch // 2):
         if b >= 1:

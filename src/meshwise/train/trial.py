@@ -36,6 +36,12 @@ LAYOUT_FLAGS = {
 }
 
 
+#: validation windows of the one evaluation at the end: few (cheap), but at least one per rank of any
+#: layout here — with fewer windows than dp ranks, a rank without one skips ZeRO-3's gathers and the
+#: others wait on it (train gpt --zero 3 --eval-windows 1 -np 2 hangs on this branch)
+EVAL_WINDOWS = 8
+
+
 @dataclass(frozen=True)
 class TrialSpec:
     """One ``meshwise train gpt`` run: model and data fixed, the layout varied."""
