@@ -1,15 +1,19 @@
 """meshwise compare: layout spelling, the divergence analysis on known differences, and two layouts on
-two ranks against one process."""
+two ranks against one process; and train gpt --auto's choice among its trials."""
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
-from meshwise.cli import main
+from meshwise.cli import main, train_auto
+from meshwise.models.gpt import CONFIGS
+from meshwise.plan import ModelSpec, Plan, Precision, Problem, advise
+from meshwise.plan.hardware import PRESETS
 from meshwise.train.compare import compare_runs, parse_layout, weight_divergence
 from meshwise.train.trial import TrialResult, TrialSpec
 
@@ -67,3 +71,24 @@ def test_two_layouts_on_two_ranks_match_one_process(tmp_path, capsys) -> None:
     assert [row["layout"] for row in data["layouts"]] == ["dp2", "tp2"]
     for row in data["layouts"]:
         assert row["passed"] and len(row["max_delta"]) == 2 and row["tensor_delta"] <= data["tolerance"]
+
+
+def test_train_gpt_auto_trains_with_the_fastest_trial(monkeypatch) -> None:
+    """--auto keeps the layout whose short trial was fastest — here the plan's third pick, not its first —
+    and hands its mesh, ZeRO stage and micro-batch to train gpt (trials replaced by known step times, the
+    measured host by a preset, so the plan is deterministic)."""
+
+    def fake_measure(plan: Plan, config: str, k: int, steps: int, workdir) -> list:
+        return [(c, TrialResult(TrialSpec(2), True, "", step_seconds=(9.0, 3.0 - i)))
+                for i, c in enumerate(plan.ranked[:k])]  # fmt: skip
+
+    monkeypatch.setattr(train_auto, "measure", fake_measure)
+    monkeypatch.setattr(train_auto, "measure_cpu", lambda ranks, config: PRESETS["a100-80gb"])
+    shape = dict.fromkeys(("layers", "hidden", "heads", "vocab", "seq_len", "device", "dp", "micro_batch"))
+    args = argparse.Namespace(**shape, config="gpt-tiny", nproc=2, dtype="fp32", global_batch=8, tp=1, pp=1,
+                              zero=0, micro_batches=None, sp=False, schedule="1f1b", auto=True)  # fmt: skip
+    chosen = train_auto.choose_layout(args)
+    problem = Problem(ModelSpec.of(CONFIGS["gpt-tiny"]), PRESETS["a100-80gb"], Precision("fp32"), 8, 2)
+    third = advise(problem, {"recompute": "none"}).ranked[2].layout
+    assert (chosen.dp, chosen.tp, chosen.pp, chosen.zero, chosen.micro_batch) == (
+        third.dp, third.tp, third.pp, third.zero, third.micro_batch)  # fmt: skip

@@ -132,10 +132,17 @@ def add_parser(models: argparse._SubParsersAction) -> None:
         help="torch.profiler's operators (and CUDA kernels) of a few steps, DIR/rank{R}.json",
     )
     io.add_argument("--timeout", type=float, default=3600.0, help="deadline for the whole job, seconds")
+    ranks.add_argument(
+        "--auto", action="store_true", help="plan the layouts of -np ranks, try the top 3, keep the fastest"
+    )
     parser.set_defaults(func=handler)
 
 
 def handler(args: argparse.Namespace) -> int:
+    if getattr(args, "auto", False):  # meshwise plan picks the layout (cli/train_auto.py)
+        from meshwise.cli.train_auto import run_auto
+
+        return run_auto(args, handler)
     names = {f.name for f in fields(GPTTrainConfig)}
     config = GPTTrainConfig(**{k: v for k, v in vars(args).items() if k in names})
     return run_training_command("train gpt", args, lambda: run_gpt_training(config))
