@@ -27,6 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from meshwise.cli.plan_validate import trial_layout
 from meshwise.models.gpt import gpt_config
 from meshwise.plan import Layout, ModelSpec, Precision, Problem, advise, hardware
 from meshwise.plan.accuracy import mape, regret, spearman
@@ -52,17 +53,6 @@ LAYOUTS: list[Layout] = [
     Layout(1, 2, 2, micro_batch=2),
 ]
 TARGETS = {"memory_error_each": 0.10, "step_mape": 0.20, "rank_correlation": 0.8}
-
-
-def trial_flags(layout: Layout) -> dict:
-    flags: dict = {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp, "micro_batch": layout.micro_batch}
-    if layout.zero:
-        flags["zero"] = layout.zero
-    if layout.sp:
-        flags["sp"] = True
-    if layout.pp > 1:
-        flags["schedule"] = layout.schedule
-    return flags
 
 
 def speed(repeat: int) -> dict:
@@ -103,7 +93,7 @@ def accuracy(config: str, steps: int, global_batch: int, seq_len: int, layouts: 
             candidate = problem.price(layout)
             spec = TrialSpec(
                 ranks,
-                trial_flags(layout),
+                trial_layout(layout),
                 config=config,
                 steps=steps,
                 global_batch=global_batch,

@@ -12,7 +12,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from meshwise.plan import Candidate, Plan
+from meshwise.plan import Candidate, Layout, Plan
 from meshwise.plan.accuracy import mape, regret, spearman
 from meshwise.plan.hardware import GIB
 from meshwise.train.trial import TrialResult, TrialSpec, baseline, run_trial
@@ -27,9 +27,8 @@ def check_validatable(gpu: str, config: str | None) -> None:
         )
 
 
-def trial_layout(candidate: Candidate) -> dict[str, int | str | bool]:
+def trial_layout(layout: Layout) -> dict[str, int | str | bool]:
     """The train gpt flags of a planned layout."""
-    layout = candidate.layout
     flags: dict[str, int | str | bool] = {
         "dp": layout.dp,
         "tp": layout.tp,
@@ -63,7 +62,7 @@ def measure(
             break
         spec = TrialSpec(
             problem.gpus,
-            trial_layout(candidate),
+            trial_layout(candidate.layout),
             config=config,
             steps=steps,
             global_batch=problem.global_batch,

@@ -48,7 +48,7 @@ def choose_layout(args: argparse.Namespace) -> argparse.Namespace:
         )
     candidate, _ = min(tried, key=lambda pair: pair[1].step_time)
     print(f"  training with {candidate.layout.name()}", flush=True)
-    chosen = trial_layout(candidate)
+    chosen = trial_layout(candidate.layout)
     updates = {
         "dp": None,
         "tp": 1,

@@ -25,8 +25,9 @@ next); data parallelism reduces gradients through buckets (two of 25 MiB in flig
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 
+from meshwise.models.gpt import GPTConfig
 from meshwise.parallel.tensor_parallel.memory import layer_activation_bytes
 from meshwise.plan.hardware import GIB, Hardware
 from meshwise.plan.layout import Layout
@@ -121,7 +122,7 @@ def rank_parameters(model: ModelSpec, layout: Layout) -> float:
 
 
 def layer_activations(
-    config,
+    config: GPTConfig,
     micro_batch: int,
     layout: Layout,
     precision: Precision,
@@ -135,9 +136,7 @@ def layer_activations(
     shard = t if layout.sp else 1
     if layout.recompute == "full":
         return s * b * h * v / shard
-    base = layer_activation_bytes(
-        replace(config, seq_len=s), b, tp=t, sequence_parallel=layout.sp, value_bytes=v, mask_bytes=m
-    )
+    base = layer_activation_bytes(config, b, tp=t, sequence_parallel=layout.sp, value_bytes=v, mask_bytes=m)
     scores = a * s * s * b * (2 * v + m) / t
     if layout.recompute == "selective":
         return base - scores
