@@ -23,9 +23,11 @@ and γ (the device's memory bandwidth reduces): the same formulas ``meshwise ben
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass
 
-from meshwise.comm.algorithms.registry import predict_seconds
+from meshwise.comm.algorithms import registry
+from meshwise.comm.cost.formulas import LinkParams
 from meshwise.plan.hardware import Hardware
 from meshwise.plan.layout import Layout
 from meshwise.plan.memory import BUCKET_BYTES, Precision, model_states, rank_parameters
@@ -86,6 +88,14 @@ class TimeEstimate:
             "mfu": self.mfu,
             "hfu": self.hfu,
         }
+
+
+@functools.lru_cache(maxsize=4096)
+def predict_seconds(
+    collective: str, algo: str, nbytes: float, ranks: int, link: LinkParams, **two_links: object
+) -> float:
+    """The cost model's time of one call, remembered: a search prices the same calls thousands of times."""
+    return registry.predict_seconds(collective, algo, nbytes, ranks, link, **two_links)
 
 
 def dp_layout(layout: Layout, hw: Hardware) -> tuple[int, bool]:
