@@ -3,7 +3,11 @@ pipeline and communication terms against the simulator and the cost model, and b
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -181,3 +185,15 @@ def test_bad_input_is_one_line(capsys, argv: list[str], message: str) -> None:
     assert main(["plan", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("meshwise plan: error:") and message in err and "\n" not in err, err
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_bench_plan_speed_section_runs(tmp_path) -> None:
+    """The benchmark's speed part writes its figures (the accuracy part runs trials for minutes)."""
+    out = tmp_path / "plan.json"
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_plan.py"
+    argv = [sys.executable, str(script), "--skip-accuracy", "--repeat", "1", "--json", str(out)]
+    subprocess.run(argv, check=True, capture_output=True, timeout=280)
+    speed = json.loads(out.read_text())["speed"]
+    assert speed["layouts_priced"] > 10_000 and speed["advisor_cpu_seconds"] > 0 and "best" in speed
