@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -172,17 +173,25 @@ def with_overrides(
 
 
 # ---------------------------------------------------------------------------------------- this host
-def best_time(work: Callable[[], object], seconds: float = 0.2, least: int = 5) -> float:
-    """The fastest of at least ``least`` timed calls of ``work`` over about ``seconds``, after a warm-up:
-    on a host shared with other jobs the fastest run is the one that had the cores to itself."""
+def timings(work: Callable[[], object], seconds: float = 0.2, least: int = 5) -> list[float]:
+    """Seconds of at least ``least`` calls of ``work`` over about ``seconds``, after a warm-up."""
     work()
-    best, deadline, runs = float("inf"), time.perf_counter() + seconds, 0
-    while runs < least or time.perf_counter() < deadline:
+    times, deadline = [], time.perf_counter() + seconds
+    while len(times) < least or time.perf_counter() < deadline:
         started = time.perf_counter()
         work()
-        best = min(best, time.perf_counter() - started)
-        runs += 1
-    return best
+        times.append(time.perf_counter() - started)
+    return times
+
+
+def best_time(work: Callable[[], object], seconds: float = 0.2) -> float:
+    """The fastest call: what the hardware does when the job has the cores to itself (the peak)."""
+    return min(timings(work, seconds))
+
+
+def typical_time(work: Callable[[], object], seconds: float = 0.3) -> float:
+    """The median call: on a host shared with other jobs, what a training step will also see."""
+    return statistics.median(timings(work, seconds))
 
 
 def matmul_rate(size: int, device: str = "cpu", dtype: str = "fp32", seconds: float = 0.15) -> float:
@@ -209,8 +218,8 @@ def fit_efficiency(points: dict[float, float], peak: float) -> Efficiency:
 
 
 def layer_rates(config: GPTConfig, micro_batches: tuple[int, ...] = (1, 2, 4, 8, 16)) -> dict[float, float]:
-    """FLOP/s one transformer block of ``config`` reaches in forward + backward here, keyed by its
-    largest GEMM (2·b·s·h·4h, what :mod:`step_time` evaluates the curve at): on a CPU the non-matmul
+    """FLOP/s one transformer block of ``config`` reaches in forward + backward here (median run), keyed by
+    its largest GEMM (2·b·s·h·4h, what :mod:`step_time` evaluates the curve at): on a CPU the non-matmul
     work (LayerNorm, GELU, attention, autograd) is a large share, and this measures it with the rest."""
     import torch
 
@@ -223,7 +232,9 @@ def layer_rates(config: GPTConfig, micro_batches: tuple[int, ...] = (1, 2, 4, 8,
     points = {}
     for b in micro_batches:
         x = torch.randn(b, s, h, requires_grad=True)
-        points[2.0 * b * s * h * 4 * h] = per_token * b * s / best_time(lambda x=x: block(x).sum().backward())
+        points[2.0 * b * s * h * 4 * h] = (
+            per_token * b * s / typical_time(lambda x=x: block(x).sum().backward())
+        )
     return points
 
 
