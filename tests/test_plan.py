@@ -197,3 +197,15 @@ def test_bench_plan_speed_section_runs(tmp_path) -> None:
     subprocess.run(argv, check=True, capture_output=True, timeout=280)
     speed = json.loads(out.read_text())["speed"]
     assert speed["layouts_priced"] > 10_000 and speed["advisor_cpu_seconds"] > 0 and "best" in speed
+
+
+def test_json_and_plot_outputs(capsys, tmp_path) -> None:
+    """--json - is the whole plan as JSON on stdout (no report), --plot writes an image."""
+    plot = tmp_path / "plan.png"
+    assert main(["plan", "--config", "gpt2", "--gpus", "8", "--global-batch", "64", "--json", "-", "--plot",
+                 str(plot)]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    data = json.loads(out[: out.rindex("}") + 1])
+    assert data["best"]["memory"]["fits"] and data["ranked"][0]["name"] == data["best"]["name"]
+    assert set(data["zero_model_states"]) == {"0", "1", "2", "3"} and data["neighbours"]
+    assert plot.stat().st_size > 10_000
