@@ -39,10 +39,8 @@ from meshwise.train.trial import TrialSpec, baseline, run_trial
 LAYOUTS: list[Layout] = [
     Layout(1, 1, 1, micro_batch=8),
     Layout(1, 1, 1, micro_batch=4),
-    Layout(1, 1, 1, micro_batch=2),
     Layout(2, 1, 1, micro_batch=4),
     Layout(2, 1, 1, zero=1, micro_batch=4),
-    Layout(2, 1, 1, zero=2, micro_batch=4),
     Layout(2, 1, 1, zero=3, micro_batch=4),
     Layout(1, 2, 1, micro_batch=8),
     Layout(1, 2, 1, micro_batch=8, sp=True),
@@ -51,7 +49,6 @@ LAYOUTS: list[Layout] = [
     Layout(4, 1, 1, micro_batch=2),
     Layout(2, 2, 1, micro_batch=4),
     Layout(2, 1, 2, micro_batch=2),
-    Layout(1, 2, 2, micro_batch=2),
 ]
 TARGETS = {"memory_error_each": 0.10, "step_mape": 0.20, "rank_correlation": 0.8}
 

@@ -270,12 +270,24 @@ def measure_cpu(
     efficiency curve comes from forward + backward of one block of ``layer`` (the model being planned)
     at a few micro-batch sizes, or from the square matmuls without one. Memory from /proc/meminfo, links
     from the built-in calibration (gloo over loopback between local processes), every core a "GPU" of
-    one node. ``ranks`` local ranks split the cores the measurement used: each is credited 1/ranks."""
+    one node. Measured with the torch threads one of ``ranks`` local ranks gets (the cores split among
+    them, as ``spawn`` does: OpenMP threads competing for a core are far slower than one each), and
+    scaled down further when there are more ranks than cores."""
+    import torch
+
     from meshwise.runtime.memory import available_memory
 
-    squares = {2.0 * n**3: matmul_rate(n) for n in sizes}
+    cores = os.cpu_count() or 1
+    threads = max(1, cores // max(ranks, 1))
+    share = min(1.0, cores / (max(ranks, 1) * threads))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        squares = {2.0 * n**3: matmul_rate(n) for n in sizes}
+        rates = layer_rates(layer) if layer is not None else squares
+    finally:
+        torch.set_num_threads(before)
     peak = max(squares.values())
-    share = 1.0 / max(ranks, 1)
     native = Calibration.builtin().native
     link = Link(bandwidth=1 / native.beta, latency=native.alpha)
     return Hardware(
@@ -285,7 +297,7 @@ def measure_cpu(
         memory_bandwidth=copy_rate(),
         intra=link,
         inter=link,
-        per_node=max(os.cpu_count() or 1, 64),
-        efficiency=fit_efficiency(layer_rates(layer) if layer is not None else squares, peak),
+        per_node=max(cores, 64),
+        efficiency=fit_efficiency(rates, peak),
         source="measured",
     )

@@ -20,7 +20,8 @@ bits with dropout), then
 times the layers of a chunk times the chunks in flight on the first pipeline rank
 (:meth:`Layout.in_flight`). The loss holds the logits and their log-softmax in fp32 (2·4·sbV/t) for
 one micro-batch. ZeRO-3 gathers two blocks' weights at a time (the one running and the prefetched
-next); data parallelism reduces gradients through buckets (two of 25 MiB in flight).
+next); ZeRO-2/3 hold one block's full gradients before its reduce-scatter; DDP's buckets are views of
+the gradients (gradient_as_bucket_view), so they cost nothing more.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from meshwise.plan.hardware import GIB, Hardware
 from meshwise.plan.layout import Layout
 from meshwise.plan.model import ModelSpec
 
+#: DDP's bucket cap (torch's default): how much of the gradient reduction the last bucket leaves exposed
 BUCKET_BYTES = 25 * 2**20
 OPTIMIZERS = ("adam", "sgd")
 
@@ -170,12 +172,9 @@ def estimate_memory(
     logits = 2 * 4 * c.seq_len * layout.micro_batch * c.vocab / layout.tp
     layer_weights = model.layer_parameters / layout.tp * precision.value
     gather = 2 * layer_weights if z == 3 and dp > 1 else 0.0
-    if dp == 1:
-        buckets = 0.0
-    elif z >= 2:
-        buckets = layer_weights  # one unit's full gradients before its reduce-scatter
-    else:
-        buckets = min(2 * BUCKET_BYTES, grads)
+    # ZeRO-2/3: one unit's full gradients before its reduce-scatter; DDP's buckets are views of the
+    # gradients (our reducer, torch's gradient_as_bucket_view), so they add nothing
+    buckets = layer_weights if z >= 2 and dp > 1 else 0.0
     return MemoryEstimate(
         params, grads, optimizer, activations, logits, gather, buckets, hw.reserved, hw.memory
     )

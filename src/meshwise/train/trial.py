@@ -153,9 +153,20 @@ def _main(argv: list[str]) -> int:
     from meshwise.cli import main
 
     code = main(argv[1:])
+    _stop_forkserver()
     kib = max(resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
     Path(argv[0]).write_text(json.dumps({"max_rss": kib * 1024}))
     return code
+
+
+def _stop_forkserver() -> None:
+    """Stop multiprocessing's fork server, which started the local ranks and reaped them: only once it is
+    reaped here do their peak resident sets count in this process's RUSAGE_CHILDREN."""
+    from multiprocessing import forkserver
+
+    stop = getattr(getattr(forkserver, "_forkserver", None), "_stop", None)  # CPython's; absent: 1 rank only
+    if stop is not None:
+        stop()
 
 
 if __name__ == "__main__":
