@@ -5,21 +5,22 @@ seconds, the peak memory of its fullest rank, and (optionally) its trained weigh
 drives the public command line (``meshwise train gpt … --json F``) in a child process rather than the
 trainer's internals, so it measures what a user would run and survives changes inside ``train/gpt``.
 
-Peak memory is the largest resident set of any process of the trial (``ru_maxrss`` of the child and of
-the ranks it spawned), minus the same figure for a *baseline* trial of a model too small to matter on
-the same number of ranks: what Python, torch, gloo, the corpus and evaluation cost is then not counted,
-and what remains is the bytes the layout itself adds — what a planner predicts.
+Peak memory is the largest peak resident set (``VmHWM``, sampled every 50 ms) of any process of the
+trial — the command and the ranks it spawned — minus the same figure for a *baseline* trial of a model
+too small to matter on the same number of ranks: what Python, torch, gloo, the corpus and evaluation
+cost is then not counted, and what remains is the bytes the layout itself adds — what a planner
+predicts.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -36,6 +37,9 @@ LAYOUT_FLAGS = {
 }
 
 
+#: how often a trial's processes are sampled for their peak resident set (VmHWM only grows, so a sample
+#: shortly before a rank exits holds its peak up to then)
+POLL_SECONDS = 0.05
 #: validation windows of the one evaluation at the end: few (cheap), but at least one per rank of any
 #: layout here — with fewer windows than dp ranks, a rank without one skips ZeRO-3's gathers and the
 #: others wait on it (train gpt --zero 3 --eval-windows 1 -np 2 hangs on this branch)
@@ -97,25 +101,27 @@ def run_trial(spec: TrialSpec, workdir: Path, timeout: float = 300.0) -> TrialRe
     """Run ``spec`` in a child process under ``workdir`` (weights are kept there when exported)."""
     workdir.mkdir(parents=True, exist_ok=True)
     out = Path(tempfile.mkdtemp(prefix="trial-", dir=workdir))
-    json_path, usage_path = out / "run.json", out / "rusage.json"
+    json_path = out / "run.json"
     export_dir = out / "weights" if spec.export else None
-    command = [
-        sys.executable,
-        "-m",
-        "meshwise.train.trial",
-        str(usage_path),
-        *spec.argv(json_path, export_dir),
-    ]
+    command = [sys.executable, "-m", "meshwise", *spec.argv(json_path, export_dir)]
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, [_source_root(), os.environ.get("PYTHONPATH")])),
     }
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, check=False)
-    except subprocess.TimeoutExpired:
-        return TrialResult(spec, False, f"did not finish in {timeout:.0f} s")
-    if done.returncode != 0 or not json_path.exists():
-        lines = [line for line in done.stderr.strip().splitlines() if line.strip()] or ["(no output)"]
+    with open(out / "stdout", "w") as stdout, open(out / "stderr", "w") as stderr:
+        child = subprocess.Popen(command, stdout=stdout, stderr=stderr, env=env)
+        peak, deadline = 0, time.monotonic() + timeout
+        while child.poll() is None:
+            if time.monotonic() > deadline:
+                child.kill()
+                child.wait()
+                return TrialResult(spec, False, f"did not finish in {timeout:.0f} s")
+            peak = max(peak, _peak_resident(child.pid))
+            time.sleep(POLL_SECONDS)
+    if child.returncode != 0 or not json_path.exists():
+        lines = [line for line in (out / "stderr").read_text().splitlines() if line.strip()] or [
+            "(no output)"
+        ]
         return TrialResult(spec, False, lines[-1])
     run = json.loads(json_path.read_text())
     history = [h for h in run["history"] if h["step"] > run["first_step"]]
@@ -128,9 +134,27 @@ def run_trial(spec: TrialSpec, workdir: Path, timeout: float = 300.0) -> TrialRe
         "",
         tuple(h["loss"] for h in history),
         tuple(h["seconds"] for h in history),
-        json.loads(usage_path.read_text())["max_rss"],
+        peak,
         weights,
     )
+
+
+def _peak_resident(pid: int) -> int:
+    """The largest peak resident set (VmHWM, bytes) of ``pid`` and its descendants now alive: the
+    spawned ranks are children of multiprocessing's fork server, which a parent's rusage never sees."""
+    largest, pending = 0, [pid]
+    while pending:
+        current = pending.pop()
+        try:
+            status = Path(f"/proc/{current}/status").read_text()
+            children = Path(f"/proc/{current}/task/{current}/children").read_text().split()
+        except OSError:  # it exited between two reads
+            continue
+        for line in status.splitlines():
+            if line.startswith("VmHWM:"):
+                largest = max(largest, int(line.split()[1]) * 1024)
+        pending += [int(c) for c in children]
+    return largest
 
 
 def baseline(spec: TrialSpec, workdir: Path, timeout: float = 300.0) -> TrialResult:
@@ -145,29 +169,3 @@ def baseline(spec: TrialSpec, workdir: Path, timeout: float = 300.0) -> TrialRes
 def _source_root() -> str:
     """The directory meshwise is imported from, so the child runs this same code."""
     return str(Path(__file__).resolve().parents[2])
-
-
-def _main(argv: list[str]) -> int:
-    """``python -m meshwise.train.trial USAGE_FILE ARGS…``: run ``meshwise ARGS`` here, then write the
-    peak resident set of this process and of its finished children (the spawned ranks) to USAGE_FILE."""
-    from meshwise.cli import main
-
-    code = main(argv[1:])
-    _stop_forkserver()
-    kib = max(resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
-    Path(argv[0]).write_text(json.dumps({"max_rss": kib * 1024}))
-    return code
-
-
-def _stop_forkserver() -> None:
-    """Stop multiprocessing's fork server, which started the local ranks and reaped them: only once it is
-    reaped here do their peak resident sets count in this process's RUSAGE_CHILDREN."""
-    from multiprocessing import forkserver
-
-    stop = getattr(getattr(forkserver, "_forkserver", None), "_stop", None)  # CPython's; absent: 1 rank only
-    if stop is not None:
-        stop()
-
-
-if __name__ == "__main__":
-    sys.exit(_main(sys.argv[1:]))
