@@ -62,7 +62,7 @@ def test_divergence_names_the_first_step_and_tensor(tmp_path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(600)
 def test_two_layouts_on_two_ranks_match_one_process(tmp_path, capsys) -> None:
     out = tmp_path / "compare.json"
     code = main(["compare", "dp2", "tp2", "--steps", "2", "--global-batch", "4", "--json", str(out)])
