@@ -62,10 +62,35 @@ class TrialSpec:
     export: bool = False  # write the trained weights (Hugging Face GPT-2 safetensors)
 
     def argv(self, json_path: Path, export_dir: Path | None) -> list[str]:
-        args = ["train", "gpt", "-np", str(self.ranks), "--config", self.config, "--steps", str(self.steps),
-                "--global-batch", str(self.global_batch), "--seed", str(self.seed), "--lr", str(self.lr),
-                "--warmup", "0", "--eval-every", str(self.steps), "--eval-windows", "1", "--backend", "gloo",
-                "--device", "cpu", "--json", str(json_path), *self.model_flags]  # fmt: skip
+        args = [
+            "train",
+            "gpt",
+            "-np",
+            str(self.ranks),
+            "--config",
+            self.config,
+            "--steps",
+            str(self.steps),
+            "--global-batch",
+            str(self.global_batch),
+            "--seed",
+            str(self.seed),
+            "--lr",
+            str(self.lr),
+            "--warmup",
+            "0",
+            "--eval-every",
+            str(self.steps),
+            "--eval-windows",
+            str(EVAL_WINDOWS),
+            "--backend",
+            "gloo",
+            "--device",
+            "cpu",
+            "--json",
+            str(json_path),
+            *self.model_flags,
+        ]
         if self.seq_len is not None:
             args += ["--seq-len", str(self.seq_len)]
         for key, value in self.layout.items():
