@@ -21,6 +21,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "pi": ("pi", "compute π by the midpoint rule or Monte Carlo on N ranks (the lecture's exercises)"),
     "scale": ("scale", "strong/weak scaling study of a workload or command: speedup, efficiency, causes"),
     "train": ("train", "data-parallel training of the reference models: progress, validation, checkpoints"),
+    "plan": ("plan", "predict per-GPU memory and step time of every layout; pick one and explain it"),
+    "compare": ("compare", "train layouts K steps from one seed: |Δloss| and first divergence vs one rank"),
     "doctor": ("doctor", "check this machine for what breaks distributed jobs: pass/warn/fail with the fix"),
     "hang-report": ("hang_report", "merge several nodes' flight dumps into one report: who hangs where"),
 }

@@ -287,10 +287,19 @@ def add_parser(models: argparse._SubParsersAction) -> None:
         help="a deadline for the whole job in seconds, exit 124 when passed (default: none; a hung "
         "collective is reported after 300 s whatever this says)",
     )
+    ranks.add_argument(
+        "--auto",
+        action="store_true",
+        help="plan the layouts of -np ranks, try the top 3 for a few steps, keep the fastest (default: off)",
+    )
     parser.set_defaults(func=handler)
 
 
 def handler(args: argparse.Namespace) -> int:
+    if getattr(args, "auto", False):  # meshwise plan picks the layout (cli/train_auto.py)
+        from meshwise.cli.train_auto import run_auto
+
+        return run_auto(args, handler)
     names = {f.name for f in fields(GPTTrainConfig)}
     config = GPTTrainConfig(**{k: v for k, v in vars(args).items() if k in names})
     return run_training_command("train gpt", args, lambda: run_gpt_training(config))

@@ -1,0 +1,187 @@
+"""How fast ``meshwise plan`` answers, and how well it predicts this machine.
+
+**Speed.** The full layout search for a 1T-parameter GPT (Narayanan et al.'s 128 layers × 25600) on 3072
+A100-80GB: the advisor alone (median of ``--repeat`` calls in this process) and the whole command
+(``python -m meshwise plan --params 1e12 --gpus 3072``, interpreter and torch import included).
+
+**Accuracy.** Each layout of ``LAYOUTS`` (gpt-nano by default, 1–4 ranks: dp, tp, sp, pp with GPipe and
+1F1B, ZeRO 1–3, micro-batches) is planned with the ``cpu`` preset measured for its number of ranks and
+run as a ``meshwise train gpt`` trial of ``--steps`` steps (:mod:`meshwise.train.trial`). Reported per
+layout: predicted vs measured step time (median after the first step) and per-rank peak memory (the
+trial's largest resident set above a baseline trial of a one-layer 8-wide model on as many ranks); and
+over all of them: the mean absolute percentage errors, Spearman's rank correlation of the step times
+and the regret (measured time of the predicted-fastest over the fastest measured). Targets (issue 27):
+each memory error ≤ 10 %, mean step-time error ≤ 20 %, rank correlation ≥ 0.8.
+
+    python benchmarks/bench_plan.py --json benchmarks/results/p27_plan.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from meshwise.cli.plan_validate import trial_layout
+from meshwise.models.gpt import gpt_config
+from meshwise.plan import Layout, ModelSpec, Precision, Problem, advise, hardware
+from meshwise.plan.accuracy import mape, regret, spearman
+from meshwise.plan.hardware import measure_cpu
+from meshwise.train.trial import TrialSpec, baseline, run_trial
+
+#: (ranks, planner layout): dp, tp (± sp), pp (GPipe, 1F1B), ZeRO 1–3, micro-batches, combinations
+LAYOUTS: list[Layout] = [
+    Layout(1, 1, 1, micro_batch=8),
+    Layout(1, 1, 1, micro_batch=4),
+    Layout(2, 1, 1, micro_batch=4),
+    Layout(2, 1, 1, zero=1, micro_batch=4),
+    Layout(2, 1, 1, zero=3, micro_batch=4),
+    Layout(1, 2, 1, micro_batch=8),
+    Layout(1, 2, 1, micro_batch=8, sp=True),
+    Layout(1, 1, 2, micro_batch=2, schedule="1f1b"),
+    Layout(1, 1, 2, micro_batch=2, schedule="gpipe"),
+    Layout(4, 1, 1, micro_batch=2),
+    Layout(2, 2, 1, micro_batch=4),
+    Layout(2, 1, 2, micro_batch=2),
+]
+TARGETS = {"memory_error_each": 0.10, "step_mape": 0.20, "rank_correlation": 0.8}
+
+
+def speed(repeat: int) -> dict:
+    """Wall and CPU seconds (medians): on a host shared with other jobs the CPU time is what the planner
+    costs, the wall time what it took while waiting for cores."""
+    problem = Problem(ModelSpec.from_parameters(1e12), hardware("a100-80gb"), Precision(), 3072, 3072)
+    advisor, advisor_cpu, command, command_cpu = [], [], [], []
+    for _ in range(repeat):
+        wall, cpu = time.perf_counter(), time.process_time()
+        plan = advise(problem)
+        advisor.append(time.perf_counter() - wall)
+        advisor_cpu.append(time.process_time() - cpu)
+    for _ in range(repeat):
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        wall = time.perf_counter()
+        subprocess.run(
+            [sys.executable, "-m", "meshwise", "plan", "--params", "1e12", "--gpus", "3072"],
+            check=True,
+            capture_output=True,
+        )
+        command.append(time.perf_counter() - wall)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        command_cpu.append(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
+    return {
+        "layouts_priced": len(plan.ranked) + plan.rejected,
+        "best": plan.best.layout.name(),
+        "advisor_seconds": statistics.median(advisor),
+        "advisor_cpu_seconds": statistics.median(advisor_cpu),
+        "command_seconds": statistics.median(command),
+        "command_cpu_seconds": statistics.median(command_cpu),
+    }
+
+
+def accuracy(config: str, steps: int, global_batch: int, seq_len: int, layouts: list[Layout]) -> dict:
+    model = ModelSpec.of(gpt_config(config, seq_len=seq_len))
+    rows, bases, machines = [], {}, {}
+    with tempfile.TemporaryDirectory(prefix="bench-plan-") as scratch:
+        work = Path(scratch)
+        for layout in layouts:
+            ranks = layout.gpus
+            if ranks not in bases:
+                bases[ranks] = baseline(TrialSpec(ranks, config=config), work)
+                machines[ranks] = measure_cpu(ranks, model.config)
+            problem = Problem(model, machines[ranks], Precision("fp32"), global_batch, ranks)
+            candidate = problem.price(layout)
+            spec = TrialSpec(
+                ranks,
+                trial_layout(layout),
+                config=config,
+                steps=steps,
+                global_batch=global_batch,
+                seq_len=seq_len,
+            )
+            result = run_trial(spec, work, timeout=600)
+            row = {
+                "layout": layout.name(),
+                "ranks": ranks,
+                "ok": result.ok,
+                "error": result.error,
+                "predicted_step": candidate.time.step,
+                "predicted_memory": candidate.memory.total,
+            }
+            if result.ok:
+                row |= {
+                    "measured_step": result.step_time,
+                    "step_seconds": list(result.step_seconds),
+                    "measured_memory": result.peak_rss - bases[ranks].peak_rss,
+                    "peak_rss": result.peak_rss,
+                }
+                row["step_error"] = row["predicted_step"] / row["measured_step"] - 1
+                row["memory_error"] = row["predicted_memory"] / row["measured_memory"] - 1
+            print(_line(row), flush=True)
+            rows.append(row)
+    ran = [r for r in rows if r["ok"]]
+    predicted, measured = [r["predicted_step"] for r in ran], [r["measured_step"] for r in ran]
+    return {
+        "config": config,
+        "steps": steps,
+        "global_batch": global_batch,
+        "seq_len": seq_len,
+        "rows": rows,
+        "baseline_rss": {ranks: b.peak_rss for ranks, b in bases.items()},
+        "step_mape": mape(predicted, measured),
+        "memory_mape": mape([r["predicted_memory"] for r in ran], [r["measured_memory"] for r in ran]),
+        "max_memory_error": max(abs(r["memory_error"]) for r in ran),
+        "rank_correlation": spearman(predicted, measured),
+        "regret": regret(predicted, measured),
+    }
+
+
+def _line(row: dict) -> str:
+    if not row["ok"]:
+        return f"{row['layout']:<30} did not run: {row['error']}"
+    return (
+        f"{row['layout']:<30} step {row['predicted_step']:7.3f} / {row['measured_step']:7.3f} s "
+        f"({100 * row['step_error']:+5.0f} %)   memory {row['predicted_memory'] / 2**20:7.1f} / "
+        f"{row['measured_memory'] / 2**20:7.1f} MiB ({100 * row['memory_error']:+5.1f} %)"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="gpt-nano")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--global-batch", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--repeat", type=int, default=3, help="timings of the planner's speed")
+    parser.add_argument("--limit", type=int, default=len(LAYOUTS), help="run the first N layouts only")
+    parser.add_argument("--skip-accuracy", action="store_true")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    results: dict = {"speed": speed(args.repeat)}
+    fast = results["speed"]
+    print(
+        f"1T parameters on 3072 GPUs: {fast['layouts_priced']:,} layouts, advisor "
+        f"{fast['advisor_seconds']:.2f} s ({fast['advisor_cpu_seconds']:.2f} s CPU), whole command "
+        f"{fast['command_seconds']:.2f} s ({fast['command_cpu_seconds']:.2f} s CPU); best {fast['best']}"
+    )
+    if not args.skip_accuracy:
+        acc = accuracy(args.config, args.steps, args.global_batch, args.seq_len, LAYOUTS[: args.limit])
+        results["accuracy"] = acc
+        print(
+            f"step-time MAPE {100 * acc['step_mape']:.1f} % (target ≤ 20), memory MAPE "
+            f"{100 * acc['memory_mape']:.1f} %, largest memory error {100 * acc['max_memory_error']:.1f} % "
+            f"(target ≤ 10 each), rank correlation {acc['rank_correlation']:.2f} (target ≥ 0.8), regret "
+            f"{acc['regret']:.2f}"
+        )
+    results["targets"] = TARGETS
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

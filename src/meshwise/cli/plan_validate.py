@@ -1,0 +1,142 @@
+"""``meshwise plan --validate K``: run the plan's top K layouts on this machine and score the plan.
+
+Each candidate becomes a ``meshwise train gpt`` trial (:mod:`meshwise.train.trial`) of a few steps on
+this host's ranks; the predicted step time and per-rank memory are set against the measured median step
+and the trial's peak resident memory above a baseline trial (what the runtime costs before any model).
+Candidates the trainer refuses (a combination it does not support yet) are reported and skipped.
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from pathlib import Path
+
+from meshwise.plan import Candidate, Layout, Plan
+from meshwise.plan.accuracy import mape, regret, spearman
+from meshwise.plan.hardware import GIB
+from meshwise.train.trial import TrialResult, TrialSpec, baseline, run_trial
+
+#: resident-set differences smaller than this are allocator and page noise, not the layout's bytes:
+#: gpt-tiny's whole model state is ~3.5 MB, so memory is validated on gpt-nano (benchmarks/bench_plan.py)
+MEMORY_RESOLUTION = 16 * 2**20
+
+
+def check_validatable(gpu: str, config: str | None) -> None:
+    """--validate runs here: the cpu preset and a named config the trainer can build."""
+    if gpu != "cpu" or config is None:
+        raise ValueError(
+            "--validate runs the candidates on this machine: use --gpu cpu and --config NAME "
+            "(e.g. gpt-tiny or gpt-nano) with --gpus at most the local cores"
+        )
+
+
+def trial_layout(layout: Layout) -> dict[str, int | str | bool]:
+    """The train gpt flags of a planned layout."""
+    flags: dict[str, int | str | bool] = {
+        "dp": layout.dp,
+        "tp": layout.tp,
+        "pp": layout.pp,
+        "micro_batch": layout.micro_batch,
+    }
+    if layout.zero:
+        flags["zero"] = layout.zero
+    if layout.sp:
+        flags["sp"] = True
+    if layout.pp > 1:
+        flags["schedule"] = layout.schedule
+        if layout.virtual > 1:
+            flags["virtual_stages"] = layout.virtual
+    return flags
+
+
+def runnable(plan: Plan) -> list[Candidate]:
+    """Ranked candidates the trainer can express (it has no activation recomputation flag)."""
+    return [c for c in plan.ranked if c.layout.recompute == "none"]
+
+
+def measure(
+    plan: Plan, config: str, k: int, steps: int, workdir: Path
+) -> list[tuple[Candidate, TrialResult]]:
+    """Run candidates in ranked order until ``k`` ran (refused ones are reported on stderr and skipped)."""
+    problem = plan.problem
+    done: list[tuple[Candidate, TrialResult]] = []
+    for candidate in runnable(plan):
+        if len(done) == k:
+            break
+        spec = TrialSpec(
+            problem.gpus,
+            trial_layout(candidate.layout),
+            config=config,
+            steps=steps,
+            global_batch=problem.global_batch,
+            seq_len=problem.model.config.seq_len,
+        )
+        print(f"# validate: {candidate.layout.name()} ...", file=sys.stderr, flush=True)
+        result = run_trial(spec, workdir)
+        if result.ok:
+            done.append((candidate, result))
+        else:
+            print(f"#   skipped, the trainer said: {result.error}", file=sys.stderr, flush=True)
+    return done
+
+
+def score(rows: list[tuple[Candidate, TrialResult]], base: TrialResult) -> dict:
+    """Per candidate predicted vs measured, and the plan's errors over them."""
+    table = []
+    for candidate, result in rows:
+        table.append(
+            {
+                "layout": candidate.layout.name(),
+                "predicted_step": candidate.time.step,
+                "measured_step": result.step_time,
+                "predicted_memory": candidate.memory.total - candidate.memory.reserved,
+                "measured_memory": result.peak_rss - base.peak_rss,
+            }
+        )
+    if not table:
+        return {"candidates": [], "error": "no candidate ran"}
+    column = lambda key: [row[key] for row in table]  # noqa: E731
+    sized = [row for row in table if row["measured_memory"] >= MEMORY_RESOLUTION]
+    return {
+        "candidates": table,
+        "baseline_rss": base.peak_rss,
+        "step_mape": mape(column("predicted_step"), column("measured_step")),
+        "memory_mape": mape([r["predicted_memory"] for r in sized], [r["measured_memory"] for r in sized])
+        if sized
+        else None,
+        "rank_correlation": spearman(column("predicted_step"), column("measured_step")),
+        "regret": regret(column("predicted_step"), column("measured_step")),
+    }
+
+
+def render(scored: dict) -> str:
+    if not scored["candidates"]:
+        return "validation: no candidate ran"
+    lines = ["", f"{'layout':<34}{'step pred':>10}{'meas':>9}{'err':>7}{'MiB pred':>10}{'meas':>9}{'err':>7}"]
+    for row in scored["candidates"]:
+        ps, ms = row["predicted_step"], row["measured_step"]
+        pm, mm = row["predicted_memory"] / 2**20, row["measured_memory"] / 2**20
+        error = f"{100 * (pm / mm - 1):>+6.0f}%" if row["measured_memory"] >= MEMORY_RESOLUTION else "    n/a"
+        step = f"{ps:>10.3f}{ms:>9.3f}{100 * (ps / ms - 1):>+6.0f}%"
+        lines.append(f"{row['layout']:<34}{step}{pm:>10.1f}{mm:>9.1f}{error}")
+    memory = scored["memory_mape"]
+    lines.append(
+        f"step time MAPE {100 * scored['step_mape']:.1f} %, memory MAPE "
+        f"{'n/a (below what resident memory resolves)' if memory is None else f'{100 * memory:.1f} %'}, "
+        f"rank correlation {scored['rank_correlation']:.2f}, regret {scored['regret']:.2f} "
+        f"(memory above a {scored['baseline_rss'] / GIB:.2f} GiB baseline process)"
+    )
+    return "\n".join(lines)
+
+
+def validate(plan: Plan, config: str, k: int, steps: int) -> dict:
+    """Run, score and print; the scored dict for --json."""
+    with tempfile.TemporaryDirectory(prefix="meshwise-validate-") as scratch:
+        work = Path(scratch)
+        base = baseline(TrialSpec(plan.problem.gpus, config=config), work)
+        if not base.ok:
+            raise ValueError(f"the baseline trial failed: {base.error}")
+        scored = score(measure(plan, config, k, steps, work), base)
+    print(render(scored), flush=True)
+    return scored

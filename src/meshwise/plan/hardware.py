@@ -1,0 +1,303 @@
+"""The machines a plan prices: published spec-sheet figures per GPU, and ``cpu`` measured on this host.
+
+Every figure is a *dense* (no 2:4 sparsity) peak from the vendor's datasheet (docs/plan.md cites each):
+FLOP/s per dtype, memory capacity and bandwidth, the intra-node link (NVLink / Infinity Fabric, per
+direction) and the inter-node link (one InfiniBand NIC per GPU, per direction), GPUs per node. Latencies
+are not spec-sheet numbers: they are typical per-message costs of NCCL over each link, stated as
+assumptions. Peaks are never reached: :class:`Efficiency` is the fraction of peak a matmul of a given
+size achieves (a saturating curve, ``meshwise plan --calibrate`` fits it on this host).
+
+Nothing here starts a process; ``cpu`` measures matmuls and a copy in this process.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+from meshwise.comm.cost import Calibration
+from meshwise.comm.cost.formulas import LinkParams
+from meshwise.models.gpt import GPTConfig
+
+GB = 1e9
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """Fraction of peak FLOP/s a matmul of ``flops`` reaches: ``best · flops / (flops + half)``, or, when
+    ``table`` holds measured (flops, fraction) points, their log-linear interpolation (clamped at the
+    ends) — what ``cpu`` and ``--calibrate`` measure, since a two-parameter fit is fragile on a busy host.
+
+    Small matmuls are dominated by launch and memory traffic, large ones saturate near ``best``; ``half``
+    is the size (FLOPs of one matmul) at which half of ``best`` is reached. GPU defaults: ``best`` 0.75
+    (large bf16 GEMMs on A100/H100 reach 70–80 % of the datasheet peak in cuBLAS benchmarks), ``half``
+    1 GFLOP (a 1024³ matmul is ~2 GFLOP and runs at roughly two thirds of the large-matrix rate)."""
+
+    best: float = 0.75
+    half: float = 1e9
+    table: tuple[tuple[float, float], ...] = ()
+
+    def at(self, flops: float) -> float:
+        if not self.table:
+            return self.best * flops / (flops + self.half)
+        if flops <= self.table[0][0]:
+            return self.table[0][1]
+        for (f0, e0), (f1, e1) in zip(self.table, self.table[1:], strict=False):
+            if flops <= f1:
+                w = math.log(flops / f0) / math.log(f1 / f0)
+                return e0 + w * (e1 - e0)
+        return self.table[-1][1]
+
+
+@dataclass(frozen=True)
+class Link:
+    """One link: bandwidth per direction (bytes/s) and latency per message (s)."""
+
+    bandwidth: float
+    latency: float
+
+    def params(self, reduce_rate: float) -> LinkParams:
+        """The cost model's α-β-γ for this link; γ is the device's rate of reducing bytes."""
+        return LinkParams(alpha=self.latency, beta=1.0 / self.bandwidth, gamma=1.0 / reduce_rate)
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One accelerator model and the links between them."""
+
+    name: str
+    peak_flops: dict[
+        str, float
+    ]  # dense FLOP/s by compute dtype: fp32 (TF32 tensor cores on GPUs), bf16, fp16
+    memory: float  # bytes per device
+    memory_bandwidth: float  # bytes/s
+    intra: Link
+    inter: Link
+    per_node: int
+    efficiency: Efficiency = field(default_factory=Efficiency)
+    #: bytes a rank holds before it holds any model (runtime, allocator, CUDA context or Python + torch)
+    reserved: float = 0.0
+    source: str = "datasheet"
+
+    def peak(self, dtype: str) -> float:
+        if dtype not in self.peak_flops:
+            raise ValueError(f"{self.name} has no {dtype} peak; give --peak-tflops")
+        return self.peak_flops[dtype]
+
+    def link_params(self, inter_node: bool) -> LinkParams:
+        return (self.inter if inter_node else self.intra).params(self.memory_bandwidth / 3)
+
+
+def _gpu(
+    name: str,
+    bf16: float,
+    tf32: float,
+    memory_gb: float,
+    hbm_tbs: float,
+    intra_gbs: float,
+    inter_gbs: float,
+    per_node: int = 8,
+) -> Hardware:
+    tflops = 1e12
+    return Hardware(
+        name=name,
+        peak_flops={"bf16": bf16 * tflops, "fp16": bf16 * tflops, "fp32": tf32 * tflops},
+        memory=memory_gb * GB,
+        memory_bandwidth=hbm_tbs * 1e12,
+        intra=Link(intra_gbs * GB, 5e-6),
+        inter=Link(inter_gbs * GB, 1e-5),
+        per_node=per_node,
+        # a CUDA context, NCCL's buffers and the caching allocator's fragmentation: ~2 GB in practice
+        reserved=2 * GB,
+    )
+
+
+#: Datasheet figures (docs/plan.md#hardware cites each): dense bf16 and TF32 TFLOP/s, memory GB, memory
+#: TB/s, intra-node GB/s per direction (NVLink 3: 600 GB/s total → 300; NVLink 4: 900 → 450; MI300X: 7
+#: Infinity Fabric links of 64 GB/s per direction), inter-node GB/s per GPU (HDR 200 Gb/s, NDR 400 Gb/s).
+PRESETS: dict[str, Hardware] = {
+    "a100-40gb": _gpu("a100-40gb", 312.0, 156.0, 40, 1.555, 300, 25),
+    "a100-80gb": _gpu("a100-80gb", 312.0, 156.0, 80, 2.039, 300, 25),
+    "h100-sxm": _gpu("h100-sxm", 989.4, 494.7, 80, 3.35, 450, 50),
+    "h200": _gpu("h200", 989.4, 494.7, 141, 4.8, 450, 50),
+    "mi300x": _gpu("mi300x", 1307.4, 653.7, 192, 5.3, 448, 50),
+}
+CPU = "cpu"
+NAMES = (*PRESETS, CPU)
+
+
+def hardware(name: str) -> Hardware:
+    """The preset ``name``; ``cpu`` is measured now (a second or so)."""
+    if name == CPU:
+        return measure_cpu()
+    if name not in PRESETS:
+        raise ValueError(f"unknown --gpu {name!r}; choose one of {', '.join(NAMES)}")
+    return PRESETS[name]
+
+
+def with_overrides(
+    hw: Hardware,
+    *,
+    tflops: float | None = None,
+    dtype: str = "bf16",
+    memory_gb: float | None = None,
+    intra_gbs: float | None = None,
+    inter_gbs: float | None = None,
+    intra_us: float | None = None,
+    inter_us: float | None = None,
+    per_node: int | None = None,
+) -> Hardware:
+    """``hw`` with any given flag replacing its figure (each flag is one field, in the flag's unit)."""
+    changes: dict = {}
+    if tflops is not None:
+        changes["peak_flops"] = {**hw.peak_flops, dtype: tflops * 1e12}
+    if memory_gb is not None:
+        changes["memory"] = memory_gb * GB
+    if per_node is not None:
+        changes["per_node"] = per_node
+    for attr, gbs, us in (("intra", intra_gbs, intra_us), ("inter", inter_gbs, inter_us)):
+        link = getattr(hw, attr)
+        if gbs is not None or us is not None:
+            changes[attr] = Link(
+                gbs * GB if gbs is not None else link.bandwidth, us * 1e-6 if us is not None else link.latency
+            )
+    for name, value in changes.items():
+        if isinstance(value, (int, float)) and value <= 0:
+            raise ValueError(f"hardware override {name} must be positive, got {value}")
+    return replace(hw, **changes) if changes else hw
+
+
+# ---------------------------------------------------------------------------------------- this host
+def timings(work: Callable[[], object], seconds: float = 0.2, least: int = 5) -> list[float]:
+    """Seconds of at least ``least`` calls of ``work`` over about ``seconds``, after a warm-up."""
+    work()
+    times, deadline = [], time.perf_counter() + seconds
+    while len(times) < least or time.perf_counter() < deadline:
+        started = time.perf_counter()
+        work()
+        times.append(time.perf_counter() - started)
+    return times
+
+
+def best_time(work: Callable[[], object], seconds: float = 0.2) -> float:
+    """The fastest call: what the hardware does when the job has the cores to itself (the peak)."""
+    return min(timings(work, seconds))
+
+
+def typical_time(work: Callable[[], object], seconds: float = 0.3) -> float:
+    """The median call: on a host shared with other jobs, what a training step will also see."""
+    return statistics.median(timings(work, seconds))
+
+
+def matmul_rate(size: int, device: str = "cpu", dtype: str = "fp32", seconds: float = 0.15) -> float:
+    """Best FLOP/s of ``size``³ matmuls on ``device`` (:func:`best_time` of them)."""
+    import torch
+
+    kind = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    a = torch.randn(size, size, device=device, dtype=kind)
+    b = torch.randn(size, size, device=device, dtype=kind)
+
+    def multiply() -> None:
+        a @ b
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    return 2 * size**3 / best_time(multiply, seconds)
+
+
+def fit_efficiency(points: dict[float, float], peak: float) -> Efficiency:
+    """The measured curve: ``points`` maps a GEMM size (FLOPs) to the FLOP/s reached there."""
+    return Efficiency(
+        best=max(points.values()) / peak, table=tuple((f, r / peak) for f, r in sorted(points.items()))
+    )
+
+
+def layer_rates(config: GPTConfig, micro_batches: tuple[int, ...] = (1, 2, 4, 8, 16)) -> dict[float, float]:
+    """FLOP/s one transformer block of ``config`` reaches in forward + backward here (median run), keyed by
+    its largest GEMM (2·b·s·h·4h, what :mod:`step_time` evaluates the curve at): on a CPU the non-matmul
+    work (LayerNorm, GELU, attention, autograd) is a large share, and this measures it with the rest."""
+    import torch
+
+    from meshwise.models.gpt import Block
+
+    torch.manual_seed(0)
+    block = Block(config)
+    s, h = config.seq_len, config.hidden
+    per_token = 6 * (12 * h * h + 13 * h) + 12 * h * s
+    points = {}
+    for b in micro_batches:
+        x = torch.randn(b, s, h, requires_grad=True)
+        points[2.0 * b * s * h * 4 * h] = (
+            per_token * b * s / typical_time(lambda x=x: block(x).sum().backward())
+        )
+    return points
+
+
+def calibrated(hw: Hardware, sizes: tuple[int, ...] = (256, 512, 1024, 2048, 4096)) -> Hardware:
+    """``hw`` with the efficiency curve measured on this host's CUDA device (bf16), against its datasheet
+    peak: what ``--calibrate`` does for a GPU preset."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ValueError(f"--calibrate with --gpu {hw.name} needs a CUDA device here; use --gpu cpu on a CPU")
+    rates = {2.0 * n**3: matmul_rate(n, "cuda", "bf16") for n in sizes}
+    return replace(hw, efficiency=fit_efficiency(rates, hw.peak("bf16")), source="datasheet, calibrated here")
+
+
+def copy_rate(nbytes: int = 64 * 2**20) -> float:
+    """Bytes/s of a large tensor copy here (read + write), the CPU's memory bandwidth as torch sees it."""
+    import torch
+
+    src = torch.empty(nbytes // 4)
+    dst = torch.empty_like(src)
+    best = 0.0
+    for _ in range(3):
+        started = time.perf_counter()
+        dst.copy_(src)
+        best = max(best, 2 * nbytes / (time.perf_counter() - started))
+    return best
+
+
+def measure_cpu(
+    ranks: int = 1, layer: GPTConfig | None = None, sizes: tuple[int, ...] = (128, 256, 512)
+) -> Hardware:
+    """This host as a planner sees it, measured now: the peak is the best fp32 square matmul; the
+    efficiency curve comes from forward + backward of one block of ``layer`` (the model being planned)
+    at a few micro-batch sizes, or from the square matmuls without one. Memory from /proc/meminfo, links
+    from the built-in calibration (gloo over loopback between local processes), every core a "GPU" of
+    one node. Measured with the torch threads one of ``ranks`` local ranks gets (the cores split among
+    them, as ``spawn`` does: OpenMP threads competing for a core are far slower than one each), and
+    scaled down further when there are more ranks than cores."""
+    import torch
+
+    from meshwise.runtime.memory import available_memory
+
+    cores = os.cpu_count() or 1
+    threads = max(1, cores // max(ranks, 1))
+    share = min(1.0, cores / (max(ranks, 1) * threads))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        squares = {2.0 * n**3: matmul_rate(n) for n in sizes}
+        rates = layer_rates(layer) if layer is not None else squares
+    finally:
+        torch.set_num_threads(before)
+    peak = max(squares.values())
+    native = Calibration.builtin().native
+    link = Link(bandwidth=1 / native.beta, latency=native.alpha)
+    return Hardware(
+        name=CPU,
+        peak_flops={"fp32": peak * share, "bf16": peak * share, "fp16": peak * share},
+        memory=float(available_memory() or 8 * GIB),
+        memory_bandwidth=copy_rate(),
+        intra=link,
+        inter=link,
+        per_node=max(cores, 64),
+        efficiency=fit_efficiency(rates, peak),
+        source="measured",
+    )

@@ -1,0 +1,191 @@
+"""Bytes one rank holds at its peak, by kind: what fits, and by how much it does not.
+
+Model states follow the ZeRO paper (Rajbhandari et al. 2020): per parameter ``b_p`` bytes of weights,
+``b_g`` of gradients and ``K`` of optimizer state, the sharded ones divided by dp — mixed precision
+(bf16/fp16) with Adam is 2 + 2 + 12 (fp32 master, two fp32 moments), fp32 Adam 4 + 4 + 8; SGD with
+momentum keeps 4 (+4 master). Tensor parallelism divides the blocks' matrices, the column-parallel
+biases and the vocabulary-parallel embedding by tp; LayerNorms, row-parallel biases and the position
+table are replicated. A pipeline rank holds ⌈layers/pp⌉ blocks, the first the embeddings, the last the
+final LayerNorm and (pp > 1) its own copy of the tied head.
+
+Activations per layer are Korthikanti et al. 2022's, written for any value size ``v`` and mask size
+``m`` (:func:`meshwise.parallel.tensor_parallel.memory.layer_activation_bytes`; 34·sbh + 5·as²b at 16
+bits with dropout), then
+
+- a fused ("flash") attention kernel saves its output and one fp32 log-sum-exp per row instead of the
+  s×s scores: ``as²b(2v + m)`` becomes ``sbh·v + 4·asb`` (CPU SDPA without dropout does this);
+- selective recomputation drops the s² terms (34·sbh/t with SP); full recomputation keeps the layer
+  input only (2·sbh, /t with SP);
+
+times the layers of a chunk times the chunks in flight on the first pipeline rank
+(:meth:`Layout.in_flight`). The loss holds the logits and their log-softmax in fp32 (2·4·sbV/t) for
+one micro-batch. ZeRO-3 gathers two blocks' weights at a time (the one running and the prefetched
+next); ZeRO-2/3 hold one block's full gradients before its reduce-scatter; DDP's buckets are views of
+the gradients (gradient_as_bucket_view), so they cost nothing more.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from meshwise.models.gpt import GPTConfig
+from meshwise.parallel.tensor_parallel.memory import layer_activation_bytes
+from meshwise.plan.hardware import GIB, Hardware
+from meshwise.plan.layout import Layout
+from meshwise.plan.model import ModelSpec
+
+#: DDP's bucket cap (torch's default): how much of the gradient reduction the last bucket leaves exposed
+BUCKET_BYTES = 25 * 2**20
+OPTIMIZERS = ("adam", "sgd")
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per element of each kind of state, from the compute dtype and the optimizer."""
+
+    dtype: str = "bf16"
+    optimizer: str = "adam"
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("fp32", "bf16", "fp16"):
+            raise ValueError(f"--dtype must be fp32, bf16 or fp16, got {self.dtype!r}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
+
+    @property
+    def value(self) -> int:
+        return 4 if self.dtype == "fp32" else 2
+
+    @property
+    def optimizer_bytes(self) -> int:
+        """K: optimizer state per parameter, the fp32 master copy included when weights are 16-bit."""
+        moments = 8 if self.optimizer == "adam" else 4
+        return moments + (0 if self.dtype == "fp32" else 4)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Peak bytes on the fullest rank, by kind."""
+
+    parameters: float
+    gradients: float
+    optimizer: float
+    activations: float
+    logits: float
+    gather_buffers: float
+    comm_buckets: float
+    reserved: float
+    capacity: float
+
+    @property
+    def model_states(self) -> float:
+        return self.parameters + self.gradients + self.optimizer
+
+    @property
+    def total(self) -> float:
+        return (
+            self.model_states
+            + self.activations
+            + self.logits
+            + self.gather_buffers
+            + self.comm_buckets
+            + self.reserved
+        )
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.capacity
+
+    @property
+    def largest(self) -> str:
+        parts = {k: v for k, v in asdict(self).items() if k not in ("capacity", "reserved")}
+        return max(parts, key=parts.__getitem__).replace("_", " ")
+
+    def verdict(self) -> str:
+        if self.fits:
+            return f"fits, {(self.capacity - self.total) / GIB:.1f} GiB to spare"
+        return f"out of memory by {(self.total - self.capacity) / GIB:.1f} GiB: {self.largest}"
+
+    def to_json(self) -> dict:
+        return asdict(self) | {"total": self.total, "fits": self.fits, "model_states": self.model_states}
+
+
+def rank_parameters(model: ModelSpec, layout: Layout) -> float:
+    """Parameters on the fullest rank (first or last pipeline stage) after TP and the pipeline split."""
+    c, t = model.config, layout.tp
+    h = c.hidden
+    per_layer = 12 * h * h / t + 7 * h / t + 6 * h
+    blocks = -(-c.layers // layout.pp) * per_layer
+    embedding = model.embedding_parameters / t
+    first = blocks + embedding + c.seq_len * h
+    last = blocks + 2 * h + embedding
+    scale = model.parameters / c.num_parameters()  # --params: states priced with the count asked for
+    return (max(first, last) if layout.pp > 1 else first + 2 * h) * scale
+
+
+def layer_activations(
+    config: GPTConfig,
+    micro_batch: int,
+    layout: Layout,
+    precision: Precision,
+    *,
+    attention: str = "math",
+    mask_bytes: int = 0,
+) -> float:
+    """Bytes one layer keeps for backward per micro-batch on one rank (see the module docstring)."""
+    s, b, h, a, t = config.seq_len, micro_batch, config.hidden, config.heads, layout.tp
+    v, m = precision.value, mask_bytes
+    shard = t if layout.sp else 1
+    if layout.recompute == "full":
+        return s * b * h * v / shard
+    base = layer_activation_bytes(config, b, tp=t, sequence_parallel=layout.sp, value_bytes=v, mask_bytes=m)
+    scores = a * s * s * b * (2 * v + m) / t
+    if layout.recompute == "selective":
+        return base - scores
+    if attention == "flash":
+        return base - scores + (s * b * h * v + 4 * a * s * b) / t
+    return base
+
+
+def estimate_memory(
+    model: ModelSpec,
+    layout: Layout,
+    hw: Hardware,
+    precision: Precision,
+    global_batch: int,
+    *,
+    attention: str = "math",
+    mask_bytes: int = 0,
+) -> MemoryEstimate:
+    """Peak bytes on the fullest rank of ``layout``."""
+    c, dp, z = model.config, layout.dp, layout.zero
+    params, grads, optimizer = model_states(rank_parameters(model, layout), dp, z, precision)
+    chunk_layers = -(-c.layers // (layout.pp * layout.virtual))
+    per_layer = layer_activations(
+        c, layout.micro_batch, layout, precision, attention=attention, mask_bytes=mask_bytes
+    )
+    embedding_out = (
+        c.seq_len * layout.micro_batch * c.hidden * precision.value / (layout.tp if layout.sp else 1)
+    )
+    in_flight = layout.in_flight(global_batch)
+    activations = in_flight * (chunk_layers * per_layer + embedding_out)
+    logits = 2 * 4 * c.seq_len * layout.micro_batch * c.vocab / layout.tp
+    layer_weights = model.layer_parameters / layout.tp * precision.value
+    gather = 2 * layer_weights if z == 3 and dp > 1 else 0.0
+    # ZeRO-2/3: one unit's full gradients before its reduce-scatter; DDP's buckets are views of the
+    # gradients (our reducer, torch's gradient_as_bucket_view), so they add nothing
+    buckets = layer_weights if z >= 2 and dp > 1 else 0.0
+    return MemoryEstimate(
+        params, grads, optimizer, activations, logits, gather, buckets, hw.reserved, hw.memory
+    )
+
+
+def model_states(parameters: float, dp: int, stage: int, precision: Precision) -> tuple[float, float, float]:
+    """The ZeRO paper's (weights, gradients, optimizer state) bytes per rank: b_p·Ψ, b_g·Ψ and K·Ψ, the
+    last ``stage`` of them (counting from the optimizer) divided by the dp ranks."""
+    v, k = precision.value, precision.optimizer_bytes
+    return (
+        v * parameters / (dp if stage >= 3 else 1),
+        v * parameters / (dp if stage >= 2 else 1),
+        k * parameters / (dp if stage >= 1 else 1),
+    )

@@ -1,0 +1,200 @@
+"""Seconds per optimizer step of a layout, by cause: compute, TP collectives, pipeline bubble and
+point-to-point, data-parallel reduction (what backward does not hide), ZeRO-3 gathers, optimizer.
+
+- **Compute**: FLOPs per token (6N + attention, recomputation counted: hardware FLOPs) × tokens of the
+  rank's share, over peak × the matmul efficiency at the layer's largest GEMM (b·s × h × 4h/t).
+- **TP**: per layer and micro-batch two all-reduces of b·s·h values forward and two backward (with SP the
+  same bytes as all-gather + reduce-scatter pairs), three forward passes' worth with full recomputation;
+  ring on the intra-node link when tp fits in a node. On the critical path (no overlap).
+- **Pipeline**: compute + TP stretched by 1/(1 − bubble), bubble = (p−1)/(v·m + p−1) (the simulator's
+  figure), plus one activation (forward) and one gradient (backward) transfer on the critical path per
+  micro-batch and chunk, and for the fill and drain.
+- **Data parallel**: the gradients of one rank (b_g·Ψ_rank bytes) reduced over dp with the cost model's
+  cheapest of ring and tree — hierarchical when the dp group spans nodes; ZeRO-1/2 reduce-scatter the
+  gradients and all-gather the updated weights (ring), ZeRO-3 all-gathers weights for forward and
+  backward and reduce-scatters gradients for every micro-batch. Buckets overlap with the last
+  micro-batch's backward (ZeRO-3's gathers with every micro-batch's compute); only the part longer than
+  that, or at least the last bucket, is exposed.
+- **Optimizer**: memory-bound; every byte of state read and written once at the memory bandwidth.
+
+Collective times come from :func:`meshwise.comm.algorithms.registry.predict_seconds` with the link's α, β
+and γ (the device's memory bandwidth reduces): the same formulas ``meshwise bench`` is checked against.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import asdict, dataclass
+
+from meshwise.comm.algorithms import registry
+from meshwise.comm.cost.formulas import LinkParams
+from meshwise.plan.hardware import Hardware
+from meshwise.plan.layout import Layout
+from meshwise.plan.memory import BUCKET_BYTES, Precision, model_states, rank_parameters
+from meshwise.plan.model import ModelSpec
+
+
+@dataclass(frozen=True)
+class TimeEstimate:
+    """Seconds of one step by cause, and the throughput they give."""
+
+    compute: float
+    tensor_parallel: float
+    bubble: float
+    pipeline_p2p: float
+    data_parallel: float  # exposed
+    optimizer: float
+    tokens: int  # per step, all ranks
+    model_flops: float  # per step, all ranks
+    hardware_flops: float
+    peak: float  # FLOP/s, all ranks
+
+    @property
+    def step(self) -> float:
+        return (
+            self.compute
+            + self.tensor_parallel
+            + self.bubble
+            + self.pipeline_p2p
+            + self.data_parallel
+            + self.optimizer
+        )
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.step
+
+    @property
+    def mfu(self) -> float:
+        return self.model_flops / self.step / self.peak
+
+    @property
+    def hfu(self) -> float:
+        return self.hardware_flops / self.step / self.peak
+
+    def days(self, tokens: float) -> float:
+        return tokens / self.tokens_per_second / 86400
+
+    def causes(self) -> dict[str, float]:
+        return {
+            k: getattr(self, k)
+            for k in ("compute", "tensor_parallel", "bubble", "pipeline_p2p", "data_parallel", "optimizer")
+        }
+
+    def to_json(self) -> dict:
+        return asdict(self) | {
+            "step": self.step,
+            "tokens_per_second": self.tokens_per_second,
+            "mfu": self.mfu,
+            "hfu": self.hfu,
+        }
+
+
+@functools.lru_cache(maxsize=4096)
+def predict_seconds(
+    collective: str, algo: str, nbytes: float, ranks: int, link: LinkParams, **two_links: object
+) -> float:
+    """The cost model's time of one call, remembered: a search prices the same calls thousands of times."""
+    return registry.predict_seconds(collective, algo, nbytes, ranks, link, **two_links)
+
+
+def dp_layout(layout: Layout, hw: Hardware) -> tuple[int, bool]:
+    """(dp ranks per node, whether the dp group spans nodes): ranks are numbered tp fastest, then dp, then
+    pp (Megatron's order), so a node holds per_node/tp consecutive members of each dp group."""
+    local = max(1, hw.per_node // layout.tp) if layout.tp <= hw.per_node else 1
+    local = min(local, layout.dp)
+    return local, layout.dp > local
+
+
+def all_reduce_seconds(nbytes: float, ranks: int, hw: Hardware, local: int, spans: bool) -> float:
+    """The cheapest of ring and tree on the dp group's link, and hierarchical when it spans nodes."""
+    if ranks == 1:
+        return 0.0
+    link = hw.link_params(spans)
+    options = [predict_seconds("all_reduce", algo, nbytes, ranks, link) for algo in ("ring", "tree")]
+    if spans and local > 1 and ranks % local == 0:
+        options.append(
+            predict_seconds(
+                "all_reduce",
+                "hierarchical",
+                nbytes,
+                ranks,
+                hw.link_params(False),
+                inter=hw.link_params(True),
+                local_size=local,
+            )
+        )
+    return min(options)
+
+
+def estimate_time(
+    model: ModelSpec, layout: Layout, hw: Hardware, precision: Precision, global_batch: int
+) -> TimeEstimate:
+    c = model.config
+    s, b, h, t, p, v = c.seq_len, layout.micro_batch, c.hidden, layout.tp, layout.pp, layout.virtual
+    m = layout.micro_batches(global_batch)
+    tokens = global_batch * s
+    hardware_per_token = model.flops_per_token(layout.recompute)
+    peak = hw.peak(precision.dtype)
+    gemm = 2 * b * s * h * 4 * h / t
+    rate = peak * hw.efficiency.at(gemm)
+    compute_mb = hardware_per_token * b * s / (t * p) / rate
+    # tensor parallel: 4 collectives of b·s·h values per layer per micro-batch (6 with full recompute)
+    layers = -(-c.layers // p)
+    collectives = 6 if layout.recompute == "full" else 4
+    tp_link = hw.link_params(t > hw.per_node)
+    activation = b * s * h * precision.value
+    tp_mb = (
+        layers * collectives * predict_seconds("all_reduce", "ring", activation, t, tp_link) if t > 1 else 0.0
+    )
+    busy = m * (compute_mb + tp_mb)
+    bubble = busy * layout.bubble(global_batch) / (1 - layout.bubble(global_batch))
+    p2p = 0.0
+    if p > 1:
+        spans_nodes = t * layout.dp >= hw.per_node
+        link = hw.link_params(spans_nodes)
+        message = link.alpha + link.beta * activation / (t if layout.sp else 1)
+        p2p = 2 * (v * m + p - 1) * message
+    dp_seconds = _data_parallel(model, layout, hw, precision, m, compute_mb)
+    psi = rank_parameters(model, layout)
+    states = sum(model_states(psi, layout.dp, layout.zero, precision))
+    optimizer = 2 * states / hw.memory_bandwidth
+    return TimeEstimate(
+        compute=m * compute_mb,
+        tensor_parallel=m * tp_mb,
+        bubble=bubble,
+        pipeline_p2p=p2p,
+        data_parallel=dp_seconds,
+        optimizer=optimizer,
+        tokens=tokens,
+        model_flops=model.flops_per_token() * tokens,
+        hardware_flops=hardware_per_token * tokens,
+        peak=peak * layout.gpus,
+    )
+
+
+def _data_parallel(
+    model: ModelSpec, layout: Layout, hw: Hardware, precision: Precision, m: int, compute_mb: float
+) -> float:
+    """Exposed seconds of the dp group's communication per step (see the module docstring)."""
+    dp = layout.dp
+    if dp == 1:
+        return 0.0
+    local, spans = dp_layout(layout, hw)
+    link = hw.link_params(spans)
+    nbytes = precision.value * rank_parameters(model, layout)
+    backward = compute_mb * 2 / 3
+    if layout.zero == 3:
+        gathers = 2 * predict_seconds("all_gather", "ring", nbytes, dp, link)
+        per_mb = gathers + predict_seconds("reduce_scatter", "ring", nbytes, dp, link)
+        first_unit = per_mb / max(1, -(-model.config.layers // layout.pp))
+        return m * max(per_mb - compute_mb, first_unit)
+    if layout.zero:
+        total = predict_seconds("reduce_scatter", "ring", nbytes, dp, link)
+        total += predict_seconds("all_gather", "ring", nbytes, dp, link)  # updated weights, after the step
+        hidden = min(backward, total / 2)
+    else:
+        total = all_reduce_seconds(nbytes, dp, hw, local, spans)
+        hidden = backward
+    last_bucket = total * min(1.0, BUCKET_BYTES / nbytes)
+    return max(total - hidden, last_bucket)

@@ -1,0 +1,196 @@
+"""Run one layout of ``meshwise train gpt`` for a few steps and collect what it did: per-step losses and
+seconds, the peak memory of its fullest rank, and (optionally) its trained weights.
+
+``meshwise plan --validate`` and ``meshwise compare`` both need exactly this, so it is here once. A trial
+drives the public command line (``meshwise train gpt … --json F``) in a child process rather than the
+trainer's internals, so it measures what a user would run and survives changes inside ``train/gpt``.
+
+Peak memory is the largest peak resident set (``VmHWM``, sampled every 50 ms) of any process of the
+trial — the command and the ranks it spawned — minus the same figure for a *baseline* trial of a model
+too small to matter on the same number of ranks: what Python, torch, gloo, the corpus and evaluation
+cost is then not counted, and what remains is the bytes the layout itself adds — what a planner
+predicts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+#: train gpt flags a layout may set (the Layout spelling → the flag)
+LAYOUT_FLAGS = {
+    "dp": "--dp",
+    "tp": "--tp",
+    "pp": "--pp",
+    "zero": "--zero",
+    "micro_batch": "--micro-batch",
+    "micro_batches": "--micro-batches",
+    "schedule": "--schedule",
+    "virtual_stages": "--virtual-stages",
+}
+
+
+#: how often a trial's processes are sampled for their peak resident set (VmHWM only grows, so a sample
+#: shortly before a rank exits holds its peak up to then)
+POLL_SECONDS = 0.05
+#: validation windows of the one evaluation at the end: few (cheap), but at least one per rank of any
+#: layout here — with fewer windows than dp ranks, a rank without one skips ZeRO-3's gathers and the
+#: others wait on it (train gpt --zero 3 --eval-windows 1 -np 2 hangs on this branch)
+EVAL_WINDOWS = 8
+
+
+@dataclass(frozen=True)
+class TrialSpec:
+    """One ``meshwise train gpt`` run: model and data fixed, the layout varied."""
+
+    ranks: int
+    layout: dict[str, int | str | bool] = field(default_factory=dict)  # keys of LAYOUT_FLAGS, and "sp"
+    config: str = "gpt-tiny"
+    steps: int = 5
+    global_batch: int = 8
+    seq_len: int | None = None
+    seed: int = 0
+    lr: float = 2e-3
+    model_flags: tuple[str, ...] = ()  # e.g. ("--layers", "1") for the baseline
+    export: bool = False  # write the trained weights (Hugging Face GPT-2 safetensors)
+
+    def argv(self, json_path: Path, export_dir: Path | None) -> list[str]:
+        args = [
+            "train",
+            "gpt",
+            "-np",
+            str(self.ranks),
+            "--config",
+            self.config,
+            "--steps",
+            str(self.steps),
+            "--global-batch",
+            str(self.global_batch),
+            "--seed",
+            str(self.seed),
+            "--lr",
+            str(self.lr),
+            "--warmup",
+            "0",
+            "--eval-every",
+            str(self.steps),
+            "--eval-windows",
+            str(EVAL_WINDOWS),
+            "--backend",
+            "gloo",
+            "--device",
+            "cpu",
+            "--json",
+            str(json_path),
+            *self.model_flags,
+        ]
+        if self.seq_len is not None:
+            args += ["--seq-len", str(self.seq_len)]
+        for key, value in self.layout.items():
+            if key == "sp":
+                args += ["--sp"] if value else []
+            elif key not in LAYOUT_FLAGS:
+                raise ValueError(f"unknown layout setting {key!r}; choose from {', '.join(LAYOUT_FLAGS)}, sp")
+            else:
+                args += [LAYOUT_FLAGS[key], str(value)]
+        if export_dir is not None:
+            args += ["--export-hf", str(export_dir)]
+        return args
+
+
+@dataclass(frozen=True)
+class TrialResult:
+    spec: TrialSpec
+    ok: bool
+    error: str  # the run's last stderr line when it failed ("" otherwise)
+    losses: tuple[float, ...] = ()
+    step_seconds: tuple[float, ...] = ()
+    peak_rss: int = 0  # bytes, the largest process of the trial
+    weights: str | None = None  # exported safetensors file
+
+    @property
+    def step_time(self) -> float:
+        """Median step after the first (which pays for warm-up)."""
+        steps = self.step_seconds[1:] or self.step_seconds
+        return statistics.median(steps) if steps else float("nan")
+
+
+def run_trial(spec: TrialSpec, workdir: Path, timeout: float = 300.0) -> TrialResult:
+    """Run ``spec`` in a child process under ``workdir`` (weights are kept there when exported)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    out = Path(tempfile.mkdtemp(prefix="trial-", dir=workdir))
+    json_path = out / "run.json"
+    export_dir = out / "weights" if spec.export else None
+    command = [sys.executable, "-m", "meshwise", *spec.argv(json_path, export_dir)]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [_source_root(), os.environ.get("PYTHONPATH")])),
+    }
+    with open(out / "stdout", "w") as stdout, open(out / "stderr", "w") as stderr:
+        child = subprocess.Popen(command, stdout=stdout, stderr=stderr, env=env)
+        peak, deadline = 0, time.monotonic() + timeout
+        while child.poll() is None:
+            if time.monotonic() > deadline:
+                child.kill()
+                child.wait()
+                return TrialResult(spec, False, f"did not finish in {timeout:.0f} s")
+            peak = max(peak, _peak_resident(child.pid))
+            time.sleep(POLL_SECONDS)
+    if child.returncode != 0 or not json_path.exists():
+        lines = [line for line in (out / "stderr").read_text().splitlines() if line.strip()] or [
+            "(no output)"
+        ]
+        return TrialResult(spec, False, lines[-1])
+    run = json.loads(json_path.read_text())
+    history = [h for h in run["history"] if h["step"] > run["first_step"]]
+    weights = None
+    if export_dir is not None:
+        weights = next((str(p) for p in sorted(export_dir.glob("*.safetensors"))), None)
+    return TrialResult(
+        spec,
+        True,
+        "",
+        tuple(h["loss"] for h in history),
+        tuple(h["seconds"] for h in history),
+        peak,
+        weights,
+    )
+
+
+def _peak_resident(pid: int) -> int:
+    """The largest peak resident set (VmHWM, bytes) of ``pid`` and its descendants now alive: the
+    spawned ranks are children of multiprocessing's fork server, which a parent's rusage never sees."""
+    largest, pending = 0, [pid]
+    while pending:
+        current = pending.pop()
+        try:
+            status = Path(f"/proc/{current}/status").read_text()
+            children = Path(f"/proc/{current}/task/{current}/children").read_text().split()
+        except OSError:  # it exited between two reads
+            continue
+        for line in status.splitlines():
+            if line.startswith("VmHWM:"):
+                largest = max(largest, int(line.split()[1]) * 1024)
+        pending += [int(c) for c in children]
+    return largest
+
+
+def baseline(spec: TrialSpec, workdir: Path, timeout: float = 300.0) -> TrialResult:
+    """The same run shape with a one-layer, 8-wide model on plain data parallelism: the memory every
+    trial of ``spec.ranks`` ranks pays whatever its layout."""
+    tiny = replace(spec, layout={}, steps=2, export=False,
+                   model_flags=("--layers", "1", "--hidden", "8", "--heads", "1"), global_batch=spec.ranks,
+                   seq_len=8)  # fmt: skip
+    return run_trial(tiny, workdir, timeout)
+
+
+def _source_root() -> str:
+    """The directory meshwise is imported from, so the child runs this same code."""
+    return str(Path(__file__).resolve().parents[2])
