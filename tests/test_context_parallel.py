@@ -19,6 +19,7 @@ import torch.nn.functional as F
 import meshwise
 from meshwise.comm.mesh import MeshShape
 from meshwise.models.gpt import GPT, gpt_config, language_model_loss
+from meshwise.models.gpt_plan import gpt_plan, tensor_parallel
 from meshwise.parallel import DataParallel
 from meshwise.parallel.context_parallel import (
     apply_context_parallel,
@@ -32,9 +33,9 @@ from meshwise.parallel.context_parallel import (
     split_sequence,
 )
 from meshwise.parallel.context_parallel.blockwise import fused_backward, fused_forward, masked_attention
-from meshwise.parallel.pipeline_parallel.builder import micro_batches_of, pipeline_gpt
+from meshwise.parallel.pipeline_parallel.builder import build_pipeline, micro_batches_of
 from meshwise.parallel.recompute import apply_recompute, stage_blocks
-from meshwise.parallel.tensor_parallel import full_tensors, tensor_parallel, vocab_parallel_cross_entropy
+from meshwise.parallel.tensor_parallel import full_tensors, vocab_parallel_cross_entropy
 from meshwise.runtime.spawn import spawn
 
 TOLERANCE = 1e-5
@@ -166,7 +167,9 @@ def _cp_pp_parity(mesh) -> float:
     tokens = torch.randint(0, config.vocab, (4, config.seq_len + 1), generator=generator)
     torch.manual_seed(0)
     reference = GPT(config)
-    executor, chunks = pipeline_gpt(copy.deepcopy(reference), mesh.tp, schedule="1f1b", micro_batches=2)
+    executor, chunks = build_pipeline(
+        copy.deepcopy(reference), gpt_plan(config), mesh.tp, schedule="1f1b", micro_batches=2
+    )
     language_model_loss(reference(tokens[:, :-1]), tokens[:, 1:]).backward()
     cp_comm = mesh.dp
     for chunk in chunks:

@@ -11,17 +11,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from meshwise.parallel.tensor_parallel.memory import (
-    dropout_mask_bytes,
-    layer_activation_report,
-    saved_activation_bytes,
-)
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from meshwise.cli import main
 from meshwise.comm.algorithms.registry import predict_seconds
 from meshwise.models.gpt import CONFIGS, GPT, GPTConfig
+from meshwise.models.gpt_activations import (
+    dropout_mask_bytes,
+    layer_activation_report,
+    saved_activation_bytes,
+)
 from meshwise.parallel.pipeline_parallel.schedules import build_schedule
 from meshwise.parallel.pipeline_parallel.simulator import simulate
 from meshwise.plan import Layout, ModelSpec, Precision, Problem, advise, hardware

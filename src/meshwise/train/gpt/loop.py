@@ -70,8 +70,6 @@ class GPTTrainer:
             for block in model.blocks:
                 block.compile()
         self.step_runner = parallelize(model, self.mesh, config)
-        for group in self.step_runner.optimizer.param_groups:  # --beta1/--beta2/--eps
-            group.update(betas=(config.beta1, config.beta2), eps=config.eps)
         self.history: list[StepStats] = []
         self.first_step = 0
         self.initial_val_loss: float | None = None  # before the first step: the baseline learning beats

@@ -16,10 +16,11 @@ def decays(_name: str, param: nn.Parameter) -> bool:
 
 
 def adamw(decayed: list[nn.Parameter], rest: list[nn.Parameter], config: GPTTrainConfig) -> torch.optim.AdamW:
-    """AdamW as GPT-2 is trained — betas (0.9, 0.95), decay on ``decayed`` only — over any parameters
-    (whole ones, tensor-parallel shards, or ZeRO's flat master shards of one kind)."""
+    """AdamW as GPT-2 is trained — by default betas (0.9, 0.95) (--beta1/--beta2/--eps), decay on
+    ``decayed`` only — over any parameters (whole ones, tensor-parallel shards, or ZeRO's flat master
+    shards of one kind)."""
     groups = [{"params": decayed, "weight_decay": config.weight_decay}, {"params": rest, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.95))
+    return torch.optim.AdamW(groups, lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps)
 
 
 def build_optimizer(model: nn.Module, config: GPTTrainConfig) -> torch.optim.AdamW:
