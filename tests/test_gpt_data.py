@@ -10,7 +10,13 @@ import torch
 
 from meshwise.data.corpus import build_corpus, corpus_path, default_corpus, source_files
 from meshwise.data.tokens import ByteTokenizer, load_tokens, open_tokens, write_tokens
-from meshwise.data.windows import TokenSplits, global_offsets, train_batch, val_batches
+from meshwise.data.windows import (
+    TokenSplits,
+    global_offsets,
+    lockstep_val_batches,
+    train_batch,
+    val_batches,
+)
 from meshwise.train.gpt.schedule import lr_at
 
 
@@ -68,6 +74,21 @@ def test_validation_windows_are_fixed_and_shared_out_once() -> None:
     every = torch.cat([x for r in range(3) for x, _ in val_batches(splits, 16, 10, 4, r, 3)])
     assert len(every) == 10 and len({tuple(row.tolist()) for row in every}) == 10
     assert int(every.max()) < 5000 and int(every.min()) >= 4500
+
+
+@pytest.mark.parametrize(
+    ("windows", "batch", "ranks", "rounds"), [(1, 4, 2, 1), (5, 2, 2, 2), (7, 2, 3, 2), (4, 1, 4, 1)]
+)
+def test_every_rank_runs_as_many_validation_batches_counting_each_window_once(windows, batch, ranks, rounds):
+    splits = TokenSplits.split("x", np.arange(5000, dtype=np.uint16), seq_len=16)
+    shares = [lockstep_val_batches(splits, 16, windows, batch, r, ranks) for r in range(ranks)]
+    assert [len(share) for share in shares] == [rounds] * ranks  # a sharded forward is collective
+    for rank, share in enumerate(shares):
+        counted = [(x, y) for x, y, keep in share if keep]
+        mine = val_batches(splits, 16, windows, batch, rank, ranks)
+        assert len(counted) == len(mine)
+        pairs = zip(counted, mine, strict=True)
+        assert all(torch.equal(x, a) and torch.equal(y, b) for (x, y), (a, b) in pairs)
 
 
 def test_cosine_schedule_with_warmup() -> None:

@@ -82,3 +82,24 @@ def val_batches(
     """This rank's share of the validation windows, in batches of at most ``batch``."""
     mine = val_offsets(len(splits.val), seq_len, windows)[rank::ranks]
     return [_windows(splits.val, mine[i : i + batch], seq_len) for i in range(0, len(mine), batch)]
+
+
+def lockstep_val_batches(
+    splits: TokenSplits, seq_len: int, windows: int, batch: int, rank: int, ranks: int
+) -> list[tuple[torch.Tensor, torch.Tensor, bool]]:
+    """This rank's validation batches (``counted`` True), padded with uncounted ones to as many as the
+    busiest rank runs.
+
+    A sharded model's forward is collective (ZeRO-3 gathers its parameters over the data-parallel
+    ranks), so every rank must run the same number of forwards: with fewer windows than ranks, or a
+    share that does not fill the last batch alike everywhere, a rank that stopped early would leave the
+    others waiting in a gather. A padding batch is the first validation window; its loss is dropped."""
+    offsets = val_offsets(len(splits.val), seq_len, windows)
+    busiest = -(-len(offsets) // ranks)  # the first rank's share, the largest
+    rounds = -(-busiest // batch)
+    mine = [
+        (inputs, targets, True)
+        for inputs, targets in val_batches(splits, seq_len, windows, batch, rank, ranks)
+    ]
+    filler = _windows(splits.val, offsets[:1], seq_len)
+    return mine + [(*filler, False)] * (rounds - len(mine))

@@ -40,9 +40,8 @@ LAYOUT_FLAGS = {
 #: how often a trial's processes are sampled for their peak resident set (VmHWM only grows, so a sample
 #: shortly before a rank exits holds its peak up to then)
 POLL_SECONDS = 0.05
-#: validation windows of the one evaluation at the end: few (cheap), but at least one per rank of any
-#: layout here — with fewer windows than dp ranks, a rank without one skips ZeRO-3's gathers and the
-#: others wait on it (train gpt --zero 3 --eval-windows 1 -np 2 hangs on this branch)
+#: validation windows of the one evaluation at the end: few (cheap), yet at least one per rank of any
+#: layout here, so that no rank's forwards are all padding (see data.windows.lockstep_val_batches)
 EVAL_WINDOWS = 8
 
 

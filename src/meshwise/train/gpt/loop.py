@@ -23,7 +23,7 @@ from meshwise.comm.counting import CountingCommunicator
 from meshwise.comm.mesh import AXES
 from meshwise.data.local_tokenizer import FileTokenizer
 from meshwise.data.tokens import ByteTokenizer
-from meshwise.data.windows import train_batch, val_batches
+from meshwise.data.windows import lockstep_val_batches, train_batch
 from meshwise.models.gpt import GPT
 from meshwise.parallel.expert_parallel import moe_report
 from meshwise.runtime.cores import available_cores
@@ -179,14 +179,16 @@ class GPTTrainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean next-token loss over the fixed validation windows, summed over the dp ranks."""
+        """Mean next-token loss over the fixed validation windows, summed over the dp ranks (every rank
+        runs as many forwards as the busiest, since a sharded forward is collective)."""
         self.step_runner.model.eval()
         totals = torch.zeros(2, dtype=torch.float64)
-        for inputs, targets in val_batches(
+        for inputs, targets, counted in lockstep_val_batches(
             self.splits, self.seq_len, self.config.eval_windows, self.micro_batch, self.dp_rank, self.dp
         ):
             loss = self.step_runner.eval_loss_sum(inputs.to(self.world.device), targets.to(self.world.device))
-            totals += torch.tensor([loss.item(), targets.numel()], dtype=torch.float64)
+            if counted:
+                totals += torch.tensor([loss.item(), targets.numel()], dtype=torch.float64)
         self.step_runner.model.train()
         self.mesh.batch.all_reduce(totals, ReduceOp.SUM)
         return (totals[0] / totals[1]).item()
