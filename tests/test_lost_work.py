@@ -67,7 +67,7 @@ def test_a_timeout_keeps_every_finished_row_printed_and_in_the_json(tmp_path, ca
 
 def test_a_rank_that_fails_mid_sweep_keeps_the_rows_before_it(tmp_path, capsys, monkeypatch):
     calls = []
-    real = runner._timed
+    real = runner._timed_loop  # the default timing (-n operations back to back, nccl-tests)
 
     def dies_at_the_third_size(*args):
         calls.append(1)
@@ -75,7 +75,7 @@ def test_a_rank_that_fails_mid_sweep_keeps_the_rows_before_it(tmp_path, capsys, 
             raise PeerFailureError("rank 1 died while this rank waited for it", rank=0, op="all_reduce")
         return real(*args)
 
-    monkeypatch.setattr(runner, "_timed", dies_at_the_third_size)
+    monkeypatch.setattr(runner, "_timed_loop", dies_at_the_third_size)
     path, png = tmp_path / "partial.json", tmp_path / "partial.png"
     code = main([*ENDLESS, "-np", "1", "--json", str(path), "--plot", str(png)])
     out, err = capsys.readouterr()

@@ -79,13 +79,19 @@ def add_parser(models: argparse._SubParsersAction) -> None:
         help="training context (default: the config's, at most 128 on a CPU)",
     )
     experts = parser.add_argument_group("mixture of experts (one process or -np N data parallel)")
-    experts.add_argument("--experts", type=int, default=None, help="experts per MLP (0: dense; config's)")
+    experts.add_argument(
+        "--experts", type=int, default=None, help="experts per MLP, 0 = dense (default: the config's)"
+    )
     experts.add_argument("--top-k", type=int, default=None, help="experts per token (default 2)")
     experts.add_argument(
         "--capacity-factor", type=float, default=None, help="cap per expert ⌈c·T·k/E⌉ (default dropless)"
     )
-    experts.add_argument("--aux-loss-coef", type=float, default=None, help="load-balancing loss (0.01)")
-    experts.add_argument("--z-loss-coef", type=float, default=None, help="router z-loss (0.001)")
+    experts.add_argument(
+        "--aux-loss-coef", type=float, default=None, help="load-balancing loss coefficient (default 0.01)"
+    )
+    experts.add_argument(
+        "--z-loss-coef", type=float, default=None, help="router z-loss coefficient (default 0.001)"
+    )
     run = parser.add_argument_group("optimisation")
     run.add_argument("--steps", type=int, default=d["steps"], help="optimizer steps (default %(default)s)")
     run.add_argument(
@@ -114,14 +120,15 @@ def add_parser(models: argparse._SubParsersAction) -> None:
         "--recompute",
         choices=("none", "selective", "full"),
         default=d["recompute"],
-        help="activation recomputation: selective re-runs the attention core in backward, full each block",
+        help="activation recomputation: selective re-runs the attention core in backward, full each block "
+        "(default %(default)s)",
     )
     run.add_argument(
         "--recompute-layers",
         type=int,
         default=None,
         metavar="K",
-        help="with --recompute full: only the first K blocks of each pipeline stage",
+        help="with --recompute full: only the first K blocks of each pipeline stage (default: every block)",
     )
     # the earlier spelling of --micro-batch-size keeps working, out of sight: one letter from --micro-batches
     run.add_argument("--micro-batch", dest="micro_batch", type=int, help=argparse.SUPPRESS)

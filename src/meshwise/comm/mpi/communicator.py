@@ -36,6 +36,7 @@ from meshwise.comm.api import (
 )
 from meshwise.comm.buffers import adjacent_span, joined, same_memory, scatter_back
 from meshwise.comm.mpi.work import MpiWork, translate_mpi_error
+from meshwise.comm.numpy_view import numpy_view
 from meshwise.comm.splits import first_mismatch
 from meshwise.runtime.mpi_wait import import_mpi
 from meshwise.runtime.timeouts import DEFAULT_TIMEOUT_S
@@ -117,7 +118,7 @@ class MpiCommunicator(Communicator):
         flat = tensor.detach().reshape(-1)
         if flat.dtype in _MOVE_AS:
             flat = flat.view(_MOVE_AS[flat.dtype])
-        return flat.numpy()
+        return numpy_view(flat)
 
     def _start(
         self,

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from meshwise.comm.api import ReduceOp, accumulator_dtype
+from meshwise.comm.numpy_view import numpy_view
 
 #: numpy arrays for the dtypes numpy has, torch tensors (bfloat16) for the others
 Array = np.ndarray | torch.Tensor
@@ -60,7 +61,7 @@ def numpy_dtype(dtype: torch.dtype) -> type | None:
 def as_array(tensor: torch.Tensor) -> Array:
     """``tensor``'s memory as a flat array (no copy): numpy where it can be, else the tensor itself."""
     flat = tensor.detach().view(-1)
-    return flat.numpy() if tensor.dtype in _NUMPY else flat
+    return numpy_view(flat) if tensor.dtype in _NUMPY else flat
 
 
 def size(array: Array) -> int:

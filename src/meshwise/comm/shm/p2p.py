@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from meshwise.comm.api import Work
+from meshwise.comm.numpy_view import numpy_view
 from meshwise.comm.shm.phase import PhaseEngine, ThreadLimit
 from meshwise.comm.shm.segment import Layout, Segment
 from meshwise.comm.shm.sync import Waiter, store_fence
@@ -41,9 +42,9 @@ def _bytes_of(tensor: torch.Tensor) -> np.ndarray:
     if tensor.requires_grad:
         tensor = tensor.detach()
     try:
-        array = tensor.numpy()
+        array = numpy_view(tensor)
     except TypeError:  # a dtype numpy lacks (bfloat16, float8): its bytes
-        array = tensor.view(torch.uint8).numpy()
+        array = numpy_view(tensor.view(torch.uint8))
     return array.reshape(-1).view(np.uint8)
 
 
