@@ -21,13 +21,13 @@ import pytest
 import torch
 
 import meshwise
+from gpt_reference import reference_step
 from meshwise.data.windows import train_batch
 from meshwise.models.gpt import GPT, language_model_loss
 from meshwise.runtime.spawn import spawn
 from meshwise.train.gpt import GPTTrainConfig
 from meshwise.train.gpt.loop import GPTTrainer
 from meshwise.train.gpt.parallelize import build_optimizer
-from meshwise.train.gpt.schedule import lr_at
 
 STEPS = 3
 LOSS_TOLERANCE = 2e-5
@@ -76,18 +76,8 @@ def _compare(text: str, flags: dict) -> dict[str, float]:
         worst = {"loss": 0.0, "params": 0.0, "compared": 0.0}
         for step in range(STEPS):
             stats = trainer.train_step(step)
-            lr = lr_at(
-                step, lr=config.lr, min_lr=config.min_lr, warmup=config.warmup_steps, steps=config.steps
-            )
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            optimizer.zero_grad()
-            inputs, targets = train_batch(trainer.splits, 32, config.global_batch, config.seed, step, 0, 1)
-            loss = language_model_loss(reference(inputs), targets)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(reference.parameters(), config.grad_clip)
-            optimizer.step()
-            worst["loss"] = max(worst["loss"], abs(stats.loss - loss.item()))
+            loss, _ = reference_step(reference, optimizer, trainer, config, step, micro_batch=None)
+            worst["loss"] = max(worst["loss"], abs(stats.loss - loss))
             ours = trainer.step_runner.sampling_model()  # collective, as --sample gathers it
             if next(ours.parameters()).device.type != "meta":
                 diffs = [

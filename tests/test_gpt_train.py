@@ -24,17 +24,16 @@ import pytest
 import torch
 
 import meshwise
+from gpt_reference import reference_step
 from meshwise.cli import main
 from meshwise.comm.mesh import MeshShape
 from meshwise.data.tokens import write_tokens
-from meshwise.data.windows import train_batch
-from meshwise.models.gpt import GPT, language_model_loss
+from meshwise.models.gpt import GPT
 from meshwise.runtime.spawn import spawn
 from meshwise.train.checkpoint_check import DamagedCheckpointError
 from meshwise.train.gpt import GPTTrainConfig
 from meshwise.train.gpt.loop import GPTTrainer
 from meshwise.train.gpt.parallelize import build_optimizer
-from meshwise.train.gpt.schedule import lr_at
 
 STEPS = 4
 
@@ -76,21 +75,8 @@ def _parity(data: str, overrides: dict) -> dict[str, float]:
         worst = {"loss": 0.0, "params": 0.0, "micro-batches": trainer.config.accumulation(trainer.dp)}
         for step in range(STEPS):
             stats = trainer.train_step(step)
-            lr = lr_at(
-                step, lr=config.lr, min_lr=config.min_lr, warmup=config.warmup_steps, steps=config.steps
-            )
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            optimizer.zero_grad()
-            inputs, targets = train_batch(trainer.splits, 32, config.global_batch, config.seed, step, 0, 1)
-            losses = []
-            for x, y in zip(inputs.split(2), targets.split(2), strict=True):
-                loss = language_model_loss(reference(x), y)
-                (loss / 6).backward()
-                losses.append(loss.item())
-            torch.nn.utils.clip_grad_norm_(reference.parameters(), config.grad_clip)
-            optimizer.step()
-            worst["loss"] = max(worst["loss"], abs(stats.loss - sum(losses) / 6))
+            loss, _ = reference_step(reference, optimizer, trainer, config, step)
+            worst["loss"] = max(worst["loss"], abs(stats.loss - loss))
             ours = trainer.step_runner.full_model()
             diff = max(
                 (p - q).abs().max().item()

@@ -17,14 +17,13 @@ import torch
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 import meshwise
+from gpt_reference import reference_step
 from meshwise.cli import main
-from meshwise.data.windows import train_batch
-from meshwise.models.gpt import GPT, language_model_loss
+from meshwise.models.gpt import GPT
 from meshwise.runtime.spawn import spawn
 from meshwise.train.gpt import GPTTrainConfig
 from meshwise.train.gpt.loop import GPTTrainer
 from meshwise.train.gpt.parallelize import build_optimizer
-from meshwise.train.gpt.schedule import lr_at
 from test_gpt_train import _tiny as _dp_tiny
 from test_gpt_train import text  # noqa: F401  (the module-scoped data fixture)
 
@@ -35,26 +34,6 @@ TOLERANCE = 1e-5
 def _tiny(text: str, **overrides) -> GPTTrainConfig:  # noqa: F811
     """The dp parity test's run, with a smaller batch and clipping that acts on these steps."""
     return _dp_tiny(text, **({"global_batch": 8, "grad_clip": 0.5, "eval_windows": 4} | overrides))
-
-
-def _reference_step(
-    reference: GPT, optimizer, trainer: GPTTrainer, config: GPTTrainConfig, step: int
-) -> tuple[float, float]:
-    """One step of the plain one-process run; returns its mean micro-batch loss and gradient norm."""
-    lr = lr_at(step, lr=config.lr, min_lr=config.min_lr, warmup=config.warmup_steps, steps=config.steps)
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-    optimizer.zero_grad()
-    inputs, targets = train_batch(trainer.splits, 32, config.global_batch, config.seed, step, 0, 1)
-    micro = [(x, y) for x, y in zip(inputs.split(2), targets.split(2), strict=True)]
-    losses = []
-    for x, y in micro:
-        loss = language_model_loss(reference(x), y)
-        (loss / len(micro)).backward()
-        losses.append(loss.item())
-    norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), config.grad_clip)
-    optimizer.step()
-    return sum(losses) / len(losses), float(norm)
 
 
 def _parity(data: str) -> dict[int, dict[str, float]]:
@@ -71,7 +50,7 @@ def _parity(data: str) -> dict[int, dict[str, float]]:
             worst = {"loss": 0.0, "params": 0.0, "norm": 0.0}
             for step in range(STEPS):
                 stats = trainer.train_step(step)
-                expected, norm = _reference_step(reference, optimizer, trainer, config, step)
+                expected, norm = reference_step(reference, optimizer, trainer, config, step)
                 worst["loss"] = max(worst["loss"], abs(stats.loss - expected))
                 worst["norm"] = max(worst["norm"], abs(stats.grad_norm - norm) / norm)
                 worst["clipped"] = worst.get("clipped", False) or norm > config.grad_clip
