@@ -51,6 +51,10 @@ def test_a_node_rank_claimed_twice_is_refused(job):
     first, second = job(1), job(1)
     for link in (first, second):
         assert "node rank 1 was claimed by two launchers" in link.next_order()["message"]
+    # node 0's own launcher may say hello after the refusal: it hears the same one, not silence
+    late = job(0)
+    order = late.next_order()
+    assert order["kind"] == "error" and "node rank 1 was claimed by two launchers" in order["message"]
 
 
 @pytest.mark.parametrize("job", [1], indirect=True)

@@ -72,6 +72,7 @@ class Coordinator:
         self.attempt = 0
         self.causes: list[str] = []  # why this attempt failed: lost nodes first, then in arrival order
         self.status = 0  # the job's exit status: that of the attempt's first failure
+        self.refusal: str | None = None  # why the job was refused before it started (told to late joiners)
         self.ended: dict[int, dict] = {}
         self.lost: set[int] = set()
         self.run_id = f"meshwise-{os.getpid()}-{int(time.time())}"
@@ -101,7 +102,7 @@ class Coordinator:
         send_line(sock, threading.Lock(), {"kind": "error", "message": text})
         if not self.started:
             self._broadcast({"kind": "error", "message": text})
-            self.finished = True
+            self.refusal, self.finished = text, True
 
     # -- joining ---------------------------------------------------------------------------------
     def _accept(self) -> None:
@@ -131,7 +132,7 @@ class Coordinator:
                 f"{self.join_timeout:g} s; start a `meshwise run` with each missing --node-rank"
             )
             self._broadcast({"kind": "error", "message": text})
-            self.finished = True
+            self.refusal, self.finished = text, True
 
     def _hello(self, sock: socket.socket, address: str, holder: dict, message: dict) -> None:
         node = int(message["node_rank"])
@@ -162,6 +163,10 @@ class Coordinator:
     def _on_message(self, sock: socket.socket, address: str, holder: dict, message: dict) -> None:
         with self.lock:
             if self.finished:
+                # a launcher that says hello after the job was refused (node 0's own link can be the
+                # last to arrive) hears the same refusal, rather than nothing until its silence limit
+                if message["kind"] == "hello" and self.refusal is not None:
+                    send_line(sock, threading.Lock(), {"kind": "error", "message": self.refusal})
                 return
             kind = message["kind"]
             if kind == "hello":
