@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import meshwise
-from meshwise.comm.mesh import AXES, BATCH_AXES, MeshShape
+from meshwise.comm.mesh import AXES, BATCH_AXES, GROUPINGS, MeshShape
 from meshwise.runtime.spawn import spawn
 
 
@@ -126,3 +126,24 @@ def test_axis_communicators_sum_only_inside_each_group_and_torch_sees_the_same_m
         (AXES, [2, 3]),
     ]
     assert all("already joined with MeshShape(dp=2, tp=2)" in r["refused"] for r in results)
+
+
+def _grouping_sums() -> dict:
+    world = meshwise.init(backend="gloo", mesh=MeshShape(ep=2, cp=2))
+    try:
+        sums: dict = {}
+        for name in GROUPINGS:
+            value = torch.tensor([float(world.rank + 1)])
+            world.mesh[name].all_reduce(value)
+            sums[name] = value.item()
+        return sums
+    finally:
+        meshwise.shutdown()
+
+
+def test_groupings_over_several_axes_reduce_over_the_right_ranks() -> None:
+    results = spawn(_grouping_sums, 4, timeout=90)
+    # ep × cp = 2 × 2 (cp fastest): ep groups {0,2} {1,3}, cp groups {0,1} {2,3}
+    assert [r["batch"] for r in results] == [4.0, 6.0, 4.0, 6.0]  # the ep ranks read different data
+    assert [r["replicas"] for r in results] == [10.0] * 4  # every rank holds the same dense weights
+    assert [r["expert_replicas"] for r in results] == [3.0, 3.0, 7.0, 7.0]  # same experts: the cp pair

@@ -40,6 +40,15 @@ AXES: tuple[str, ...] = ("pp", "dp", "ep", "cp", "tp")
 #: them). Expert-parallel ranks are data parallel for every non-expert layer, hence here too; ``cp`` ranks
 #: read the *same* sequences (each a part of their length), ``tp`` and ``pp`` ranks the same tokens.
 BATCH_AXES: tuple[str, ...] = ("dp", "ep")
+#: The groupings over several axes that :class:`Mesh` builds besides one per axis: ``batch`` (ranks that
+#: read different sequences), ``replicas`` (ranks holding the same non-expert parameters, which average
+#: their gradients: the batch axes and ``cp``, whose ranks see other tokens of the same sequences) and
+#: ``expert_replicas`` (ranks holding the same experts: ``ep`` shards them, so it is left out).
+GROUPINGS: dict[str, tuple[str, ...]] = {
+    "batch": BATCH_AXES,
+    "replicas": ("dp", "ep", "cp"),
+    "expert_replicas": ("dp", "cp"),
+}
 
 
 def _check_axes(axes: Iterable[str]) -> tuple[str, ...]:
@@ -209,8 +218,8 @@ class Mesh:
 
     Every rank must build the mesh (the splits are collective over the parent communicator). Each axis
     has a communicator, also of size 1; axes whose groups are the same ranks share one (every axis of
-    size 1 shares the rank's own), and so does ``mesh.batch`` — the :data:`BATCH_AXES` together — with
-    ``dp`` while ``ep`` is 1: building the mesh costs one split per distinct grouping.
+    size 1 shares the rank's own), and so do the :data:`GROUPINGS` — ``mesh.batch`` is ``dp``'s while
+    ``ep`` is 1: building the mesh costs one split per distinct grouping.
     """
 
     def __init__(self, comm: Communicator, shape: MeshShape) -> None:
@@ -221,7 +230,7 @@ class Mesh:
         self._owns = True
         built: dict[tuple[tuple[int, ...], ...], Communicator] = {}
         self._comms: dict[str, Communicator] = {}
-        for name, axes in [*((axis, (axis,)) for axis in AXES), ("batch", BATCH_AXES)]:
+        for name, axes in [*((axis, (axis,)) for axis in AXES), *GROUPINGS.items()]:
             groups = tuple(tuple(g) for g in shape.groups(*axes))
             if groups not in built:
                 built[groups] = self._split(comm, groups, name)
@@ -245,11 +254,11 @@ class Mesh:
         return self._comms[axis]
 
     def __getattr__(self, axis: str) -> Communicator:
-        """``mesh.dp``, ``mesh.tp``, …, and ``mesh.batch`` (the batch axes together)."""
+        """``mesh.dp``, ``mesh.tp``, …, and the :data:`GROUPINGS` (``mesh.batch``, ``mesh.replicas``, …)."""
         comms = self.__dict__.get("_comms", {})
         if axis in comms:
             return comms[axis]
-        raise AttributeError(f"Mesh has no axis {axis!r}; axes are {', '.join(AXES)} and 'batch'")
+        raise AttributeError(f"Mesh has no axis {axis!r}; axes are {', '.join([*AXES, *GROUPINGS])}")
 
     @property
     def job(self) -> Communicator:
