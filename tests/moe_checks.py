@@ -27,7 +27,7 @@ from meshwise.parallel.expert_parallel import (
     moe_report,
     reduce_gradients,
 )
-from meshwise.train.gpt.optimizer import init_optimizer_state
+from meshwise.parallel.optimizer_state import init_optimizer_state
 
 CONFIG = GPTConfig(layers=2, hidden=32, heads=4, seq_len=8, vocab=64, experts=4, top_k=2)
 PER_RANK = 2  # sequences per data rank per step

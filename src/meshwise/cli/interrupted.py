@@ -55,14 +55,12 @@ def kept_checkpoint(checkpoint: str | None) -> tuple[str, dict[str, Any] | None]
     """(a clause saying which checkpoint survived, the GPT checkpoint's run record or None)."""
     if checkpoint is None:
         return "no checkpoint was asked for (--checkpoint DIR keeps one)", None
-    run_file = Path(checkpoint) / "run.json"  # train gpt's pointer to its latest complete step
+    run_file = Path(checkpoint) / "run.json"  # every trainer's pointer to its latest complete step
     if run_file.is_file():
         with contextlib.suppress(ValueError, OSError):
             run = json.loads(run_file.read_text())
             kept = f"the checkpoint of step {run['step']} in {checkpoint} is kept (--resume continues it)"
             return kept, run
-    if (Path(checkpoint) / "checkpoint.pt").is_file():
-        return f"the checkpoint in {checkpoint} is kept (--resume continues it)", None
     return f"no checkpoint was written to {checkpoint} yet", None
 
 

@@ -8,12 +8,13 @@ its own flags (:mod:`meshwise.cli.train_gpt`).
 from __future__ import annotations
 
 import argparse
+import sys
 
 from meshwise.cli import summary, train_gpt
 from meshwise.cli.training_failure import run_training_command
 from meshwise.train import WORKLOADS, TrainConfig, run_training
 from meshwise.train.checkpoint import resume_requested
-from meshwise.train.config import STRATEGIES
+from meshwise.train.config import ZERO_STAGES
 
 
 def add_parser(subparsers: argparse._SubParsersAction, name: str, help_text: str) -> None:
@@ -39,11 +40,15 @@ def add_workload_parser(models: argparse._SubParsersAction, model: str, blurb: s
         help="keep --lr as is instead of multiplying it by the number of ranks",
     )
     parser.add_argument(
-        "--strategy",
-        choices=STRATEGIES,
-        default="ddp",
-        help="ddp (replicas) or zero1/zero2/zero3 (shard optimizer state / + gradients / + parameters)",
+        "--zero",
+        type=int,
+        choices=ZERO_STAGES,
+        default=TrainConfig.zero,
+        help="ZeRO stage: 0 replicas (DataParallel), 1/2/3 shard optimizer state / + gradients / "
+        "+ parameters (default 0)",
     )
+    # the spelling before --zero: refused in one line that names the new flag (see handler)
+    parser.add_argument("--strategy", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=0, help="initial weights and shuffling (default 0)")
     parser.add_argument("--backend", default="auto", help="communicator backend (auto, gloo, nccl, shm, mpi)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if present")
@@ -51,7 +56,11 @@ def add_workload_parser(models: argparse._SubParsersAction, model: str, blurb: s
         "--data", dest="data_dir", default=None, help="cnn only: a directory with MNIST IDX files"
     )
     parser.add_argument(
-        "--checkpoint", default=None, metavar="DIR", help="write DIR/checkpoint.pt every epoch"
+        "--checkpoint",
+        default=None,
+        metavar="DIR",
+        help="checkpoint every epoch into DIR (run.json + step-N/, torch.distributed.checkpoint; resumes on "
+        "any number of ranks and any --zero)",
     )
     parser.add_argument(
         "--resume", action="store_true", help="continue the run checkpointed in --checkpoint DIR"
@@ -80,6 +89,11 @@ def add_workload_parser(models: argparse._SubParsersAction, model: str, blurb: s
 
 
 def handler(args: argparse.Namespace) -> int:
+    if args.strategy is not None:
+        stage = args.strategy[-1] if args.strategy in ("zero1", "zero2", "zero3") else "0"
+        print(f"meshwise train: error: --strategy is gone; ZeRO is --zero N (0|1|2|3), e.g. --zero {stage}",
+              file=sys.stderr)  # fmt: skip
+        return 2
     config = TrainConfig(
         model=args.model,
         nproc=args.np,
@@ -94,7 +108,7 @@ def handler(args: argparse.Namespace) -> int:
         resume=resume_requested(args.checkpoint, args.resume),
         data_dir=args.data_dir,
         timeout=args.timeout,
-        strategy=args.strategy,
+        zero=args.zero,
         profile=args.profile,
         trace=args.trace,
         debug=args.debug,

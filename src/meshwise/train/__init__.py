@@ -1,6 +1,5 @@
 """``meshwise train``: data-parallel training of the reference workloads, with checkpoints and resume."""
 
-from meshwise.train.checkpoint import read_checkpoint, save_checkpoint
 from meshwise.train.config import TrainConfig
 from meshwise.train.errors import TrainingError
 from meshwise.train.job import run_training
@@ -13,7 +12,5 @@ __all__ = [
     "TrainConfig",
     "TrainResult",
     "TrainingError",
-    "read_checkpoint",
     "run_training",
-    "save_checkpoint",
 ]

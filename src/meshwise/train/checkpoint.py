@@ -1,48 +1,152 @@
-"""Training checkpoints: one file per run directory, replaced atomically after every epoch.
+"""Training checkpoints, one layout for every trainer: ``torch.distributed.checkpoint`` (DCP) keyed by the
+plain model's names, with an atomic pointer to the latest complete one.
 
-``DIR/checkpoint.pt`` is a ``torch.save`` dictionary readable with ``torch.load(weights_only=True)``:
+Why DCP: every rank writes only the tensors (or the ZeRO shards of them) it owns, and DCP records which
+logical tensor, by parameter name, each piece belongs to; loading asks for the pieces the *new* layout
+needs. So a checkpoint written by one layout (ZeRO-3 on 2 ranks) loads into any other (3 ranks, another
+stage, plain data parallelism, one process), no rank gathers the whole model to save it, and torch's own
+``dcp_to_torch_save`` turns it into a plain state dict without meshwise.
+
+Layout of ``DIR``::
+
+    step-000100/       a DCP checkpoint: {"model": ..., "optim": ...} (model and optimizer state by name)
+    run.json           format, the step completed, which step-* directory holds it, and what the trainer
+                       needs to continue (its settings, metrics, data position, RNG) — written by rank 0
+                       after every rank finished its part of the DCP save, via a temporary file renamed
+                       into place
+
+A job killed mid-save leaves ``run.json`` naming the previous complete step; older ``step-*`` directories
+are removed only after ``run.json`` points past them. ``run.json`` is also what ``--resume`` checks before
+any rank starts. ``train gpt`` (format ``meshwise-gpt/1``, :mod:`meshwise.train.gpt.checkpoint`) and
+``train mlp|cnn|deep-mlp`` (format :data:`TRAIN_FORMAT`) both write through :func:`save`.
+
+``train mlp|cnn|deep-mlp``'s ``run.json`` holds, besides ``format`` and ``step`` (optimizer steps taken):
 
 =================  =====================================================================================
-format             ``"meshwise-train/1"``
 model              workload name (``mlp``, ``deep-mlp``, ``cnn``)
 dataset            what it was trained on (``digits``, ``mnist``, ``clusters-6d``): a resume on other data
                    is refused by name rather than failing on a tensor shape
 epoch              epochs completed; a resumed run starts at this epoch
-strategy           ``ddp`` or ``zero1``/``zero2``/``zero3`` (a run resumes with the one it was written by)
-shards             ZeRO: the sibling directory holding every rank's shards (torch.distributed.checkpoint,
-                   see meshwise.parallel.zero.checkpoint); None for ddp
-model_state        ddp: the plain model's ``state_dict`` (no ``module.`` prefix); None for ZeRO
-optimizer_state    ddp: the optimizer's ``state_dict``; None for ZeRO
-sampler            the training sampler's seed and epoch
-rng                rank 0's torch CPU generator state
+zero               the ZeRO stage it was written with (informative: any stage resumes it)
+sampler            the training sampler's seed and epoch (the data position: checkpoints are per epoch)
+rng                rank 0's torch CPU generator state (base64)
 run                world_size, batch_size (per rank), base_lr, lr (after scaling), seed, epochs
 history            one dict of metrics per completed epoch
 =================  =====================================================================================
-
-Rank 0 writes to a temporary file in the same directory and renames it over the old checkpoint, so a job
-killed mid-write leaves the previous epoch's checkpoint intact, never a truncated one.
 """
 
 from __future__ import annotations
 
-import io
+import json
 import os
+import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
+import torch.distributed.checkpoint as dcp
 
 from meshwise.runtime.env import detect_launch_env
 
-FORMAT = "meshwise-train/1"
-FILENAME = "checkpoint.pt"
-#: what a resume reads; a file without one of them is not a usable checkpoint
-KEYS = ("model", "epoch", "model_state", "optimizer_state", "sampler", "rng", "run", "history")
+RUN_FILE = "run.json"
+TRAIN_FORMAT = "meshwise-train/2"
+#: what ``train mlp|cnn|deep-mlp`` reads back; a run.json without one of them is not a usable checkpoint
+KEYS = ("model", "epoch", "sampler", "rng", "run", "history")
 
 
-def checkpoint_file(directory: str | Path) -> Path:
-    return Path(directory) / FILENAME
+def step_dir(directory: str | Path, step: int) -> Path:
+    return Path(directory) / f"step-{step:06d}"
+
+
+def run_file(directory: str | Path) -> Path:
+    return Path(directory) / RUN_FILE
+
+
+def read_run(directory: str | Path, format: str, what: str = "") -> dict[str, Any]:
+    """``DIR/run.json`` of ``format``, or one clear error when there is nothing (of ours) to resume.
+    ``what``: the kind of checkpoint, for the message (``"GPT "``)."""
+    path = run_file(directory)
+    if not Path(directory).is_dir():
+        raise FileNotFoundError(f"--resume: checkpoint directory {directory} does not exist")
+    if not path.is_file():
+        raise FileNotFoundError(f"no checkpoint at {path}: nothing to resume")
+    try:
+        run = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path} is not readable JSON: {exc}") from None
+    if not isinstance(run, dict) or run.get("format") != format:
+        raise ValueError(f"{path} is not a meshwise {what}checkpoint (format {format!r} expected)")
+    if not isinstance(run.get("step"), int):
+        raise ValueError(f"{path} is not a complete meshwise checkpoint (no step)")
+    if not step_dir(directory, run["step"]).is_dir():
+        raise FileNotFoundError(f"{path} points at {step_dir(directory, run['step'])}, which is missing")
+    return run
+
+
+def save(
+    directory: str | Path,
+    step: int,
+    state: dict[str, Any],
+    run: dict[str, Any],
+    *,
+    format: str,
+    is_main: bool,
+    barrier: Callable[[], Any],
+    keep: int = 1,
+) -> Path:
+    """Collective: every rank writes its part of ``state``; rank 0 then repoints run.json and prunes
+    all but the ``keep`` latest step directories (this one included). A failed run.json write raises on
+    rank 0 only, after the last barrier (the others return): the caller agrees on failure if it must."""
+    target = step_dir(directory, step)
+    dcp.save(state, checkpoint_id=str(target))
+    barrier()  # every rank's files are complete before run.json names them
+    error: OSError | None = None
+    if is_main:
+        path = run_file(directory)
+        temporary = path.with_name(f".{RUN_FILE}.{os.getpid()}.tmp")
+        try:
+            with open(temporary, "w") as handle:
+                handle.write(json.dumps({"format": format, "step": step, **run}, indent=1) + "\n")
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(temporary, path)
+            for old in stale_steps(directory, target, keep):
+                shutil.rmtree(old, ignore_errors=True)
+        except OSError as exc:
+            error = exc
+        finally:
+            temporary.unlink(missing_ok=True)
+    barrier()  # on return, on every rank, run.json names this step
+    if error is not None:
+        raise error
+    return target
+
+
+def stale_steps(directory: str | Path, target: Path, keep: int) -> list[Path]:
+    """The step directories ``--keep keep`` removes once run.json names ``target``: every one but
+    ``target`` and the ``keep - 1`` latest before it (a later one is left from another run's attempt)."""
+    earlier = sorted(p for p in Path(directory).glob("step-*") if p.name < target.name)
+    kept = set(earlier[len(earlier) - (keep - 1) :]) if keep > 1 else set()
+    return [p for p in Path(directory).glob("step-*") if p != target and p not in kept]
+
+
+def load(directory: str | Path, state: dict[str, Any], format: str, what: str = "") -> dict[str, Any]:
+    """Fill ``state`` (tensors in place) from the checkpoint run.json names; return run.json."""
+    run = read_run(directory, format, what)
+    dcp.load(state, checkpoint_id=str(step_dir(directory, run["step"])))
+    return run
+
+
+def read_train_run(directory: str | Path) -> dict[str, Any]:
+    """``train mlp|cnn|deep-mlp``'s run.json, checked to hold every key a resume reads."""
+    run = read_run(directory, TRAIN_FORMAT, "training ")
+    missing = [key for key in KEYS if key not in run]
+    if missing:
+        raise ValueError(
+            f"{run_file(directory)} is not a complete meshwise checkpoint (no {', '.join(missing)})"
+        )
+    return run
 
 
 def check_writable(directory: str | Path) -> None:
@@ -59,49 +163,6 @@ def check_writable(directory: str | Path) -> None:
         raise ValueError(
             f"--checkpoint {directory} is not writable ({exc.strerror or exc}); choose another directory"
         ) from None
-
-
-def save_checkpoint(directory: str | Path, state: dict[str, Any]) -> Path:
-    """Write ``state`` atomically (temp file, fsync, rename) and return the checkpoint's path.
-
-    The state is serialised in memory first: ``torch.save`` on a file that fails mid-write (full disk)
-    raises an opaque ``RuntimeError`` from its C++ writer, whereas a plain write raises ``OSError`` with
-    the errno the caller turns into a sentence. A write failure leaves the previous checkpoint intact.
-    """
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    path = checkpoint_file(directory)
-    temporary = directory / f".{FILENAME}.{os.getpid()}.tmp"
-    buffer = io.BytesIO()
-    torch.save({"format": FORMAT, **state}, buffer)
-    try:
-        with open(temporary, "wb") as handle:
-            handle.write(buffer.getbuffer())
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temporary, path)
-    finally:
-        temporary.unlink(missing_ok=True)
-    return path
-
-
-def read_checkpoint(directory: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
-    """The checkpoint in ``directory``; a clear error when it is missing or is not one of ours."""
-    path = checkpoint_file(directory)
-    if not path.is_file():
-        raise FileNotFoundError(f"no checkpoint at {path}: nothing to resume")
-    if path.stat().st_size == 0:
-        raise ValueError(f"{path} is empty: not a meshwise checkpoint (truncated or corrupt)")
-    try:
-        state = torch.load(path, map_location=map_location, weights_only=True)
-    except Exception:  # torch raises several types, with pages of advice, for truncated or foreign files
-        raise ValueError(f"{path} is not a meshwise checkpoint (truncated or corrupt)") from None
-    if not isinstance(state, dict) or state.get("format") != FORMAT:
-        raise ValueError(f"{path} is not a meshwise training checkpoint (format {FORMAT!r} expected)")
-    missing = [key for key in KEYS if key not in state]
-    if missing:
-        raise ValueError(f"{path} is not a complete meshwise checkpoint (no {', '.join(missing)})")
-    return state
 
 
 def checkpoint_directory(checkpoint: str | None, resume: bool) -> Path | None:
@@ -123,4 +184,4 @@ def resume_requested(checkpoint: str | None, resume: bool) -> bool:
     the restarted ranks continue from it instead of refusing to overwrite it."""
     if resume or checkpoint is None or detect_launch_env().restart_count == 0:
         return resume
-    return checkpoint_file(checkpoint).exists()
+    return run_file(checkpoint).exists()

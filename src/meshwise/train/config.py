@@ -10,11 +10,13 @@ import torch
 from meshwise.comm.factory import check_backend_here
 from meshwise.data.mnist import find_mnist_files
 from meshwise.runtime.timeouts import wait_timeout
-from meshwise.train.checkpoint import check_writable, checkpoint_directory, checkpoint_file, read_checkpoint
+from meshwise.train.checkpoint import check_writable, checkpoint_directory, read_train_run, run_file, step_dir
+from meshwise.train.checkpoint_check import check_dcp_checkpoint
 from meshwise.train.workloads import WORKLOADS, Workload
 
-#: ``--strategy`` names: DataParallel, or ZeRO stage 1/2/3 (meshwise.parallel.zero).
-STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
+#: ``--zero`` stages: 0 is plain data parallelism (DataParallel), 1/2/3 shard optimizer state / + gradients
+#: / + parameters (meshwise.parallel.zero), as ``train gpt --zero`` spells them.
+ZERO_STAGES = (0, 1, 2, 3)
 
 
 @dataclass(frozen=True)
@@ -38,12 +40,7 @@ class TrainConfig:
     profile: bool = False  # time each step's phases and print the breakdown with a verdict
     trace: str | None = None  # write a Chrome/Perfetto trace of the profiled steps (implies profile)
     debug: bool = False  # check every collective across ranks (meshwise.init(debug=True))
-    strategy: str = "ddp"
-
-    @property
-    def zero_stage(self) -> int | None:
-        """The ZeRO stage of ``strategy``, None for DataParallel."""
-        return int(self.strategy[-1]) if self.strategy.startswith("zero") else None
+    zero: int = 0  # ZeRO stage; 0: DataParallel
 
     @property
     def workload(self) -> Workload:
@@ -85,9 +82,8 @@ class TrainConfig:
         if self.timeout is not None and self.timeout <= 0:
             raise ValueError(f"--timeout must be positive seconds, got {self.timeout}")
         check_backend_here(self.backend, device=self.device, command=f"train {self.model}")
-        if self.strategy not in STRATEGIES:
-            choices = ", ".join(STRATEGIES)
-            raise ValueError(f"--strategy {self.strategy!r} is unknown; choose one of {choices}")
+        if self.zero not in ZERO_STAGES:
+            raise ValueError(f"--zero must be 0, 1, 2 or 3 (the ZeRO stage), got {self.zero}")
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda was asked for but CUDA is not available here; use --device cpu")
         if self.data_dir is not None:
@@ -98,10 +94,12 @@ class TrainConfig:
         return self
 
     def _check_checkpoint(self) -> None:
+        """A new run must not overwrite a checkpoint; a resumed one must find an intact checkpoint of this
+        model with epochs left. Any world size and any ``--zero`` stage resumes it (DCP reshards)."""
         directory = checkpoint_directory(self.checkpoint, self.resume)
         if directory is None:
             return
-        path = checkpoint_file(directory)
+        path = run_file(directory)
         if not self.resume:
             if path.exists():
                 raise ValueError(
@@ -110,19 +108,13 @@ class TrainConfig:
                 )
             check_writable(directory)
             return
-        if not directory.is_dir():
-            raise FileNotFoundError(f"--resume: checkpoint directory {directory} does not exist")
-        state = read_checkpoint(directory)
-        check_writable(directory)
-        if state["model"] != self.model:
-            raise ValueError(f"{path} holds a {state['model']!r} run, not {self.model!r}")
-        written_with = state.get("strategy", "ddp")
-        if written_with != self.strategy:
+        run = read_train_run(directory)
+        if run["model"] != self.model:
+            raise ValueError(f"{path} holds a {run['model']!r} run, not {self.model!r}")
+        if run["epoch"] >= self.total_epochs:
             raise ValueError(
-                f"{path} was written with --strategy {written_with}; resume it with --strategy {written_with}"
-            )
-        if state["epoch"] >= self.total_epochs:
-            raise ValueError(
-                f"{path} has already completed {state['epoch']} of --epochs {self.total_epochs}; "
+                f"{path} has already completed {run['epoch']} of --epochs {self.total_epochs}; "
                 "pass a larger --epochs to train further"
             )
+        check_dcp_checkpoint(step_dir(directory, run["step"]))  # intact, read without building tensors
+        check_writable(directory)

@@ -4,17 +4,18 @@ It is the seeds' DDP recipe with the pitfalls handled in one place: the sampler 
 (``set_epoch``), the learning rate is scaled with the number of ranks, validation accuracy is a sum over
 every rank's shard (not rank 0's guess), rank 0 alone writes checkpoints and prints, and a resumed run
 restores model, optimizer, sampler and generator so it continues exactly where the checkpoint left off.
+Checkpoints are :mod:`meshwise.train.checkpoint`'s DCP layout, keyed by the plain model's names: every
+rank writes its own ZeRO shards, and a run resumes on any number of ranks and any ``--zero`` stage.
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import errno
 import math
-import shutil
 import time
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,14 +23,17 @@ import torch.distributed as dist
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from meshwise.comm.api import ReduceOp
 from meshwise.data import DistributedSampler, Splits
 from meshwise.parallel import DataParallel
 from meshwise.parallel.zero import ShardedModel, shard
-from meshwise.parallel.zero.checkpoint import load_sharded, save_sharded
 from meshwise.parallel.zero.memory import rank_lines
-from meshwise.train.checkpoint import checkpoint_file, read_checkpoint, save_checkpoint
+from meshwise.parallel.zero.state_dict import load_zero_state_dict, zero_state_dict
+from meshwise.train import checkpoint
+from meshwise.train.checkpoint import TRAIN_FORMAT, run_file
 from meshwise.train.config import TrainConfig
 from meshwise.train.errors import TrainingError, diverged_on, train_on_rank
 from meshwise.train.profile import Breakdown, StepProfiler, write_trace
@@ -71,48 +75,60 @@ class Trainer:
         self.steps_per_epoch = math.ceil(len(self.sampler) / config.per_rank_batch)
         self.history: list[EpochStats] = []
         self.first_epoch = 0
-        self.checkpoint: str | None = None  # path of the last checkpoint written (rank 0)
+        self.checkpoint: str | None = None  # path of the last checkpoint written
         self.kept_epoch = 0  # the epoch of the checkpoint on disk: what a failure leaves behind
+        self.step = 0  # optimizer steps taken, over every run of this checkpoint (names its directory)
         self.model: DataParallel | ShardedModel
-        if config.zero_stage is not None:  # the optimizer must see the shards: built after sharding
-            self.model = shard(model, world.comm, stage=config.zero_stage)
+        if config.zero:  # the optimizer must see the shards: built after sharding
+            self.model = shard(model, world.comm, stage=config.zero)
             self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.lr)
-            if config.resume:
-                assert config.checkpoint is not None
-                state = read_checkpoint(config.checkpoint, map_location=world.device)
-                self._check_dataset(state)
-                load_sharded(self.model, self.optimizer, Path(config.checkpoint) / state["shards"])
-                self._restore_progress(state)
         else:
             self.optimizer = torch.optim.AdamW(model.parameters(), lr=self.lr)
-            if config.resume:
-                assert config.checkpoint is not None
-                self._restore(model, read_checkpoint(config.checkpoint, map_location=world.device))
             self.model = DataParallel(model, world.comm)
+        if config.resume:
+            self._restore()
         self.console = Console(soft_wrap=True)
         profiling = config.profile or config.trace is not None
         recorder = getattr(world.comm, "recorder", None)
         self.profiler = StepProfiler(recorder, synchronize=world.device) if profiling else None
 
     # ------------------------------------------------------------------ checkpoints
-    def _check_dataset(self, state: dict[str, Any]) -> None:
+    def state_dict(self) -> dict[str, Any]:
+        """Model and optimizer state under the plain model's names — ``{"model": ..., "optim": ...}`` as
+        torch's ``get_state_dict`` gives it — for every stage: ZeRO's tensors are views of this rank's
+        shards (DCP writes and reads only those), DataParallel's the replicas (DCP writes each once)."""
+        if isinstance(self.model, ShardedModel):
+            return zero_state_dict(self.model, self.optimizer)
+        model, optim = get_state_dict(self.model.module, self.optimizer)
+        return {"model": model, "optim": optim}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Finish a load into :meth:`state_dict`'s dict (filled in place by ``dcp.load``)."""
+        if isinstance(self.model, ShardedModel):
+            load_zero_state_dict(self.model, self.optimizer, state)
+        else:
+            set_state_dict(
+                self.model.module,
+                self.optimizer,
+                model_state_dict=state["model"],
+                optim_state_dict=state["optim"],
+            )
+
+    def _restore(self) -> None:
+        """Model and optimizer (any layout's checkpoint), sampler, generator, epoch, step and history."""
         assert self.config.checkpoint is not None
-        check_dataset(state.get("dataset"), self.splits.name, str(checkpoint_file(self.config.checkpoint)))
-
-    def _restore(self, model: nn.Module, state: dict[str, Any]) -> None:
-        self._check_dataset(state)
-        model.load_state_dict(state["model_state"])
-        self.optimizer.load_state_dict(state["optimizer_state"])
-        self._restore_progress(state)
-
-    def _restore_progress(self, state: dict[str, Any]) -> None:
-        """Everything but the model and optimizer: sampler, generator, epoch, history."""
-        self.sampler.load_state_dict(state["sampler"])
-        torch.set_rng_state(state["rng"].cpu())
-        self.first_epoch = self.kept_epoch = int(state["epoch"])
-        self.history = [EpochStats(**h) for h in state["history"]]
+        run = checkpoint.read_train_run(self.config.checkpoint)  # before any rank reads a tensor
+        check_dataset(run.get("dataset"), self.splits.name, str(run_file(self.config.checkpoint)))
+        state = self.state_dict()
+        checkpoint.load(self.config.checkpoint, state, TRAIN_FORMAT, "training ")
+        self.load_state_dict(state)
+        self.sampler.load_state_dict(run["sampler"])
+        torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(run["rng"])), dtype=torch.uint8))
+        self.first_epoch = self.kept_epoch = int(run["epoch"])
+        self.step = int(run["step"])
+        self.history = [EpochStats(**h) for h in run["history"]]
         if self.world.is_main:
-            for note in resume_notes(state["run"], self._run_settings()):
+            for note in resume_notes(run["run"], self._run_settings()):
                 print(f"note: {note}", flush=True)
 
     def _run_settings(self) -> dict[str, Any]:
@@ -133,62 +149,60 @@ class Trainer:
         )
 
     def _checkpoint(self, epoch: int) -> None:
-        """Rank 0 writes the checkpoint of ``epoch``; every rank learns whether that worked (one tiny
-        all-reduce), so a failed write stops the whole job at once instead of leaving peers waiting.
-
-        With ZeRO every rank first writes its shards of the model and optimizer to a directory per
-        epoch (collective), which checkpoint.pt names; the previous epoch's shards are deleted only
-        once the new checkpoint.pt is in place."""
-        if isinstance(self.model, ShardedModel):
-            assert self.config.checkpoint is not None
-            save_sharded(self.model, self.optimizer, self._shards_dir(epoch), overwrite=True)
-        error = None
-        if self.world.is_main:
-            try:
-                self.checkpoint = self._save(epoch)
-            except TrainingError as exc:
-                error = exc
-        failed = torch.tensor([0.0 if error is None else 1.0], device=self.world.device)
-        self.world.comm.all_reduce(failed, ReduceOp.MAX)
-        if error is not None:
-            raise error
-        if failed.item():
-            raise TrainingError("rank 0 could not write the checkpoint")
-        self.kept_epoch = epoch
-        if isinstance(self.model, ShardedModel) and self.world.is_main:
-            for old in self._shards_dir(epoch).parent.glob("zero-epoch*"):
-                if old != self._shards_dir(epoch):
-                    shutil.rmtree(old, ignore_errors=True)
-
-    def _shards_dir(self, epoch: int) -> Path:
+        """Collective: every rank writes its part of the checkpoint of ``epoch`` (its ZeRO shards, or
+        its share of the replicated tensors), then rank 0 points run.json at it. Every rank learns
+        whether that worked (one tiny all-reduce), so a failure stops the whole job at once, in one
+        sentence naming what is left on disk, instead of leaving peers waiting."""
         assert self.config.checkpoint is not None
-        return Path(self.config.checkpoint) / f"zero-epoch{epoch}"
-
-    def _save(self, epoch: int) -> str:
-        """Write the checkpoint; a failure becomes one sentence naming what is left on disk."""
-        assert self.config.checkpoint is not None
-        if not all(torch.isfinite(p).all() for p in self.model.parameters()):
+        finite = all(bool(torch.isfinite(p).all()) for p in self.model.parameters())
+        if not self._everywhere(finite):
             raise TrainingError(f"the weights became non-finite in epoch {epoch}; not saved, {self._kept()}")
-        path = checkpoint_file(self.config.checkpoint)
+        error: str | None = None
         try:
-            return str(save_checkpoint(self.config.checkpoint, self._state(epoch)))
-        except OSError as exc:
-            if exc.errno == errno.ENOSPC:
-                raise TrainingError(f"no space left on device for {path}; {self._kept()}") from None
-            raise TrainingError(f"cannot write {path} ({exc.strerror or exc}); {self._kept()}") from None
+            path = checkpoint.save(
+                self.config.checkpoint,
+                self.step,
+                self.state_dict(),
+                self._run_record(epoch),
+                format=TRAIN_FORMAT,
+                is_main=self.world.is_main,
+                barrier=self.world.comm.barrier,
+            )
+        except (OSError, CheckpointException) as exc:
+            error = self._write_failure(exc)
+        if not self._everywhere(error is None):
+            raise TrainingError(
+                error or f"another rank could not write its part of the checkpoint; {self._kept()}"
+            )
+        self.checkpoint = str(path)
+        self.kept_epoch = epoch
 
-    def _state(self, epoch: int) -> dict[str, Any]:
-        sharded = isinstance(self.model, ShardedModel)
+    def _everywhere(self, ok: bool) -> bool:
+        """Whether ``ok`` holds on every rank (one all-reduce)."""
+        failed = torch.tensor([0.0 if ok else 1.0], device=self.world.device)
+        self.world.comm.all_reduce(failed, ReduceOp.MAX)
+        return not failed.item()
+
+    def _write_failure(self, exc: BaseException) -> str:
+        """A failed write as one sentence naming what is left on disk."""
+        cause = exc.__cause__ if isinstance(exc, CheckpointException) else exc
+        failures = getattr(exc, "failures", {}) if isinstance(exc, CheckpointException) else {}
+        cause = getattr(next(iter(failures.values()), cause), "exc", cause)  # DCP wraps each rank's
+        where = self.config.checkpoint
+        if isinstance(cause, OSError) and cause.errno == errno.ENOSPC:
+            return f"no space left on device for the checkpoint in {where}; {self._kept()}"
+        reason = cause.strerror if isinstance(cause, OSError) and cause.strerror else cause
+        return f"cannot write the checkpoint in {where} ({reason}); {self._kept()}"
+
+    def _run_record(self, epoch: int) -> dict[str, Any]:
+        """What run.json keeps beside the tensors (see :mod:`meshwise.train.checkpoint`)."""
         return {
             "model": self.config.model,
             "dataset": self.splits.name,
             "epoch": epoch,
-            "strategy": self.config.strategy,
-            "shards": self._shards_dir(epoch).name if sharded else None,
-            "model_state": None if sharded else self.model.state_dict(),
-            "optimizer_state": None if sharded else self.optimizer.state_dict(),
+            "zero": self.config.zero,
             "sampler": self.sampler.state_dict(),
-            "rng": torch.get_rng_state(),
+            "rng": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode("ascii"),
             "run": self._run_settings(),
             "history": [asdict(e) for e in self.history],
         }
@@ -227,6 +241,7 @@ class Trainer:
                     loss.backward()  # returns with gradients averaged over the ranks
                 with self._phase("optimizer"):
                     self.optimizer.step()
+                self.step += 1
                 with torch.no_grad():  # metric bookkeeping: the profile's "other"
                     totals[:3] += torch.stack(
                         [
@@ -356,7 +371,7 @@ class Trainer:
             history=tuple(self.history),
             wall_seconds=time.perf_counter() - started,
             checkpoint=self.checkpoint,
-            strategy=self.config.strategy,
+            zero=self.config.zero,
             memory=self._memory_lines(),
             profile=self._profile_result(),
         )

@@ -51,8 +51,8 @@ class TrainResult:
     history: tuple[EpochStats, ...]
     wall_seconds: float  # this invocation, from the first step to the last validation
     checkpoint: str | None
-    strategy: str = "ddp"
-    memory: tuple[str, ...] = ()  # per-rank ZeRO memory report lines (empty for DDP)
+    zero: int = 0  # the ZeRO stage (0: DataParallel)
+    memory: tuple[str, ...] = ()  # per-rank ZeRO memory report lines (empty for DataParallel)
     profile: dict | None = None  # rank 0's step breakdown (Breakdown.to_json) with --profile
 
     @property
@@ -85,8 +85,10 @@ class TrainResult:
         lines.append(f"Wall time           = {self.wall_seconds:.3f} s")
         if self.checkpoint:
             lines.append(f"Checkpoint          = {self.checkpoint}")
-        if self.strategy != "ddp":
-            lines.append(f"Strategy            = {self.strategy} (sharded data parallel)")
+        if self.zero:
+            lines.append(
+                f"Strategy            = ZeRO-{self.zero} (sharded data parallel, --zero {self.zero})"
+            )
         for index, line in enumerate(self.memory):
             lines.append(f"{'Memory per rank' if index == 0 else '':<19} {'=' if index == 0 else ' '} {line}")
         if self.profile is not None:

@@ -3,6 +3,11 @@
 A resume is allowed to change settings (train further, more ranks), but never silently: each difference
 gets a note saying what it changes, so a user who mistyped ``--lr`` on a resume sees it on the first line
 rather than in a ruined checkpoint. Plain data in, sentences out: testable without a run.
+
+Other ranks with the same global batch (ranks × ``--batch-size``) are no difference: every rank takes
+every W-th sample of one permutation, so each step's global batch holds the same samples on 2 ranks × 48
+as on 3 × 32, and the checkpoint (DCP, by name) loads on any number of ranks and any ``--zero`` stage.
+When that count divides the epoch without padding, the resumed run continues the uninterrupted one.
 """
 
 from __future__ import annotations
@@ -25,11 +30,13 @@ def check_dataset(saved: str | None, current: str, path: str) -> None:
 def resume_notes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     """One note per setting in ``current`` (same keys as a checkpoint's ``run``) that ``saved`` differs in."""
     notes = []
-    if (saved["world_size"], saved["batch_size"]) != (current["world_size"], current["batch_size"]):
+    saved_global = saved["world_size"] * saved["batch_size"]
+    if saved_global != current["world_size"] * current["batch_size"]:
         notes.append(
             f"the checkpoint was written by {saved['world_size']} ranks with batch "
             f"{saved['batch_size']}/rank; continuing with {current['world_size']} × "
-            f"{current['batch_size']} changes the shards, so the run will not match an uninterrupted one"
+            f"{current['batch_size']} changes the global batch, so the run will not match an uninterrupted "
+            f"one (keep ranks × --batch-size = {saved_global} to continue it exactly)"
         )
     if saved["lr"] != current["lr"]:
         notes.append(

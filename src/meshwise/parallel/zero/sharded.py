@@ -16,7 +16,8 @@ stage 3 gathers it when the unit next runs). An optimizer that still holds the o
 parameters is refused at its first step, before it changes anything.
 
 ``state_dict()``/``load_state_dict()`` speak the plain model's full state dict (collective: every rank
-calls them); sharded, resharding checkpoints are in :mod:`meshwise.parallel.zero.checkpoint`.
+calls them); a sharded state dict under the plain model's names, which DCP writes and reshards shard
+by shard, is :mod:`meshwise.parallel.zero.state_dict`'s.
 """
 
 from __future__ import annotations

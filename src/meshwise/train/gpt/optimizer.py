@@ -1,5 +1,5 @@
-"""The GPT run's AdamW, one rule for every layout: which parameters decay, the groups, and state made
-before the first step so a checkpoint has slots to load into."""
+"""The GPT run's AdamW, one rule for every layout: which parameters decay, and the groups (the state made
+before the first step is :mod:`meshwise.parallel.optimizer_state`'s)."""
 
 from __future__ import annotations
 
@@ -28,20 +28,3 @@ def build_optimizer(model: nn.Module, config: GPTTrainConfig) -> torch.optim.Ada
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     return adamw([p for n, p in named if decays(n, p)], [p for n, p in named if not decays(n, p)], config)
 
-
-def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create the optimizer's state before the first step (a step at learning rate 0 on zero gradients),
-    so a fresh run's state dict has the slots a checkpoint loads into — as torch's ``get_state_dict`` does
-    for the data-parallel path. A no-op once every parameter has state."""
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    if all(p in optimizer.state for p in params):
-        return
-    lrs = [group["lr"] for group in optimizer.param_groups]
-    for group in optimizer.param_groups:
-        group["lr"] = 0.0
-    for param in params:
-        param.grad = torch.zeros_like(param)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    for group, lr in zip(optimizer.param_groups, lrs, strict=True):
-        group["lr"] = lr

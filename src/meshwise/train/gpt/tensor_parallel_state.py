@@ -17,9 +17,9 @@ import torch
 from meshwise.comm.api import Communicator
 from meshwise.models.gpt import GPT
 from meshwise.models.gpt_plan import gpt_plan
+from meshwise.parallel.optimizer_state import init_optimizer_state
 from meshwise.parallel.tensor_parallel import full_tensors
 from meshwise.parallel.tensor_parallel.shards import gather_full, local_shard
-from meshwise.train.gpt.optimizer import init_optimizer_state
 
 
 @torch.no_grad()

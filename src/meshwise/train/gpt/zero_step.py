@@ -34,11 +34,10 @@ from meshwise.parallel.placement import Placement, clip_gradients_
 from meshwise.parallel.tensor_parallel import shard_dim
 from meshwise.parallel.tensor_parallel.shards import gather_full
 from meshwise.parallel.zero import LossScaler, shard
-from meshwise.parallel.zero.checkpoint import Slices, sharded_tensor
 from meshwise.parallel.zero.memory import rank_lines
-from meshwise.parallel.zero.sharded import ShardedModel
+from meshwise.parallel.zero.state_dict import Slices, load_zero_state_dict, zero_state_dict
 from meshwise.train.gpt.config import GPTTrainConfig
-from meshwise.train.gpt.optimizer import adamw, decays, init_optimizer_state
+from meshwise.train.gpt.optimizer import adamw, decays
 from meshwise.train.gpt.parallelize import Batch, LayerSharded, ParallelStep
 
 #: --dtype → shard()'s mixed precision (float32 master shards in every case).
@@ -166,71 +165,6 @@ class ZeroStep(ParallelStep):
             self.scaler.load_state_dict(state["scaler"])
 
 
-def zero_state_dict(
-    zero: ShardedModel,
-    optimizer: torch.optim.Optimizer,
-    slices_of: Callable[[str, torch.Tensor], Slices],
-    group_names: list[list[str]],
-    optimizer_key: Callable[[str], str] = lambda name: name,
-) -> dict[str, Any]:
-    """The data-parallel checkpoint layout — ``model[name]`` and ``optim.state[name][key]`` shaped like
-    the plain parameter — where each tensor is a ``ShardedTensor`` whose local shards are views of this
-    rank's master shard (or AdamW moment), placed on the job by ``slices_of`` (:func:`zero_slices`): DCP
-    writes only this rank's elements, and loading into this dict reads only the ranges this rank's layout
-    needs, in place. No rank ever holds a whole tensor, which is the point of ZeRO when a model does not
-    fit. The scalar ``step`` is replicated. ``group_names``: the plain model's names of each optimizer
-    group (as a data-parallel run records them); ``optimizer_key``: a parameter's key in the optimizer
-    state (a pipeline's head copy keeps AdamW's state under the tied embedding's name).
-    :func:`load_zero_state_dict` expects this dict back, filled by ``dcp.load``."""
-    init_optimizer_state(optimizer)
-    state: dict[str, dict[str, Any]] = {}
-    params: dict[int, Any] = {}
-    for group, names in zip(zero.groups, zero.param_names, strict=True):
-        for index, (name, param) in enumerate(zip(names, group.params, strict=True)):
-            slices = slices_of(name, param)
-            shape = tuple(param.shape)
-            params[id(param)] = sharded_tensor(group, index, group.master.detach(), shape, slices=slices)
-            for key, value in optimizer.state[group.master].items():
-                if _per_element(value, group.master):
-                    piece = sharded_tensor(group, index, value.detach(), shape, slices=slices)
-                else:  # scalar state shared by the whole shard (AdamW's step)
-                    piece = value.clone() if isinstance(value, torch.Tensor) else value
-                state.setdefault(optimizer_key(name), {})[key] = piece
-    model = {
-        key: params[id(value)] if id(value) in params else value.detach().clone()
-        for key, value in zero.module.state_dict(keep_vars=True).items()
-    }
-    param_groups = [
-        {**{k: v for k, v in group.items() if k != "params"}, "params": names}
-        for group, names in zip(optimizer.param_groups, group_names, strict=True)
-    ]
-    return {"model": model, "optim": {"state": state, "param_groups": param_groups}}
-
-
-@torch.no_grad()
-def load_zero_state_dict(
-    zero: ShardedModel,
-    optimizer: torch.optim.Optimizer,
-    state: dict[str, Any],
-    optimizer_key: Callable[[str], str] = lambda name: name,
-) -> None:
-    """Finish a load into :func:`zero_state_dict`'s dict: DCP already wrote this rank's ranges (of a
-    checkpoint from any layout: dp, tp, pp, any stage or N) into the master shards and moments through the
-    local shards' views; what is left is pushing masters to the compute copies, the replicated scalars and
-    buffers (the hyper-parameters stay this run's: they come from its flags, the rate from the schedule)."""
-    buffers = dict(zero.module.named_buffers())
-    for key, value in state["model"].items():
-        if key in buffers:
-            buffers[key].copy_(value)
-    saved = state["optim"]["state"]
-    for group, names in zip(zero.groups, zero.param_names, strict=True):
-        group.refresh()
-        entry = optimizer.state[group.master]
-        for key, value in saved[optimizer_key(names[0])].items():
-            if not _per_element(entry.get(key), group.master):
-                entry[key] = value.clone() if isinstance(value, torch.Tensor) else value
-
-
 def zero_slices(mesh: Mesh, plain_shapes: dict[str, torch.Size]) -> Callable[[str, torch.Tensor], Slices]:
     """How a parameter's flat shards lie on the job: over this rank's dp group, and for a tp shard over
     every tp rank's dp group, each holding its slice of the plain parameter (of ``plain_shapes[name]``)."""
@@ -247,7 +181,3 @@ def zero_slices(mesh: Mesh, plain_shapes: dict[str, torch.Size]) -> Callable[[st
         return Slices(held, mine=here["tp"], whole=tuple(plain_shapes[name]), dim=dim)
 
     return slices_of
-
-
-def _per_element(value: Any, master: torch.Tensor) -> bool:
-    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() == master.numel()

@@ -1,0 +1,178 @@
+"""A ZeRO-sharded model's and optimizer's state under the plain model's names, for DCP.
+
+``torch.distributed.checkpoint`` reshards by name and shape: a checkpoint written by one layout (ZeRO on
+2 ranks, plain data parallelism, tensor-parallel slices) loads into another when every layout describes
+the same logical tensors. :func:`zero_state_dict` therefore gives the layout of a data-parallel
+checkpoint — ``model[name]`` and ``optim.state[name][key]`` shaped like the plain parameter, the
+optimizer's ``param_groups`` naming parameters — but each tensor is a ``ShardedTensor`` whose local
+shards are views of this rank's flat master shard (or AdamW moment). A flat shard cuts parameters at
+arbitrary element offsets, so a rank's piece of a parameter is described as the few rectangular boxes
+covering it (:func:`~.rectangles.boxes`), computed from the layout every rank knows: no metadata is
+exchanged, padding is never written, and no rank ever holds a whole tensor. Model-agnostic: the callers
+are ``train mlp|cnn|deep-mlp --zero N`` and ``train gpt --zero N`` (which adds tensor-parallel
+:class:`Slices`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+
+from meshwise.parallel.optimizer_state import init_optimizer_state
+from meshwise.parallel.zero.flat import FlatGroup
+from meshwise.parallel.zero.rectangles import boxes
+from meshwise.parallel.zero.sharded import ShardedModel
+
+
+def zero_state_dict(
+    zero: ShardedModel,
+    optimizer: torch.optim.Optimizer,
+    slices_of: Callable[[str, torch.Tensor], Slices] | None = None,
+    group_names: list[list[str]] | None = None,
+    optimizer_key: Callable[[str], str] = lambda name: name,
+) -> dict[str, Any]:
+    """The data-parallel checkpoint layout — ``model[name]`` and ``optim.state[name][key]`` shaped like
+    the plain parameter — where each tensor is a ``ShardedTensor`` whose local shards are views of this
+    rank's master shard (or AdamW moment), placed on the job by ``slices_of`` (default: ZeRO over the
+    whole job, :meth:`Slices.flat`; ``train gpt``'s ``zero_slices`` adds tensor parallelism): DCP
+    writes only this rank's elements, and loading into this dict reads only the ranges this rank's layout
+    needs, in place. No rank ever holds a whole tensor, which is the point of ZeRO when a model does not
+    fit. The scalar ``step`` is replicated. ``group_names``: the plain model's names of each optimizer
+    group (as a data-parallel run records them; default: the names of the flat groups each optimizer
+    group holds, in order); ``optimizer_key``: a parameter's key in the optimizer
+    state (a pipeline's head copy keeps AdamW's state under the tied embedding's name).
+    :func:`load_zero_state_dict` expects this dict back, filled by ``dcp.load``."""
+    init_optimizer_state(optimizer)
+    state: dict[str, dict[str, Any]] = {}
+    params: dict[int, Any] = {}
+    for group, names in zip(zero.groups, zero.param_names, strict=True):
+        for index, (name, param) in enumerate(zip(names, group.params, strict=True)):
+            slices = slices_of(name, param) if slices_of is not None else None
+            shape = tuple(param.shape)
+            params[id(param)] = sharded_tensor(group, index, group.master.detach(), shape, slices=slices)
+            for key, value in optimizer.state[group.master].items():
+                if _per_element(value, group.master):
+                    piece = sharded_tensor(group, index, value.detach(), shape, slices=slices)
+                else:  # scalar state shared by the whole shard (AdamW's step)
+                    piece = value.clone() if isinstance(value, torch.Tensor) else value
+                state.setdefault(optimizer_key(name), {})[key] = piece
+    model = {
+        key: params[id(value)] if id(value) in params else value.detach().clone()
+        for key, value in zero.module.state_dict(keep_vars=True).items()
+    }
+    if group_names is None:
+        held = {id(g.master): n for g, n in zip(zero.groups, zero.param_names, strict=True)}
+        group_names = [[n for m in group["params"] for n in held[id(m)]] for group in optimizer.param_groups]
+    param_groups = [
+        {**{k: v for k, v in group.items() if k != "params"}, "params": names}
+        for group, names in zip(optimizer.param_groups, group_names, strict=True)
+    ]
+    return {"model": model, "optim": {"state": state, "param_groups": param_groups}}
+
+
+@torch.no_grad()
+def load_zero_state_dict(
+    zero: ShardedModel,
+    optimizer: torch.optim.Optimizer,
+    state: dict[str, Any],
+    optimizer_key: Callable[[str], str] = lambda name: name,
+) -> None:
+    """Finish a load into :func:`zero_state_dict`'s dict: DCP already wrote this rank's ranges (of a
+    checkpoint from any layout: dp, tp, pp, any stage or N) into the master shards and moments through the
+    local shards' views; what is left is pushing masters to the compute copies, the replicated scalars and
+    buffers (the hyper-parameters stay this run's: they come from its flags, the rate from the schedule)."""
+    buffers = dict(zero.module.named_buffers())
+    for key, value in state["model"].items():
+        if key in buffers:
+            buffers[key].copy_(value)
+    saved = state["optim"]["state"]
+    for group, names in zip(zero.groups, zero.param_names, strict=True):
+        group.refresh()
+        entry = optimizer.state[group.master]
+        for key, value in saved[optimizer_key(names[0])].items():
+            if not _per_element(entry.get(key), group.master):
+                entry[key] = value.clone() if isinstance(value, torch.Tensor) else value
+
+
+def _per_element(value: Any, master: torch.Tensor) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() == master.numel()
+
+
+def sharded_tensor(
+    group: FlatGroup,
+    index: int,
+    flat: torch.Tensor,
+    shape: tuple[int, ...] | None = None,
+    *,
+    slices: Slices | None = None,
+) -> ShardedTensor:
+    """Parameter ``index`` of ``group`` as a ShardedTensor of ``shape`` (default: 1-D, its ``numel``
+    elements) whose local shards are views of ``flat`` (this rank's flat shard of a parameter-shaped
+    quantity: the master, a moment, a staging buffer). Each rank's piece of the parameter becomes the
+    :func:`~.rectangles.boxes` covering it, computed from the layout every rank knows, so no metadata
+    is exchanged and padding is never part of a shard.
+
+    ``slices`` places it on a larger mesh (see :class:`Slices`): shards are named by job rank, and a
+    tensor-parallel slice's boxes move to where it lies in the plain parameter — the ShardedTensor then
+    has the plain parameter's shape and every (dp, tp) rank's shards together cover it."""
+    layout = group.layout
+    shape = (layout.numels[index],) if shape is None else tuple(shape)
+    slices = slices if slices is not None else Slices.flat(group.comm.world_size)
+    whole = slices.whole or shape
+    device = flat.device.type
+    metadata, local = [], []
+    for slice_index, owners in enumerate(slices.owners):
+        offset = slice_index * shape[slices.dim]
+        for rank in range(layout.world_size):
+            mine = slice_index == slices.mine and rank == group.comm.rank
+            placement = f"rank:{owners[rank]}/{device}"
+            placed = 0
+            for piece in (p for p in layout.pieces(rank) if p.param == index):
+                for box in boxes(shape, piece.param_start, piece.param_start + piece.numel):
+                    offsets, sizes = list(box.offsets), list(box.sizes)
+                    offsets[slices.dim] += offset
+                    sizes[slices.dim] = min(sizes[slices.dim], whole[slices.dim] - offsets[slices.dim])
+                    if sizes[slices.dim] <= 0:
+                        continue  # vocabulary padding only
+                    metadata.append(ShardMetadata(offsets, sizes, placement))
+                    placed += 1
+                    if mine:
+                        begin = piece.shard_start + box.flat_start - piece.param_start
+                        view = flat[begin : begin + box.numel].view(box.sizes)
+                        local.append(Shard(view.narrow(slices.dim, 0, sizes[slices.dim]), metadata[-1]))
+            if not placed:  # an empty chunk: DCP mishandles a key some rank holds nothing of (it then
+                # reads nested keys the pre-2.4 way and misses them), and an empty parameter still needs
+                # one chunk. It sits at the far corner: DCP tells chunks apart by offset, and no real
+                # chunk starts there
+                empty = [0] * len(whole)
+                metadata.append(ShardMetadata(list(whole), empty, placement))
+                if mine:
+                    local.append(Shard(flat[:0].view(empty), metadata[-1]))
+    properties = TensorProperties(dtype=flat.dtype)
+    global_metadata = ShardedTensorMetadata(metadata, torch.Size(whole), properties)
+    return ShardedTensor._init_from_local_shards_and_global_metadata(local, global_metadata)
+
+
+@dataclass(frozen=True)
+class Slices:
+    """How a ZeRO-sharded parameter lies on the job: ``owners[t][d]`` is the job rank holding flat-layout
+    rank ``d``'s piece of slice ``t``; this rank holds slice ``mine``. Without tensor parallelism there
+    is one slice, the parameter itself. With it, a tp-sharded parameter is slice ``t`` (tp rank t's
+    shard) of ``whole`` along ``dim``; a tp-replicated one is one slice, and its copies on the other tp
+    ranks describe the same chunks, which DCP writes once."""
+
+    owners: tuple[tuple[int, ...], ...]
+    mine: int = 0
+    whole: tuple[int, ...] | None = None
+    dim: int = 0
+
+    @classmethod
+    def flat(cls, ranks: int) -> Slices:
+        """One slice whose flat-layout ranks are job ranks 0..ranks-1 (ZeRO over the whole job)."""
+        return cls(owners=(tuple(range(ranks)),))
