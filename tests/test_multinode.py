@@ -51,7 +51,7 @@ CRASH_ONCE = """
 import os, signal, sys, threading, time
 from pathlib import Path
 from meshwise.cli import main
-checkpoint = Path(sys.argv[1]) / "checkpoint.pt"
+checkpoint = Path(sys.argv[1]) / "run.json"
 if os.environ["RANK"] == "3" and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
     def die():
         while not checkpoint.exists():

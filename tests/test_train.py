@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import meshwise
 from meshwise.cli import main
 from meshwise.models import SmallCNN
 from meshwise.runtime.spawn import spawn
 from meshwise.scale.runner import WALL_TIME_LINE
-from meshwise.train import WORKLOADS, TrainConfig, read_checkpoint, save_checkpoint
-from meshwise.train.checkpoint import KEYS
+from meshwise.train import WORKLOADS, TrainConfig, checkpoint
 from meshwise.train.loop import Trainer
 from test_data import write_mnist
 
@@ -54,18 +55,28 @@ def test_missing_paths_are_named(tmp_path):
         TrainConfig("cnn", checkpoint=str(tmp_path / "file")).validate()
 
 
+def _run_json(directory: Path, **fields: object) -> None:
+    """A run.json of ``train mlp|cnn`` (and the step directory it names), to test the checks made on it."""
+    run = {"format": checkpoint.TRAIN_FORMAT, "step": 5, "model": "mlp", "epoch": 3, "sampler": {}, "rng": "",
+           "run": {}, "history": []} | fields  # fmt: skip
+    checkpoint.step_dir(directory, run["step"]).mkdir(parents=True, exist_ok=True)
+    (directory / "run.json").write_text(json.dumps(run))
+
+
 def test_checkpoints_are_checked_against_the_run_that_resumes_them(tmp_path):
-    save_checkpoint(tmp_path, {key: {} for key in KEYS} | {"model": "mlp", "epoch": 3})
+    _run_json(tmp_path)
     with pytest.raises(ValueError, match="already exists; pass --resume"):
         TrainConfig("mlp", checkpoint=str(tmp_path)).validate()
     with pytest.raises(ValueError, match="holds a 'mlp' run, not 'cnn'"):
         TrainConfig("cnn", checkpoint=str(tmp_path), resume=True).validate()
     with pytest.raises(ValueError, match="already completed 3 of --epochs 3"):
         TrainConfig("mlp", epochs=3, checkpoint=str(tmp_path), resume=True).validate()
-    TrainConfig("mlp", epochs=4, checkpoint=str(tmp_path), resume=True).validate()
-    (tmp_path / "checkpoint.pt").write_bytes(b"not a checkpoint")
-    with pytest.raises(ValueError, match="not a meshwise checkpoint"):
-        read_checkpoint(tmp_path)
+    # past those checks, the tensors it names are checked to be intact (here: there are none)
+    with pytest.raises(ValueError, match=r"step-000005/\.metadata is missing"):
+        TrainConfig("mlp", epochs=4, checkpoint=str(tmp_path), resume=True).validate()
+    (tmp_path / "run.json").write_bytes(b"not a checkpoint")
+    with pytest.raises(ValueError, match="is not readable JSON"):
+        checkpoint.read_train_run(tmp_path)
 
 
 def test_cnn_workload_sizes_itself_for_mnist_files(tmp_path):
@@ -83,10 +94,17 @@ def test_the_command_line_reports_bad_input_with_exit_code_2(capsys):
     assert "meshwise train: error: --batch-size must be a positive number" in capsys.readouterr().err
 
 
-def test_an_atomic_save_leaves_no_temporary_file(tmp_path):
-    path = save_checkpoint(tmp_path / "run", {key: {} for key in KEYS} | {"model": "mlp", "epoch": 1})
-    assert [p.name for p in path.parent.iterdir()] == ["checkpoint.pt"]
-    assert read_checkpoint(path.parent)["format"] == "meshwise-train/1"
+def test_a_save_repoints_run_json_and_leaves_only_the_latest_step(tmp_path):
+    """One process, no process group: DCP writes alone; no temporary file is left, older steps go."""
+    for step in (4, 8):
+        weights = {"model": {"w": torch.full((3,), float(step))}}
+        path = checkpoint.save(tmp_path, step, weights, {"epoch": step // 4}, format="f/1", is_main=True,
+                               barrier=lambda: None)  # fmt: skip
+    assert path == tmp_path / "step-000008"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.json", "step-000008"]
+    state = {"model": {"w": torch.zeros(3)}}
+    assert checkpoint.load(tmp_path, state, "f/1") == {"format": "f/1", "step": 8, "epoch": 2}
+    assert torch.equal(state["model"]["w"], torch.full((3,), 8.0))
 
 
 # ---------------------------------------------------------------------------------------------- resume
@@ -149,8 +167,8 @@ def test_default_cnn_run_on_two_ranks_reaches_97_percent(tmp_path, capsys):
     assert data["world_size"] == 2 and data["lr"] == 2 * data["base_lr"]  # linear scaling
     assert len(data["history"]) == data["epochs"] == 20
     assert data["val_accuracy"] >= 0.97
-    # the checkpoint loads into the plain model: no "module." prefix
-    state = read_checkpoint(tmp_path / "ckpt")
-    model = SmallCNN()
-    model.load_state_dict(state["model_state"])
-    assert state["epoch"] == 20 and state["run"]["world_size"] == 2
+    # the checkpoint, read with torch alone, loads into the plain model: no "module." prefix
+    run = checkpoint.read_train_run(tmp_path / "ckpt")
+    assert run["epoch"] == 20 and run["run"]["world_size"] == 2
+    dcp_to_torch_save(checkpoint.step_dir(tmp_path / "ckpt", run["step"]), tmp_path / "plain.pt")
+    SmallCNN().load_state_dict(torch.load(tmp_path / "plain.pt", weights_only=False)["model"])
