@@ -27,4 +27,3 @@ def build_optimizer(model: nn.Module, config: GPTTrainConfig) -> torch.optim.Ada
     """:func:`adamw` over ``model``'s trainable parameters, grouped by :func:`decays`."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     return adamw([p for n, p in named if decays(n, p)], [p for n, p in named if not decays(n, p)], config)
-
