@@ -161,6 +161,17 @@ def test_a_full_disk_keeps_the_previous_checkpoint(tmp_path, capsys, good):
     assert read_train_run(directory)["epoch"] == 1  # what it names is intact
 
 
+def test_a_tensor_write_that_fails_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, capsys, good):
+    """DCP's own failure (a file where the next step's directory goes): every rank stops with one line."""
+    directory = _with_checkpoint(tmp_path, good)
+    step = read_train_run(good)["step"]
+    step_dir(tmp_path, 2 * step).write_text("in the way")  # the next epoch's step, on as many ranks
+    code, _, err = _train(capsys, "--epochs", "2", "--checkpoint", directory, "--resume")
+    assert code == 1
+    assert f"cannot write the checkpoint in {directory} (File exists)" in _one_line(err)
+    assert "the epoch-1 checkpoint is kept" in err and read_train_run(directory)["epoch"] == 1
+
+
 def test_training_errors_keep_their_exit_code_across_processes():
     error = pickle.loads(pickle.dumps(TrainingError("x", exit_code=2)))
     assert (str(error), error.exit_code) == ("x", 2)

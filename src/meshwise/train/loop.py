@@ -185,13 +185,12 @@ class Trainer:
 
     def _write_failure(self, exc: BaseException) -> str:
         """A failed write as one sentence naming what is left on disk."""
-        cause = exc.__cause__ if isinstance(exc, CheckpointException) else exc
-        failures = getattr(exc, "failures", {}) if isinstance(exc, CheckpointException) else {}
-        cause = getattr(next(iter(failures.values()), cause), "exc", cause)  # DCP wraps each rank's
+        if isinstance(exc, CheckpointException):  # DCP gathers every rank's error with its traceback
+            exc = next((cause for cause, _trace in exc.failures.values()), exc)
         where = self.config.checkpoint
-        if isinstance(cause, OSError) and cause.errno == errno.ENOSPC:
+        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
             return f"no space left on device for the checkpoint in {where}; {self._kept()}"
-        reason = cause.strerror if isinstance(cause, OSError) and cause.strerror else cause
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
         return f"cannot write the checkpoint in {where} ({reason}); {self._kept()}"
 
     def _run_record(self, epoch: int) -> dict[str, Any]:
