@@ -1,5 +1,7 @@
 """Flight recorder: bounded records, the merged hang report, and `meshwise run` writing it on a hang."""
 
+import contextlib
+import json
 import os
 import re
 import signal
@@ -108,9 +110,7 @@ def test_a_hung_rank_is_named_after_the_timeout_in_debug_mode(tmp_path: Path):
     assert time.monotonic() - started < 90
     # the debug check times out first and names the absent rank and its last collective; the user's
     # collectives are numbered from 1 by all three (meshwise.init's own setup is numbered apart)
-    assert (
-        "debug mode: rank 1 did not reach collective #2 (all_reduce(float32[8], sum) at hang.py:8)" in err
-    )
+    assert "debug mode: rank 1 did not reach collective #2 (all_reduce(float32[8], sum) at hang.py:8)" in err
     assert "rank 1 last posted all_reduce(float32[4], sum) at hang.py:4 (#1)" in err
     assert "rank 0 failed in all_reduce(float32[8], sum) #2 at hang.py:8" in err
     assert "rank 1 never entered collective #2: its last op was all_reduce(float32[4], sum) #1" in err
@@ -126,7 +126,8 @@ def test_a_hung_rank_is_named_after_the_timeout_in_debug_mode(tmp_path: Path):
         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
         timeout=60,
     )
-    assert "rank 1 never entered collective #2: its last op was all_reduce(float32[4], sum) #1" in merged.stdout
+    never = "rank 1 never entered collective #2: its last op was all_reduce(float32[4], sum) #1"
+    assert never in merged.stdout
 
 
 def test_the_report_is_written_when_the_launcher_is_interrupted(tmp_path: Path):
@@ -146,3 +147,32 @@ def test_the_report_is_written_when_the_launcher_is_interrupted(tmp_path: Path):
     assert re.search(r"rank 0 waits in all_reduce\(float32\[8\], sum\) #2 at hang\.py:8", err)
     assert "rank 1 never entered collective #2: its last op was all_reduce(float32[4], sum) #1" in err
     assert (flight / "report.txt").exists()
+
+
+def test_the_place_of_a_rank_is_below_the_report_plumbing():
+    # a job deadline's handler asks for the dumps from the main thread, wherever that thread was
+    stacks = """Current thread 0x2 (most recent call first):
+  File "/x/site-packages/meshwise/runtime/flight_dumps.py", line 59 in request_dumps
+  File "/x/site-packages/meshwise/runtime/deadline.py", line 70 in expire
+  File "/home/u/train.py", line 11 in stuck
+  File "/home/u/train.py", line 20 in <module>
+"""
+    assert main_thread_line(stacks) == "train.py:11 in stuck"
+
+
+def test_every_new_request_is_answered(tmp_path: Path):
+    server = flight_recorder.serve_dump_requests(tmp_path, 0)
+    try:
+        for reason in ("a job deadline", "the launcher"):
+            (tmp_path / flight_recorder.REQUEST_FILE).write_text(reason)
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                with contextlib.suppress(FileNotFoundError, ValueError):
+                    if json.loads((tmp_path / "rank0.json").read_text())["reason"] == reason:
+                        break
+                time.sleep(0.05)
+            else:
+                raise AssertionError(f"no dump for the request of {reason}")
+    finally:
+        server.stop()
+    assert flight_recorder.dump("after stop") is None  # nothing written where nobody asks any more
