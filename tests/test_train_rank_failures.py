@@ -71,7 +71,7 @@ def test_an_exception_on_rank_1_is_reported_by_rank_1_once(tmp_path):
     assert rank0 == [
         "[rank 0] meshwise train: rank 0 stopped: another rank left the job (its own report says why)"
     ]
-    assert "meshwise run: rank 1 failed (exit code 1); terminating ranks 0" in lines
+    assert "meshwise run: rank 1 failed (exit code 1); terminating ranks 0 (its stderr is above)" in lines
 
 
 def test_a_gpt_loss_that_turns_nan_on_rank_1_is_named_once_by_rank_0(tmp_path, text):
