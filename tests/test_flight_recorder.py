@@ -176,3 +176,17 @@ def test_every_new_request_is_answered(tmp_path: Path):
     finally:
         server.stop()
     assert flight_recorder.dump("after stop") is None  # nothing written where nobody asks any more
+
+
+def test_a_run_deadline_as_long_as_the_wait_timeout_names_the_hung_rank(tmp_path: Path):
+    script = tmp_path / "hang.py"
+    script.write_text(textwrap.dedent(HANG))
+    # the launcher's deadline starts before any wait: it passes first, and its report says where
+    proc = _run(["-np", "2", "--timeout", "10", str(script), "10", str(tmp_path / "m")])
+    _, err = proc.communicate(timeout=100)
+    assert proc.returncode == 124
+    assert "meshwise run: workers still running after 10 s; terminating them" in err
+    assert "flight report (workers still running after the 10 s deadline)" in err
+    assert re.search(r"rank 0 waits in all_reduce\(float32\[8\], sum\) #2 at hang\.py:8 \(for ", err), err
+    assert "rank 1 never entered collective #2: its last op was all_reduce(float32[4], sum) #1" in err
+    assert "it is now at hang.py:7 in <module>" in err
