@@ -171,3 +171,41 @@ def test_every_rank_names_the_mismatch_within_seconds(backend):
     assert "float32[6]" in messages["order"] and "(collective #1)" in messages["order"]
     assert "rank 1 called close()" in messages["skip"]
     assert "ranks 0,2 called close()" in messages["extra"]
+
+
+# ---------------------------------------------------------------- numbering under meshwise.init's own setup
+def _first_collective_on_a_mesh():
+    from meshwise.comm.mesh import MeshShape
+
+    world = meshwise.init("gloo", timeout=30, debug=True, mesh=MeshShape(dp=2, tp=2))
+    try:
+        comm = world.comm
+        setup = [r.fingerprint for r in comm._setup.recorder.records]
+        try:
+            if world.rank == 1:
+                comm.broadcast(torch.ones(10), root=0)
+            else:
+                comm.all_reduce(torch.ones(10))
+            message = "no error"
+        except CollectiveMismatchError as exc:
+            message = str(exc)
+        user = [(r.fingerprint.seq, r.fingerprint.op) for r in comm.recorder.records]
+        return [(fp.seq, fp.op, fp.ranks) for fp in setup], user, message
+    finally:
+        meshwise.shutdown()
+
+
+def test_the_users_first_collective_is_number_one_after_the_mesh_is_split():
+    results = spawn(_first_collective_on_a_mesh, 4, timeout=60)
+    for rank, (setup, user, message) in enumerate(results):
+        # init split dp and tp (two groups each, numbered apart); the one-rank groups (pp, ep, cp) are made
+        # by their rank alone, unnumbered
+        assert [s for s in setup if s[0] > 0] == [
+            (1, "split", (0, 2)),
+            (2, "split", (1, 3)),
+            (3, "split", (0, 1)),
+            (4, "split", (2, 3)),
+        ]
+        assert [s for s in setup if s[0] == 0] == [(0, "split", (rank,))]
+        assert user[0][0] == 1, user
+        assert "(collective #1)" in message and "rank 1 called broadcast" in message, message

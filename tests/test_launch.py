@@ -145,8 +145,28 @@ def test_failing_rank_stops_the_group_and_is_named(tmp_path):
     assert elapsed < 30
     assert "rank 1 failed (exit code 7)" in err
     assert "terminating ranks 0, 2" in err
-    assert "  rank 1 gives up" in err  # the stderr tail
+    assert "[rank 1] rank 1 gives up" in err and err.count("rank 1 gives up") == 1  # streamed, once
+    assert "(its stderr is above)" in err
     _assert_no_survivors(tmp_path)
+
+
+def test_a_failed_ranks_traceback_is_printed_once(tmp_path):
+    script = _script(
+        tmp_path,
+        "raise.py",
+        """
+    import os, time
+    if os.environ["RANK"] == "1":
+        raise ValueError("the input is bad")
+    time.sleep(120)
+    """,
+    )
+    code, _, err, _ = _cli("-np", "2", script)
+    assert code == 1
+    assert err.count("Traceback (most recent call last)") == 1, err
+    assert err.count("ValueError: the input is bad") == 1, err
+    # the line naming the rank comes after its traceback
+    assert err.index("[rank 1] ValueError: the input is bad") < err.index("meshwise run: rank 1 failed")
 
 
 def test_rank_hung_in_collective_is_killed_when_another_raises(tmp_path):

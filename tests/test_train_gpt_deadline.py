@@ -1,12 +1,25 @@
-"""``train gpt`` has no job deadline unless the user sets one; then exit 124 naming the flag (issue 30.1)."""
+"""``train gpt`` has no job deadline unless the user sets one; then exit 124 naming the flag (issue 30.1),
+and where the ranks were when it passed, even with each wait's timeout as long as the deadline."""
 
 from __future__ import annotations
 
-import pytest
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import time
 
+import pytest
+import torch
+
+import meshwise
 from gpt_cli import gpt_argv
 from meshwise.cli import build_parser, main
-from meshwise.runtime.timeouts import DEFAULT_TIMEOUT_S
+from meshwise.runtime.deadline import DeadlineExceeded, job_deadline
+from meshwise.runtime.flight_dumps import FLIGHT_DIR_ENV
+from meshwise.runtime.spawn import spawn
+from meshwise.runtime.timeouts import DEFAULT_TIMEOUT_S, wait_timeout
 from meshwise.train.gpt import GPTTrainConfig
 
 
@@ -24,3 +37,79 @@ def test_a_deadline_the_user_sets_names_the_flag_and_exits_124(text, capsys, ran
     assert code == 124
     err = capsys.readouterr().err
     assert "--timeout 3" in err and "Traceback" not in err
+
+
+SECONDS = 10.0  # the deadline, and each wait's timeout: equal, as `train gpt --timeout` makes them
+
+
+def _started() -> bool:
+    return True
+
+
+def _rank_1_hangs_after_one_all_reduce() -> None:
+    world = meshwise.init("gloo", timeout=wait_timeout(SECONDS))
+    try:
+        world.comm.all_reduce(torch.ones(4))
+        if world.rank == 1:
+            time.sleep(300)  # stuck in its own code: the others wait in the next collective
+        world.comm.all_reduce(torch.ones(8))
+    finally:
+        meshwise.shutdown()
+
+
+def test_a_deadline_equal_to_the_wait_timeout_names_the_hung_rank_and_the_collective():
+    spawn(_started, 2)  # the rank server up first: the deadline then starts with the ranks, not before
+    with pytest.raises(DeadlineExceeded) as caught, job_deadline(SECONDS):
+        spawn(_rank_1_hangs_after_one_all_reduce, 2, timeout=120)
+    message = str(caught.value)
+    assert message.startswith(f"the job passed its --timeout {SECONDS:g} s deadline"), message
+    site = r"(?:tests/)?test_train_gpt_deadline\.py"  # relative to the working directory
+    waits = rf"rank 0 waits in all_reduce\(float32\[8\], sum\) #2 at {site}:\d+ \(for "
+    assert re.search(waits, message), message
+    assert re.search(
+        rf"rank 1 never entered collective #2: its last op was all_reduce\(float32\[4\], sum\) #1 at "
+        rf"{site}:\d+ \(completed\); it is now at {site}:\d+ in _rank_1_hangs_after_one_all_reduce",
+        message,
+    ), message
+    assert FLIGHT_DIR_ENV not in os.environ  # the temporary dump directory is gone with the deadline
+
+
+INJECT = """
+    import os, sys, time
+    import torch
+    from meshwise.cli import main
+
+    if os.environ["RANK"] == "1":  # rank 1's third loss never returns
+        real, calls = torch.nn.functional.cross_entropy, [0]
+
+        def stuck(*args, **kwargs):
+            calls[0] += 1
+            if calls[0] >= 3:
+                time.sleep(300)
+            return real(*args, **kwargs)
+
+        torch.nn.functional.cross_entropy = stuck
+    sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_under_meshwise_run_the_hung_rank_is_named_by_the_flight_report(text, tmp_path):
+    script = tmp_path / "inject.py"
+    script.write_text(textwrap.dedent(INJECT))
+    argv = gpt_argv(text, "--steps", "100000", "--timeout", "30")
+    done = subprocess.run(
+        [sys.executable, "-m", "meshwise", "run", "-np", "2", str(script), *argv],
+        capture_output=True,
+        text=True,
+        timeout=110,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    err = done.stderr
+    assert done.returncode == 124, err
+    assert "the job passed its --timeout 30 s deadline" in err
+    # rank 1 dumped its records at its deadline, before it exited: the report names where it is
+    assert re.search(r"\n  rank 0 waits in all_reduce\(float32\[\d+\], avg\) #\d+", err), err
+    never = r"\n  rank 1 never entered collective #\d+: .*; it is now at inject\.py:\d+ in stuck"
+    assert re.search(never, err), err
+    assert "sent no records" not in err

@@ -45,6 +45,16 @@ def test_a_run_past_its_deadline_still_writes_its_json_marked_incomplete(text, t
     assert result["history"] and result["history"][0]["step"] == 1
 
 
+def test_a_failed_run_still_writes_its_json_marked_incomplete(text, tmp_path, capsys):
+    metrics, summary = tmp_path / "m.jsonl", tmp_path / "s.json"
+    argv = gpt_argv(text, "--steps", "6", "--log-every", "1", "--lr", "1e4")  # diverges within a few steps
+    assert main([*argv, "--metrics", str(metrics), "--json", str(summary)]) == 1
+    assert "training diverged" in capsys.readouterr().err
+    result = json.loads(summary.read_text())
+    assert result["complete"] is False and "training diverged" in result["stopped"]
+    assert result["history"] and result["history"][0]["step"] == 1
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("sig, ranks", [(signal.SIGTERM, "2"), (signal.SIGINT, "1")])
 def test_sigterm_and_sigint_stop_alike_naming_the_checkpoint_kept(text, tmp_path, sig, ranks):

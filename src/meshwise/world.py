@@ -222,7 +222,8 @@ def init(
     comm = _instrument(create_communicator(name, timeout=timeout, **options), debug, flight_recorder_ops)
     shape = mesh if mesh is not None else MeshShape(dp=dist.get_world_size())
     try:
-        grid = Mesh(comm, shape)
+        with comm.setup():  # the mesh's splits are numbered apart: the user's first collective is #1
+            grid = Mesh(comm, shape)
     except BaseException:
         comm.close()
         raise

@@ -139,8 +139,8 @@ def dump(reason: str) -> Path | None:
 
 
 def serve_dump_requests(directory: str | os.PathLike, rank: int) -> DumpServer:
-    """Configure dumps, tell the launcher (``rank{rank}.ready``), and start a thread that dumps once the
-    launcher creates ``REQUEST``.
+    """Configure dumps, tell the launcher (``rank{rank}.ready``), and start a thread that dumps each time
+    ``REQUEST`` is written (by the launcher, or by a job deadline).
 
     A thread, not a signal handler: a rank blocked inside a transport's wait never runs Python signal
     handlers on its main thread, and that rank is exactly the one whose records are needed.
@@ -160,13 +160,20 @@ class DumpServer:
         threading.Thread(target=self._watch, name="meshwise-flight-dump", daemon=True).start()
 
     def _watch(self) -> None:
+        """Answer each request once: a new one (a job deadline's, then the launcher's) is a new file."""
+        answered = None
         while not self._stop.wait(_POLL_SECONDS):
-            if self._request.exists():
-                with contextlib.suppress(OSError):
+            with contextlib.suppress(OSError):
+                asked = self._request.stat().st_mtime_ns
+                if asked != answered:
+                    answered = asked
                     dump(self._request.read_text().strip() or "requested by the launcher")
-                return
 
     def stop(self) -> None:
-        """Stop answering; the launcher then no longer waits for this rank."""
+        """Stop answering, and dumping there at all (the directory may be a job's temporary one, gone
+        with it); the launcher then no longer waits for this rank."""
+        global _target
         self._stop.set()
         self.ready.unlink(missing_ok=True)
+        if _target is not None and _target.directory == self.ready.parent:
+            _target = None

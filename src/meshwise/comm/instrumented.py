@@ -6,13 +6,20 @@ normalised the arguments; each primitive here numbers the collective, fingerprin
 checks it across ranks when a :class:`~meshwise.comm.debug.DebugChecker` is given, and only then hands
 it to the wrapped backend. Any :class:`CommError` — raised at issue or at ``wait`` — marks the record
 failed and dumps the process's recorders before it propagates.
+
+The user's collectives are numbered from 1: collectives meshwise issues while setting itself up (the
+mesh's splits in ``meshwise.init``, inside :meth:`InstrumentedCommunicator.setup`) are numbered, recorded
+and checked apart, as the group ``<group>/setup``, so the flight recorder, the hang report and debug
+mode all call the user's first collective #1. A split into one rank involves no peer and is not numbered.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 
@@ -49,6 +56,15 @@ def _failed(record: OpRecord, exc: CommError) -> None:
     flight_recorder.dump(f"{type(exc).__name__}: {exc}")
 
 
+@dataclass
+class _Numbering:
+    """One sequence of collective numbers, with the recorder and checker that see it."""
+
+    recorder: FlightRecorder
+    checker: DebugChecker | None
+    seq: int = 0
+
+
 class InstrumentedCommunicator(Communicator):
     """``inner`` with a flight recorder (``capacity`` operations) and an optional cross-rank check."""
 
@@ -66,7 +82,8 @@ class InstrumentedCommunicator(Communicator):
         self.overlaps_compute = inner.overlaps_compute
         self.recorder = FlightRecorder(group, inner.rank, inner.world_size, capacity)
         self._algorithm: str | None = getattr(inner, "algo", None)
-        self._seq = 0
+        self._user = self._numbering = _Numbering(self.recorder, checker)
+        self._setup: _Numbering | None = None
         self._splits = 0
         self._lock = threading.Lock()  # DDP hooks may issue collectives from autograd threads
 
@@ -79,6 +96,21 @@ class InstrumentedCommunicator(Communicator):
             raise AttributeError(name)
         return getattr(self.inner, name)
 
+    @contextlib.contextmanager
+    def setup(self) -> Iterator[None]:
+        """Number the operations issued inside apart from the user's (``meshwise.init`` builds its mesh
+        here): all ranks enter it around the same calls, so the numbers still agree across ranks."""
+        if self._setup is None:
+            capacity = self.recorder.records.maxlen or 1
+            recorder = FlightRecorder(f"{self.recorder.group}/setup", self.rank, self.world_size, capacity)
+            child = None if self.checker is None else self.checker.child("setup", self.rank, self.world_size)
+            self._setup = _Numbering(recorder, child)
+        self._numbering = self._setup
+        try:
+            yield
+        finally:
+            self._numbering = self._user
+
     # ------------------------------------------------------------------ the one path every op takes
     def _run(
         self, make: Callable[[int], Fingerprint], issue: Callable[[], Work], *, check: bool = True
@@ -86,14 +118,18 @@ class InstrumentedCommunicator(Communicator):
         """Number (collectives only), record, check in debug mode, issue. Collectives are numbered and
         issued under a lock so that their numbers follow the order the backend sees; point-to-point
         operations are not numbered and never wait for it."""
+        numbering = self._numbering
         if not check:
-            return self._issue(make(0), issue, None)
+            return self._issue(make(0), issue, numbering.recorder, None)
         with self._lock:
-            self._seq += 1
-            return self._issue(make(self._seq), issue, self.checker)
+            numbering.seq += 1
+            return self._issue(make(numbering.seq), issue, numbering.recorder, numbering.checker)
 
-    def _issue(self, fp: Fingerprint, issue: Callable[[], Work], checker: DebugChecker | None) -> Work:
-        record = self.recorder.start(fp)
+    @staticmethod
+    def _issue(
+        fp: Fingerprint, issue: Callable[[], Work], recorder: FlightRecorder, checker: DebugChecker | None
+    ) -> Work:
+        record = recorder.start(fp)
         try:
             if checker is not None:
                 checker.check(fp)
@@ -208,17 +244,16 @@ class InstrumentedCommunicator(Communicator):
             inner.append(self.inner._split(ranks))
             return CompletedWork()
 
-        self._run(lambda s: Fingerprint.of(s, "split", ranks=ranks), issue).wait()
-        self._splits += 1
-        child = inner[0]
+        if len(ranks) == 1:  # made by its member alone: no peer to number or check it with
+            self._run(lambda s: Fingerprint.of(s, "split", ranks=ranks), issue, check=False).wait()
+            child, name = inner[0], f"{self.recorder.group}/self"
+        else:
+            self._run(lambda s: Fingerprint.of(s, "split", ranks=ranks), issue).wait()
+            self._splits += 1  # the same count on every rank: every rank takes part in each such split
+            child, name = inner[0], f"{self.recorder.group}/split{self._splits}"
         if child is None:
             return None
-        name = f"{self.recorder.group}/split{self._splits}"
-        checker = (
-            None
-            if self.checker is None
-            else self.checker.child(f"split{self._splits}", child.rank, child.world_size)
-        )
+        checker = None if self.checker is None else self.checker.child(name, child.rank, child.world_size)
         return InstrumentedCommunicator(
             child, group=name, capacity=self.recorder.records.maxlen or 1, checker=checker
         )

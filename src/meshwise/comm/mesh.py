@@ -219,7 +219,8 @@ class Mesh:
     Every rank must build the mesh (the splits are collective over the parent communicator). Each axis
     has a communicator, also of size 1; axes whose groups are the same ranks share one (every axis of
     size 1 shares the rank's own), and so do the :data:`GROUPINGS` — ``mesh.batch`` is ``dp``'s while
-    ``ep`` is 1: building the mesh costs one split per distinct grouping.
+    ``ep`` is 1: building the mesh costs one collective split per distinct grouping whose groups hold
+    more than one rank and fewer than all (a one-rank group is made by its rank alone).
     """
 
     def __init__(self, comm: Communicator, shape: MeshShape) -> None:
@@ -239,9 +240,17 @@ class Mesh:
 
     @staticmethod
     def _split(comm: Communicator, groups: tuple[tuple[int, ...], ...], name: str) -> Communicator:
+        """This rank's communicator of ``groups``. No split where none is needed: a group of every rank is
+        the parent itself, and a group of one rank is made by that rank alone (no other rank takes part,
+        so it is no collective); the others are split collectively, every rank calling for every group."""
         mine = None
         for group in groups:
-            sub = comm.split(group) if len(group) < comm.world_size else comm
+            if len(group) == comm.world_size:
+                sub: Communicator | None = comm
+            elif len(group) == 1:
+                sub = comm.split(group) if comm.rank in group else None
+            else:
+                sub = comm.split(group)
             if comm.rank in group:
                 mine = sub
         if mine is None:

@@ -104,7 +104,8 @@ def render(dumps: Mapping[int, Mapping], ranks: Sequence[int], reason: str) -> s
 
 
 def main_thread_line(stacks: str) -> str | None:
-    """``x.py:5 in f``: the innermost frame of the thread that runs ``<module>``.
+    """``x.py:5 in f``: the innermost frame of the thread that runs ``<module>``, below any report
+    plumbing.
 
     faulthandler writes one block per thread, innermost frame first; the main thread's block ends in
     the script's ``<module>`` frame.
@@ -112,6 +113,14 @@ def main_thread_line(stacks: str) -> str | None:
     for block in stacks.split("\n\n"):
         frames = re.findall(r'File "(.+)", line (\d+) in (\S+)', block)
         if frames and frames[-1][2] == "<module>":
-            path, line, function = frames[0]
+            where = [f for f in frames if not f[0].endswith(_REPORTING)] or frames
+            path, line, function = where[0]
             return f"{os.path.basename(path)}:{line} in {function}"
     return None
+
+
+#: the files that run only while a report is being made (a job deadline's handler asking for the dumps
+#: interrupts the main thread wherever it was): never where a rank *is*.
+_REPORTING = tuple(
+    os.path.join("meshwise", "runtime", name) for name in ("deadline.py", "flight_dumps.py", "hang_report.py")
+)

@@ -255,14 +255,13 @@ class _Group:
             worker.signal_group(signal.SIGTERM)
         first = self.plan.first_rank
         worker = self.workers[failed.rank]
-        worker.drain(2.0)
-        lines = [f"meshwise run: rank {rank} failed ({failed.describe()})"]
+        worker.drain(2.0)  # its last lines (the traceback) come out before the line naming it
+        line = f"meshwise run: rank {rank} failed ({failed.describe()})"
         if others:
-            lines[0] += "; terminating ranks " + ", ".join(str(first + w.rank) for w in others)
-        if worker.tail:
-            lines.append(f"last {len(worker.tail)} stderr lines of rank {rank}:")
-            lines.extend(f"  {line}" for line in worker.tail)
-        self.output.write("\n".join(lines) + "\n", to_err=True)
+            line += "; terminating ranks " + ", ".join(str(first + w.rank) for w in others)
+        # its stderr was streamed as it was written: point at it rather than print the traceback twice
+        line += f" ({'its stderr is above' if worker.tail else 'it wrote nothing to stderr'})"
+        self.output.write(line + "\n", to_err=True)
 
     def _terminate(self) -> None:
         """SIGTERM every worker's process group, SIGKILL what outlives the grace period, reap all."""
@@ -324,10 +323,10 @@ def launch(
     """Run ``cmd`` as ``nprocs`` local workers of an ``nnodes``-node job; return the exit status.
 
     0 when every worker exits 0. When one fails, the others are terminated and the failed worker's
-    status is returned (128 + signal when it was killed), after a report naming its rank, how it ended
-    and the tail of its stderr. ``max_restarts`` relaunches the whole local group that many times
-    (TORCHELASTIC_RESTART_COUNT counts them); ``timeout`` bounds each attempt's wall time (exit 124).
-    ``env`` adds variables on top of this process's environment.
+    status is returned (128 + signal when it was killed), after a line naming its rank and how it ended
+    (its stderr, streamed as it was written, is not repeated). ``max_restarts`` relaunches the whole
+    local group that many times (TORCHELASTIC_RESTART_COUNT counts them); ``timeout`` bounds each
+    attempt's wall time (exit 124). ``env`` adds variables on top of this process's environment.
 
     With ``nnodes`` > 1 the pre-flight (:mod:`~meshwise.runtime.preflight`) runs first and raises
     PreflightError (a ValueError) with one line; node 0 then also runs the

@@ -24,6 +24,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from meshwise.runtime.cores import threads_per_rank
+from meshwise.runtime.flight_dumps import FLIGHT_DIR_ENV
 
 _GRACE_SECONDS = 3.0
 
@@ -145,6 +146,9 @@ def spawn(
             child_env = {
                 **rank_environment(rank, nprocs, "127.0.0.1", port),
                 "OMP_NUM_THREADS": str(threads),
+                # this process's flight dump directory, if any (a job deadline's), or none: set either way,
+                # as the forkserver's own environment may hold an earlier job's
+                FLIGHT_DIR_ENV: os.environ.get(FLIGHT_DIR_ENV, ""),
                 **(env or {}),
             }
             proc = ctx.Process(
