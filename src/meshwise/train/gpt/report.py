@@ -184,6 +184,8 @@ def strategy_line(strategy: dict[str, Any]) -> str:
     ]
     if strategy["tp"] > 1:
         parts.append(f"tp {strategy['tp']}{' with sequence parallelism' if strategy['sp'] else ''}")
+    if strategy.get("cp", 1) > 1:
+        parts.append(f"cp {strategy['cp']} (each sequence in {2 * strategy['cp']} chunks)")
     if strategy["pp"] > 1:
         virtual = f", {strategy['virtual_stages']} virtual stages" if strategy["virtual_stages"] > 1 else ""
         m = strategy["micro_batches"]
