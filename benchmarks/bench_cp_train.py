@@ -8,7 +8,8 @@ can be trained, and a body that steps in seconds on a CPU.
 
 - **Throughput** (2 ranks): cp2 at ``2L`` vs dp2 at ``L`` with the same tokens per step (``B`` sequences
   of ``2L`` split over the cp pair, or ``2B`` sequences of ``L``, one half per dp rank), timed in
-  alternating rounds after a warm-up step each; medians and the median per-round ratio.
+  alternating rounds after a warm-up step each; medians and the median per-round ratio, of wall time and
+  of CPU seconds (the busier rank's: on a loaded machine the steadier measure of work).
 - **Memory** (2 ranks): bytes saved for backward in one training step (saved-tensor hooks, parameters
   excluded: :class:`~meshwise.parallel.recompute.SavedBytes`), per rank, at ``2L``: cp2 (half of one
   sequence each) vs one process's share (one whole sequence each, dp2), under each recomputation mode.
@@ -30,12 +31,15 @@ import json
 import os
 import sysconfig
 import tempfile
+import time
 from dataclasses import replace
 from pathlib import Path
 
+import torch
 from bench_ddp import _medians, _paired_ratios
 
 import meshwise
+from meshwise.comm.api import ReduceOp
 from meshwise.comm.mesh import Mesh
 from meshwise.models.gpt import Block
 from meshwise.parallel.recompute import MODES, SavedBytes, apply_recompute, stage_blocks
@@ -101,10 +105,15 @@ def _two_ranks(data: str, half: int, batch: int, rounds: int) -> dict:
             meshes.append(mesh)
             trainers[name].train_step(0)  # warm-up
         samples: dict[str, list[float]] = {name: [] for name in runs}
+        cpu: dict[str, list[float]] = {name: [] for name in runs}
         names = list(runs)
         for r in range(rounds):
             for name in names[r % 2 :] + names[: r % 2]:
+                started = time.process_time()
                 samples[name].append(trainers[name].train_step(1 + r).seconds)
+                used = torch.tensor([time.process_time() - started], dtype=torch.float64)
+                world.comm.all_reduce(used, ReduceOp.MAX)  # the busier rank's
+                cpu[name].append(used.item())
         memory = {}
         one, mesh = _trainer(world, _config(data, 2, 2 * half, 2 * batch))  # a whole sequence per rank
         meshes.append(mesh)
@@ -115,6 +124,9 @@ def _two_ranks(data: str, half: int, batch: int, rounds: int) -> dict:
             "seconds": samples,
             "median": _medians(samples),
             "ratios": _paired_ratios(samples, "dp2 at L"),
+            "cpu_seconds": cpu,
+            "cpu_median": _medians(cpu),
+            "cpu_ratios": _paired_ratios(cpu, "dp2 at L"),
             "memory": memory,
         }
     finally:
@@ -166,8 +178,8 @@ def _four_ranks(data: str, budget: float, top: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--half", type=int, default=256, help="L: dp2 trains at L, cp2 at 2L (default 256)")
-    parser.add_argument("--batch", type=int, default=2, help="sequences of 2L per step for cp2 (default 2)")
+    parser.add_argument("--half", type=int, default=512, help="L: dp2 trains at L, cp2 at 2L (default 512)")
+    parser.add_argument("--batch", type=int, default=1, help="sequences of 2L per step for cp2 (default 1)")
     parser.add_argument("--rounds", type=int, default=7, help="timed rounds (default 7)")
     parser.add_argument("--budget-mib", type=float, default=60.0, help="memory per rank (default 60 MiB)")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
@@ -187,7 +199,11 @@ def main() -> None:
     ]
     for name, seconds in two["median"].items():
         rate, ratio = tokens / seconds, two["ratios"][name]
-        lines.append(f"  {name:<10} {seconds:8.3f} s/step  {rate:10,.0f} tokens/s  {ratio:.3f}× dp2's time")
+        cpu, cpu_ratio = two["cpu_median"][name], two["cpu_ratios"][name]
+        lines.append(
+            f"  {name:<10} {seconds:8.3f} s/step  {rate:10,.0f} tokens/s  {ratio:.3f}× dp2's time;  "
+            f"CPU {cpu:6.3f} s/step ({cpu_ratio:.3f}×)"
+        )
     lines += ["", f"saved for backward per rank at 2L = {seq} (MiB; cp2 vs one process)"]
     for mode in MODES:
         one, cp2 = memory[f"one process {mode}"], memory[f"cp2 {mode}"]
@@ -208,7 +224,7 @@ def main() -> None:
             "half": args.half,
             "batch": args.batch,
             "load": os.getloadavg()[0],
-            "throughput": {k: two[k] for k in ("seconds", "median", "ratios")},
+            "throughput": {k: v for k, v in two.items() if k != "memory"},
             "memory": memory,
             "budget_mib": args.budget_mib,
             "longest": four,
