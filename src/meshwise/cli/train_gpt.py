@@ -9,6 +9,7 @@ slice into accumulated micro-batches, so the run computes the same thing on any 
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import fields
 
 from meshwise.cli.training_failure import run_training_command
@@ -38,11 +39,19 @@ def add_parser(models: argparse._SubParsersAction) -> None:
         default=None,
         help="local ranks to start (default: 1, or the ranks a launcher started)",
     )
-    ranks.add_argument("--dp", type=int, default=None, help="data-parallel size (default: ranks / (tp·pp))")
+    ranks.add_argument(
+        "--dp", type=int, default=None, help="data-parallel size (default: ranks / (tp·pp·cp))"
+    )
     ranks.add_argument(
         "--tp", type=int, default=1, help="tensor-parallel size, divides the heads (default 1)"
     )
     ranks.add_argument("--pp", type=int, default=1, help="pipeline-parallel size: stages (default 1)")
+    ranks.add_argument(
+        "--cp",
+        type=int,
+        default=d["cp"],
+        help="context-parallel size: each sequence split over cp ranks, 2·cp chunks (default %(default)s)",
+    )
     ranks.add_argument(
         "--zero",
         type=int,
@@ -304,6 +313,9 @@ def add_parser(models: argparse._SubParsersAction) -> None:
 
 def handler(args: argparse.Namespace) -> int:
     if getattr(args, "auto", False):  # meshwise plan picks the layout (cli/train_auto.py)
+        if args.cp != 1:  # the planner's layouts have no cp axis yet
+            print("meshwise train gpt: error: --auto plans dp, tp and pp only: drop --cp", file=sys.stderr)
+            return 2
         from meshwise.cli.train_auto import run_auto
 
         return run_auto(args, handler)

@@ -81,7 +81,7 @@ class _RegatheringAttention(torch.autograd.Function):
         # (batch, seq, heads, dim) memory seen as (batch, heads, seq, dim): the output projection's
         # transpose back is then a view, so the output is kept once (not once more by that projection)
         out = q.new_empty(batch, local, heads, dim).transpose(1, 2)
-        lse = q.new_empty(batch, heads, local)
+        lse = q.new_empty(batch, heads, local, dtype=torch.float32)  # the kernel keeps it in fp32
         for half, g in enumerate(chunk_indices(comm.rank, comm.world_size)):
             rows = slice(half * c, (half + 1) * c)
             visible = (g + 1) * c

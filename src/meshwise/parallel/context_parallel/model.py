@@ -37,17 +37,25 @@ class ContextParallelCore:
 
 
 class ContextParallelPositions(nn.Embedding):
-    """The whole position table (the same parameter), looked up at this rank's positions in the sequence."""
+    """The position table (the same parameter, under the same name), looked up at this rank's positions in
+    the sequence.
+
+    The lookup is the replaced table's own ``forward`` (kept as a bound method, not a submodule, so the
+    parameter keeps its plain name ``wpe.weight``): on a plain table the rows, under sequence parallelism
+    the rows of this tp rank's shard of the cp rank's tokens — the two compose, cp choosing the tokens and
+    sp splitting them. Both share one Parameter object (strategies that shard it change its ``.data``).
+    """
 
     def __init__(self, full: nn.Embedding, comm: Communicator) -> None:
         super().__init__(*full.weight.shape, device="meta")
         self.weight = full.weight
+        self.lookup = full.forward
         self.comm = comm
 
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
         seq = positions.shape[-1] * self.comm.world_size  # the model sees its local tokens 0..s/cp-1
         check_context_parallel(seq, self.comm.world_size, self.num_embeddings)
-        return super().forward(local_positions(seq, self.comm.world_size, self.comm.rank, positions.device))
+        return self.lookup(local_positions(seq, self.comm.world_size, self.comm.rank, positions.device))
 
 
 def apply_context_parallel(model: nn.Module, cp_comm: Communicator) -> nn.Module:

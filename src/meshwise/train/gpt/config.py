@@ -38,6 +38,7 @@ class GPTTrainConfig:
     dp: int | None = None
     tp: int = 1
     pp: int = 1
+    cp: int = 1  # context parallel: each sequence split over cp ranks (train/gpt/context_parallel.py)
     zero: int = 0
     sp: bool = False
     config: str | None = None  # named size; None: gpt-nano, or the --init-from checkpoint's architecture
@@ -130,7 +131,7 @@ class GPTTrainConfig:
         return plan_ranks(self.nproc, default=1).world_size
 
     def mesh_shape(self, world_size: int) -> MeshShape:
-        return MeshShape.infer(world_size, dp=self.dp, tp=self.tp, pp=self.pp)
+        return MeshShape.infer(world_size, dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp)
 
     def accumulation(self, dp: int) -> int:
         """Micro-batches per rank per step: global batch = dp · micro-batch · accumulation."""

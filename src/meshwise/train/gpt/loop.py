@@ -30,6 +30,7 @@ from meshwise.runtime.cores import available_cores
 from meshwise.train.errors import TrainingError, diverged_on, train_on_rank
 from meshwise.train.gpt import checkpoint
 from meshwise.train.gpt.config import GPTTrainConfig
+from meshwise.train.gpt.context_parallel import local_tokens
 from meshwise.train.gpt.init_from import export, load_weights
 from meshwise.train.gpt.moe import moe_banner
 from meshwise.train.gpt.parallelize import parallelize
@@ -125,10 +126,12 @@ class GPTTrainer:
 
     # ------------------------------------------------------------------ steps
     def micro_batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """This dp rank's micro-batches of 0-based ``step`` (its slice of the same global batch)."""
+        """This dp rank's micro-batches of 0-based ``step`` (its slice of the same global batch), under
+        --cp this rank's chunks of each sequence."""
         inputs, targets = train_batch(
             self.splits, self.seq_len, self.config.global_batch, self.config.seed, step, self.dp_rank, self.dp
         )
+        inputs, targets = local_tokens(inputs, self.mesh), local_tokens(targets, self.mesh)
         device = self.world.device
         return [
             (x.to(device), y.to(device))
@@ -160,7 +163,8 @@ class GPTTrainer:
                 norm = runner.clip_grad_norm(config.grad_clip)
                 runner.optimizer.step()
             loss = torch.tensor([local], dtype=torch.float64)
-            self.mesh.batch.all_reduce(loss, ReduceOp.AVG)
+            # over the ranks reading other sequences and (cp) other tokens of them: equal token counts
+            self.mesh.replicas.all_reduce(loss, ReduceOp.AVG)
             seconds = time.perf_counter() - started
         if not math.isfinite(loss.item()):  # the same on every rank: the loss is known everywhere
             self._diverged(step, local, loss.item())
@@ -179,18 +183,20 @@ class GPTTrainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean next-token loss over the fixed validation windows, summed over the dp ranks (every rank
-        runs as many forwards as the busiest, since a sharded forward is collective)."""
+        """Mean next-token loss over the fixed validation windows, summed over the dp ranks and the cp
+        ranks' chunks (every rank runs as many forwards as the busiest, since a sharded forward is
+        collective)."""
         self.step_runner.model.eval()
         totals = torch.zeros(2, dtype=torch.float64)
         for inputs, targets, counted in lockstep_val_batches(
             self.splits, self.seq_len, self.config.eval_windows, self.micro_batch, self.dp_rank, self.dp
         ):
+            inputs, targets = local_tokens(inputs, self.mesh), local_tokens(targets, self.mesh)
             loss = self.step_runner.eval_loss_sum(inputs.to(self.world.device), targets.to(self.world.device))
             if counted:
                 totals += torch.tensor([loss.item(), targets.numel()], dtype=torch.float64)
         self.step_runner.model.train()
-        self.mesh.batch.all_reduce(totals, ReduceOp.SUM)
+        self.mesh.replicas.all_reduce(totals, ReduceOp.SUM)
         return (totals[0] / totals[1]).item()
 
     def sample(self, tokens: int) -> str | None:
@@ -328,6 +334,7 @@ class GPTTrainer:
                 "dp": self.dp,
                 "tp": self.mesh.shape.tp,
                 "pp": self.mesh.shape.pp,
+                "cp": self.mesh.shape.cp,
                 "zero": config.zero,
                 "sp": config.sp,
                 "schedule": config.schedule if self.mesh.shape.pp > 1 else None,

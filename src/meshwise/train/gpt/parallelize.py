@@ -42,15 +42,18 @@ from meshwise.models.gpt import GPT, language_model_loss
 from meshwise.models.gpt_plan import gpt_plan
 from meshwise.models.moe import with_auxiliary_losses
 from meshwise.parallel import DataParallel
+from meshwise.parallel.context_parallel import apply_context_parallel
 from meshwise.parallel.placement import Placement, clip_gradients_, place
 from meshwise.parallel.plan import ParallelPlan
 from meshwise.train.gpt import tensor_parallel_state
 from meshwise.train.gpt.config import GPTTrainConfig
+from meshwise.train.gpt.context_parallel import check_context_parallel_config, plain_copy
 from meshwise.train.gpt.optimizer import build_optimizer
 from meshwise.train.gpt.recompute import recompute_step
 from meshwise.train.profile import StepProfiler
 
 Batch = tuple[torch.Tensor, torch.Tensor]
+
 
 class ParallelStep(ABC):
     """One rank's view of a parallel training step (see the module docstring for the contract)."""
@@ -157,7 +160,8 @@ class LayerSharded:
 
 
 def shard_layers(model: GPT, mesh: Mesh, config: GPTTrainConfig) -> LayerSharded:
-    """Steps 1 and 2 of :func:`parallelize`, in place on ``model``."""
+    """Steps 1 and 2 of :func:`parallelize`, in place on ``model`` (cp after tp: it changes only how the
+    heads a rank holds attend, and wraps sequence parallelism's position lookup)."""
     plan = gpt_plan(model.config)
     loss = plain_loss
     if mesh.tp.world_size > 1:
@@ -168,6 +172,9 @@ def shard_layers(model: GPT, mesh: Mesh, config: GPTTrainConfig) -> LayerSharded
         def loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
             return tensor_parallel.loss(logits.float(), targets, mesh.tp, reduction)
 
+    # 2. the attention over the cp group and the positions of this rank's chunks (the loop feeds it
+    # local_tokens of each batch); a no-op for a cp group of one
+    apply_context_parallel(model, mesh.cp)
     return LayerSharded(model, plan, mesh.tp, loss)
 
 
@@ -181,14 +188,14 @@ def plain_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "me
 
 
 class DataParallelStep(ParallelStep):
-    """DataParallel over ``mesh.dp`` of this rank's model — the whole GPT, or with ``--tp`` its
-    tensor-parallel shard; gradients are averaged once per step (the first micro-batches accumulate under
-    ``no_sync``)."""
+    """DataParallel over ``mesh.replicas`` (dp, and the cp ranks that hold the same weights for other
+    tokens) of this rank's model — the whole GPT, or with ``--tp`` its tensor-parallel shard; gradients
+    are averaged once per step (the first micro-batches accumulate under ``no_sync``)."""
 
     def __init__(self, sharded: LayerSharded, mesh: Mesh, config: GPTTrainConfig) -> None:
         super().__init__(config, mesh, next(sharded.model.parameters()).device)
         self.sharded, self.local = sharded, sharded.model
-        self.model = DataParallel(self.local, mesh.dp)
+        self.model = DataParallel(self.local, mesh.replicas)
         self.optimizer = build_optimizer(self.local, config)
         self.place(self.local.named_parameters())
 
@@ -211,6 +218,11 @@ class DataParallelStep(ParallelStep):
         if self.sharded.tp.world_size == 1:
             return self.local
         return tensor_parallel_state.full_model(self.local, self.sharded.tp)
+
+    def sampling_model(self) -> GPT:
+        """Under --cp a plain copy: the model's own attention is collective over its cp group."""
+        full = self.full_model()
+        return plain_copy(full) if full is self.local and self.mesh.cp.world_size > 1 else full
 
     def state_dict(self) -> dict[str, Any]:
         if self.sharded.tp.world_size == 1:
@@ -235,7 +247,9 @@ def check_supported(config: GPTTrainConfig) -> None:
     if config.sp and config.tp < 2:
         raise ValueError("--sp splits the sequence across the tensor-parallel ranks: add --tp 2 or more")
     config.mesh_shape(config.world_size())  # the degree checks: sizes that divide the ranks
-    gpt_plan(config.model_config).check_tensor_parallel(config.tp, config.sp, config.train_seq_len)
+    check_context_parallel_config(config)
+    local_seq = config.train_seq_len // config.cp  # what tensor (± sequence) parallelism sees of it
+    gpt_plan(config.model_config).check_tensor_parallel(config.tp, config.sp, local_seq)
 
 
 def step_class(config: GPTTrainConfig) -> type[ParallelStep]:
@@ -256,11 +270,13 @@ def parallelize(model: GPT, mesh: Mesh, config: GPTTrainConfig) -> ParallelStep:
 
     1. tensor parallelism (± sequence parallelism) — the model's plan converts it to this rank's shard
        over ``mesh.tp`` (:func:`shard_layers`);
-    2. context parallelism over ``mesh.cp`` (slot, in :func:`shard_layers`);
+    2. context parallelism over ``mesh.cp`` — attention over the cp group, positions of the rank's
+       chunks (:func:`shard_layers`; the loop feeds each rank its chunks of every sequence);
     3. the pipeline — the (tensor-parallel) model cut into stages along the plan's layers, over
        ``mesh.pp`` (:class:`~meshwise.train.gpt.pipeline_step.PipelineStep`);
-    4. activation recomputation of the layers this rank runs (slot);
-    5. data parallelism over ``mesh.dp`` of what the rank holds: DataParallel's bucketed all-reduce
+    4. activation recomputation of the layers this rank runs;
+    5. data parallelism over ``mesh.replicas`` (dp, and cp: ranks with the same weights and other
+       tokens) of what the rank holds: DataParallel's bucketed all-reduce
        (:class:`DataParallelStep`), or ZeRO-1/2/3 sharding those (tensor-parallel) parameters further
        (:class:`~meshwise.train.gpt.zero_step.ZeroStep`).
 

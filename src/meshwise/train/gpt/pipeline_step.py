@@ -2,9 +2,10 @@
 
 Each rank keeps only its chunks of the model (cut by :mod:`meshwise.parallel.pipeline_parallel`), and one
 ``forward_backward`` is one pipeline step over the rank's micro-batches with the chosen schedule; the
-executor sums the tied embedding/head gradient and averages over dp. Gradient clipping takes the norm of
-the whole model: squares summed over this rank's parameters (the tied matrix counted once, on the first
-stage) and over the pp group — dp replicas hold equal gradients after the executor's average.
+executor sums the tied embedding/head gradient and averages over the replicas (dp, and cp's ranks).
+Gradient clipping takes the norm of the whole model: squares summed over this rank's parameters (the tied
+matrix counted once, on the first stage) and over the pp group — replicas hold equal gradients after the
+executor's average.
 Checkpoints and ``--sample`` are in :mod:`meshwise.train.gpt.pipeline_state`.
 """
 
@@ -39,6 +40,7 @@ from meshwise.train.gpt.pipeline_state import (
     stage_state_dict,
 )
 from meshwise.train.gpt.zero_step import (
+    REPLICAS,
     load_zero_state_dict,
     tensor_parallel_key,
     zero_slices,
@@ -79,7 +81,8 @@ class PipelineStep(ParallelStep):
             schedule=config.schedule,
             micro_batches=micro_batches,
             virtual_stages=config.virtual_stages,
-            dp=None if config.zero else mesh.dp,  # ZeRO reduce-scatters each stage's gradients itself
+            # gradients averaged over the replicas (dp·cp); ZeRO reduce-scatters each stage's itself
+            dp=None if config.zero else mesh.replicas,
             loss=partial(sharded.loss, reduction="mean"),
             sequence_shards=tp if config.sp else 1,
             in_place=True,  # the model is this run's own (and a tp one holds a communicator: no copies)
@@ -137,7 +140,7 @@ class PipelineStep(ParallelStep):
         if self.zero is not None:  # the updated shards' all-gathers land first
             for group in self.zero.groups:
                 group.wait_gathered()
-        if self.mesh.coordinates["dp"] != 0:
+        if self.mesh.replicas.rank != 0:  # one pipeline gathers: replica 0's (dp = cp = 0)
             return self._shape_model
         gathered = gather_plain_model(
             self.model, self._shape_model.config, self.mesh.pp, self.device, tp=self.mesh.tp
@@ -164,7 +167,7 @@ class PipelineStep(ParallelStep):
         if self.config.timeline is None or not self._last_events:
             return
         gathered = gather_events(self.mesh.pp, self._last_events)
-        if gathered is None or self.mesh.coordinates["dp"] != 0:
+        if gathered is None or self.mesh.replicas.rank != 0:
             return
         draw(gathered, self.config.timeline, title=self._title, theory=self._theory)
 
@@ -172,19 +175,20 @@ class PipelineStep(ParallelStep):
 def stage_zero(
     stage: StageModule, mesh: Mesh, config: GPTTrainConfig, copies: dict[str, str]
 ) -> tuple[ShardedModel, torch.optim.Optimizer, list[Placement]]:
-    """ZeRO-1/2 of a pipeline stage over ``mesh.dp``: the sharded stage, AdamW over its master shards,
-    and each flat group's placement (divided over dp and pp, and tp for tp shards; the last stage's
-    tied head copy in a group of its own, counted once in the norm, on the first stage)."""
+    """ZeRO-1/2 of a pipeline stage over ``mesh.replicas`` (dp·cp): the sharded stage, AdamW over its
+    master shards, and each flat group's placement (divided over the replicas and pp, and tp for tp
+    shards; the last stage's tied head copy in a group of its own, counted once in the norm, on the first
+    stage)."""
 
     def key(name: str, param: nn.Parameter) -> tuple[bool, bool, bool]:
         return (*tensor_parallel_key(name, param), name in copies)
 
-    zero = shard(stage, mesh.dp, stage=config.zero, separate_by=key)
+    zero = shard(stage, mesh.replicas, stage=config.zero, separate_by=key)
     rest = zero.parameters_where(lambda n, p: not decays(n, p))
     optimizer = adamw(zero.parameters_where(decays), rest, config)
     placements = []
     for group, names in zip(zero.groups, zero.param_names, strict=True):
         tp_sharded = shard_dim(group.params[0]) is not None
-        divided = frozenset({"dp", "pp", "tp"} if tp_sharded else {"dp", "pp"})
+        divided = REPLICAS | ({"pp", "tp"} if tp_sharded else {"pp"})
         placements.append(Placement(group.name, divided=divided, tied_to=copies.get(names[0])))
     return zero, optimizer, placements

@@ -179,11 +179,13 @@ GPT_KNOBS = {
 
 def strategy_line(strategy: dict[str, Any]) -> str:
     """``ZeRO-2 over dp 2, tp 2 with sequence parallelism, pp 2 (1f1b, 4 micro-batches)``."""
-    parts = [
-        f"ZeRO-{strategy['zero']} over dp {strategy['dp']}" if strategy["zero"] else f"dp {strategy['dp']}"
-    ]
+    cp = strategy.get("cp", 1)
+    replicas = f"dp {strategy['dp']} × cp {cp}" if cp > 1 else f"dp {strategy['dp']}"  # ZeRO shards over both
+    parts = [f"ZeRO-{strategy['zero']} over {replicas}" if strategy["zero"] else f"dp {strategy['dp']}"]
     if strategy["tp"] > 1:
         parts.append(f"tp {strategy['tp']}{' with sequence parallelism' if strategy['sp'] else ''}")
+    if cp > 1:
+        parts.append(f"cp {cp} (each sequence in {2 * cp} chunks)")
     if strategy["pp"] > 1:
         virtual = f", {strategy['virtual_stages']} virtual stages" if strategy["virtual_stages"] > 1 else ""
         m = strategy["micro_batches"]

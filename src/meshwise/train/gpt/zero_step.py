@@ -1,4 +1,5 @@
-"""``meshwise train gpt --zero 1|2|3``: ZeRO sharded data parallelism over ``mesh.dp``.
+"""``meshwise train gpt --zero 1|2|3``: ZeRO sharded data parallelism over ``mesh.replicas`` (dp, and
+the cp ranks, which hold the same weights).
 
 The model is wrapped by :func:`~meshwise.parallel.zero.shard` (stage 3's units: the GPT blocks). What the
 seam's contract asks of a sharded strategy, and how it is met here:
@@ -28,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from meshwise.comm.mesh import Mesh
+from meshwise.comm.mesh import GROUPINGS, Mesh
 from meshwise.models.gpt import GPT
 from meshwise.parallel.placement import Placement, clip_gradients_
 from meshwise.parallel.tensor_parallel import shard_dim
@@ -40,6 +41,9 @@ from meshwise.train.gpt.config import GPTTrainConfig
 from meshwise.train.gpt.optimizer import adamw, decays
 from meshwise.train.gpt.parallelize import Batch, LayerSharded, ParallelStep
 
+#: The axes ZeRO shards over: ``mesh.replicas``, the ranks holding the same weights (dp, and cp whose
+#: ranks see other tokens of the same sequences).
+REPLICAS = frozenset(GROUPINGS["replicas"])
 #: --dtype → shard()'s mixed precision (float32 master shards in every case).
 PRECISION = {"fp32": None, "bf16": "bf16", "fp16": "fp16"}
 
@@ -74,11 +78,12 @@ class ZeroStep(ParallelStep):
 
     With ``--tp`` the model is first cut into this rank's tensor-parallel shard (the order
     :func:`~meshwise.train.gpt.parallelize.parallelize` documents: TP, then data parallelism over dp), and
-    ZeRO shards those shards over ``mesh.dp``: each (dp, tp) rank holds 1/(dp·tp) of every tp-sharded
-    weight and 1/dp of the replicated ones — the layout of Megatron's distributed optimizer, or FSDP2
-    over DTensor TP with the flat range in place of FSDP2's dim-0 chunk. Flat groups keep tp shards and
-    tp-replicated parameters apart (:func:`tensor_parallel_key`), so each gradient shard has one
-    :class:`~meshwise.parallel.placement.Placement` and the global norm is the generic one.
+    ZeRO shards those shards over ``mesh.replicas`` (``mesh.dp`` unless ``--cp``): each (dp, tp) rank
+    holds 1/(dp·tp) of every tp-sharded weight and 1/dp of the replicated ones — the layout of Megatron's
+    distributed optimizer, or FSDP2 over DTensor TP with the flat range in place of FSDP2's dim-0 chunk.
+    Flat groups keep tp shards and tp-replicated parameters apart (:func:`tensor_parallel_key`), so each
+    gradient shard has one :class:`~meshwise.parallel.placement.Placement` and the global norm is the
+    generic one.
     """
 
     def __init__(self, sharded: LayerSharded, mesh: Mesh, config: GPTTrainConfig) -> None:
@@ -88,7 +93,7 @@ class ZeroStep(ParallelStep):
         self.sharded_loss = sharded.loss
         self.model = shard(
             model,
-            mesh.dp,
+            mesh.replicas,
             stage=config.zero,
             mixed_precision=PRECISION[config.dtype],
             separate_by=tensor_parallel_key,
@@ -97,7 +102,7 @@ class ZeroStep(ParallelStep):
         with torch.device("meta"):  # the plain model's shapes, for tensor-parallel checkpoints
             self._plain_shapes = {n: t.shape for n, t in GPT(self.config).state_dict().items()}
         self._shard_placements = [
-            Placement(group.name, divided=frozenset({"dp", "tp"} if tp_sharded else {"dp"}))
+            Placement(group.name, divided=REPLICAS | {"tp"} if tp_sharded else REPLICAS)
             for group in self.model.groups
             for tp_sharded in [shard_dim(group.params[0]) is not None]
         ]
@@ -166,12 +171,15 @@ class ZeroStep(ParallelStep):
 
 
 def zero_slices(mesh: Mesh, plain_shapes: dict[str, torch.Size]) -> Callable[[str, torch.Tensor], Slices]:
-    """How a parameter's flat shards lie on the job: over this rank's dp group, and for a tp shard over
-    every tp rank's dp group, each holding its slice of the plain parameter (of ``plain_shapes[name]``)."""
+    """How a parameter's flat shards lie on the job: over this rank's replicas group (ZeRO's, in its rank
+    order), and for a tp shard over every tp rank's replicas group, each holding its slice of the plain
+    parameter (of ``plain_shapes[name]``)."""
     shape, here = mesh.shape, mesh.coordinates
+    groups = shape.groups(*GROUPINGS["replicas"])
 
     def owners(tp_index: int) -> tuple[int, ...]:
-        return tuple(shape.rank_of(**{**here, "dp": d, "tp": tp_index}) for d in range(shape.dp))
+        rank = shape.rank_of(**{**here, "tp": tp_index})
+        return tuple(next(group for group in groups if rank in group))
 
     def slices_of(name: str, param: torch.Tensor) -> Slices:
         dim = shard_dim(param)

@@ -1,0 +1,45 @@
+"""``train gpt --cp N``: context parallelism on the training path — its checks before launch, and the
+cut of each batch into this rank's tokens.
+
+The model side is :func:`~meshwise.parallel.context_parallel.apply_context_parallel` (step 2 of
+:func:`~meshwise.train.gpt.parallelize.parallelize`); what the loop needs is here: every cp rank reads the
+same sequences as the others of its group (``mesh.batch`` leaves ``cp`` out) and keeps chunks ``r`` and
+``2·cp−1−r`` of each, inputs and targets alike. Its loss is then the mean over its own tokens — the same
+count on every cp rank — so averaging losses and gradients over ``mesh.replicas`` (dp·ep·cp) gives the
+mean over the global batch's tokens, as one process computes it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from meshwise.comm.mesh import Mesh
+from meshwise.models.gpt import GPT
+from meshwise.parallel.context_parallel import check_context_parallel, split_sequence
+from meshwise.train.gpt.config import GPTTrainConfig
+
+
+def check_context_parallel_config(config: GPTTrainConfig) -> None:
+    """One clear ``ValueError`` for a --cp this run cannot use: a sequence that does not cut into 2·cp
+    equal chunks, one longer than the position table, or a mixture of experts (not composed with cp yet).
+    Everything else composes: dp, ZeRO 1–3, tp ± sp, pp, recomputation, bf16/fp16, dropout, --compile."""
+    if config.cp == 1:
+        return
+    check_context_parallel(config.train_seq_len, config.cp, config.model_config.seq_len)
+    if config.model_config.experts:
+        # the load-balancing loss of a rank's tokens is not the sequence's: the router's statistics would
+        # have to be summed over the cp group first (Megatron sums them over tp·cp)
+        raise ValueError("--experts with --cp is not built yet: drop --cp or --experts")
+
+
+def local_tokens(x: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+    """This rank's chunks (of ``2·cp``) of every sequence of a (batch, seq) tensor: tokens or targets."""
+    return split_sequence(x, mesh.cp.world_size, mesh.cp.rank)
+
+
+def plain_copy(model: GPT) -> GPT:
+    """A plain GPT with ``model``'s weights (a context-parallel model's attention is collective over its
+    cp group, so ``--sample`` on rank 0 alone generates with this copy; the names are the same)."""
+    copy = GPT(model.config).to(next(model.parameters()).device)
+    copy.load_state_dict(model.state_dict())
+    return copy
