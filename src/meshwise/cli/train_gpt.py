@@ -78,11 +78,18 @@ def add_parser(models: argparse._SubParsersAction) -> None:
         default=None,
         help="training context (default: the config's, at most 128 on a CPU)",
     )
-    experts = parser.add_argument_group("mixture of experts (one process or -np N data parallel)")
+    experts = parser.add_argument_group("mixture of experts")
     experts.add_argument(
         "--experts", type=int, default=None, help="experts per MLP, 0 = dense (default: the config's)"
     )
     experts.add_argument("--top-k", type=int, default=None, help="experts per token (default 2)")
+    experts.add_argument(
+        "--ep",
+        type=int,
+        default=1,
+        help="expert-parallel size: each rank holds E/ep experts, tokens travel by all-to-all; ep ranks "
+        "are carved from the data-parallel ranks (default 1)",
+    )
     experts.add_argument(
         "--capacity-factor", type=float, default=None, help="cap per expert ⌈c·T·k/E⌉ (default dropless)"
     )
