@@ -38,7 +38,9 @@ def add_parser(models: argparse._SubParsersAction) -> None:
         default=None,
         help="local ranks to start (default: 1, or the ranks a launcher started)",
     )
-    ranks.add_argument("--dp", type=int, default=None, help="data-parallel size (default: ranks / (tp·pp))")
+    ranks.add_argument(
+        "--dp", type=int, default=None, help="data-parallel size (default: ranks / (tp·pp·ep))"
+    )
     ranks.add_argument(
         "--tp", type=int, default=1, help="tensor-parallel size, divides the heads (default 1)"
     )
