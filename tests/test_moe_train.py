@@ -1,5 +1,6 @@
 """``meshwise train gpt --experts``: a MoE GPT trains on one process and data parallel with the same losses,
-prints its router report, and refuses what it cannot train before any rank starts."""
+prints its router report, and refuses what it cannot train before any rank starts (``--ep`` and its
+compositions: tests/test_moe_ep_train.py)."""
 
 from __future__ import annotations
 
@@ -50,8 +51,9 @@ def test_data_parallel_moe_matches_one_process_and_reports_the_router(text: str,
         ({"experts": 4, "top_k": 5}, r"--top-k 5 must be between 1 and the number of experts \(4\)"),
         ({"config": "gpt-moe-tiny", "capacity_factor": -1.0}, "--capacity-factor must be a positive number"),
         ({"top_k": 2}, "--top-k configure a mixture of experts: add --experts E"),
-        ({"config": "gpt-moe-tiny", "nproc": 2, "tp": 2}, "drop --tp"),
+        ({"config": "gpt-moe-tiny", "nproc": 2, "tp": 2, "sp": True}, "drop --sp"),
         ({"config": "gpt-moe-tiny", "zero": 1}, "drop --zero"),
+        ({"config": "gpt-moe-tiny", "nproc": 2, "pp": 2, "schedule": "zb"}, "drop --schedule zb"),
         ({"config": "gpt-moe-tiny", "recompute": "full"}, "drop --recompute full"),
         ({"experts": 4, "z_loss_coef": float("nan")}, "--z-loss-coef must be a number ≥ 0"),
     ],

@@ -23,8 +23,8 @@ def test_the_json_and_summary_record_the_strategy_and_output_files(text, tmp_pat
     assert main([*argv, "--json", str(summary), "--metrics", str(metrics)]) == 0
     result = json.loads(summary.read_text())
     assert result["strategy"] == {
-        "dp": 1, "tp": 1, "pp": 2, "cp": 1, "zero": 0, "sp": False, "schedule": "1f1b", "virtual_stages": 1,
-        "micro_batches": 4, "micro_batch_size": 2,
+        "dp": 1, "tp": 1, "pp": 2, "cp": 1, "ep": 1, "zero": 0, "sp": False, "schedule": "1f1b",
+        "virtual_stages": 1, "micro_batches": 4, "micro_batch_size": 2,
     }  # fmt: skip
     assert result["outputs"] == {"Metrics": str(metrics)}
     out = capsys.readouterr().out

@@ -40,7 +40,7 @@ def add_parser(models: argparse._SubParsersAction) -> None:
         help="local ranks to start (default: 1, or the ranks a launcher started)",
     )
     ranks.add_argument(
-        "--dp", type=int, default=None, help="data-parallel size (default: ranks / (tp·pp·cp))"
+        "--dp", type=int, default=None, help="data-parallel size (default: ranks / (tp·pp·cp·ep))"
     )
     ranks.add_argument(
         "--tp", type=int, default=1, help="tensor-parallel size, divides the heads (default 1)"
@@ -87,11 +87,18 @@ def add_parser(models: argparse._SubParsersAction) -> None:
         default=None,
         help="training context (default: the config's, at most 128 on a CPU)",
     )
-    experts = parser.add_argument_group("mixture of experts (one process or -np N data parallel)")
+    experts = parser.add_argument_group("mixture of experts")
     experts.add_argument(
         "--experts", type=int, default=None, help="experts per MLP, 0 = dense (default: the config's)"
     )
     experts.add_argument("--top-k", type=int, default=None, help="experts per token (default 2)")
+    experts.add_argument(
+        "--ep",
+        type=int,
+        default=1,
+        help="expert-parallel size: each rank holds E/ep experts, tokens travel by all-to-all; ep ranks "
+        "are carved from the data-parallel ranks (default 1)",
+    )
     experts.add_argument(
         "--capacity-factor", type=float, default=None, help="cap per expert ⌈c·T·k/E⌉ (default dropless)"
     )

@@ -18,6 +18,8 @@ first rank first, so differently seeded ranks still agree); each keeps its slice
 ``mlp.fc/proj``     column / row parallel
 ``ln*``, ``wpe``,   replicated
 row biases
+``mlp`` of experts  replicated (a mixture of experts: router and experts whole on every tp rank; their
+                    tokens are replicated there, so no sum is needed; ``--ep`` spreads the experts)
 ==================  ===================================================================================
 
 Parameter names do not change (``blocks.0.attn.q.weight`` is a shard of the same tensor), so the
@@ -45,6 +47,7 @@ from torch import nn
 
 from meshwise.comm.api import Communicator
 from meshwise.models.gpt import GPT, MLP, CausalSelfAttention, GPTConfig, language_model_loss
+from meshwise.models.moe import MixtureOfExperts
 from meshwise.parallel import broadcast_module_state
 from meshwise.parallel.plan import ParallelPlan, TensorParallelPlan
 from meshwise.parallel.tensor_parallel.layers import (
@@ -166,7 +169,8 @@ def tensor_parallel(gpt: GPT, tp_comm: Communicator, *, sequence_parallel: bool 
         gpt.wpe = SequenceShardPositions(gpt.wpe, tp_comm)
     for block in gpt.blocks:
         block.attn = ParallelAttention(block.attn, tp_comm, sp, random)
-        block.mlp = ParallelMLP(block.mlp, tp_comm, sp)
+        if not isinstance(block.mlp, MixtureOfExperts):  # experts stay whole: see the module docstring
+            block.mlp = ParallelMLP(block.mlp, tp_comm, sp)
         if random is not None and sp:
             block.dropout = ShardDropout(gpt.config.dropout, random)
     if sp:

@@ -23,7 +23,9 @@ The auxiliary losses are Switch's load-balancing loss E·Σₑ fₑ·Pₑ (fₑ 
 to e, Pₑ the mean router probability of e; 1 when perfectly balanced) and ST-MoE's router z-loss,
 mean(logsumexp(logits)²). :func:`with_auxiliary_losses` adds them, weighted by their coefficients, to the
 gradient of a loss without changing its value, so a training loop that prints the language-model loss
-keeps printing exactly that.
+keeps printing exactly that. Where the loss cannot see the layer (a pipeline stage holds it, the loss is
+on the last stage), :attr:`MixtureOfExperts.aux_gradient_scale` makes the layer add that gradient itself,
+in its own backward, scaled as the loss is (1/micro-batches).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -181,6 +184,9 @@ class MixtureOfExperts(nn.Module):
         self.experts = nn.ModuleDict({str(e): make_expert() for e in range(experts)})
         self.exchange: Exchange = run_here
         self.routing: Routing | None = None  # the last forward's, for its auxiliary losses
+        #: None: :func:`with_auxiliary_losses` adds the auxiliary losses at the loss; a number: this
+        #: layer's backward adds their gradient, times it (a pipeline stage, whose loss is elsewhere)
+        self.aux_gradient_scale: float | None = None
         self.tally = RouterTally.empty(experts)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -189,9 +195,13 @@ class MixtureOfExperts(nn.Module):
         grouped, counts, order = group_by_expert(flat, routing)
         outputs = self.exchange(grouped, counts, self.run_local_experts)
         self.routing = routing
+        mixed = combine(outputs, order, routing, flat.shape[0]).reshape(x.shape)
         if self.training:
             self.tally.add(routing)
-        return combine(outputs, order, routing, flat.shape[0]).reshape(x.shape)
+            if self.aux_gradient_scale is not None:
+                aux = self.balance_coef * routing.balance_loss + self.z_loss_coef * routing.z_loss
+                mixed = _WithAuxiliaryGradient.apply(mixed, aux, self.aux_gradient_scale)
+        return mixed
 
     def run_local_experts(self, tokens: Tensor, rows: list[int]) -> Tensor:
         """Each expert this module holds (ascending global index) on its slice of ``tokens``."""
@@ -205,6 +215,20 @@ class MixtureOfExperts(nn.Module):
         return self.balance_coef * self.routing.balance_loss + self.z_loss_coef * self.routing.z_loss
 
 
+class _WithAuxiliaryGradient(torch.autograd.Function):
+    """The layer's output unchanged; its backward also sends ``scale`` into the auxiliary loss's graph,
+    which is the gradient of ``scale · aux`` added to the loss."""
+
+    @staticmethod
+    def forward(ctx: Any, output: Tensor, aux: Tensor, scale: float) -> Tensor:
+        ctx.scale, ctx.aux_dtype = scale, aux.dtype
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, None]:
+        return grad, torch.full((), ctx.scale, dtype=ctx.aux_dtype, device=grad.device), None
+
+
 def moe_layers(model: nn.Module) -> list[MixtureOfExperts]:
     return [m for m in model.modules() if isinstance(m, MixtureOfExperts)]
 
@@ -213,7 +237,7 @@ def with_auxiliary_losses(loss: Tensor, model: nn.Module) -> Tensor:
     """``loss`` with the value it has and the gradient of loss + every MoE layer's weighted auxiliary loss
     (of its last forward): aux − aux.detach() is exactly 0, so the printed loss stays the model's own.
     A model without MoE layers gets ``loss`` back unchanged."""
-    layers = moe_layers(model)
+    layers = [layer for layer in moe_layers(model) if layer.aux_gradient_scale is None]
     if not layers:
         return loss
     aux = torch.stack([layer.auxiliary_loss() for layer in layers]).sum()

@@ -14,10 +14,16 @@ The backward is exact because every step is: the all-to-all's gradient is the al
 and receive sizes swapped (:class:`_AllToAllRows`), and the regroups are index permutations autograd
 differentiates. Every rank calls every collective even with nothing to send, so the forward and
 backward collectives pair up on every rank in the same order.
+
+With :attr:`AllToAllExchange.timer` set (``--profile``), the wall time of the dispatch (steps 1–2, and
+its gradient's all-to-all in backward) and of the combine (step 4, and its gradient's) is added up in it.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -37,24 +43,62 @@ def all_to_all_rows(comm: Communicator, tensor: Tensor, send_rows: list[int], re
     return received
 
 
+class ExchangeTimer:
+    """Seconds spent in the dispatch and in the combine (forward and backward), summed until reset.
+    On a GPU the device is drained at both ends, so queued compute is not charged to the exchange."""
+
+    def __init__(self) -> None:
+        self.seconds = {"dispatch": 0.0, "combine": 0.0}
+
+    @contextmanager
+    def time(self, part: str, device: torch.device) -> Iterator[None]:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            self.seconds[part] += time.perf_counter() - started
+
+
+def _timed(timer: ExchangeTimer | None, part: str, tensor: Tensor) -> Any:
+    return nullcontext() if timer is None else timer.time(part, tensor.device)
+
+
 class _AllToAllRows(torch.autograd.Function):
     """:func:`all_to_all_rows` with its exact gradient: the same exchange with the sizes swapped."""
 
     @staticmethod
     def forward(
-        ctx: Any, tensor: Tensor, comm: Communicator, send_rows: list[int], recv_rows: list[int]
+        ctx: Any,
+        tensor: Tensor,
+        comm: Communicator,
+        send_rows: list[int],
+        recv_rows: list[int],
+        timer: tuple[ExchangeTimer, str] | None,
     ) -> Tensor:
-        ctx.comm, ctx.send_rows, ctx.recv_rows = comm, send_rows, recv_rows
+        ctx.comm, ctx.send_rows, ctx.recv_rows, ctx.timer = comm, send_rows, recv_rows, timer
         return all_to_all_rows(comm, tensor, send_rows, recv_rows)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
-        return all_to_all_rows(ctx.comm, grad, ctx.recv_rows, ctx.send_rows), None, None, None
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None, None]:
+        timed = nullcontext() if ctx.timer is None else ctx.timer[0].time(ctx.timer[1], grad.device)
+        with timed:
+            back = all_to_all_rows(ctx.comm, grad, ctx.recv_rows, ctx.send_rows)
+        return back, None, None, None, None
 
 
-def exchange_rows(comm: Communicator, tensor: Tensor, send_rows: list[int], recv_rows: list[int]) -> Tensor:
-    """Differentiable :func:`all_to_all_rows`."""
-    return _AllToAllRows.apply(tensor, comm, send_rows, recv_rows)
+def exchange_rows(
+    comm: Communicator,
+    tensor: Tensor,
+    send_rows: list[int],
+    recv_rows: list[int],
+    timer: tuple[ExchangeTimer, str] | None = None,
+) -> Tensor:
+    """Differentiable :func:`all_to_all_rows`; ``timer`` = (timer, part) times it and its gradient."""
+    return _AllToAllRows.apply(tensor, comm, send_rows, recv_rows, timer)
 
 
 def expert_major_order(counts: Tensor) -> Tensor:
@@ -77,19 +121,27 @@ class AllToAllExchange:
     def __init__(self, comm: Communicator, experts: int) -> None:
         self.comm, self.experts = comm, experts
         self.local = experts // comm.world_size
+        self.timer: ExchangeTimer | None = None  # set to time dispatch and combine (--profile)
 
     def __call__(self, grouped: Tensor, counts: Tensor, run: RunExperts) -> Tensor:
-        ranks, local = self.comm.world_size, self.local
-        # 1. counts: slot j of ours (our rows for j's experts) becomes row `rank` of j's matrix.
-        received_counts = torch.empty_like(counts)
-        self.comm.all_to_all_single(received_counts, counts.contiguous())
-        matrix = received_counts.reshape(ranks, local).cpu()  # [source rank, local expert]
-        send_rows = counts.reshape(ranks, local).sum(dim=1).tolist()
-        recv_rows = matrix.sum(dim=1).tolist()
-        # 2. rows to the experts' ranks, source-major; 3. regroup, run, regroup back.
-        arrived = exchange_rows(self.comm, grouped, send_rows, recv_rows)
+        ranks, local, timer = self.comm.world_size, self.local, self.timer
+        with _timed(timer, "dispatch", grouped):
+            # 1. counts: slot j of ours (our rows for j's experts) becomes row `rank` of j's matrix.
+            received_counts = torch.empty_like(counts)
+            self.comm.all_to_all_single(received_counts, counts.contiguous())
+            matrix = received_counts.reshape(ranks, local).cpu()  # [source rank, local expert]
+            send_rows = counts.reshape(ranks, local).sum(dim=1).tolist()
+            recv_rows = matrix.sum(dim=1).tolist()
+            # 2. rows to the experts' ranks, source-major
+            arrived = exchange_rows(
+                self.comm, grouped, send_rows, recv_rows, None if timer is None else (timer, "dispatch")
+            )
+        # 3. regroup, run, regroup back.
         order = expert_major_order(matrix).to(arrived.device)
         outputs = run(arrived.index_select(0, order), matrix.sum(dim=0).tolist())
         back = outputs.index_select(0, torch.argsort(order))
         # 4. results home, in the order they were sent.
-        return exchange_rows(self.comm, back, recv_rows, send_rows)
+        with _timed(timer, "combine", back):
+            return exchange_rows(
+                self.comm, back, recv_rows, send_rows, None if timer is None else (timer, "combine")
+            )

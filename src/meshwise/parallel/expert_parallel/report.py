@@ -6,6 +6,7 @@ silently dropped tokens under a capacity factor), so the report gives the spread
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -48,9 +49,16 @@ class MoEReport:
         )
 
 
-def moe_report(model: nn.Module, comm: Communicator | None = None) -> MoEReport | None:
+def moe_report(
+    model: nn.Module,
+    comm: Communicator | None = None,
+    *,
+    stages: tuple[Communicator, Sequence[int], int] | None = None,
+) -> MoEReport | None:
     """The report of ``model``'s MoE layers (None without any), their tallies then reset; collective
-    over ``comm`` (every data rank calls it) when given."""
+    over ``comm`` (every data rank calls it) when given. A pipeline stage holds only some layers:
+    ``stages`` = (the pp communicator, each local layer's index among all, how many there are) puts
+    them in their rows and sums the stages, so every stage reports the whole model."""
     layers = moe_layers(model)
     if not layers:
         return None
@@ -60,6 +68,14 @@ def moe_report(model: nn.Module, comm: Communicator | None = None) -> MoEReport 
     losses = torch.tensor(
         [[t.balance_loss.item(), t.z_loss.item(), t.forwards] for t in tallies], dtype=torch.float64
     )
+    if stages is not None:
+        pp, positions, total = stages
+        rows = torch.tensor(list(positions))
+        whole = [torch.zeros((total, *t.shape[1:]), dtype=t.dtype) for t in (routed, kept, losses)]
+        for full, mine in zip(whole, (routed, kept, losses), strict=True):
+            full[rows] = mine
+            pp.all_reduce(full, ReduceOp.SUM)
+        routed, kept, losses = whole
     if comm is not None:
         counts = torch.stack([routed, kept])
         comm.all_reduce(counts, ReduceOp.SUM)

@@ -39,6 +39,7 @@ class GPTTrainConfig:
     tp: int = 1
     pp: int = 1
     cp: int = 1  # context parallel: each sequence split over cp ranks (train/gpt/context_parallel.py)
+    ep: int = 1  # expert parallelism: E/ep experts per rank (train/gpt/moe.py); ep ranks are data ranks
     zero: int = 0
     sp: bool = False
     config: str | None = None  # named size; None: gpt-nano, or the --init-from checkpoint's architecture
@@ -131,7 +132,7 @@ class GPTTrainConfig:
         return plan_ranks(self.nproc, default=1).world_size
 
     def mesh_shape(self, world_size: int) -> MeshShape:
-        return MeshShape.infer(world_size, dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp)
+        return MeshShape.infer(world_size, dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep)
 
     def accumulation(self, dp: int) -> int:
         """Micro-batches per rank per step: global batch = dp · micro-batch · accumulation."""
@@ -196,8 +197,8 @@ class GPTTrainConfig:
         """Raise ValueError (FileNotFoundError for missing paths) naming the fix; return self."""
         from meshwise.train.gpt.parallelize import check_supported  # the seam knows what has landed
 
+        check_moe_training(self, DEFAULT_MODEL)  # first: --ep's own checks before the mesh's
         check_supported(self)
-        check_moe_training(self, DEFAULT_MODEL)
         if self.nproc is not None and self.nproc < 1:
             raise ValueError(f"-np must be at least 1, got {self.nproc}")
         model = self.model_config
@@ -208,17 +209,18 @@ class GPTTrainConfig:
             )
         shape = self.mesh_shape(self.world_size())
         self._check_numbers()
-        if self.global_batch % shape.dp:
+        batch, ranks = shape.batch_size, "dp" if shape.ep == 1 else "dp·ep"  # ep ranks read other sequences
+        if self.global_batch % batch:
             raise ValueError(
-                f"--global-batch {self.global_batch} is not divisible by dp = {shape.dp}: choose a multiple "
-                f"of {shape.dp} so every data-parallel rank gets the same number of sequences"
+                f"--global-batch {self.global_batch} is not divisible by {ranks} = {batch}: choose a "
+                f"multiple of {batch} so every data-parallel rank gets the same number of sequences"
             )
         self._check_pipeline(shape)
-        micro = self.per_rank_micro_batch(shape.dp)
-        if micro < 1 or self.global_batch % (shape.dp * micro):
+        micro = self.per_rank_micro_batch(batch)
+        if micro < 1 or self.global_batch % (batch * micro):
             raise ValueError(
                 f"--micro-batch-size {micro} does not divide the per-rank batch "
-                f"{self.global_batch // shape.dp} (--global-batch {self.global_batch} / dp {shape.dp}): "
+                f"{self.global_batch // batch} (--global-batch {self.global_batch} / {ranks} {batch}): "
                 "choose a divisor of it"
             )
         if self.device == "cuda" and not torch.cuda.is_available():
@@ -286,11 +288,11 @@ class GPTTrainConfig:
                 raise ValueError(
                     "give --micro-batch-size (sequences) or --micro-batches (how many), not both"
                 )
-            per_rank = self.global_batch // shape.dp
+            per_rank = self.global_batch // shape.batch_size
             if self.micro_batches < 1 or per_rank % self.micro_batches:
                 raise ValueError(
                     f"--micro-batches {self.micro_batches} does not divide the per-rank batch {per_rank} "
-                    f"(--global-batch {self.global_batch} / dp {shape.dp}): choose a divisor of it"
+                    f"(--global-batch {self.global_batch} / dp {shape.batch_size}): choose a divisor of it"
                 )
         if shape.pp == 1:
             asked = [
@@ -307,8 +309,8 @@ class GPTTrainConfig:
             return
         from meshwise.parallel.pipeline_parallel.builder import validate_pipeline
 
-        if self.global_batch % shape.dp == 0 and self.per_rank_micro_batch(shape.dp) >= 1:
-            m = self.accumulation(shape.dp)
+        if self.global_batch % shape.batch_size == 0 and self.per_rank_micro_batch(shape.batch_size) >= 1:
+            m = self.accumulation(shape.batch_size)
             validate_pipeline(self.model_config.layers, shape.pp, m, self.schedule, self.virtual_stages)
 
     def _check_checkpoint(self, model: GPTConfig) -> None:

@@ -25,14 +25,13 @@ from meshwise.data.local_tokenizer import FileTokenizer
 from meshwise.data.tokens import ByteTokenizer
 from meshwise.data.windows import lockstep_val_batches, train_batch
 from meshwise.models.gpt import GPT
-from meshwise.parallel.expert_parallel import moe_report
 from meshwise.runtime.cores import available_cores
 from meshwise.train.errors import TrainingError, diverged_on, train_on_rank
 from meshwise.train.gpt import checkpoint
 from meshwise.train.gpt.config import GPTTrainConfig
 from meshwise.train.gpt.context_parallel import local_tokens
 from meshwise.train.gpt.init_from import export, load_weights
-from meshwise.train.gpt.moe import moe_banner
+from meshwise.train.gpt.moe import moe_banner, router_report
 from meshwise.train.gpt.parallelize import parallelize
 from meshwise.train.gpt.peak import peak_flops, shared_cores_peak, thread_hint
 from meshwise.train.gpt.profiling import GPTProfiling
@@ -291,7 +290,7 @@ class GPTTrainer:
                 )
                 self.step_log.after_step(stats, mfu, progress.console)
                 if stats.val_loss is not None:
-                    router = moe_report(self.step_runner.model, self.mesh.dp)  # since the last line
+                    router = router_report(self.step_runner.model, self.mesh, self.model_config.layers)
                     if world.is_main:
                         progress.console.print(step_line(stats, config.steps, mfu))
                         if router is not None:
@@ -335,6 +334,7 @@ class GPTTrainer:
                 "tp": self.mesh.shape.tp,
                 "pp": self.mesh.shape.pp,
                 "cp": self.mesh.shape.cp,
+                "ep": self.mesh.shape.ep,
                 "zero": config.zero,
                 "sp": config.sp,
                 "schedule": config.schedule if self.mesh.shape.pp > 1 else None,

@@ -1,21 +1,32 @@
-"""``meshwise train gpt --experts E``: the mixture-of-experts flags, their checks, and the router report.
+"""``meshwise train gpt --experts E [--ep N]``: the mixture-of-experts flags, their checks, and the router
+report.
 
-A MoE GPT trains on one process and under plain data parallelism (every rank holds every expert). Expert
-parallelism (``--ep``) and the composition of experts with ``--tp``/``--pp``/``--zero`` belong to the mesh's
-``parallelize``, which calls :func:`meshwise.parallel.expert_parallel.apply_expert_parallel`; until then
-those combinations are refused here, before any rank starts.
+A MoE GPT trains on one process, data parallel, tensor parallel (experts whole on every tp rank: tp cuts
+attention, whose cost grows with the context; each tp rank then runs the same experts on the same tokens
+rather than exchanging slices of every expert's matmuls) and pipeline parallel (each stage's MoE layers add
+their auxiliary losses' gradient themselves). ``--ep N`` spreads every layer's experts over N of the data
+ranks (:mod:`meshwise.parallel.expert_parallel`, step 2b of the mesh's ``parallelize``). What cannot be
+combined yet is refused here, before any rank starts, in one line.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from typing import TYPE_CHECKING
 
+from torch import nn
+
+from meshwise.comm.mesh import Mesh
 from meshwise.models.gpt import CONFIGS, GPTConfig
+from meshwise.models.moe import moe_layers
+from meshwise.parallel.expert_parallel import MoEReport, check_expert_parallel, moe_report
 
 if TYPE_CHECKING:
     from meshwise.train.gpt.config import GPTTrainConfig
 
+#: a MoE layer's block in the plain model's (and a pipeline stage's) names: ``blocks.5.mlp``
+BLOCK = re.compile(r"(?:^|\.)blocks\.(\d+)\.")
 #: GPTTrainConfig fields that override the model config's mixture of experts (None: the config's own)
 MOE_FIELDS = ("experts", "top_k", "capacity_factor", "aux_loss_coef", "z_loss_coef")
 
@@ -29,6 +40,7 @@ def check_moe_training(config: GPTTrainConfig, default_model: str) -> None:
     capacity factor > 0) run when the config is built."""
     named = CONFIGS.get(config.config or default_model)
     experts = config.experts if config.experts is not None else (named.experts if named else 0)
+    check_expert_parallel(experts or 0, config.ep)  # --ep ≥ 1, experts to spread, E divisible by ep
     given = [f"--{field.replace('_', '-')}" for field in MOE_FIELDS[1:] if getattr(config, field) is not None]
     if not experts:
         if given:
@@ -39,23 +51,31 @@ def check_moe_training(config: GPTTrainConfig, default_model: str) -> None:
         if value is not None and not (math.isfinite(value) and value >= 0):
             raise ValueError(f"--{flag.replace('_', '-')} must be a number ≥ 0, got {value}")
     blocked = [
-        flag
-        for flag, on in (
-            ("--tp", config.tp > 1),
-            ("--pp", config.pp > 1),
-            ("--zero", config.zero > 0),
-            ("--init-from", config.init_from is not None),
-            ("--export-hf", config.export_hf is not None),
+        (flag, why)
+        for flag, on, why in (
+            ("--zero", config.zero > 0, "ZeRO does not shard expert parameters over their own replicas yet"),
+            ("--sp", config.sp, "sequence-parallel shards would route and cap their tokens apart"),
+            (
+                "--schedule zb",
+                config.schedule == "zb",
+                "its split backward would re-run the experts' exchange",
+            ),
+            (
+                "--sample",
+                config.sample > 0 and config.pp > 1 and config.ep > 1,
+                "a pipeline's experts are not gathered for generation yet",
+            ),
+            ("--init-from", config.init_from is not None, "Hugging Face GPT-2 weights have no experts"),
+            ("--export-hf", config.export_hf is not None, "Hugging Face GPT-2 weights have no experts"),
             # a recomputed block runs its router twice, which would count each step's routing twice
-            (f"--recompute {config.recompute}", config.recompute != "none"),
+            (f"--recompute {config.recompute}", config.recompute != "none", "the router would run twice"),
         )
         if on
     ]
     if blocked:
+        flags = " ".join(flag for flag, _ in blocked)
         raise ValueError(
-            f"a mixture of experts trains on one process or data parallel (-np N) for now: drop "
-            f"{' '.join(blocked)} (expert parallelism and its composition land with the mesh's parallelize; "
-            "Hugging Face GPT-2 weights have no experts)"
+            f"a mixture of experts cannot train with {flags} yet ({blocked[0][1]}): drop {flags}"
         )
 
 
@@ -68,4 +88,38 @@ def moe_banner(model: GPTConfig) -> str | None:
         f"  mixture of experts: {model.experts} experts per MLP, top-{model.top_k}, {capacity}; "
         f"{model.num_parameters():,} parameters, {model.num_parameters(active=True):,} active per token; "
         f"aux loss × {model.aux_loss_coef:g}, z-loss × {model.z_loss_coef:g}"
+    )
+
+
+def router_report(model: nn.Module, mesh: Mesh, layers: int) -> MoEReport | None:
+    """The router statistics since the last report over the whole job: summed over the ranks that see
+    other tokens (``mesh.replicas``: dp·ep·cp; tp ranks route the same ones) and, under ``--pp``, over
+    the stages, each of which holds ``blocks.<i>`` of the ``layers``. Collective: every rank calls it."""
+    stages = None
+    if mesh.pp.world_size > 1:
+        moe = set(moe_layers(model))
+        names = [name for name, module in model.named_modules() if module in moe]
+        positions = [int(BLOCK.search(name).group(1)) for name in names]  # type: ignore[union-attr]
+        stages = (mesh.pp, positions, layers)
+    return moe_report(model, mesh.replicas, stages=stages)
+
+
+def expert_exchange(per_step: list[dict[str, float]], step_seconds: float) -> dict[str, float]:
+    """``--profile`` figures of ``--ep``: this rank's seconds in the experts' dispatch and combine
+    (all-to-alls of counts and tokens, forward and backward) over the profiled steps, and their share."""
+    dispatch = sum(step["dispatch"] for step in per_step)
+    combine = sum(step["combine"] for step in per_step)
+    share = (dispatch + combine) / step_seconds if step_seconds > 0 else 0.0
+    return {
+        "expert_dispatch_seconds": dispatch,
+        "expert_combine_seconds": combine,
+        "expert_exchange_share": share,
+    }
+
+
+def expert_exchange_line(profile: dict) -> str:
+    return (
+        f"expert exchange: dispatch {profile['expert_dispatch_seconds']:.3f} s + combine "
+        f"{profile['expert_combine_seconds']:.3f} s = {100 * profile['expert_exchange_share']:.1f} % of the "
+        "profiled steps (rank 0, all-to-alls of counts and tokens, forward and backward)"
     )

@@ -3,7 +3,7 @@
 The loop (:mod:`meshwise.train.gpt.loop`) knows nothing about how the model is cut. It asks
 :func:`parallelize` for a :class:`ParallelStep` — this rank's part of the model, its optimizer, and how
 one step's micro-batches turn into gradients — and then only calls that object's methods.
-:func:`parallelize` applies the strategies in one fixed order (tensor → context → pipeline →
+:func:`parallelize` applies the strategies in one fixed order (tensor → context → experts → pipeline →
 recomputation → data parallel / ZeRO), and :func:`check_supported` refuses, before any rank starts, a
 combination that cannot be built yet (``--zero 3`` with ``--pp``).
 
@@ -27,8 +27,8 @@ by :meth:`~meshwise.train.profile.StepProfiler.record`-ing the instructions it r
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,11 +40,19 @@ from meshwise.comm.api import Communicator
 from meshwise.comm.mesh import Mesh
 from meshwise.models.gpt import GPT, language_model_loss
 from meshwise.models.gpt_plan import gpt_plan
-from meshwise.models.moe import with_auxiliary_losses
+from meshwise.models.moe import moe_layers, with_auxiliary_losses
 from meshwise.parallel import DataParallel
 from meshwise.parallel.context_parallel import apply_context_parallel
+from meshwise.parallel.expert_parallel import (
+    ExchangeTimer,
+    ExpertDataParallel,
+    apply_expert_parallel,
+    full_expert_state,
+    is_expert_parameter,
+)
 from meshwise.parallel.placement import Placement, clip_gradients_, place
 from meshwise.parallel.plan import ParallelPlan
+from meshwise.parallel.tensor_parallel import full_tensors
 from meshwise.train.gpt import tensor_parallel_state
 from meshwise.train.gpt.config import GPTTrainConfig
 from meshwise.train.gpt.context_parallel import check_context_parallel_config, plain_copy
@@ -65,18 +73,31 @@ class ParallelStep(ABC):
     #: this rank's parameters under the plain model's names, with where each lies on the mesh; a strategy
     #: that keeps them (not ZeRO's flat shards) sets it, and :meth:`clip_grad_norm` needs nothing else
     placements: dict[str, tuple[nn.Parameter, Placement]]
+    #: ``--ep`` under ``--profile``: seconds of each step in the experts' dispatch and combine
+    exchange_seconds: list[dict[str, float]]
 
     def __init__(self, config: GPTTrainConfig, mesh: Mesh, device: torch.device) -> None:
         self.device = device
         self.dtype = config.torch_dtype
         self.mesh = mesh
         self.placements = {}
+        self.exchange_seconds = []
 
     def place(self, named: Iterable[tuple[str, nn.Parameter]], **how: Any) -> None:
-        """Record this rank's ``named`` parameters' placements (``how``: see :func:`place`)."""
+        """Record this rank's ``named`` parameters' placements (``how``: see :func:`place`); under
+        ``--ep`` each expert's parameters are divided over ``ep`` too (every ep rank holds other experts)."""
         named = list(named)
         params = dict(named)
-        self.placements = {name: (params[name], p) for name, p in place(named, **how).items()}
+        experts = [(n, p) for n, p in named if self.mesh.shape.ep > 1 and is_expert_parameter(n)]
+        dense = [(n, p) for n, p in named if not (self.mesh.shape.ep > 1 and is_expert_parameter(n))]
+        placed = place(dense, **how)
+        if experts:
+            placed |= place(experts, **(how | {"divided": {*how.get("divided", ()), "ep"}}))
+        self.placements = {name: (params[name], p) for name, p in placed.items()}
+
+    def timed_exchange(self, timer: ExchangeTimer | None) -> AbstractContextManager[Any]:
+        """Records this step's dispatch and combine seconds in :attr:`exchange_seconds` (``--profile``)."""
+        return nullcontext() if timer is None else _exchange_step(timer, self.exchange_seconds)
 
     def autocast(self) -> AbstractContextManager[Any]:
         """bf16 mixed precision: weights, gradients and optimizer stay fp32; matmuls run in bf16."""
@@ -153,15 +174,16 @@ class LayerSharded:
     from the model's plan, 2. context parallelism (slot) — with the loss of its (possibly vocabulary-
     sharded) output; what the pipeline and data parallelism / ZeRO then cut and wrap."""
 
-    model: GPT  # this rank's model: the whole GPT, or its tensor-parallel shard
+    model: GPT  # this rank's model: the whole GPT, or its tensor-parallel shard (± only its experts)
     plan: ParallelPlan
     tp: Communicator
     loss: Callable[[torch.Tensor, torch.Tensor, str], torch.Tensor]  # (output, targets, "mean" | "sum")
+    exchange_timer: ExchangeTimer | None = None  # --ep --profile: the experts' dispatch/combine seconds
 
 
 def shard_layers(model: GPT, mesh: Mesh, config: GPTTrainConfig) -> LayerSharded:
-    """Steps 1 and 2 of :func:`parallelize`, in place on ``model`` (cp after tp: it changes only how the
-    heads a rank holds attend, and wraps sequence parallelism's position lookup)."""
+    """Steps 1, 2 and 2b of :func:`parallelize`, in place on ``model`` (cp after tp: it changes only how
+    the heads a rank holds attend, and wraps sequence parallelism's position lookup)."""
     plan = gpt_plan(model.config)
     loss = plain_loss
     if mesh.tp.world_size > 1:
@@ -175,7 +197,13 @@ def shard_layers(model: GPT, mesh: Mesh, config: GPTTrainConfig) -> LayerSharded
     # 2. the attention over the cp group and the positions of this rank's chunks (the loop feeds it
     # local_tokens of each batch); a no-op for a cp group of one
     apply_context_parallel(model, mesh.cp)
-    return LayerSharded(model, plan, mesh.tp, loss)
+    timer = None
+    if mesh.ep.world_size > 1:  # 2b. experts: this rank keeps E/ep of each MoE layer's, tokens all-to-all
+        apply_expert_parallel(model, mesh.ep)
+        timer = ExchangeTimer() if config.profiling else None
+        for layer in moe_layers(model):
+            layer.exchange.timer = timer  # type: ignore[attr-defined]
+    return LayerSharded(model, plan, mesh.tp, loss, timer)
 
 
 def plain_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
@@ -190,17 +218,27 @@ def plain_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "me
 class DataParallelStep(ParallelStep):
     """DataParallel over ``mesh.replicas`` (dp, and the cp ranks that hold the same weights for other
     tokens) of this rank's model — the whole GPT, or with ``--tp`` its tensor-parallel shard; gradients
-    are averaged once per step (the first micro-batches accumulate under ``no_sync``)."""
+    are averaged once per step (the first micro-batches accumulate under ``no_sync``). With ``--ep`` the
+    model holds E/ep experts per layer and
+    :class:`~meshwise.parallel.expert_parallel.ExpertDataParallel` averages dense gradients over
+    ``mesh.replicas`` and expert gradients over ``mesh.expert_replicas``."""
 
     def __init__(self, sharded: LayerSharded, mesh: Mesh, config: GPTTrainConfig) -> None:
         super().__init__(config, mesh, next(sharded.model.parameters()).device)
         self.sharded, self.local = sharded, sharded.model
-        self.model = DataParallel(self.local, mesh.replicas)
+        self.ep = mesh.ep.world_size
+        if self.ep > 1:
+            self.model = ExpertDataParallel(self.local, mesh.replicas, mesh.expert_replicas, self.ep)
+            with torch.device("meta"):  # the whole model's shape, for parameter counts
+                self._shape_model = GPT(self.local.config)
+        else:
+            self.model = DataParallel(self.local, mesh.replicas)
         self.optimizer = build_optimizer(self.local, config)
         self.place(self.local.named_parameters())
 
     def forward_backward(self, micro_batches: Sequence[Batch]) -> float:
-        return self.accumulate_gradients(micro_batches, self._loss)
+        with self.timed_exchange(self.sharded.exchange_timer):
+            return self.accumulate_gradients(micro_batches, self._loss)
 
     def _loss(self, inputs: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
         with self.autocast():
@@ -214,28 +252,58 @@ class DataParallelStep(ParallelStep):
         return self._loss(inputs, targets, reduction="sum")
 
     def full_model(self) -> GPT:
-        """The plain GPT: this rank's own, or reassembled from the tp shards (collective over tp)."""
+        """The plain GPT: this rank's own, or reassembled from the tp shards (collective over tp); under
+        ``--ep`` its shape on the meta device (the experts are gathered by :meth:`sampling_model`)."""
+        if self.ep > 1:
+            return self._shape_model
         if self.sharded.tp.world_size == 1:
             return self.local
         return tensor_parallel_state.full_model(self.local, self.sharded.tp)
 
     def sampling_model(self) -> GPT:
-        """Under --cp a plain copy: the model's own attention is collective over its cp group."""
+        """Under ``--ep``, the plain GPT on every rank: tp shards and every rank's experts gathered
+        (collective over tp and ep); under ``--cp`` a plain copy (the model's own attention is collective
+        over its cp group)."""
+        if self.ep > 1:
+            return gather_expert_model(self.local, self.sharded.tp, self.mesh.ep)
         full = self.full_model()
         return plain_copy(full) if full is self.local and self.mesh.cp.world_size > 1 else full
 
     def state_dict(self) -> dict[str, Any]:
+        """Model and AdamW state under the plain model's names; under ``--ep`` each rank's experts only,
+        which DCP writes once per name, so the checkpoint holds every expert."""
         if self.sharded.tp.world_size == 1:
-            return super().state_dict()
+            model, optim = get_state_dict(self.local, self.optimizer)
+            return {"model": model, "optim": optim}
         return tensor_parallel_state.tensor_parallel_state_dict(self.local, self.optimizer, self.sharded.tp)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.sharded.tp.world_size == 1:
-            super().load_state_dict(state)
+            set_state_dict(
+                self.local, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+            )
         else:
             tensor_parallel_state.load_tensor_parallel_state_dict(
                 self.local, self.optimizer, state, self.sharded.tp
             )
+
+
+@contextmanager
+def _exchange_step(timer: ExchangeTimer, steps: list[dict[str, float]]) -> Iterator[None]:
+    before = dict(timer.seconds)
+    try:
+        yield
+    finally:
+        steps.append({part: timer.seconds[part] - before[part] for part in before})
+
+
+def gather_expert_model(local: GPT, tp: Communicator, ep: Communicator) -> GPT:
+    """The plain GPT from this rank's tp shard and ep experts, on every rank (collective over tp, ep)."""
+    state = local.state_dict() if tp.world_size == 1 else full_tensors(local, tp)
+    state |= full_expert_state(local, ep)
+    full = GPT(local.config).to(next(local.parameters()).device)
+    full.load_state_dict(state, strict=False)  # the tied head is wte
+    return full
 
 
 def check_supported(config: GPTTrainConfig) -> None:

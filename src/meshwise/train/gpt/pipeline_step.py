@@ -20,6 +20,8 @@ from torch import nn
 
 from meshwise.comm.mesh import Mesh
 from meshwise.models.gpt import GPT
+from meshwise.models.moe import moe_layers
+from meshwise.parallel.expert_parallel import reduce_gradients
 from meshwise.parallel.pipeline_parallel import theoretical_bubble
 from meshwise.parallel.pipeline_parallel.builder import build_pipeline
 from meshwise.parallel.pipeline_parallel.executor import Event
@@ -73,7 +75,7 @@ class PipelineStep(ParallelStep):
         model, plan, tp = sharded.model, sharded.plan, mesh.tp.world_size
         super().__init__(config, mesh, next(model.parameters()).device)
         self.mesh, self.config, self.sharded_loss = mesh, config, sharded.loss
-        micro_batches = config.accumulation(mesh.shape.dp)
+        micro_batches = config.accumulation(mesh.shape.batch_size)  # dp·ep: ep ranks are data ranks
         self.executor, self.chunks = build_pipeline(
             model,
             plan,
@@ -81,13 +83,19 @@ class PipelineStep(ParallelStep):
             schedule=config.schedule,
             micro_batches=micro_batches,
             virtual_stages=config.virtual_stages,
-            # gradients averaged over the replicas (dp·cp); ZeRO reduce-scatters each stage's itself
-            dp=None if config.zero else mesh.replicas,
+            # gradients averaged over the replicas (dp·cp); ZeRO reduce-scatters each stage's itself;
+            # --ep reduces dense and expert gradients apart
+            dp=None if config.zero or mesh.shape.ep > 1 else mesh.replicas,
             loss=partial(sharded.loss, reduction="mean"),
             sequence_shards=tp if config.sp else 1,
             in_place=True,  # the model is this run's own (and a tp one holds a communicator: no copies)
         )
         self.model = StageModule(self.chunks)
+        self.exchange_timer = sharded.exchange_timer
+        for layer in moe_layers(
+            self.model
+        ):  # the loss is on the last stage: each layer adds its aux gradient
+            layer.aux_gradient_scale = 1 / micro_batches
         held = dict(self.model.named_parameters())
         copies = {b: a for a, b in plan.tied if b in held and a not in held}  # the last stage's head copy
         self.zero: ShardedModel | None = None
@@ -105,8 +113,11 @@ class PipelineStep(ParallelStep):
             self._group_names = group_names(self._shape_model, build_optimizer(self._shape_model, config))
 
     def forward_backward(self, micro_batches: Sequence[Batch]) -> float:
-        with self.autocast(), self.zero.no_sync() if self.zero is not None else nullcontext():
+        zero = self.zero.no_sync() if self.zero is not None else nullcontext()
+        with self.autocast(), zero, self.timed_exchange(self.exchange_timer):
             result = self.executor.step([x for x, _ in micro_batches], [y for _, y in micro_batches])
+        if self.mesh.shape.ep > 1:  # dense gradients over dp·ep, experts over dp (their sums ÷ dp·ep)
+            reduce_gradients(self.model, self.mesh.replicas, self.mesh.expert_replicas)
         if self.zero is not None:  # the stage's gradients, tied copies summed, reduce-scattered over dp
             self.zero.reduce_accumulated()
         if self.profiler is not None:

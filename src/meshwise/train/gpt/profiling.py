@@ -22,6 +22,7 @@ from meshwise.comm.api import ReduceOp
 from meshwise.comm.mesh import AXES
 from meshwise.train.gpt.config import GPTTrainConfig
 from meshwise.train.gpt.layer_memory import LayerMemory
+from meshwise.train.gpt.moe import expert_exchange
 from meshwise.train.gpt.parallelize import ParallelStep
 from meshwise.train.profile import Breakdown, StepProfiler, recorders_of, write_trace
 from meshwise.train.torch_profile import TorchProfile
@@ -32,7 +33,7 @@ class GPTProfiling:
     """What ``config`` asks to be measured of ``runner``'s steps; a no-op when nothing is."""
 
     def __init__(self, world: World, config: GPTTrainConfig, runner: ParallelStep, steps: int) -> None:
-        self.world, self.config = world, config
+        self.world, self.config, self.runner = world, config, runner
         self.profiler: StepProfiler | None = None
         if config.profiling:
             # the mesh's own communicators: a --comm-stats view would hide their recorders
@@ -72,6 +73,8 @@ class GPTProfiling:
         result = Breakdown.of(per_step).to_json() | {"total_step_seconds": sum(p["step"] for p in per_step)}
         if self.memory is not None:
             result["activation_memory"] = self.memory.gather(self.world)
+        if self.runner.exchange_seconds:  # --ep: the experts' all-to-alls
+            result |= expert_exchange(self.runner.exchange_seconds, result["total_step_seconds"])
         idle = self.profiler.idle_fractions()
         if idle:  # averaged over the pipeline's ranks, as the timeline measures it
             mean = torch.tensor([statistics.fmean(idle[1:] or idle)], dtype=torch.float64)

@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from meshwise.train.gpt.layer_memory import memory_lines
+from meshwise.train.gpt.moe import expert_exchange_line
 from meshwise.train.profile import Breakdown, table
 
 
@@ -131,6 +132,8 @@ class GPTResult:
                 )
             if self.profile.get("activation_memory"):
                 lines += memory_lines(self.profile["activation_memory"])
+            if "expert_exchange_share" in self.profile:
+                lines.append(expert_exchange_line(self.profile))
         if self.sample is not None:
             lines += ["", "----- sample -----", self.sample, "------------------"]
         return "\n".join(lines)
@@ -182,6 +185,8 @@ def strategy_line(strategy: dict[str, Any]) -> str:
     cp = strategy.get("cp", 1)
     replicas = f"dp {strategy['dp']} × cp {cp}" if cp > 1 else f"dp {strategy['dp']}"  # ZeRO shards over both
     parts = [f"ZeRO-{strategy['zero']} over {replicas}" if strategy["zero"] else f"dp {strategy['dp']}"]
+    if strategy.get("ep", 1) > 1:  # ep ranks are among the data ranks counted in dp
+        parts.append(f"experts over ep {strategy['ep']} of them")
     if strategy["tp"] > 1:
         parts.append(f"tp {strategy['tp']}{' with sequence parallelism' if strategy['sp'] else ''}")
     if cp > 1:

@@ -1,0 +1,256 @@
+"""``meshwise train gpt --ep N``: the real trainer on a MoE GPT with its experts spread over ep ranks
+(alone, and composed with dp, tp and pp) equals the same model on one process at every step — the loss,
+every parameter, and the router statistics (tokens per expert, dropped, auxiliary losses) — dropless
+and with a capacity factor; a skewed router trains and reports its imbalance; checkpoints resume across
+ep sizes; bad settings are one line before launch.
+
+The one-process reference is written here from plain pieces: the whole global batch in micro-batches of
+the ranks' size (a capacity applies per forward pass, so this is the model that drops the same tokens),
+each micro-batch's loss with the auxiliary losses' gradient (``with_auxiliary_losses``), the trainer's
+AdamW groups, schedule and clipping. Tolerances (fp32) as in tests/test_gpt_layouts.py: the loss to
+2e-5, parameters to 5e-5 at lr 1e-3 (5 % of one Adam update); the token counts exactly.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict
+
+import pytest
+import torch
+
+import meshwise
+from meshwise.cli import main
+from meshwise.data.windows import train_batch
+from meshwise.models.gpt import GPT, language_model_loss
+from meshwise.models.moe import moe_layers, with_auxiliary_losses
+from meshwise.parallel.expert_parallel import is_expert_parameter, moe_report
+from meshwise.runtime.spawn import spawn
+from meshwise.train.gpt import GPTTrainConfig
+from meshwise.train.gpt.loop import GPTTrainer
+from meshwise.train.gpt.moe import router_report
+from meshwise.train.gpt.parallelize import build_optimizer
+from meshwise.train.gpt.schedule import lr_at
+
+STEPS = 3
+SEQ = 16
+MICRO = 2  # sequences per forward pass, on every layout and in the reference
+LOSS_TOLERANCE = 2e-5
+PARAM_TOLERANCE = 5e-5
+AUX_TOLERANCE = 1e-5
+
+
+def _config(text: str, **flags) -> GPTTrainConfig:
+    settings = {
+        "nproc": 2,
+        "config": "gpt-moe-tiny",
+        "layers": 2,
+        "data": text,
+        "seq_len": SEQ,
+        "global_batch": 8,
+        "micro_batch": MICRO,
+        "steps": 20,
+        "warmup": 1,
+        "lr": 1e-3,
+        "backend": "gloo",
+    }
+    return GPTTrainConfig(**(settings | flags))
+
+
+def _reference_step(
+    reference: GPT, optimizer: torch.optim.Optimizer, trainer: GPTTrainer, step: int
+) -> float:
+    """One step of the one-process MoE GPT on the whole global batch; returns the mean micro-batch loss."""
+    config = trainer.config
+    lr = lr_at(step, lr=config.lr, min_lr=config.min_lr, warmup=config.warmup_steps, steps=config.steps)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.zero_grad()
+    inputs, targets = train_batch(trainer.splits, SEQ, config.global_batch, config.seed, step, 0, 1)
+    micro = list(zip(inputs.split(MICRO), targets.split(MICRO), strict=True))
+    losses = []
+    for x, y in micro:
+        loss = with_auxiliary_losses(language_model_loss(reference(x), y), reference)
+        (loss / len(micro)).backward()
+        losses.append(loss.item())
+    torch.nn.utils.clip_grad_norm_(reference.parameters(), config.grad_clip)
+    optimizer.step()
+    return sum(losses) / len(losses)
+
+
+def _held_parameters(trainer: GPTTrainer) -> dict[str, torch.Tensor]:
+    """This rank's parameters under the plain names, whole: gathered over tp when it cuts them (that
+    gather also collects every expert), else the ones the rank holds (its experts, its stage's layers)."""
+    runner = trainer.step_runner
+    if trainer.mesh.shape.tp > 1:
+        return dict(runner.sampling_model().named_parameters())  # collective over tp and ep
+    return {name: param for name, (param, _) in runner.placements.items()}
+
+
+def _compare(text: str, flags: dict) -> dict:
+    config = _config(text, **flags)
+    world = meshwise.init("gloo", timeout=90, mesh=config.mesh_shape(int(os.environ["WORLD_SIZE"])))
+    try:
+        trainer = GPTTrainer(world, config)
+        torch.manual_seed(config.seed)
+        reference = GPT(config.model_config)
+        optimizer = build_optimizer(reference, config)
+        worst = {"loss": 0.0, "params": 0.0, "aux": 0.0, "counts_equal": True, "experts": 0}
+        for step in range(STEPS):
+            stats = trainer.train_step(step)
+            loss = _reference_step(reference, optimizer, trainer, step)
+            worst["loss"] = max(worst["loss"], abs(stats.loss - loss))
+            ours = router_report(trainer.step_runner.model, trainer.mesh, config.model_config.layers)
+            theirs = moe_report(reference)
+            assert ours is not None and theirs is not None
+            mine, ref = asdict(ours), asdict(theirs)
+            counts = ("tokens_min", "tokens_mean", "tokens_max", "dropped", "assignments")
+            worst["counts_equal"] &= all(mine[k] == ref[k] for k in counts)
+            worst["aux"] = max(worst["aux"], *(abs(mine[k] - ref[k]) for k in ("balance_loss", "z_loss")))
+            worst["dropped"] = ref["dropped"]
+            plain = reference.state_dict()  # the tied head under both of its names (a last stage holds one)
+            held = _held_parameters(trainer)
+            diffs = [(p.detach() - plain[n].detach()).abs().max().item() for n, p in held.items()]
+            worst["params"] = max([worst["params"], *diffs])
+            worst["experts"] = len(
+                {n.split(".experts.")[1].split(".")[0] for n in held if is_expert_parameter(n)}
+            )
+        return worst
+    finally:
+        meshwise.shutdown()
+
+
+#: row name → (ranks, flags of `meshwise train gpt`)
+LAYOUTS: dict[str, tuple[int, dict]] = {
+    "ep2": (2, {"ep": 2}),
+    "ep2 capacity 1.0": (2, {"ep": 2, "capacity_factor": 1.0}),
+    "ep2·dp2": (4, {"nproc": 4, "ep": 2, "capacity_factor": 1.0}),
+    "ep2·tp2": (4, {"nproc": 4, "ep": 2, "tp": 2}),
+    "ep2·pp2": (4, {"nproc": 4, "ep": 2, "pp": 2, "capacity_factor": 1.0}),
+    # the compositions without ep: experts whole on every tp rank; a stage adding its aux gradient itself
+    "tp2": (2, {"ep": 1, "tp": 2}),
+    "pp2": (2, {"ep": 1, "pp": 2, "capacity_factor": 1.0}),
+}
+
+
+def _check(results: list[dict], experts_per_rank: int, dropping: bool) -> None:
+    for result in results:
+        assert result["loss"] < LOSS_TOLERANCE, result
+        assert result["params"] < PARAM_TOLERANCE, result
+        assert result["aux"] < AUX_TOLERANCE and result["counts_equal"], result
+        assert (result["dropped"] > 0) == dropping, result  # a capacity of 1.0 drops some, dropless none
+        assert result["experts"] in (experts_per_rank, 4), result  # its own block, or gathered over tp
+
+
+@pytest.mark.parametrize(("ranks", "flags"), LAYOUTS.values(), ids=LAYOUTS.keys())
+def test_expert_parallel_layout_trains_as_one_process_does(text: str, ranks: int, flags: dict) -> None:
+    results = spawn(_compare, ranks, args=(text, flags | {"nproc": ranks}), timeout=115)
+    _check(results, 4 // flags["ep"], "capacity_factor" in flags)
+
+
+@pytest.mark.slow
+def test_ep4_one_expert_per_rank_trains_as_one_process_does(text: str) -> None:
+    flags = {"nproc": 4, "ep": 4, "capacity_factor": 1.0}
+    _check(spawn(_compare, 4, args=(text, flags), timeout=115), 1, True)
+
+
+# ------------------------------------------------------------------------------------------ skewed router
+def _skewed(text: str, capacity_factor: float | None) -> dict:
+    """Every token routed to expert 0 (a hook adds 100 to its router logit) on ep2: steps run, the loss
+    stays finite, and the report shows the imbalance (and the drops under a capacity)."""
+    config = _config(text, ep=2, capacity_factor=capacity_factor)
+    world = meshwise.init("gloo", timeout=90, mesh=config.mesh_shape(2))
+    try:
+        trainer = GPTTrainer(world, config)
+        bias = torch.zeros(4)
+        bias[0] = 100.0
+        for layer in moe_layers(trainer.step_runner.model):
+            layer.router.register_forward_hook(lambda _module, _inputs, logits: logits + bias)
+        losses = [trainer.train_step(step).loss for step in range(2)]
+        report = router_report(trainer.step_runner.model, trainer.mesh, config.model_config.layers)
+        assert report is not None
+        return {"losses": losses, "report": asdict(report), "imbalance": report.imbalance}
+    finally:
+        meshwise.shutdown()
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 1.0], ids=["dropless", "capacity 1.0"])
+def test_a_skewed_router_trains_and_reports_the_imbalance(text: str, capacity_factor: float | None) -> None:
+    result = spawn(_skewed, 2, args=(text, capacity_factor), timeout=110)[0]
+    assert all(torch.isfinite(torch.tensor(result["losses"])))
+    report = result["report"]
+    # 2 steps × 8 sequences × 16 tokens, top-2: each token's first choice is expert 0
+    tokens, layers = 2 * 8 * SEQ, 2
+    assert report["assignments"] == layers * tokens * 2
+    assert report["tokens_max"] >= tokens and report["tokens_min"] <= (tokens * 2 - tokens) / 3 + 1
+    assert result["imbalance"] >= 1.9  # expert 0 has all first choices: ≥ 2× the mean of 4 experts
+    if capacity_factor is None:
+        assert report["dropped"] == 0
+    else:  # ⌈1.0·32·2/4⌉ = 16 slots per forward of 2·16 tokens: expert 0 drops half its 32 first choices
+        assert report["dropped"] >= layers * 2 * 4 * (MICRO * SEQ - 16)
+
+
+# ---------------------------------------------------------------------------------------------- resume
+RESUME_AT, RESUME_STEPS = 2, 4
+
+
+def _train(text: str, root: str, flags: dict, resume: bool) -> dict:
+    """Layout A: RESUME_STEPS steps, a checkpoint after RESUME_AT; or layout B: resume from it."""
+    config = _config(text, checkpoint=f"{root}/ckpt", resume=resume, capacity_factor=1.0, **flags)
+    world = meshwise.init("gloo", timeout=90, mesh=config.mesh_shape(int(os.environ["WORLD_SIZE"])))
+    try:
+        trainer = GPTTrainer(world, config)
+        losses = {}
+        for step in range(trainer.first_step, RESUME_STEPS):
+            losses[step] = trainer.train_step(step).loss
+            if step + 1 == RESUME_AT and not resume:
+                trainer.save_checkpoint(RESUME_AT)
+        model = trainer.step_runner.sampling_model()  # the plain model, every expert gathered
+        params = {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
+        return {"losses": losses, "params": params}
+    finally:
+        meshwise.shutdown()
+
+
+RESUMES = {
+    "ep2 → dp2": ({"ep": 2}, {}),
+    "dp2 → ep2": ({}, {"ep": 2}),
+    "ep2·dp2 → ep4": ({"nproc": 4, "ep": 2}, {"nproc": 4, "ep": 4}),
+}
+
+
+@pytest.mark.parametrize(("first", "then"), RESUMES.values(), ids=RESUMES.keys())
+def test_a_checkpoint_resumes_exactly_across_ep_sizes(text: str, tmp_path, first: dict, then: dict) -> None:
+    root = str(tmp_path)
+    a = spawn(_train, first.get("nproc", 2), args=(text, root, first, False), timeout=110)[0]
+    b = spawn(_train, then.get("nproc", 2), args=(text, root, then, True), timeout=110)[0]
+    for step in range(RESUME_AT, RESUME_STEPS):
+        assert b["losses"][step] == pytest.approx(a["losses"][step], abs=LOSS_TOLERANCE), step
+    assert set(b["params"]) == set(a["params"])
+    for name, value in a["params"].items():
+        assert abs(b["params"][name] - value).max() < PARAM_TOLERANCE, name
+
+
+# ------------------------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"experts": 6, "nproc": 4, "ep": 4}, r"--experts 6 is not divisible by --ep 4"),
+        ({"experts": 4, "top_k": 5, "ep": 2}, r"--top-k 5 must be between 1 and the number of experts \(4\)"),
+        ({"ep": 2, "capacity_factor": 0.0}, "--capacity-factor must be a positive number"),
+        ({"config": "gpt-tiny", "ep": 2}, r"--ep 2 spreads experts over ranks: give the model experts"),
+        ({"ep": 0}, "--ep must be at least 1"),
+        ({"ep": 2, "zero": 1}, "cannot train with --zero"),
+        ({"ep": 2, "global_batch": 3, "micro_batch": None}, "not divisible by dp·ep = 2"),
+    ],
+)
+def test_bad_expert_parallel_setting_is_one_clear_error(text: str, overrides: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        _config(text, **overrides).validate()
+
+
+def test_bad_ep_from_the_command_line_exits_2_before_launch(text: str, capsys) -> None:
+    argv = ["train", "gpt", "-np", "2", "--config", "gpt-moe-tiny", "--experts", "3", "--ep", "2"]
+    assert main([*argv, "--data", text]) == 2
+    err = capsys.readouterr().err
+    assert "--experts 3 is not divisible by --ep 2" in err and "Traceback" not in err
