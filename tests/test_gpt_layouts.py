@@ -47,6 +47,10 @@ LAYOUTS: dict[str, dict] = {
     "pp2·tp2 interleaved": {"pp": 2, "tp": 2, "schedule": "interleaved", "virtual_stages": 2},
     "zero2·pp2": {"zero": 2, "pp": 2},
     "zero1·pp2 interleaved": {"zero": 1, "pp": 2, "schedule": "interleaved", "virtual_stages": 2},
+    "dp2·pp2 interleaved": {"pp": 2, "schedule": "interleaved", "virtual_stages": 2},
+    "dp2·pp2 zb": {"pp": 2, "schedule": "zb"},
+    "zero3·pp2": {"zero": 3, "pp": 2},
+    "zero3·pp2 zb": {"zero": 3, "pp": 2, "schedule": "zb"},
 }
 
 

@@ -1,17 +1,27 @@
 """``--pp``: the GPT training loop's step on a pipeline (× tensor parallel × data parallel) mesh.
 
 Each rank keeps only its chunks of the model (cut by :mod:`meshwise.parallel.pipeline_parallel`), and one
-``forward_backward`` is one pipeline step over the rank's micro-batches with the chosen schedule; the
-executor sums the tied embedding/head gradient and averages over dp. Gradient clipping takes the norm of
-the whole model: squares summed over this rank's parameters (the tied matrix counted once, on the first
-stage) and over the pp group — dp replicas hold equal gradients after the executor's average.
+``forward_backward`` is one pipeline step over the rank's micro-batches with the chosen schedule. The
+executor only schedules (and sums the tied embedding/head gradient); data parallelism over the stage's
+replicas is DataParallel's bucketed reducer on each chunk, launched during the chunk's last backward
+(:mod:`~meshwise.parallel.pipeline_parallel.stage_reducer`), or with ``--zero`` ZeRO's reduce-scatter of
+the stage's accumulated gradients after the step. Gradient clipping takes the norm of the whole model:
+squares summed over this rank's parameters (the tied matrix counted once, on the first stage) and over the
+pp group — dp replicas hold equal gradients after the average.
 Checkpoints and ``--sample`` are in :mod:`meshwise.train.gpt.pipeline_state`.
+
+ZeRO-3 keeps each stage's parameters gathered for the whole pipeline step (:meth:`ShardedModel.gathered`)
+and frees them after it, as FSDP2 does under torch's pipelining (``reshard_after_forward=False``): a
+stage runs forward and backward of its micro-batches interleaved on the same layers, so gathering around
+every instruction would cost 2·m all-gathers per unit and step instead of one, for a saving of the
+stage's compute copies (1/pp of the model) during the step only — between steps, in the optimizer and
+in the checkpoint, every rank holds its shards alone.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from functools import partial
 
 import torch
@@ -79,7 +89,7 @@ class PipelineStep(ParallelStep):
             schedule=config.schedule,
             micro_batches=micro_batches,
             virtual_stages=config.virtual_stages,
-            dp=None if config.zero else mesh.dp,  # ZeRO reduce-scatters each stage's gradients itself
+            dp=None if config.zero else mesh.replicas,  # ZeRO reduce-scatters each stage's gradients itself
             loss=partial(sharded.loss, reduction="mean"),
             sequence_shards=tp if config.sp else 1,
             in_place=True,  # the model is this run's own (and a tp one holds a communicator: no copies)
@@ -101,8 +111,13 @@ class PipelineStep(ParallelStep):
             self._shape_model = GPT(model.config)
             self._group_names = group_names(self._shape_model, build_optimizer(self._shape_model, config))
 
+    def gathered(self) -> AbstractContextManager[None]:
+        """ZeRO-3: the stage's parameters gathered for what runs inside (nothing to do otherwise)."""
+        return self.zero.gathered() if self.zero is not None else nullcontext()
+
     def forward_backward(self, micro_batches: Sequence[Batch]) -> float:
-        with self.autocast(), self.zero.no_sync() if self.zero is not None else nullcontext():
+        accumulate = self.zero.no_sync() if self.zero is not None else nullcontext()
+        with self.autocast(), accumulate, self.gathered():
             result = self.executor.step([x for x, _ in micro_batches], [y for _, y in micro_batches])
         if self.zero is not None:  # the stage's gradients, tied copies summed, reduce-scattered over dp
             self.zero.reduce_accumulated()
@@ -124,7 +139,7 @@ class PipelineStep(ParallelStep):
     @torch.no_grad()
     def eval_loss_sum(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         loss_sum = partial(self.sharded_loss, reduction="sum")
-        with self.autocast():
+        with self.autocast(), self.gathered():
             return torch.tensor(self.executor.forward_only(inputs, targets, loss_sum), dtype=torch.float64)
 
     def full_model(self) -> GPT:
@@ -137,11 +152,12 @@ class PipelineStep(ParallelStep):
         if self.zero is not None:  # the updated shards' all-gathers land first
             for group in self.zero.groups:
                 group.wait_gathered()
-        if self.mesh.coordinates["dp"] != 0:
-            return self._shape_model
-        gathered = gather_plain_model(
-            self.model, self._shape_model.config, self.mesh.pp, self.device, tp=self.mesh.tp
-        )
+        with self.gathered():  # ZeRO-3: collective over dp, so before dp replica 0 goes on alone
+            if self.mesh.coordinates["dp"] != 0:
+                return self._shape_model
+            gathered = gather_plain_model(
+                self.model, self._shape_model.config, self.mesh.pp, self.device, tp=self.mesh.tp
+            )
         return self._shape_model if gathered is None else gathered
 
     def state_dict(self) -> dict:
@@ -172,14 +188,15 @@ class PipelineStep(ParallelStep):
 def stage_zero(
     stage: StageModule, mesh: Mesh, config: GPTTrainConfig, copies: dict[str, str]
 ) -> tuple[ShardedModel, torch.optim.Optimizer, list[Placement]]:
-    """ZeRO-1/2 of a pipeline stage over ``mesh.dp``: the sharded stage, AdamW over its master shards,
+    """ZeRO-1/2/3 of a pipeline stage over ``mesh.dp``: the sharded stage, AdamW over its master shards,
     and each flat group's placement (divided over dp and pp, and tp for tp shards; the last stage's
     tied head copy in a group of its own, counted once in the norm, on the first stage)."""
 
     def key(name: str, param: nn.Parameter) -> tuple[bool, bool, bool]:
         return (*tensor_parallel_key(name, param), name in copies)
 
-    zero = shard(stage, mesh.dp, stage=config.zero, separate_by=key)
+    units = list(stage.blocks.values()) if config.zero == 3 else None
+    zero = shard(stage, mesh.dp, stage=config.zero, separate_by=key, units=units)
     rest = zero.parameters_where(lambda n, p: not decays(n, p))
     optimizer = adamw(zero.parameters_where(decays), rest, config)
     placements = []
