@@ -52,7 +52,6 @@ from meshwise.train.profile import StepProfiler
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
-
 class ParallelStep(ABC):
     """One rank's view of a parallel training step (see the module docstring for the contract)."""
 
