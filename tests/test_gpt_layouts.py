@@ -146,6 +146,8 @@ RESUMES = {
     "dp4 → zero1·tp2·sp": ({}, {"zero": 1, "tp": 2, "sp": True}),
     "zero2·pp2 → dp2": ({"zero": 2, "pp": 2}, {"nproc": 2}),
     "tp2 → zero1·pp2·tp2": ({"nproc": 2, "tp": 2}, {"zero": 1, "pp": 2, "tp": 2}),
+    "zero3·pp2 → dp2": ({"zero": 3, "pp": 2}, {"nproc": 2}),
+    "dp2 → zero3·pp2": ({"nproc": 2}, {"zero": 3, "pp": 2}),
 }
 
 
