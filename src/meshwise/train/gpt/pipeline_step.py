@@ -98,8 +98,11 @@ class PipelineStep(ParallelStep):
         held = dict(self.model.named_parameters())
         copies = {b: a for a, b in plan.tied if b in held and a not in held}  # the last stage's head copy
         self.zero: ShardedModel | None = None
-        if config.zero:  # step 5 on each stage: ZeRO-1/2 of the stage's (tp) parameters over dp
-            self.zero, self.optimizer, self._shard_placements = stage_zero(self.model, mesh, config, copies)
+        if config.zero:  # step 5 on each stage: ZeRO-1/2/3 of the stage's (tp) parameters over dp
+            tied = {name for pair in plan.tied for name in pair}
+            self.zero, self.optimizer, self._shard_placements = stage_zero(
+                self.model, mesh, config, copies, tied
+            )
             self.executor.gradient_of = self.zero.unsharded_gradient  # the tied sum, before the reduce
         else:
             self.optimizer = build_optimizer(self.model, config)
@@ -186,14 +189,17 @@ class PipelineStep(ParallelStep):
 
 
 def stage_zero(
-    stage: StageModule, mesh: Mesh, config: GPTTrainConfig, copies: dict[str, str]
+    stage: StageModule, mesh: Mesh, config: GPTTrainConfig, copies: dict[str, str], tied: set[str]
 ) -> tuple[ShardedModel, torch.optim.Optimizer, list[Placement]]:
     """ZeRO-1/2/3 of a pipeline stage over ``mesh.dp``: the sharded stage, AdamW over its master shards,
     and each flat group's placement (divided over dp and pp, and tp for tp shards; the last stage's
-    tied head copy in a group of its own, counted once in the norm, on the first stage)."""
+    tied head copy in a group of its own, counted once in the norm, on the first stage). Both ends of a
+    tied pair (``tied``: their names) get a group of their own, so the first stage's embedding and the
+    last stage's head copy are cut into the same flat ranges and write the same checkpoint rectangles of
+    their shared entry (DCP keeps one of two identical writes; two different cuts would overlap)."""
 
     def key(name: str, param: nn.Parameter) -> tuple[bool, bool, bool]:
-        return (*tensor_parallel_key(name, param), name in copies)
+        return (*tensor_parallel_key(name, param), name in tied)
 
     units = list(stage.blocks.values()) if config.zero == 3 else None
     zero = shard(stage, mesh.dp, stage=config.zero, separate_by=key, units=units)
