@@ -152,6 +152,47 @@ def _run(world: int) -> dict[str, object]:
         meshwise.shutdown()
 
 
+def _replica_failure() -> dict[str, object]:
+    """pp 2 × dp 2 with the reducer: stage 1 of replica 1 raises on micro-batch 2 (its last micro-batch
+    is 3: the failing rank has launched none of its buckets, its healthy dp peer all of them). Every rank
+    of both replicas must raise PipelineFailure naming it, quickly — no collective left unpaired."""
+    w = meshwise.init(backend="gloo", timeout=30)
+    try:
+        mesh = Mesh(w.comm, MeshShape(dp=2, pp=2))
+        executor, chunks = build_pipeline(
+            _reference(), gpt_plan(CONFIG), mesh.pp, schedule="1f1b", micro_batches=4, dp=mesh.dp
+        )
+        if mesh.coordinates == {**mesh.coordinates, "pp": 1, "dp": 1}:
+            original, calls = chunks[0].forward, {"n": 0}
+
+            def broken(x: torch.Tensor) -> torch.Tensor:
+                calls["n"] += 1
+                if calls["n"] == 3:
+                    raise RuntimeError("injected fault")
+                return original(x)
+
+            chunks[0].forward = broken  # type: ignore[method-assign]
+        x, y = _batch(0, MICRO * 4)
+        start = time.monotonic()
+        try:
+            executor.step(micro_batches_of(x, 4), micro_batches_of(y, 4))
+        except PipelineFailure as failure:
+            return {
+                "stage": failure.stage,
+                "micro_batch": failure.micro_batch,
+                "seconds": time.monotonic() - start,
+            }
+        return {"stage": None, "seconds": time.monotonic() - start}
+    finally:
+        meshwise.shutdown()
+
+
+def test_a_failing_replica_stops_every_replica() -> None:
+    for result in spawn(_replica_failure, 4, timeout=90):
+        assert result["stage"] == 1 and result["micro_batch"] == 2, result
+        assert result["seconds"] < 10, result
+
+
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_pipeline_matches_one_process(world: int) -> None:
     results = spawn(_run, world, args=(world,), timeout=110)
