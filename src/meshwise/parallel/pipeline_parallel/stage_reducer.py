@@ -27,6 +27,12 @@ from meshwise.parallel.data_parallel.buckets import MIB, plan_buckets
 from meshwise.parallel.data_parallel.reducer import GradReducer
 from meshwise.parallel.pipeline_parallel.schedules import Instruction, Op
 
+#: Bucket cap (MiB) for a stage's reducer, below DataParallel's 25: a stage holds 1/pp of the model and
+#: its synchronised backward is one micro-batch's, so at 25 MiB a small stage's gradients would sit in one
+#: or two buckets, the big one launched when that backward ends — nothing left to overlap. At 4 MiB
+#: gpt-nano's first stage (22 MB) has six, all but the last launched while the backward still runs.
+STAGE_BUCKET_MB = 4.0
+
 _Key = tuple[Op, int, int]  # (op, chunk, micro-batch): one compute instruction of a rank's program
 
 
@@ -39,7 +45,7 @@ class StageReducers:
         comm: Communicator,
         program: Sequence[Instruction],
         *,
-        bucket_mb: float = 25.0,
+        bucket_mb: float = STAGE_BUCKET_MB,
         first_bucket_mb: float = 1.0,
     ) -> None:
         self.comm = comm
@@ -72,9 +78,11 @@ class StageReducers:
             reducer.sync = (ins.op, ins.chunk, ins.micro_batch) in self._synchronised
 
     def after(self, ins: Instruction) -> None:
-        """After one: once a chunk's gradients are all in, launch its buckets that are left."""
+        """After one: once a chunk's gradients are all in, launch its buckets that are left — over a
+        transport whose collectives run in the background; on one that completes them on the calling
+        thread (shm) that would put the whole reduction before this rank's next send: :meth:`wait` does."""
         c = self._done.get((ins.op, ins.chunk, ins.micro_batch))
-        if c is not None and c in self._reducers:
+        if c is not None and c in self._reducers and self.comm.overlaps_compute:
             self._reducers[c].flush()
 
     def wait(self) -> None:
