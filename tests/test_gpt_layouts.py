@@ -101,9 +101,11 @@ def test_every_layout_trains_as_one_process_does(text: str, flags: dict) -> None
 
 
 @pytest.mark.slow
-def test_three_dimensions_on_eight_ranks_train_as_one_process_does(text: str) -> None:
-    """dp2·tp2·pp2 with ZeRO-1: every strategy at once — each stage's tp shards sharded over dp."""
-    flags = {"nproc": 8, "tp": 2, "pp": 2, "zero": 1}
+@pytest.mark.parametrize("zero", [1, 3])
+def test_three_dimensions_on_eight_ranks_train_as_one_process_does(text: str, zero: int) -> None:
+    """dp2·tp2·pp2 with ZeRO-1 or ZeRO-3: every strategy at once — each stage's tp shards sharded over
+    dp (ZeRO-3: gathered for the pipeline step)."""
+    flags = {"nproc": 8, "tp": 2, "pp": 2, "zero": zero}
     _check_rows(spawn(_compare, 8, args=(text, flags), timeout=115))
 
 
