@@ -47,6 +47,10 @@ LAYOUTS: dict[str, dict] = {
     "pp2·tp2 interleaved": {"pp": 2, "tp": 2, "schedule": "interleaved", "virtual_stages": 2},
     "zero2·pp2": {"zero": 2, "pp": 2},
     "zero1·pp2 interleaved": {"zero": 1, "pp": 2, "schedule": "interleaved", "virtual_stages": 2},
+    "dp2·pp2 interleaved": {"pp": 2, "schedule": "interleaved", "virtual_stages": 2},
+    "dp2·pp2 zb": {"pp": 2, "schedule": "zb"},
+    "zero3·pp2": {"zero": 3, "pp": 2},
+    "zero3·pp2 zb": {"zero": 3, "pp": 2, "schedule": "zb"},
 }
 
 
@@ -97,9 +101,11 @@ def test_every_layout_trains_as_one_process_does(text: str, flags: dict) -> None
 
 
 @pytest.mark.slow
-def test_three_dimensions_on_eight_ranks_train_as_one_process_does(text: str) -> None:
-    """dp2·tp2·pp2 with ZeRO-1: every strategy at once — each stage's tp shards sharded over dp."""
-    flags = {"nproc": 8, "tp": 2, "pp": 2, "zero": 1}
+@pytest.mark.parametrize("zero", [1, 3])
+def test_three_dimensions_on_eight_ranks_train_as_one_process_does(text: str, zero: int) -> None:
+    """dp2·tp2·pp2 with ZeRO-1 or ZeRO-3: every strategy at once — each stage's tp shards sharded over
+    dp (ZeRO-3: gathered for the pipeline step)."""
+    flags = {"nproc": 8, "tp": 2, "pp": 2, "zero": zero}
     _check_rows(spawn(_compare, 8, args=(text, flags), timeout=115))
 
 
@@ -142,6 +148,8 @@ RESUMES = {
     "dp4 → zero1·tp2·sp": ({}, {"zero": 1, "tp": 2, "sp": True}),
     "zero2·pp2 → dp2": ({"zero": 2, "pp": 2}, {"nproc": 2}),
     "tp2 → zero1·pp2·tp2": ({"nproc": 2, "tp": 2}, {"zero": 1, "pp": 2, "tp": 2}),
+    "zero3·pp2 → dp2": ({"zero": 3, "pp": 2}, {"nproc": 2}),
+    "dp2 → zero3·pp2": ({"nproc": 2}, {"zero": 3, "pp": 2}),
 }
 
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import meshwise
+from meshwise.comm.api import ReduceOp
 from meshwise.comm.mesh import Mesh, MeshShape
 from meshwise.models.gpt import GPT, GPTConfig, language_model_loss
 from meshwise.models.gpt_plan import gpt_plan
@@ -55,7 +56,10 @@ def _compare(pp, dp, schedule: str, m: int, v: int, dp_size: int = 1, dp_rank: i
         opt.zero_grad()
         mine = slice(dp_rank * MICRO * m, (dp_rank + 1) * MICRO * m)
         result = executor.step(micro_batches_of(x[mine], m), micro_batches_of(y[mine], m))
-        worst["loss"] = max(worst["loss"], abs(result.loss - ref_loss.item()))
+        loss = torch.tensor([result.loss], dtype=torch.float64)
+        if dp is not None:  # the executor returns its replica's loss; the batch's is their mean
+            dp.all_reduce(loss, ReduceOp.AVG)
+        worst["loss"] = max(worst["loss"], abs(loss.item() - ref_loss.item()))
         worst["peak_bytes"] = max(worst["peak_bytes"], result.peak_activation_bytes)
         for chunk in chunks:
             for name, param in chunk.named_parameters():
@@ -132,9 +136,9 @@ def _run(world: int) -> dict[str, object]:
             out["pp1-zb-m3-v1"] = _compare(solos[w.rank], None, "zb", 3, 1)
         if world == 4:
             mesh = Mesh(w.comm, MeshShape(dp=2, pp=2))
-            for schedule in ("1f1b", "zb"):
+            for schedule, v in (("1f1b", 1), ("zb", 1), ("interleaved", 2)):  # each chunk's own reducer
                 out[f"pp2xdp2-{schedule}"] = _compare(
-                    mesh.pp, mesh.dp, schedule, 4, 1, dp_size=2, dp_rank=mesh.coordinates["dp"]
+                    mesh.pp, mesh.dp, schedule, 4, v, dp_size=2, dp_rank=mesh.coordinates["dp"]
                 )
         # one failure per spawn, last: afterwards the pairs may hold messages nobody received
         if world == 2:
@@ -146,6 +150,47 @@ def _run(world: int) -> dict[str, object]:
         return out
     finally:
         meshwise.shutdown()
+
+
+def _replica_failure() -> dict[str, object]:
+    """pp 2 × dp 2 with the reducer: stage 1 of replica 1 raises on micro-batch 2 (its last micro-batch
+    is 3: the failing rank has launched none of its buckets, its healthy dp peer all of them). Every rank
+    of both replicas must raise PipelineFailure naming it, quickly — no collective left unpaired."""
+    w = meshwise.init(backend="gloo", timeout=30)
+    try:
+        mesh = Mesh(w.comm, MeshShape(dp=2, pp=2))
+        executor, chunks = build_pipeline(
+            _reference(), gpt_plan(CONFIG), mesh.pp, schedule="1f1b", micro_batches=4, dp=mesh.dp
+        )
+        if mesh.coordinates == {**mesh.coordinates, "pp": 1, "dp": 1}:
+            original, calls = chunks[0].forward, {"n": 0}
+
+            def broken(x: torch.Tensor) -> torch.Tensor:
+                calls["n"] += 1
+                if calls["n"] == 3:
+                    raise RuntimeError("injected fault")
+                return original(x)
+
+            chunks[0].forward = broken  # type: ignore[method-assign]
+        x, y = _batch(0, MICRO * 4)
+        start = time.monotonic()
+        try:
+            executor.step(micro_batches_of(x, 4), micro_batches_of(y, 4))
+        except PipelineFailure as failure:
+            return {
+                "stage": failure.stage,
+                "micro_batch": failure.micro_batch,
+                "seconds": time.monotonic() - start,
+            }
+        return {"stage": None, "seconds": time.monotonic() - start}
+    finally:
+        meshwise.shutdown()
+
+
+def test_a_failing_replica_stops_every_replica() -> None:
+    for result in spawn(_replica_failure, 4, timeout=90):
+        assert result["stage"] == 1 and result["micro_batch"] == 2, result
+        assert result["seconds"] < 10, result
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])

@@ -15,6 +15,7 @@ from functools import partial
 import torch
 
 import meshwise
+from meshwise.comm.api import ReduceOp
 from meshwise.comm.mesh import Mesh, MeshShape
 from meshwise.models.gpt import GPT, GPTConfig, language_model_loss
 from meshwise.models.gpt_plan import gpt_plan, tensor_parallel
@@ -71,7 +72,10 @@ def _compare(mesh: Mesh, schedule: str, m: int, v: int, sp: bool) -> dict[str, f
         opt.zero_grad()
         mine = slice(dp_rank * MICRO * m, (dp_rank + 1) * MICRO * m)
         result = executor.step(micro_batches_of(x[mine], m), micro_batches_of(y[mine], m))
-        worst["loss"] = max(worst["loss"], abs(result.loss - ref_loss.item()))
+        loss = torch.tensor([result.loss], dtype=torch.float64)
+        if dp_size > 1:  # the executor returns its replica's loss; the batch's is their mean
+            mesh.dp.all_reduce(loss, ReduceOp.AVG)
+        worst["loss"] = max(worst["loss"], abs(loss.item() - ref_loss.item()))
         worst["grad"] = max(worst["grad"], _worst(chunks, mesh.tp, ref_params, grads=True))
         ref_opt.step()
         opt.step()

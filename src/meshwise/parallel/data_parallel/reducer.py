@@ -16,6 +16,10 @@ benchmarks/RESULTS.md). There the buckets are all launched when backward ends: o
 
 A callback queued on the autograd engine runs when backward ends; it launches whatever is left, waits for
 every bucket, and so ``loss.backward()`` returns with averaged gradients, ready for ``optimizer.step()``.
+A driver whose gradients of one step arrive over several backward calls (a pipeline stage's last
+micro-batch: its input-gradient pass, then its weight-gradient pass) sets ``end_with_backward=False`` and
+calls :meth:`GradReducer.flush` when the last gradient is in and :meth:`GradReducer.wait` when it needs
+the averages, so the reduction also overlaps whatever the driver runs in between.
 """
 
 from __future__ import annotations
@@ -78,8 +82,10 @@ class GradReducer:
         *,
         find_unused_parameters: bool,
         wire_dtype: torch.dtype | None,
+        end_with_backward: bool = True,
     ) -> None:
         self.comm = comm
+        self._end_with_backward = end_with_backward
         self._launch_during_backward = comm.overlaps_compute
         self.find_unused_parameters = find_unused_parameters
         self.sync = True  # whether the next backward averages (set by prepare at forward time)
@@ -96,6 +102,7 @@ class GradReducer:
         self._usage = torch.zeros(len(self._params), dtype=torch.int32, device=buckets[0].device)
         self._next = 0
         self._queued = False
+        self._flushed: tuple[list[int], Work | None] | None = None
         this = weakref.ref(self)  # hooks must not keep a discarded wrapper's reducer alive
         self._handles = [
             param.register_post_accumulate_grad_hook(_hook(this, position))
@@ -128,7 +135,8 @@ class GradReducer:
             return
         self._ready[position] = True
         if not self._queued:
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+            if self._end_with_backward:
+                torch.autograd.Variable._execution_engine.queue_callback(self._finish)
             self._queued = True
         bucket.pending -= 1
         if bucket.pending == 0 and self._launch_during_backward:
@@ -150,11 +158,29 @@ class GradReducer:
     def _finish(self) -> None:
         """Complete the step: parameters without a gradient count as zeros, every bucket is awaited."""
         try:
-            missing = self._complete_missing()
-            self._launch_in_order()
-            usage = self._start_usage(missing) if self.find_unused_parameters else None
+            self.flush()
+        finally:
+            self.wait()
+
+    def flush(self) -> None:
+        """Launch every bucket not launched yet (parameters whose hook did not fire count as they are:
+        their accumulated gradient, or zeros); idempotent within a step."""
+        if self._flushed is not None:
+            return
+        missing = self._complete_missing()
+        self._launch_in_order()
+        self._flushed = (missing, self._start_usage(missing) if self.find_unused_parameters else None)
+
+    def wait(self) -> None:
+        """Wait for every bucket (after :meth:`flush`), then get ready for the next step."""
+        if self._flushed is None:
+            self._reset()
+            return
+        missing, usage = self._flushed
+        try:
             for bucket in self._buckets:
-                bucket.wait()
+                if bucket.work is not None:
+                    bucket.wait()
             if usage is not None:
                 usage.wait()
                 for position in missing:
@@ -176,6 +202,7 @@ class GradReducer:
         self._ready = [False] * len(self._params)
         self._next = 0
         self._queued = False
+        self._flushed = None
 
     def _complete_missing(self) -> list[int]:
         """Mark every parameter whose hook did not fire as ready; return those with no gradient at all.

@@ -10,9 +10,12 @@ compute and the sends of its result. Activation shapes are exchanged once, along
 the first step; the loss stays a tensor until the step ends (no device synchronisation per micro-batch).
 
 The loss is computed on the last chunk, scaled by 1/m so that gradients accumulated over the micro-batches
-equal those of the whole batch. After the last backward: the tied embedding/head gradient is summed between
-the ranks holding the two ends, then gradients are averaged over ``dp`` (one flat all-reduce, the loss
-riding along).
+equal those of the whole batch. With ``dp`` (the stage's data-parallel replicas) each chunk's gradients
+are averaged by DataParallel's bucketed reducer (:mod:`~meshwise.parallel.pipeline_parallel.stage_reducer`):
+buckets launch during the chunk's last backward (its last weight-gradient pass under a split backward)
+and are awaited once this rank's compute is over. Then the tied embedding/head gradient — averaged on both
+ends: the sum of the averages is the average of the sums — is summed between the ranks holding the two
+ends. The loss returned is this replica's (a caller averaging it over the replicas, as the GPT loop does).
 
 **Failure.** Every message carries three trailing floats: a status and, when set, the chunk and
 micro-batch where a failure started. A rank whose compute raises sends such a *poison* message to its
@@ -35,9 +38,9 @@ import torch
 from torch import nn
 
 from meshwise.comm.api import Communicator, ReduceOp, Work
-from meshwise.parallel.pipeline_parallel.partition import chunk_parameters
 from meshwise.parallel.pipeline_parallel.schedules import Instruction, Op, Schedule
 from meshwise.parallel.pipeline_parallel.split_backward import SplitBackward, SplitRecord
+from meshwise.parallel.pipeline_parallel.stage_reducer import StageReducers
 
 _HEADER = 3  # status, chunk, micro-batch
 _MAX_DIMS = 8
@@ -75,7 +78,7 @@ class Event:
 
 @dataclass
 class StepResult:
-    loss: float  # mean over micro-batches (and over dp replicas), known on every rank
+    loss: float  # mean over micro-batches, known on every rank of the pipeline (this replica's)
     events: list[Event] = field(default_factory=list)
     peak_activation_bytes: int = 0  # most bytes of chunk inputs/outputs held for backward at once
 
@@ -83,9 +86,10 @@ class StepResult:
 class PipelineExecutor:
     """Executes ``schedule`` for rank ``pp.rank`` holding ``chunks`` (its chunks, in global order).
 
-    ``loss_fn(output, target)`` runs on the last chunk. ``dp`` (optional) averages gradients across
-    pipeline replicas after the last backward. ``tied`` are this rank's copies of a weight shared by the
-    first and last chunk on different ranks (see :func:`partition.tied_parameters`).
+    ``loss_fn(output, target)`` runs on the last chunk. ``dp`` (optional) averages each chunk's gradients
+    across the pipeline replicas in buckets, overlapped with the step's last backward passes. ``tied``
+    are this rank's copies of a weight shared by the first and last chunk on different ranks (see
+    :func:`partition.tied_parameters`).
     """
 
     def __init__(
@@ -117,10 +121,12 @@ class PipelineExecutor:
         self._split = SplitBackward(chunks) if schedule.split_backward else None
         self._shapes: dict[int, torch.Size] = {}  # chunk → shape of its output (hidden states)
         self._input_shape: torch.Size | None = None
-        self._params = chunk_parameters(chunks)
         self._neighbours = {i.peer for i in schedule.ranks[self.rank] if i.peer is not None}
         self._receives = [i for i in schedule.ranks[self.rank] if i.op in (Op.RECV_ACT, Op.RECV_GRAD)]
         self._tied_peer = 0 if self.rank == schedule.stages - 1 else schedule.stages - 1
+        replicated = dp is not None and dp.world_size > 1
+        program = schedule.ranks[self.rank]
+        self._reducers = StageReducers(self.chunks, dp, program) if replicated else None  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------ public
     def step(
@@ -142,11 +148,13 @@ class PipelineExecutor:
             failure = PipelineFailure(self.rank, chunk, k, f"{type(exc).__name__}: {exc}")
             failure.__cause__ = exc
             self._poison(run, chunk, k, skip=None)
+        if failure is not None and self._reducers is not None:
+            self._reducers.abort()  # the replicas' collectives stay matched before the status all-reduce
         loss = self._finish_status(run, failure)
         if failure is not None:
             raise failure
         self._wait_all(run.sends)
-        loss = self._sync_gradients(run, loss)
+        self._sync_tied(run)
         return StepResult(loss, run.events, run.peak_bytes)
 
     @torch.no_grad()
@@ -201,12 +209,17 @@ class PipelineExecutor:
                 self._housekeeping(run)
             after_receive = False
             run.current = (ins.chunk, ins.micro_batch)
+            gradients = self._reducers is not None and ins.op is not Op.FORWARD
+            if gradients:
+                self._reducers.before(ins)  # type: ignore[union-attr]
             start = time.perf_counter()
             self._compute(run, ins)
             end = time.perf_counter()
             run.events.append(
                 Event(self.rank, ins.op.value, ins.micro_batch, ins.chunk, start - run.t0, end - run.t0)
             )
+            if gradients:
+                self._reducers.after(ins)  # type: ignore[union-attr]
         run.loss = float(run.loss_sum.item()) if run.loss_sum is not None else 0.0
         self._post_tied(run)
 
@@ -225,7 +238,10 @@ class PipelineExecutor:
         """Send the tied weight's gradient as soon as this rank's last backward is done: the last stage
         finishes long before the first, so its half has arrived by the time the first stage (the last
         rank to finish a step) asks for it. The receive is posted only after the status all-reduce, so it
-        can never take a failing neighbour's poison message in place of the gradient."""
+        can never take a failing neighbour's poison message in place of the gradient. With replicas the
+        gradients' averages are awaited first: each end sends its averaged half."""
+        if self._reducers is not None:
+            self._reducers.wait()
         if self.tied:
             run.tied_works = [self.pp.isend(self.gradient_of(p), self._tied_peer) for p in self.tied]
 
@@ -345,24 +361,13 @@ class PipelineExecutor:
         sends.clear()
 
     # ------------------------------------------------------------------ gradients
-    def _sync_gradients(self, run: _StepState, loss: float) -> float:
-        """Sum the tied weight's two copies (exchange posted by :meth:`_post_tied`), then average every
-        gradient (and the loss) over dp."""
-        theirs = [torch.empty_like(p) for p in self.tied]
+    def _sync_tied(self, run: _StepState) -> None:
+        """Sum the tied weight's two copies (exchange posted by :meth:`_post_tied`)."""
+        theirs = [torch.empty_like(self.gradient_of(p)) for p in self.tied]
         for w in run.tied_works + [self.pp.irecv(t, self._tied_peer) for t in theirs]:
             w.wait()
         for p, t in zip(self.tied, theirs, strict=True):
             self.gradient_of(p).add_(t)
-        if self.dp is not None and self.dp.world_size > 1:
-            grads = [_grad(p) for p in self._params]
-            flat = torch.cat([g.reshape(-1) for g in grads] + [torch.tensor([loss], dtype=grads[0].dtype)])
-            self.dp.all_reduce(flat, ReduceOp.AVG)
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
-            loss = float(flat[-1].item())
-        return loss
 
     def _check_step(
         self, inputs: Sequence[torch.Tensor] | None, targets: Sequence[torch.Tensor] | None

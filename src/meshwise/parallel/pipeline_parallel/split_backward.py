@@ -6,7 +6,10 @@ is requested. That is B, the part the previous stage waits for. W is then two sm
 done by hand from what B left behind — ``weight.grad += gᵀ·x`` and ``bias.grad += Σg``, with ``x`` the
 Linear's input saved at forward time and ``g`` the output gradient from B — so no graph is walked twice.
 Parameters of other modules (LayerNorms, embeddings, and a head whose weight is also an embedding) are
-cheap and get their gradients in B.
+cheap and get their gradients in B. Both passes add their parameter gradients through autograd (a
+backward from the leaves themselves), not by writing ``.grad``: a parameter's post-accumulate-grad hooks
+then fire as in an ordinary backward, which is how data parallelism's bucketed reducer and ZeRO's
+gradient sync learn that a gradient is in.
 
 The price is memory: a micro-batch's Linear inputs and output gradients live until its W runs.
 """
@@ -81,31 +84,33 @@ class SplitBackward:
         offset = 1 if inputs is not None else 0
         for rec, g in zip(record.linears, grads[offset:], strict=False):
             rec.grad, rec.output = g, None  # type: ignore[assignment]  # drop the graph, keep the gradient
-        for param, g in zip(others, grads[offset + len(record.linears) :], strict=True):
-            _accumulate(param, g)
+        _accumulate(others, grads[offset + len(record.linears) :])
         return grads[0] if inputs is not None else None
 
     @staticmethod
     def backward_weight(record: SplitRecord) -> None:
         """W: weight and bias gradients of every Linear from its saved input and output gradient."""
+        params: list[torch.Tensor] = []
+        grads: list[torch.Tensor | None] = []
         for rec in record.linears:
             if rec.grad is None:
                 continue
             g = rec.grad.reshape(-1, rec.grad.shape[-1])
-            _accumulate(rec.module.weight, g.t() @ rec.input.reshape(-1, rec.input.shape[-1]))
+            params.append(rec.module.weight)
+            grads.append(g.t() @ rec.input.reshape(-1, rec.input.shape[-1]))
             if rec.module.bias is not None:
-                _accumulate(rec.module.bias, g.sum(0))
+                params.append(rec.module.bias)
+                grads.append(g.sum(0))
         record.linears.clear()
+        _accumulate(params, grads)
 
     def close(self) -> None:
         for handle in self._handles:
             handle.remove()
 
 
-def _accumulate(param: torch.Tensor, grad: torch.Tensor | None) -> None:
-    if grad is None:
-        return
-    if param.grad is None:
-        param.grad = grad.detach().clone()
-    else:
-        param.grad.add_(grad)
+def _accumulate(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
+    """Add ``grads`` into ``params``' ``.grad`` as autograd does (their hooks fire); None: no gradient."""
+    pairs = [(p, g.detach().to(p.dtype)) for p, g in zip(params, grads, strict=True) if g is not None]
+    if pairs:
+        torch.autograd.backward([p for p, _ in pairs], [g for _, g in pairs])

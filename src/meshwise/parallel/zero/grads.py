@@ -136,7 +136,7 @@ class GradientSync:
         for gi in chosen:
             self.groups[gi].launch_reduce()
         for gi in chosen:
-            self.groups[gi].finish_reduce(keep_full=True)
+            self.groups[gi].finish_reduce(keep_full=self.stage == 1)
             self._unreduced.discard(gi)
 
 

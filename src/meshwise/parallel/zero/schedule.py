@@ -44,6 +44,8 @@ class UnitSchedule:
         for group, unit in zip(groups, unit_of, strict=True):
             self._groups[unit].append(group)
         self._on_backward_start = on_backward_start
+        #: set by :meth:`ShardedModel.gathered`: every unit stays gathered, the hooks free nothing
+        self.holding = False
         self._handles = []
         for index, module in enumerate(units, start=1):
             self._handles += [
@@ -67,6 +69,8 @@ class UnitSchedule:
             group.gather()
 
     def free(self, unit: int) -> None:
+        if self.holding:
+            return
         for group in self._groups[unit]:
             group.free()
 

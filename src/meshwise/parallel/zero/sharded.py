@@ -149,6 +149,26 @@ class ShardedModel(nn.Module):
         finally:
             self._grads.sync = previous
 
+    @contextmanager
+    def gathered(self) -> Iterator[None]:
+        """Stage 3: every unit's parameters gathered for the whole block and freed at its end, whatever
+        runs inside — a pipeline stage's step, whose chunks the executor calls directly and whose
+        micro-batches alternate forward and backward on the same units. The gathers start together; the
+        root's (no unit's forward hook waits for it) are awaited here, each unit's by its forward hook, so
+        they overlap the first forwards. Stages 1/2 keep their parameters gathered anyway."""
+        if self.schedule is None:
+            yield
+            return
+        self.schedule.holding = True
+        try:
+            for group in self.groups:
+                group.gather()
+            self.schedule.gather_root()
+            yield
+        finally:
+            self.schedule.holding = False
+            self.schedule.free_all()
+
     def _unit_done(self, unit: int) -> None:
         if self.schedule is not None and unit != ROOT:
             self.schedule.free(unit)

@@ -5,7 +5,7 @@ The loop (:mod:`meshwise.train.gpt.loop`) knows nothing about how the model is c
 one step's micro-batches turn into gradients — and then only calls that object's methods.
 :func:`parallelize` applies the strategies in one fixed order (tensor → context → experts → pipeline →
 recomputation → data parallel / ZeRO), and :func:`check_supported` refuses, before any rank starts, a
-combination that cannot be built yet (``--zero 3`` with ``--pp``).
+combination that cannot be built yet (``--zero`` with ``--pp`` in fp16).
 
 What a ParallelStep must guarantee, so the loop and its tests stay valid for every strategy:
 

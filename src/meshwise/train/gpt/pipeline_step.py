@@ -1,18 +1,28 @@
 """``--pp``: the GPT training loop's step on a pipeline (× tensor parallel × data parallel) mesh.
 
 Each rank keeps only its chunks of the model (cut by :mod:`meshwise.parallel.pipeline_parallel`), and one
-``forward_backward`` is one pipeline step over the rank's micro-batches with the chosen schedule; the
-executor sums the tied embedding/head gradient and averages over the replicas (dp, and cp's ranks).
-Gradient clipping takes the norm of the whole model: squares summed over this rank's parameters (the tied
-matrix counted once, on the first stage) and over the pp group — replicas hold equal gradients after the
-executor's average.
+``forward_backward`` is one pipeline step over the rank's micro-batches with the chosen schedule. The
+executor only schedules (and sums the tied embedding/head gradient); data parallelism over the stage's
+replicas (dp, and cp's ranks) is DataParallel's bucketed reducer on each chunk, launched during the
+chunk's last backward (:mod:`~meshwise.parallel.pipeline_parallel.stage_reducer`), or with ``--zero``
+ZeRO's reduce-scatter of
+the stage's accumulated gradients after the step. Gradient clipping takes the norm of the whole model:
+squares summed over this rank's parameters (the tied matrix counted once, on the first stage) and over the
+pp group — dp replicas hold equal gradients after the average.
 Checkpoints and ``--sample`` are in :mod:`meshwise.train.gpt.pipeline_state`.
+
+ZeRO-3 keeps each stage's parameters gathered for the whole pipeline step (:meth:`ShardedModel.gathered`)
+and frees them after it, as FSDP2 does under torch's pipelining (``reshard_after_forward=False``): a
+stage runs forward and backward of its micro-batches interleaved on the same layers, so gathering around
+every instruction would cost 2·m all-gathers per unit and step instead of one, for a saving of the
+stage's compute copies (1/pp of the model) during the step only — between steps, in the optimizer and
+in the checkpoint, every rank holds its shards alone.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from functools import partial
 
 import torch
@@ -99,8 +109,11 @@ class PipelineStep(ParallelStep):
         held = dict(self.model.named_parameters())
         copies = {b: a for a, b in plan.tied if b in held and a not in held}  # the last stage's head copy
         self.zero: ShardedModel | None = None
-        if config.zero:  # step 5 on each stage: ZeRO-1/2 of the stage's (tp) parameters over dp
-            self.zero, self.optimizer, self._shard_placements = stage_zero(self.model, mesh, config, copies)
+        if config.zero:  # step 5 on each stage: ZeRO-1/2/3 of the stage's (tp) parameters over dp
+            tied = {name for pair in plan.tied for name in pair}
+            self.zero, self.optimizer, self._shard_placements = stage_zero(
+                self.model, mesh, config, copies, tied
+            )
             self.executor.gradient_of = self.zero.unsharded_gradient  # the tied sum, before the reduce
         else:
             self.optimizer = build_optimizer(self.model, config)
@@ -112,9 +125,13 @@ class PipelineStep(ParallelStep):
             self._shape_model = GPT(model.config)
             self._group_names = group_names(self._shape_model, build_optimizer(self._shape_model, config))
 
+    def gathered(self) -> AbstractContextManager[None]:
+        """ZeRO-3: the stage's parameters gathered for what runs inside (nothing to do otherwise)."""
+        return self.zero.gathered() if self.zero is not None else nullcontext()
+
     def forward_backward(self, micro_batches: Sequence[Batch]) -> float:
-        zero = self.zero.no_sync() if self.zero is not None else nullcontext()
-        with self.autocast(), zero, self.timed_exchange(self.exchange_timer):
+        accumulate = self.zero.no_sync() if self.zero is not None else nullcontext()
+        with self.autocast(), accumulate, self.gathered(), self.timed_exchange(self.exchange_timer):
             result = self.executor.step([x for x, _ in micro_batches], [y for _, y in micro_batches])
         if self.mesh.shape.ep > 1:  # dense gradients over dp·ep, experts over dp (their sums ÷ dp·ep)
             reduce_gradients(self.model, self.mesh.replicas, self.mesh.expert_replicas)
@@ -138,7 +155,7 @@ class PipelineStep(ParallelStep):
     @torch.no_grad()
     def eval_loss_sum(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         loss_sum = partial(self.sharded_loss, reduction="sum")
-        with self.autocast():
+        with self.autocast(), self.gathered():
             return torch.tensor(self.executor.forward_only(inputs, targets, loss_sum), dtype=torch.float64)
 
     def full_model(self) -> GPT:
@@ -151,11 +168,12 @@ class PipelineStep(ParallelStep):
         if self.zero is not None:  # the updated shards' all-gathers land first
             for group in self.zero.groups:
                 group.wait_gathered()
-        if self.mesh.replicas.rank != 0:  # one pipeline gathers: replica 0's (dp = cp = 0)
-            return self._shape_model
-        gathered = gather_plain_model(
-            self.model, self._shape_model.config, self.mesh.pp, self.device, tp=self.mesh.tp
-        )
+        with self.gathered():  # ZeRO-3: collective over the replicas, so before replica 0 goes on alone
+            if self.mesh.replicas.rank != 0:  # one pipeline gathers: replica 0's (dp = cp = 0)
+                return self._shape_model
+            gathered = gather_plain_model(
+                self.model, self._shape_model.config, self.mesh.pp, self.device, tp=self.mesh.tp
+            )
         return self._shape_model if gathered is None else gathered
 
     def state_dict(self) -> dict:
@@ -184,17 +202,20 @@ class PipelineStep(ParallelStep):
 
 
 def stage_zero(
-    stage: StageModule, mesh: Mesh, config: GPTTrainConfig, copies: dict[str, str]
+    stage: StageModule, mesh: Mesh, config: GPTTrainConfig, copies: dict[str, str], tied: set[str]
 ) -> tuple[ShardedModel, torch.optim.Optimizer, list[Placement]]:
-    """ZeRO-1/2 of a pipeline stage over ``mesh.replicas`` (dp·cp): the sharded stage, AdamW over its
-    master shards, and each flat group's placement (divided over the replicas and pp, and tp for tp
-    shards; the last stage's tied head copy in a group of its own, counted once in the norm, on the first
-    stage)."""
+    """ZeRO-1/2/3 of a pipeline stage over ``mesh.replicas`` (dp·cp): the sharded stage, AdamW over its master shards,
+    and each flat group's placement (divided over the replicas and pp, and tp for tp shards; the last stage's
+    tied head copy in a group of its own, counted once in the norm, on the first stage). Both ends of a
+    tied pair (``tied``: their names) get a group of their own, so the first stage's embedding and the
+    last stage's head copy are cut into the same flat ranges and write the same checkpoint rectangles of
+    their shared entry (DCP keeps one of two identical writes; two different cuts would overlap)."""
 
     def key(name: str, param: nn.Parameter) -> tuple[bool, bool, bool]:
-        return (*tensor_parallel_key(name, param), name in copies)
+        return (*tensor_parallel_key(name, param), name in tied)
 
-    zero = shard(stage, mesh.replicas, stage=config.zero, separate_by=key)
+    units = list(stage.blocks.values()) if config.zero == 3 else None
+    zero = shard(stage, mesh.replicas, stage=config.zero, separate_by=key, units=units)
     rest = zero.parameters_where(lambda n, p: not decays(n, p))
     optimizer = adamw(zero.parameters_where(decays), rest, config)
     placements = []

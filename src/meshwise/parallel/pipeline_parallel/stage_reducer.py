@@ -1,0 +1,104 @@
+"""Data parallelism of pipeline stages: each chunk's gradients averaged by DataParallel's bucketed reducer.
+
+The executor only schedules. This object tells the :class:`~meshwise.parallel.data_parallel.reducer.
+GradReducer` of each of the rank's chunks which of the step's instructions computes its parameters' last
+gradients — the chunk's last backward, or under a split backward (zero-bubble) its last input-gradient
+pass for the parameters that get their gradient there and its last weight-gradient pass for the Linear
+weights — so buckets fill and launch from autograd's hooks while the rest of that backward still runs,
+and every earlier micro-batch only accumulates (``no_sync``, as ``DataParallelStep`` does). When a
+chunk's last gradient instruction is done whatever is left launches; the averages are awaited only when
+the rank's compute for the step is over, so no reduction sits between a backward and the send of its
+input gradient (the pipeline's critical path) and the first chunks' reductions overlap the last ones'
+compute.
+
+Every replica of a stage runs the same program, so the reducers launch the same buckets in the same
+order on each. A rank whose step fails launches every bucket it has not (:meth:`StageReducers.abort`)
+before the executor's failure all-reduce over the replicas, so that collective meets its match there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from torch import nn
+
+from meshwise.comm.api import Communicator
+from meshwise.parallel.data_parallel.buckets import MIB, plan_buckets
+from meshwise.parallel.data_parallel.reducer import GradReducer
+from meshwise.parallel.pipeline_parallel.schedules import Instruction, Op
+
+#: Bucket cap (MiB) for a stage's reducer, below DataParallel's 25: a stage holds 1/pp of the model and
+#: its synchronised backward is one micro-batch's, so at 25 MiB a small stage's gradients would sit in one
+#: or two buckets, the big one launched when that backward ends — nothing left to overlap. At 4 MiB
+#: gpt-nano's first stage (22 MB) has six, all but the last launched while the backward still runs.
+STAGE_BUCKET_MB = 4.0
+
+_Key = tuple[Op, int, int]  # (op, chunk, micro-batch): one compute instruction of a rank's program
+
+
+class StageReducers:
+    """The reducers of a rank's ``chunks`` (chunk id → module) over ``comm`` (the stage's replicas)."""
+
+    def __init__(
+        self,
+        chunks: Mapping[int, nn.Module],
+        comm: Communicator,
+        program: Sequence[Instruction],
+        *,
+        bucket_mb: float = STAGE_BUCKET_MB,
+        first_bucket_mb: float = 1.0,
+    ) -> None:
+        self.comm = comm
+        self._reducers: dict[int, GradReducer] = {}
+        for c, chunk in chunks.items():
+            named = [(n, p) for n, p in chunk.named_parameters() if p.requires_grad]
+            if named:
+                caps = round(bucket_mb * MIB), round(first_bucket_mb * MIB)
+                buckets = plan_buckets([p for _, p in named], *caps)
+                self._reducers[c] = GradReducer(
+                    named, comm, buckets, find_unused_parameters=False, wire_dtype=None,
+                    end_with_backward=False,
+                )  # fmt: skip
+        last: dict[tuple[Op, int], _Key] = {}
+        done: dict[int, tuple[int, _Key]] = {}
+        for index, ins in enumerate(program):
+            if ins.op in (Op.BACKWARD, Op.WEIGHT):
+                key = (ins.op, ins.chunk, ins.micro_batch)
+                last[(ins.op, ins.chunk)] = key
+                done[ins.chunk] = (index, key)
+        self._synchronised = set(last.values())  # the instructions whose gradients are the step's last
+        self._done = {key: c for c, (_, key) in done.items()}  # after these, chunk c has no gradient to come
+        #: the order the chunks' reducers finish in: every replica flushes (and, failing, aborts) in it
+        self._order = sorted(self._reducers, key=lambda c: done[c][0])
+
+    def before(self, ins: Instruction) -> None:
+        """Before a backward / weight-gradient instruction: reduce from its hooks only if it is the last."""
+        reducer = self._reducers.get(ins.chunk)
+        if reducer is not None:
+            reducer.sync = (ins.op, ins.chunk, ins.micro_batch) in self._synchronised
+
+    def after(self, ins: Instruction) -> None:
+        """After one: once a chunk's gradients are all in, launch its buckets that are left — over a
+        transport whose collectives run in the background; on one that completes them on the calling
+        thread (shm) that would put the whole reduction before this rank's next send: :meth:`wait` does."""
+        c = self._done.get((ins.op, ins.chunk, ins.micro_batch))
+        if c is not None and c in self._reducers and self.comm.overlaps_compute:
+            self._reducers[c].flush()
+
+    def wait(self) -> None:
+        """Every chunk's averaged gradients in ``.grad`` (launching first whatever is left)."""
+        for c in self._order:
+            self._reducers[c].flush()
+        for c in self._order:
+            self._reducers[c].wait()
+
+    def abort(self) -> None:
+        """After a failure: launch and wait for what is left, so every replica ran the same collectives."""
+        for c in self._order:
+            reducer = self._reducers[c]
+            reducer.sync = True
+            try:
+                reducer.flush()
+                reducer.wait()
+            except Exception:  # the step fails anyway; the collectives are what matter
+                pass
