@@ -204,12 +204,13 @@ class PipelineStep(ParallelStep):
 def stage_zero(
     stage: StageModule, mesh: Mesh, config: GPTTrainConfig, copies: dict[str, str], tied: set[str]
 ) -> tuple[ShardedModel, torch.optim.Optimizer, list[Placement]]:
-    """ZeRO-1/2/3 of a pipeline stage over ``mesh.replicas`` (dp·cp): the sharded stage, AdamW over its master shards,
-    and each flat group's placement (divided over the replicas and pp, and tp for tp shards; the last stage's
-    tied head copy in a group of its own, counted once in the norm, on the first stage). Both ends of a
-    tied pair (``tied``: their names) get a group of their own, so the first stage's embedding and the
-    last stage's head copy are cut into the same flat ranges and write the same checkpoint rectangles of
-    their shared entry (DCP keeps one of two identical writes; two different cuts would overlap)."""
+    """ZeRO-1/2/3 of a pipeline stage over ``mesh.replicas`` (dp·cp): the sharded stage, AdamW over its
+    master shards, and each flat group's placement (divided over the replicas and pp, and tp for tp
+    shards; the last stage's tied head copy in a group of its own, counted once in the norm, on the first
+    stage). Both ends of a tied pair (``tied``: their names) get a group of their own, so the first stage's
+    embedding and the last stage's head copy are cut into the same flat ranges and write the same
+    checkpoint rectangles of their shared entry (DCP keeps one of two identical writes; two different cuts
+    would overlap)."""
 
     def key(name: str, param: nn.Parameter) -> tuple[bool, bool, bool]:
         return (*tensor_parallel_key(name, param), name in tied)
