@@ -12,16 +12,18 @@ One run, per rank:
 
 1. the two-level communicator is built once (shared memory inside each node, gloo across);
 2. its three links are calibrated on their own transports (``meshwise bench --calibrate``'s
-   :func:`~meshwise.bench.calibrate.measure_levels`) on a separate sweep (4 KiB … 16 MiB, every 4×), so
-   the predictions are of sizes the fit saw only in part. It must reach well past the token bucket of
-   ``tbf`` (≥ 256 KiB): smaller messages pass at the veth's own speed, and a fit on them alone would
-   take the link for several times faster than its rate;
+   :func:`~meshwise.bench.calibrate.measure_levels`: each level on the collectives it runs, every group of
+   a level at once, calls back to back) on a separate sweep (4 KiB … 16 MiB, every 4×), so the
+   predictions are of sizes the fit saw only in part. It must reach well past the token bucket of ``tbf``
+   (≥ 256 KiB): smaller messages pass at the veth's own speed; the network links' fits carry that
+   bucket's credit (``burst``);
 3. all_reduce (float32, sum, out of place) is swept over ``--sizes`` with the flat gloo collective and
-   with the hierarchical one (the same process group underneath both); busbw = 2(p−1)/p · n / t with t
-   the mean over iterations of the slowest rank (nccl-tests); results are checked element by element;
-4. for each size: the busbw ratio, the two-level model's prediction of each time against the fastest
-   iteration (the statistic the calibration fits: what the link does, not what the other jobs on a
-   shared machine add), auto's pick (the model's) against the faster measurement;
+   with the hierarchical one (the same process group underneath both), ``--repeats`` times, the two
+   alternating; busbw = 2(p−1)/p · n / t with t the average over ranks of back-to-back iterations
+   (nccl-tests); results are checked element by element;
+4. for each size, medians over the repeats: the busbw ratio, the two-level model's prediction of each
+   time against the fastest rank (the statistic the calibration fits: what the link does, not what the
+   other jobs on a shared machine add), auto's pick (the model's) against the faster measurement;
 5. a DDP step of the 8.4M-parameter MLP (benchmarks/bench_ddp.py's model, batch, SGD) with torch DDP on
    gloo, meshwise DataParallel on flat gloo and on the two-level communicator (auto), rounds rotated.
 
@@ -33,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -90,25 +93,30 @@ def worker(args: argparse.Namespace) -> None:
         flat, hierarchical.topology, hierarchical.hierarchy, calibration=calibration, policy="auto"
     )
 
-    sweep = SweepConfig("all_reduce", args.sizes, iters=args.iters, warmup=2, checks=1)
-    measured = {}
-    for name, comm in (("flat", flat), ("hierarchical", hierarchical)):
-        measured[name] = run_sweep(comm, control, sweep, cpu)
+    measured: dict[str, list] = {"flat": [], "hierarchical": []}
+    for repeat in range(args.repeats):  # the two variants alternate, first one then the other
+        sweep = SweepConfig("all_reduce", args.sizes, iters=args.iters, warmup=2, checks=int(repeat == 0))
+        pair = [("flat", flat), ("hierarchical", hierarchical)]
+        for name, comm in pair if repeat % 2 == 0 else pair[::-1]:
+            measured[name].append(run_sweep(comm, control, sweep, cpu))
     p, local = world.world_size, PER_NODE
     levels = calibration.two_level()
     rows = []
-    for flat_row, hier_row in zip(measured["flat"], measured["hierarchical"], strict=True):
-        n = flat_row.size
-        # mean over iterations of the slowest rank (nccl-tests' statistic) for busbw, and the fastest
-        # iteration for the model, which was fitted to fastest iterations (the link, not the load)
-        t_flat = flat_row.out_of_place.time_us * 1e-6
-        t_hier = hier_row.out_of_place.time_us * 1e-6
-        fastest_flat = flat_row.out_of_place.time_us_min * 1e-6
-        fastest_hier = hier_row.out_of_place.time_us_min * 1e-6
-        wrong = flat_row.out_of_place.wrong + hier_row.out_of_place.wrong + hier_row.in_place.wrong
+    for i, n in enumerate(row.size for row in measured["flat"][0]):
+        flat_rows = [sweep_rows[i].out_of_place for sweep_rows in measured["flat"]]
+        hier_rows = [sweep_rows[i] for sweep_rows in measured["hierarchical"]]
+        # medians over the repeats of the average over ranks (nccl-tests' statistic) for busbw, and of
+        # the fastest rank for the model, which was fitted to the fastest rounds (the link, not the load)
+        t_flat = statistics.median(f.time_us for f in flat_rows) * 1e-6
+        t_hier = statistics.median(r.out_of_place.time_us for r in hier_rows) * 1e-6
+        fastest_flat = statistics.median(f.time_us_min for f in flat_rows) * 1e-6
+        fastest_hier = statistics.median(r.out_of_place.time_us_min for r in hier_rows) * 1e-6
+        wrong = flat_rows[0].wrong + hier_rows[0].out_of_place.wrong + hier_rows[0].in_place.wrong
         rows.append(
             {
                 "bytes": n,
+                "fastest_flat_s_per_repeat": [f.time_us_min * 1e-6 for f in flat_rows],
+                "fastest_hierarchical_s_per_repeat": [r.out_of_place.time_us_min * 1e-6 for r in hier_rows],
                 "flat_s": t_flat,
                 "hierarchical_s": t_hier,
                 "fastest_flat_s": fastest_flat,
@@ -227,6 +235,7 @@ def launch(args: argparse.Namespace, out: str) -> str:
 def _forwarded(args: argparse.Namespace) -> list[str]:
     return [
         "--sizes", ",".join(map(str, args.sizes)), "--iters", str(args.iters), "--rounds", str(args.rounds),
+        "--repeats", str(args.repeats),
         "--calibration-sizes", ",".join(map(str, args.calibration_sizes)),
         "--steps", str(args.steps), "--batch", str(args.batch),
     ]  # fmt: skip
@@ -245,7 +254,7 @@ def report(result: dict, link: str, load: str) -> dict:
         bandwidth = 1e-9 / fit["beta"] if fit["beta"] else float("inf")
         print(
             f"# fit {fit['link']:<16} alpha {fit['alpha'] * 1e6:8.1f} us  1/beta {bandwidth:8.3f} GB/s  "
-            f"worst factor {fit['worst_factor']:.2f}x"
+            f"burst {fit.get('burst', 0.0) / 1024:6.0f} KiB  worst factor {fit['worst_factor']:.2f}x"
         )
     print(
         f"{'size':>8} {'flat GB/s':>10} {'hier GB/s':>10} {'ratio':>6} {'ratio(fastest)':>14} "
@@ -266,8 +275,9 @@ def report(result: dict, link: str, load: str) -> dict:
             f"{row['auto_pick']:>12} {faster:>12}"
         )
     print(
-        "# busbw from the mean over iterations (nccl-tests); ratio(fastest), the model's check and "
-        "'faster' from the fastest iteration of each (the statistic the calibration fits)"
+        "# medians over the repeats; busbw from the average over ranks of back-to-back iterations "
+        "(nccl-tests); ratio(fastest), the model's check and 'faster' from the fastest rank (the statistic "
+        "the calibration fits)"
     )
     large = [r for n, r in ratios.items() if n >= LARGE_FROM]
     verdicts = {
@@ -301,6 +311,9 @@ def main() -> None:
         "--sizes", type=parse_sizes, default=parse_sizes(DEFAULT_SIZES), help="bytes, e.g. 64K,1M"
     )
     parser.add_argument("--iters", type=int, default=8, help="timed iterations per size")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="sweeps of each variant, alternating; medians are reported"
+    )
     parser.add_argument(
         "--calibration-sizes",
         type=parse_sizes,

@@ -12,11 +12,14 @@ express as a·α + b·β + c·γ + s·σ + d·δ:
 
 A job over several nodes holding the same number of ranks each also measures the *levels* of the
 two-level communicator (``backend="auto"`` there, :mod:`meshwise.comm.two_level`), each on its own
-transport's collectives (``NATIVE_PLAN``): ``intra`` on shared memory among the ranks of a node, ``inter``
-on gloo among the ranks at one local position of every node *with every local position measuring at
-once* (each iteration starts at one barrier over the whole job and lasts until the slowest group is
-done: the hierarchical collectives' traffic pattern, so a network the ranks of a node share is priced as
-shared), and ``flat`` on gloo over the whole job. The outcome names the transport of each.
+transport's collectives — the ones the two-level communicator runs on it (``LEVEL_PLANS``): ``intra`` on
+shared memory among the ranks of a node, ``inter`` on gloo among the ranks at one local position of every
+node *with every local position measuring at once* (each round starts at one barrier over the whole job
+and lasts until the slowest group is done: the hierarchical collectives' traffic pattern, so a network
+the ranks of a node share is priced as shared: β per rank L times the link's own), and ``flat`` on gloo
+over the whole job (its ring's node-crossing hops share the network as they do in the call). Calls are
+timed back to back, and the two network links may be token buckets (``burst``, see
+:class:`~meshwise.comm.cost.formulas.LinkParams`). The outcome names the transport of each.
 
 A class that cannot be measured in this job (one node → no ``inter``; one rank per node → no ``intra``)
 keeps its value from the existing file, or the built-in default, and the outcome says so. The fit is
@@ -206,6 +209,20 @@ def _calibrate_levels(
         hierarchy.close()
 
 
+#: What each two-level link is measured on: the collectives the two-level communicator runs on it (the
+#: hierarchical all_reduce reduce-scatters and all-gathers inside a node and all-reduces across; the flat
+#: and the inter-node transports also all-gather). Not gloo's reduce_scatter: gloo runs it as an
+#: all_reduce of the whole buffer (measured: as long as the all_reduce of the same bytes on both gloo
+#: links), so pricing it as a ring reduce-scatter would halve the fitted β.
+LEVEL_PLANS = {
+    "intra": ("reduce_scatter", "all_gather"),
+    "inter": ("all_reduce", "all_gather"),
+    "flat": ("all_reduce", "all_gather"),
+}
+#: Back-to-back rounds per size in a level's calibration; the fastest round is the sample.
+LEVEL_ROUNDS = 3
+
+
 def measure_levels(
     hierarchy: Hierarchy,
     flat: Communicator,
@@ -217,12 +234,13 @@ def measure_levels(
     """Fit the intra, inter and flat links of an existing two-level layout (every rank calls it); each
     fit is named after its transport. Every group of a level runs at once, started together by
     ``control``'s barrier (the nodes' intra groups side by side, every local position across nodes
-    sharing the network), as in the hierarchical collectives; no further groups are split."""
+    sharing the network), as in the hierarchical collectives; no further groups are split. The links
+    that cross the network (inter, flat) may be token buckets (:attr:`LinkParams.burst`)."""
     fits = []
     for name, comm in (("intra", hierarchy.intra), ("inter", hierarchy.inter), ("flat", flat)):
         label = f"{name}-node {comm.backend}" if name != "flat" else f"flat {comm.backend}"
-        samples = _concurrent_samples(comm, control, sweep, device)
-        params, excess = fit_link_params(samples)
+        samples = _concurrent_samples(comm, control, LEVEL_PLANS[name], sweep, device)
+        params, excess = fit_link_params(samples, burst=name != "intra")
         fits.append(LinkFit(label, params, 1.0 + excess, len(samples)))
         if progress is not None:
             progress.advance(progress.add_task(f"calibrate {label}", total=1))
@@ -231,33 +249,49 @@ def measure_levels(
 
 
 def _concurrent_samples(
-    comm: Communicator, control: Communicator, sweep: SweepConfig, device: torch.device
+    comm: Communicator,
+    control: Communicator,
+    plan: tuple[str, ...],
+    sweep: SweepConfig,
+    device: torch.device,
 ) -> list[CostSample]:
-    """The fastest iteration of each of ``NATIVE_PLAN``'s collectives on ``comm`` at every size, every
-    iteration started by a barrier of ``control`` (a group spanning all of ``comm``'s sibling groups) and
-    lasting until the slowest rank of all of them is done."""
+    """One sample per collective of ``plan`` on ``comm`` and size: the fastest of :data:`LEVEL_ROUNDS`
+    rounds, each started by a barrier of ``control`` (a group spanning all of ``comm``'s sibling groups,
+    which run at once) and timing ``sweep.iters`` calls back to back, per call, on the slowest rank.
+
+    Back to back as the benchmarks and a training loop issue them: a token-bucket link's credit is spent
+    in the warm-up and each call gets only what the link refills while the call itself idles it — a
+    barrier before every call would refill it and price mid-sized messages at the wire's speed."""
     p = comm.world_size
     samples = []
-    for collective, _ in NATIVE_PLAN:
+    for collective in plan:
         for nbytes in sweep.sizes:
             count = max(1, nbytes // (4 * p)) * p  # float32 elements, a multiple of the group size
             whole = torch.ones(count, device=device)
             part = torch.ones(count // p, device=device)
-            times = torch.zeros(sweep.iters, dtype=torch.float64)
-            for i in range(sweep.warmup + sweep.iters):
+
+            for _ in range(sweep.warmup):
+                _call(comm, collective, whole, part)
+            rounds = torch.zeros(LEVEL_ROUNDS, dtype=torch.float64)
+            for r in range(LEVEL_ROUNDS):
                 control.barrier()
                 start = time.perf_counter()
-                if collective == "all_reduce":
-                    comm.all_reduce(whole)
-                elif collective == "all_gather":
-                    comm.all_gather(whole, part)
-                else:
-                    comm.reduce_scatter(part, whole)
-                if i >= sweep.warmup:
-                    times[i - sweep.warmup] = time.perf_counter() - start
-            control.all_reduce(times, "max")
-            samples.append(CostSample(collective, "native", count * 4, p, float(times.min())))
+                for _ in range(sweep.iters):
+                    _call(comm, collective, whole, part)
+                rounds[r] = (time.perf_counter() - start) / sweep.iters
+            control.all_reduce(rounds, "max")
+            samples.append(CostSample(collective, "native", count * 4, p, float(rounds.min())))
     return samples
+
+
+def _call(comm: Communicator, collective: str, whole: torch.Tensor, part: torch.Tensor) -> None:
+    """One call of ``collective`` over ``whole`` (every rank's ``part`` its slot)."""
+    if collective == "all_reduce":
+        comm.all_reduce(whole)
+    elif collective == "all_gather":
+        comm.all_gather(whole, part)
+    else:
+        comm.reduce_scatter(part, whole)
 
 
 def merge_fit(
@@ -314,6 +348,8 @@ def _link_line(fit: LinkFit, width: int = 7) -> str:
         f"# {fit.name:<{width}} {p.alpha * 1e6:>10.2f} {_bandwidth(p.beta):>13} {_bandwidth(p.gamma):>14} "
         f"{p.sigma * 1e6:>10.2f} {_bandwidth(p.delta):>14} {error:>12}"
     )
+    if p.burst > 0:
+        line += f"  burst {p.burst / 1024:.0f} KiB"
     if fit.note:
         return line + f"  {fit.note}"
     return line + (f"  ({fit.samples} samples)" if fit.samples else "")

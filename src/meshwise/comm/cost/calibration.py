@@ -184,12 +184,24 @@ def _to_json(calibration: Calibration) -> dict[str, object]:
     """The file's layout: top-level links, plus ``by_world_size`` keyed by the world size as a string
     (JSON keys are strings) only when there are entries, so files without them keep their old form."""
     raw: dict[str, object] = {
-        name: asdict(getattr(calibration, name)) for name in ("intra", "inter", "native")
+        name: _link_json(getattr(calibration, name)) for name in ("intra", "inter", "native")
     }
     if calibration.by_world_size:
-        raw["by_world_size"] = {str(p): asdict(links) for p, links in calibration.by_world_size}
+        raw["by_world_size"] = {
+            str(p): {"intra": _link_json(links.intra), "native": _link_json(links.native)}
+            for p, links in calibration.by_world_size
+        }
     if calibration.levels is not None:
-        raw["levels"] = asdict(calibration.levels)
+        levels = calibration.levels
+        raw["levels"] = {name: _link_json(getattr(levels, name)) for name in ("intra", "inter", "flat")}
+    return raw
+
+
+def _link_json(link: LinkParams) -> dict[str, float]:
+    """A link's entry; ``burst`` only where the link has one, so files of plain links keep their form."""
+    raw = asdict(link)
+    if not link.burst:
+        del raw["burst"]
     return raw
 
 

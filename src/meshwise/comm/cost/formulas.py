@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import astuple, dataclass
+from dataclasses import dataclass
 
 #: (a, b, c, s, d): messages on the busiest rank, bytes moved, bytes reduced, exchange steps, and bytes
 #: moved in exchange steps — the multipliers of α, β, γ, σ, δ
@@ -35,24 +35,37 @@ Coefficients = tuple[float, float, float, float, float]
 
 @dataclass(frozen=True)
 class LinkParams:
-    """α (s per message), β (s per byte moved), γ (s per byte reduced), and the oversubscription terms:
-    σ (s per exchange step) and δ (s per byte moved in exchange steps); see the module docstring."""
+    """α (s per message), β (s per byte moved), γ (s per byte reduced), the oversubscription terms σ (s
+    per exchange step) and δ (s per byte moved in exchange steps), and ``burst``: the bytes of the β term
+    each call moves before β applies (see the module docstring)."""
 
     alpha: float
     beta: float
     gamma: float
     sigma: float = 0.0
     delta: float = 0.0
+    #: A token-bucket link (``tc … tbf``, a cloud instance's burst credit) passes a call's first bytes at
+    #: the wire's speed and only the rest at its rate: the bucket refills while the link idles, and every
+    #: call idles it for its latency-bound steps. In β-coefficient bytes (the busiest rank's bytes moved),
+    #: fitted by :func:`~meshwise.comm.cost.fit.fit_link_params` (``burst=True``); 0 on a plain link.
+    burst: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in PARAMETERS:
+        for name in (*PARAMETERS, "burst"):
             value = getattr(self, name)
             if not (value >= 0 and math.isfinite(value)):
                 raise ValueError(f"LinkParams.{name} must be a finite non-negative number, got {value!r}")
 
     def seconds(self, terms: Coefficients) -> float:
         """The time ``terms`` stand for on this link."""
-        return sum(k * v for k, v in zip(terms, astuple(self), strict=True))
+        a, b, c, s, d = terms
+        return (
+            a * self.alpha
+            + max(0.0, b - self.burst) * self.beta
+            + c * self.gamma
+            + s * self.sigma
+            + d * self.delta
+        )
 
 
 #: the fields of :class:`LinkParams`, in the order of :data:`Coefficients`
