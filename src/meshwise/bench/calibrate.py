@@ -220,7 +220,7 @@ LEVEL_PLANS = {
     "flat": ("all_reduce", "all_gather"),
 }
 #: Back-to-back rounds per size in a level's calibration; the fastest round is the sample.
-LEVEL_ROUNDS = 3
+LEVEL_ROUNDS = 5
 
 
 def measure_levels(
