@@ -219,7 +219,7 @@ LEVEL_PLANS = {
     "inter": ("all_reduce", "all_gather"),
     "flat": ("all_reduce", "all_gather"),
 }
-#: Back-to-back rounds per size in a level's calibration; the fastest round is the sample.
+#: Back-to-back rounds per size in a level's calibration; the median round is the sample.
 LEVEL_ROUNDS = 5
 
 
@@ -255,9 +255,14 @@ def _concurrent_samples(
     sweep: SweepConfig,
     device: torch.device,
 ) -> list[CostSample]:
-    """One sample per collective of ``plan`` on ``comm`` and size: the fastest of :data:`LEVEL_ROUNDS`
+    """One sample per collective of ``plan`` on ``comm`` and size: the median of :data:`LEVEL_ROUNDS`
     rounds, each started by a barrier of ``control`` (a group spanning all of ``comm``'s sibling groups,
-    which run at once) and timing ``sweep.iters`` calls back to back, per call, on the slowest rank.
+    which run at once) and timing ``sweep.iters`` calls back to back, per call, averaged over the ranks
+    (the statistic the benchmarks report: a single rank's time is off by when it left the barrier).
+    The median rather than the fastest round: the latency-bound sizes of a composed collective pay the
+    machine's typical scheduling delay at every phase, and a fastest round (a quiet moment on a shared
+    machine) priced them at about half what the sweeps then measured; one disturbed round does not move
+    a median.
 
     Back to back as the benchmarks and a training loop issue them: a token-bucket link's credit is spent
     in the warm-up and each call gets only what the link refills while the call itself idles it — a
@@ -279,8 +284,9 @@ def _concurrent_samples(
                 for _ in range(sweep.iters):
                     _call(comm, collective, whole, part)
                 rounds[r] = (time.perf_counter() - start) / sweep.iters
-            control.all_reduce(rounds, "max")
-            samples.append(CostSample(collective, "native", count * 4, p, float(rounds.min())))
+            control.all_reduce(rounds, "sum")  # the average over every rank of the job (nccl-tests)
+            rounds /= control.world_size
+            samples.append(CostSample(collective, "native", count * 4, p, float(rounds.median())))
     return samples
 
 
