@@ -75,7 +75,7 @@ def worker(args: argparse.Namespace) -> None:
     from meshwise.bench.runner import SweepConfig, run_sweep
     from meshwise.comm.algorithms.choice import choose_level_split
     from meshwise.comm.algorithms.registry import predict_seconds
-    from meshwise.comm.cost import Calibration, Levels
+    from meshwise.comm.cost import Calibration
     from meshwise.comm.two_level import TwoLevelCommunicator
     from meshwise.parallel import DataParallel
 
@@ -89,8 +89,9 @@ def worker(args: argparse.Namespace) -> None:
     calibration_sweep = SweepConfig(
         "all_reduce", args.calibration_sizes, iters=args.iters, warmup=2, checks=0
     )
-    fits = measure_levels(hierarchical.hierarchy, flat, control, calibration_sweep, cpu)
-    calibration = Calibration.builtin().with_levels(Levels(*(fit.params for fit in fits)))
+    measured_levels = measure_levels(hierarchical.hierarchy, flat, control, calibration_sweep, cpu)
+    fits = measured_levels.fits
+    calibration = Calibration.builtin().with_levels(measured_levels.levels)
     auto = TwoLevelCommunicator(
         flat, hierarchical.topology, hierarchical.hierarchy, calibration=calibration, policy="auto"
     )
@@ -127,7 +128,14 @@ def worker(args: argparse.Namespace) -> None:
                 "hierarchical_busbw": busbw("all_reduce", n, t_hier, p) if t_hier > 0 else 0.0,
                 "predicted_flat_s": predict_seconds("all_reduce", "native", n, p, levels.native),
                 "predicted_hierarchical_s": predict_seconds(
-                    "all_reduce", "hierarchical", n, p, levels.intra, inter=levels.inter, local_size=local
+                    "all_reduce",
+                    "hierarchical",
+                    n,
+                    p,
+                    levels.intra,
+                    inter=levels.inter,
+                    local_size=local,
+                    switch=calibration.level_switch(),
                 ),
                 "auto_pick": choose_level_split("all_reduce", n, p, local, calibration),
                 "wrong_elements": wrong,
@@ -156,6 +164,7 @@ def worker(args: argparse.Namespace) -> None:
         result = {
             "levels": describe,
             "fits": [{"link": f.name, "worst_factor": f.worst_factor, **vars(f.params)} for f in fits],
+            "switch_s": measured_levels.switch,
             "all_reduce": rows,
             "ddp": {
                 "median_step_s": _medians(samples),
@@ -258,6 +267,7 @@ def report(result: dict, link: str, load: str) -> dict:
             f"# fit {fit['link']:<16} alpha {fit['alpha'] * 1e6:8.1f} us  1/beta {bandwidth:8.3f} GB/s  "
             f"burst {fit.get('burst', 0.0) / 1024:6.0f} KiB  worst factor {fit['worst_factor']:.2f}x"
         )
+    print(f"# hand-over between the levels: {result['switch_s'] * 1e6:.1f} us (twice per all_reduce)")
     print(
         f"{'size':>8} {'flat GB/s':>10} {'hier GB/s':>10} {'ratio':>6} {'ratio(fastest)':>14} "
         f"{'pred/meas flat':>15} {'pred/meas hier':>15} {'auto':>12} {'faster':>12}"

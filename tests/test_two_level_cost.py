@@ -180,3 +180,28 @@ def test_a_links_credit_survives_the_file(tmp_path):
     path = Calibration.builtin().with_levels(levels).save(tmp_path / "cal.json")
     assert Calibration.load(path).levels == levels
     assert "burst" not in path.read_text().split('"levels"')[0]  # plain links keep their old form
+
+
+def test_each_hand_over_between_the_levels_is_priced_and_can_tip_the_choice(tmp_path):
+    """all_reduce hands over twice (into the inter-node call and out), all_gather and broadcast once;
+    a layout with one level has none. A costly hand-over keeps small messages flat."""
+    link = LinkParams(1e-4, GBIT, 0.0)
+    n = 64 << 10
+
+    def extra(collective, world, local):
+        def price(switch):
+            return predict_seconds(
+                collective, "hierarchical", n, world, link, inter=link, local_size=local, switch=switch
+            )
+
+        return price(1e-3) - price(0.0)
+
+    assert extra("all_reduce", 4, 2) == pytest.approx(2e-3)
+    assert extra("all_gather", 4, 2) == pytest.approx(1e-3)
+    assert extra("broadcast", 4, 2) == pytest.approx(1e-3)
+    assert extra("all_reduce", 2, 1) == 0.0 and extra("all_reduce", 2, 2) == 0.0
+    slow_hand_over = Levels(SLOW_NETWORK.intra, SLOW_NETWORK.inter, SLOW_NETWORK.flat, switch=0.05)
+    cal = Calibration.builtin().with_levels(slow_hand_over)
+    assert choose_level_split("all_reduce", 4096, 4, 2, cal) == "native"
+    assert choose_level_split("all_reduce", 256 << 20, 4, 2, cal) == "hierarchical"
+    assert Calibration.load(cal.save(tmp_path / "cal.json")).levels == slow_hand_over

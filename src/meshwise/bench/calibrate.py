@@ -37,8 +37,11 @@ dominated by whichever other job happened to run; the benchmark tables keep repo
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -47,9 +50,10 @@ from meshwise.bench.live import EventProgress
 from meshwise.bench.runner import RunResult, SweepConfig, run_sweep
 from meshwise.comm.algorithms import with_algorithm
 from meshwise.comm.algorithms.hierarchical import Hierarchy, member_split
-from meshwise.comm.api import Communicator
+from meshwise.comm.api import Communicator, ReduceOp
 from meshwise.comm.cost import DEFAULT_FILE, Calibration, CostSample, Levels, LinkParams, WorldLinks
 from meshwise.comm.cost.fit import fit_link_params
+from meshwise.comm.cost.formulas import hierarchical_seconds
 from meshwise.comm.native import NativeCommunicator
 from meshwise.comm.topology import Topology
 from meshwise.comm.two_level import build_hierarchy
@@ -80,6 +84,7 @@ class CalibrationOutcome:
     world_sizes: tuple[int, ...]  # every world size the file now holds an entry for
     #: the two-level links (intra, inter, flat), each named after its transport; empty on one node
     levels: tuple[LinkFit, ...] = ()
+    switch: float = 0.0  # the two-level hand-over time (Levels.switch), with the levels
 
 
 def _sweep(
@@ -141,7 +146,7 @@ def calibrate(
     source = f"value from {file}" if file.exists() else "built-in default"
     node_ids = sorted(set(nodes))
     members = {node: [r for r, n in enumerate(nodes) if n == node] for node in node_ids}
-    levels = _calibrate_levels(control, Topology(tuple(nodes)), sweep, device, progress)
+    measured = _calibrate_levels(control, Topology(tuple(nodes)), sweep, device, progress)
     native_runs = _sweep(base, control, NATIVE_PLAN, sweep, device, progress, "native")
     runs = list(native_runs)
     fits = {"native": _fit("native", native_runs)} if base.world_size > 1 else {}
@@ -181,12 +186,12 @@ def calibrate(
         fits.get("native") or _kept("native", known.native, "a single rank", source),
     )
     merged = merge_fit(previous, base.world_size, *(fit.params for fit in links))
-    level_fits = tuple(levels)
-    if level_fits:
-        merged = merged.with_levels(Levels(*(fit.params for fit in level_fits)))
+    if measured is not None:
+        merged = merged.with_levels(measured.levels)
     saved = merged.save(file)
     sizes = tuple(p for p, _ in merged.by_world_size)
-    return CalibrationOutcome(str(saved), links, tuple(runs), base.world_size, sizes, level_fits)
+    level_fits, switch = (measured.fits, measured.switch) if measured is not None else ((), 0.0)
+    return CalibrationOutcome(str(saved), links, tuple(runs), base.world_size, sizes, level_fits, switch)
 
 
 def _calibrate_levels(
@@ -195,11 +200,11 @@ def _calibrate_levels(
     sweep: SweepConfig,
     device: torch.device,
     progress: EventProgress | None,
-) -> list[LinkFit]:
-    """The two-level communicator's links, fitted (every rank calls it; empty where the job has one
+) -> MeasuredLevels | None:
+    """The two-level communicator's links, fitted (every rank calls it; None where the job has one
     node, nodes of one rank, or nodes holding different numbers of ranks)."""
     if topology.nodes < 2 or not topology.uniform or topology.local_size < 2 or device.type != "cpu":
-        return []
+        return None
     flat = NativeCommunicator(None, timeout=control.timeout)
     hierarchy = build_hierarchy(flat, topology, "shm")
     assert hierarchy is not None  # uniform nodes
@@ -221,6 +226,21 @@ LEVEL_PLANS = {
 }
 #: Back-to-back rounds per size in a level's calibration; the median round is the sample.
 LEVEL_ROUNDS = 5
+#: The hand-over between the levels is measured on the hierarchical all_reduce at this many of the
+#: calibration's smallest sizes, where the levels' latencies dominate and their β terms barely count.
+SWITCH_SIZES = 3
+
+
+@dataclass(frozen=True)
+class MeasuredLevels:
+    """The two-level links' fits and the hand-over time between the levels."""
+
+    fits: tuple[LinkFit, ...]
+    switch: float
+
+    @property
+    def levels(self) -> Levels:
+        return Levels(*(fit.params for fit in self.fits), switch=self.switch)
 
 
 def measure_levels(
@@ -230,10 +250,12 @@ def measure_levels(
     sweep: SweepConfig,
     device: torch.device,
     progress: EventProgress | None = None,
-) -> list[LinkFit]:
+) -> MeasuredLevels:
     """Fit the intra, inter and flat links of an existing two-level layout (every rank calls it); each
-    fit is named after its transport. Every group of a level runs at once, started together by
-    ``control``'s barrier (the nodes' intra groups side by side, every local position across nodes
+    fit is named after its transport. Then the hand-over time (:attr:`Levels.switch`): the hierarchical
+    all_reduce at the :data:`SWITCH_SIZES` smallest sizes, the median of its time minus the fitted
+    levels' price, per hand-over (two), and never negative. Every group of a level runs at once, started
+    together by ``control``'s barrier (the nodes' intra groups side by side, every local position across nodes
     sharing the network), as in the hierarchical collectives; no further groups are split. The links
     that cross the network (inter, flat) may be token buckets (:attr:`LinkParams.burst`)."""
     fits = []
@@ -244,8 +266,17 @@ def measure_levels(
         fits.append(LinkFit(label, params, 1.0 + excess, len(samples)))
         if progress is not None:
             progress.advance(progress.add_task(f"calibrate {label}", total=1))
+    p, local = flat.world_size, hierarchy.local_size
+    beyond = []
+    for nbytes in sorted(sweep.sizes)[:SWITCH_SIZES]:
+        data = torch.ones(max(1, nbytes // (4 * p)) * p, device=device)
+        measured = _round_seconds(partial(hierarchy.all_reduce, data, ReduceOp.SUM), control, sweep)
+        levels_alone = hierarchical_seconds(
+            "all_reduce", data.numel() * 4, p, local, fits[0].params, fits[1].params
+        )
+        beyond.append(measured - levels_alone)
     control.barrier()
-    return fits
+    return MeasuredLevels(tuple(fits), max(0.0, statistics.median(beyond)) / 2)
 
 
 def _concurrent_samples(
@@ -275,19 +306,26 @@ def _concurrent_samples(
             whole = torch.ones(count, device=device)
             part = torch.ones(count // p, device=device)
 
-            for _ in range(sweep.warmup):
-                _call(comm, collective, whole, part)
-            rounds = torch.zeros(LEVEL_ROUNDS, dtype=torch.float64)
-            for r in range(LEVEL_ROUNDS):
-                control.barrier()
-                start = time.perf_counter()
-                for _ in range(sweep.iters):
-                    _call(comm, collective, whole, part)
-                rounds[r] = (time.perf_counter() - start) / sweep.iters
-            control.all_reduce(rounds, "sum")  # the average over every rank of the job (nccl-tests)
-            rounds /= control.world_size
-            samples.append(CostSample(collective, "native", count * 4, p, float(rounds.median())))
+            seconds = _round_seconds(partial(_call, comm, collective, whole, part), control, sweep)
+            samples.append(CostSample(collective, "native", count * 4, p, seconds))
     return samples
+
+
+def _round_seconds(call: Callable[[], None], control: Communicator, sweep: SweepConfig) -> float:
+    """``call``'s time: warmed up, then the median of :data:`LEVEL_ROUNDS` rounds of ``sweep.iters``
+    calls back to back after a barrier of ``control``, per call, averaged over ``control``'s ranks."""
+    for _ in range(sweep.warmup):
+        call()
+    rounds = torch.zeros(LEVEL_ROUNDS, dtype=torch.float64)
+    for r in range(LEVEL_ROUNDS):
+        control.barrier()
+        start = time.perf_counter()
+        for _ in range(sweep.iters):
+            call()
+        rounds[r] = (time.perf_counter() - start) / sweep.iters
+    control.all_reduce(rounds, "sum")  # the average over every rank of the job (nccl-tests)
+    rounds /= control.world_size
+    return float(rounds.median())
 
 
 def _call(comm: Communicator, collective: str, whole: torch.Tensor, part: torch.Tensor) -> None:
@@ -335,6 +373,7 @@ def format_outcome(outcome: CalibrationOutcome) -> str:
     if outcome.levels:
         lines.append("# two-level links (backend auto over several nodes), each named after its transport:")
         lines.extend(_link_line(fit, width=14) for fit in outcome.levels)
+        lines.append(f"# hand-over between the levels: {outcome.switch * 1e6:.1f} us (twice per all_reduce)")
     lines.append(f"# auto prices with it when named: --calibration-file {outcome.path}")
     for fit in (*outcome.links, *outcome.levels):
         if fit.worst_factor is not None and fit.worst_factor > POOR_FIT_FACTOR:

@@ -195,7 +195,13 @@ def uneven_all_to_all_bytes(send_bytes: Sequence[Sequence[float]]) -> float:
 
 
 def hierarchical_seconds(
-    collective: str, nbytes: float, world_size: int, local_size: int, intra: LinkParams, inter: LinkParams
+    collective: str,
+    nbytes: float,
+    world_size: int,
+    local_size: int,
+    intra: LinkParams,
+    inter: LinkParams,
+    switch: float = 0.0,
 ) -> float:
     """Two links, so no single coefficient vector. L = ``local_size`` ranks per node, N nodes:
 
@@ -209,6 +215,10 @@ def hierarchical_seconds(
     ``meshwise bench --calibrate`` measures it): where the nodes' network is the bottleneck, its β is L
     times the link's own, and that sharing is what makes the two-level all-reduce (2 − 1/L)× a flat
     ring on two nodes rather than 2(p−1)/p ÷ 2(N−1)/(N·L).
+
+    ``switch`` is the time one hand-over between the levels costs beyond the two levels' own calls
+    (:attr:`~meshwise.comm.cost.calibration.Levels.switch`): all_reduce hands over twice (into the
+    inter-node call and out of it), all_gather and broadcast once.
     """
     if local_size < 1 or world_size % local_size:
         raise ValueError(f"local_size {local_size} must divide the world size {world_size}")
@@ -231,4 +241,5 @@ def hierarchical_seconds(
         raise ValueError(
             f"hierarchical cost is defined for all_reduce, all_gather and broadcast, not {collective}"
         )
-    return within + across
+    handovers = (2 if collective == "all_reduce" else 1) if local_size > 1 and nodes > 1 else 0
+    return within + across + handovers * switch
