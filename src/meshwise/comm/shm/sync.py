@@ -125,7 +125,9 @@ class Waiter:
             else:
                 time.sleep(_NAP_SECONDS)
 
-    def check_peers(self, op: str, peers: list[int], pending: Callable[[], list[int]] | None = None) -> None:
+    def check_peers(
+        self, op: str, peers: list[int], pending: Callable[[], list[int]] | None = None
+    ) -> None:
         """Raise if a peer died, reported a failure (and tell the others through our abort word), or
         closed the communicator or exited while this rank still waits for it.
 
