@@ -16,6 +16,10 @@ in such steps). Tree steps are one-way and pay neither, which is why the binomia
 doubling on 4 ranks over 2 cores although it takes twice the steps. Where every rank has a core of its
 own a fit leaves σ = δ = 0 and the classic model remains.
 
+A link shaped by a token bucket (``tc … tbf``, a cloud instance's burst credit) charges β only on the
+bytes past its credit: ``burst`` in :class:`LinkParams`, so a call costs … + β·max(0, b − burst). A
+plain link has none, and then every price is the linear form above.
+
 Each function here is one formula ``(nbytes, world_size) -> Coefficients`` for ``world_size >= 2``; which
 algorithm runs which collective with which formula is the registry's business
 (:mod:`meshwise.comm.algorithms.registry`). Everything is pure so the planner can price hypothetical
