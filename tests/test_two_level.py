@@ -8,6 +8,8 @@ hierarchy forced on, on 2×1, 2×2 and 3×2 layouts; the node map itself is plai
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -176,3 +178,38 @@ def test_tensor_parallel_inside_a_node_and_data_parallel_across_split_into_two_l
         assert dp_sum == [sum(r + 1 for r in (local, local + 2))] * 6
         assert tp_levels == "intra-node shm (2 ranks on one node)"
         assert dp_levels == "inter-node gloo (2 nodes, one rank on each)"
+
+
+def _split_called_by_some(skip: str) -> str:
+    """Ranks 0 and 1 split off [0, 1]; rank 2 either makes a different split (``other``) or none
+    (``none``) and then waits. Returns the error each rank saw (or what it got)."""
+    from meshwise.comm.api import CommError
+
+    with joined("gloo", timeout=4) as world:
+        comm = world.comm
+        try:
+            if world.rank < 2:
+                sub = comm.split([0, 1])
+                return f"got {sub!r}"
+            if skip == "other":
+                comm.split([0, 1, 2])
+                return "split [0, 1, 2] returned"
+            time.sleep(7)  # alive, but never joins the split
+            return "skipped"
+        except CommError as exc:
+            return str(exc)
+
+
+def test_a_split_that_only_some_ranks_make_is_an_error_naming_them_not_a_hang():
+    """torch names each new group by how many this process has made, so a split that some ranks skip
+    (or make with other members) would hang the next group they share; the split itself must say so."""
+    started = time.monotonic()
+    results = spawn(_split_called_by_some, 3, args=("other",), timeout=60)
+    for rank in (0, 1, 2):
+        assert "split" in results[rank] and "rank 2 asked for [0, 1, 2]" in results[rank], results
+        assert "rank 0 asked for [0, 1]" in results[rank], results
+    results = spawn(_split_called_by_some, 3, args=("none",), timeout=60)
+    for rank in (0, 1):
+        assert "ranks [2] did not call split" in results[rank], results
+    assert results[2] == "skipped"
+    assert time.monotonic() - started < 45

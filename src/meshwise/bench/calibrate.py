@@ -12,11 +12,14 @@ express as a·α + b·β + c·γ + s·σ + d·δ:
 
 A job over several nodes holding the same number of ranks each also measures the *levels* of the
 two-level communicator (``backend="auto"`` there, :mod:`meshwise.comm.two_level`), each on its own
-transport's collectives (``NATIVE_PLAN``): ``intra`` on shared memory among the ranks of a node, ``inter``
-on gloo among the ranks at one local position of every node *with every local position measuring at
-once* (each iteration starts at one barrier over the whole job and lasts until the slowest group is
-done: the hierarchical collectives' traffic pattern, so a network the ranks of a node share is priced as
-shared), and ``flat`` on gloo over the whole job. The outcome names the transport of each.
+transport's collectives — the ones the two-level communicator runs on it (``LEVEL_PLANS``): ``intra`` on
+shared memory among the ranks of a node, ``inter`` on gloo among the ranks at one local position of every
+node *with every local position measuring at once* (each round starts at one barrier over the whole job
+and lasts until the slowest group is done: the hierarchical collectives' traffic pattern, so a network
+the ranks of a node share is priced as shared: β per rank L times the link's own), and ``flat`` on gloo
+over the whole job (its ring's node-crossing hops share the network as they do in the call). Calls are
+timed back to back, and the two network links may be token buckets (``burst``, see
+:class:`~meshwise.comm.cost.formulas.LinkParams`). The outcome names the transport of each.
 
 A class that cannot be measured in this job (one node → no ``inter``; one rank per node → no ``intra``)
 keeps its value from the existing file, or the built-in default, and the outcome says so. The fit is
@@ -34,8 +37,11 @@ dominated by whichever other job happened to run; the benchmark tables keep repo
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -44,9 +50,10 @@ from meshwise.bench.live import EventProgress
 from meshwise.bench.runner import RunResult, SweepConfig, run_sweep
 from meshwise.comm.algorithms import with_algorithm
 from meshwise.comm.algorithms.hierarchical import Hierarchy, member_split
-from meshwise.comm.api import Communicator
+from meshwise.comm.api import Communicator, ReduceOp
 from meshwise.comm.cost import DEFAULT_FILE, Calibration, CostSample, Levels, LinkParams, WorldLinks
 from meshwise.comm.cost.fit import fit_link_params
+from meshwise.comm.cost.formulas import hierarchical_seconds
 from meshwise.comm.native import NativeCommunicator
 from meshwise.comm.topology import Topology
 from meshwise.comm.two_level import build_hierarchy
@@ -77,6 +84,7 @@ class CalibrationOutcome:
     world_sizes: tuple[int, ...]  # every world size the file now holds an entry for
     #: the two-level links (intra, inter, flat), each named after its transport; empty on one node
     levels: tuple[LinkFit, ...] = ()
+    switch: float = 0.0  # the two-level hand-over time (Levels.switch), with the levels
 
 
 def _sweep(
@@ -138,7 +146,7 @@ def calibrate(
     source = f"value from {file}" if file.exists() else "built-in default"
     node_ids = sorted(set(nodes))
     members = {node: [r for r, n in enumerate(nodes) if n == node] for node in node_ids}
-    levels = _calibrate_levels(control, Topology(tuple(nodes)), sweep, device, progress)
+    measured = _calibrate_levels(control, Topology(tuple(nodes)), sweep, device, progress)
     native_runs = _sweep(base, control, NATIVE_PLAN, sweep, device, progress, "native")
     runs = list(native_runs)
     fits = {"native": _fit("native", native_runs)} if base.world_size > 1 else {}
@@ -178,12 +186,12 @@ def calibrate(
         fits.get("native") or _kept("native", known.native, "a single rank", source),
     )
     merged = merge_fit(previous, base.world_size, *(fit.params for fit in links))
-    level_fits = tuple(levels)
-    if level_fits:
-        merged = merged.with_levels(Levels(*(fit.params for fit in level_fits)))
+    if measured is not None:
+        merged = merged.with_levels(measured.levels)
     saved = merged.save(file)
     sizes = tuple(p for p, _ in merged.by_world_size)
-    return CalibrationOutcome(str(saved), links, tuple(runs), base.world_size, sizes, level_fits)
+    level_fits, switch = (measured.fits, measured.switch) if measured is not None else ((), 0.0)
+    return CalibrationOutcome(str(saved), links, tuple(runs), base.world_size, sizes, level_fits, switch)
 
 
 def _calibrate_levels(
@@ -192,11 +200,11 @@ def _calibrate_levels(
     sweep: SweepConfig,
     device: torch.device,
     progress: EventProgress | None,
-) -> list[LinkFit]:
-    """The two-level communicator's links, fitted (every rank calls it; empty where the job has one
+) -> MeasuredLevels | None:
+    """The two-level communicator's links, fitted (every rank calls it; None where the job has one
     node, nodes of one rank, or nodes holding different numbers of ranks)."""
     if topology.nodes < 2 or not topology.uniform or topology.local_size < 2 or device.type != "cpu":
-        return []
+        return None
     flat = NativeCommunicator(None, timeout=control.timeout)
     hierarchy = build_hierarchy(flat, topology, "shm")
     assert hierarchy is not None  # uniform nodes
@@ -206,6 +214,35 @@ def _calibrate_levels(
         hierarchy.close()
 
 
+#: What each two-level link is measured on: the collectives the two-level communicator runs on it (the
+#: hierarchical all_reduce reduce-scatters and all-gathers inside a node and all-reduces across; the flat
+#: and the inter-node transports also all-gather). Not gloo's reduce_scatter: gloo runs it as an
+#: all_reduce of the whole buffer (measured: as long as the all_reduce of the same bytes on both gloo
+#: links), so pricing it as a ring reduce-scatter would halve the fitted β.
+LEVEL_PLANS = {
+    "intra": ("reduce_scatter", "all_gather"),
+    "inter": ("all_reduce", "all_gather"),
+    "flat": ("all_reduce", "all_gather"),
+}
+#: Back-to-back rounds per size in a level's calibration; the median round is the sample.
+LEVEL_ROUNDS = 5
+#: The hand-over between the levels is measured on the hierarchical all_reduce at this many of the
+#: calibration's smallest sizes, where the levels' latencies dominate and their β terms barely count.
+SWITCH_SIZES = 3
+
+
+@dataclass(frozen=True)
+class MeasuredLevels:
+    """The two-level links' fits and the hand-over time between the levels."""
+
+    fits: tuple[LinkFit, ...]
+    switch: float
+
+    @property
+    def levels(self) -> Levels:
+        return Levels(*(fit.params for fit in self.fits), switch=self.switch)
+
+
 def measure_levels(
     hierarchy: Hierarchy,
     flat: Communicator,
@@ -213,51 +250,92 @@ def measure_levels(
     sweep: SweepConfig,
     device: torch.device,
     progress: EventProgress | None = None,
-) -> list[LinkFit]:
+) -> MeasuredLevels:
     """Fit the intra, inter and flat links of an existing two-level layout (every rank calls it); each
-    fit is named after its transport. Every group of a level runs at once, started together by
-    ``control``'s barrier (the nodes' intra groups side by side, every local position across nodes
-    sharing the network), as in the hierarchical collectives; no further groups are split."""
+    fit is named after its transport. Then the hand-over time (:attr:`Levels.switch`): the hierarchical
+    all_reduce at the :data:`SWITCH_SIZES` smallest sizes, the median of its time minus the fitted
+    levels' price, per hand-over (two), and never negative. Every group of a level runs at once, started
+    together by ``control``'s barrier (the nodes' intra groups side by side, every local position across nodes
+    sharing the network), as in the hierarchical collectives; no further groups are split. The links
+    that cross the network (inter, flat) may be token buckets (:attr:`LinkParams.burst`)."""
     fits = []
     for name, comm in (("intra", hierarchy.intra), ("inter", hierarchy.inter), ("flat", flat)):
         label = f"{name}-node {comm.backend}" if name != "flat" else f"flat {comm.backend}"
-        samples = _concurrent_samples(comm, control, sweep, device)
-        params, excess = fit_link_params(samples)
+        samples = _concurrent_samples(comm, control, LEVEL_PLANS[name], sweep, device)
+        params, excess = fit_link_params(samples, burst=name != "intra")
         fits.append(LinkFit(label, params, 1.0 + excess, len(samples)))
         if progress is not None:
             progress.advance(progress.add_task(f"calibrate {label}", total=1))
+    p, local = flat.world_size, hierarchy.local_size
+    beyond = []
+    for nbytes in sorted(sweep.sizes)[:SWITCH_SIZES]:
+        data = torch.ones(max(1, nbytes // (4 * p)) * p, device=device)
+        measured = _round_seconds(partial(hierarchy.all_reduce, data, ReduceOp.SUM), control, sweep)
+        levels_alone = hierarchical_seconds(
+            "all_reduce", data.numel() * 4, p, local, fits[0].params, fits[1].params
+        )
+        beyond.append(measured - levels_alone)
     control.barrier()
-    return fits
+    return MeasuredLevels(tuple(fits), max(0.0, statistics.median(beyond)) / 2)
 
 
 def _concurrent_samples(
-    comm: Communicator, control: Communicator, sweep: SweepConfig, device: torch.device
+    comm: Communicator,
+    control: Communicator,
+    plan: tuple[str, ...],
+    sweep: SweepConfig,
+    device: torch.device,
 ) -> list[CostSample]:
-    """The fastest iteration of each of ``NATIVE_PLAN``'s collectives on ``comm`` at every size, every
-    iteration started by a barrier of ``control`` (a group spanning all of ``comm``'s sibling groups) and
-    lasting until the slowest rank of all of them is done."""
+    """One sample per collective of ``plan`` on ``comm`` and size: the median of :data:`LEVEL_ROUNDS`
+    rounds, each started by a barrier of ``control`` (a group spanning all of ``comm``'s sibling groups,
+    which run at once) and timing ``sweep.iters`` calls back to back, per call, averaged over the ranks
+    (the statistic the benchmarks report: a single rank's time is off by when it left the barrier).
+    The median rather than the fastest round: the latency-bound sizes of a composed collective pay the
+    machine's typical scheduling delay at every phase, and a fastest round (a quiet moment on a shared
+    machine) priced them at about half what the sweeps then measured; one disturbed round does not move
+    a median.
+
+    Back to back as the benchmarks and a training loop issue them: a token-bucket link's credit is spent
+    in the warm-up and each call gets only what the link refills while the call itself idles it — a
+    barrier before every call would refill it and price mid-sized messages at the wire's speed."""
     p = comm.world_size
     samples = []
-    for collective, _ in NATIVE_PLAN:
+    for collective in plan:
         for nbytes in sweep.sizes:
             count = max(1, nbytes // (4 * p)) * p  # float32 elements, a multiple of the group size
             whole = torch.ones(count, device=device)
             part = torch.ones(count // p, device=device)
-            times = torch.zeros(sweep.iters, dtype=torch.float64)
-            for i in range(sweep.warmup + sweep.iters):
-                control.barrier()
-                start = time.perf_counter()
-                if collective == "all_reduce":
-                    comm.all_reduce(whole)
-                elif collective == "all_gather":
-                    comm.all_gather(whole, part)
-                else:
-                    comm.reduce_scatter(part, whole)
-                if i >= sweep.warmup:
-                    times[i - sweep.warmup] = time.perf_counter() - start
-            control.all_reduce(times, "max")
-            samples.append(CostSample(collective, "native", count * 4, p, float(times.min())))
+
+            seconds = _round_seconds(partial(_call, comm, collective, whole, part), control, sweep)
+            samples.append(CostSample(collective, "native", count * 4, p, seconds))
     return samples
+
+
+def _round_seconds(call: Callable[[], None], control: Communicator, sweep: SweepConfig) -> float:
+    """``call``'s time: warmed up, then the median of :data:`LEVEL_ROUNDS` rounds of ``sweep.iters``
+    calls back to back after a barrier of ``control``, per call, averaged over ``control``'s ranks."""
+    for _ in range(sweep.warmup):
+        call()
+    rounds = torch.zeros(LEVEL_ROUNDS, dtype=torch.float64)
+    for r in range(LEVEL_ROUNDS):
+        control.barrier()
+        start = time.perf_counter()
+        for _ in range(sweep.iters):
+            call()
+        rounds[r] = (time.perf_counter() - start) / sweep.iters
+    control.all_reduce(rounds, "sum")  # the average over every rank of the job (nccl-tests)
+    rounds /= control.world_size
+    return float(rounds.median())
+
+
+def _call(comm: Communicator, collective: str, whole: torch.Tensor, part: torch.Tensor) -> None:
+    """One call of ``collective`` over ``whole`` (every rank's ``part`` its slot)."""
+    if collective == "all_reduce":
+        comm.all_reduce(whole)
+    elif collective == "all_gather":
+        comm.all_gather(whole, part)
+    else:
+        comm.reduce_scatter(part, whole)
 
 
 def merge_fit(
@@ -295,6 +373,7 @@ def format_outcome(outcome: CalibrationOutcome) -> str:
     if outcome.levels:
         lines.append("# two-level links (backend auto over several nodes), each named after its transport:")
         lines.extend(_link_line(fit, width=14) for fit in outcome.levels)
+        lines.append(f"# hand-over between the levels: {outcome.switch * 1e6:.1f} us (twice per all_reduce)")
     lines.append(f"# auto prices with it when named: --calibration-file {outcome.path}")
     for fit in (*outcome.links, *outcome.levels):
         if fit.worst_factor is not None and fit.worst_factor > POOR_FIT_FACTOR:
@@ -314,6 +393,8 @@ def _link_line(fit: LinkFit, width: int = 7) -> str:
         f"# {fit.name:<{width}} {p.alpha * 1e6:>10.2f} {_bandwidth(p.beta):>13} {_bandwidth(p.gamma):>14} "
         f"{p.sigma * 1e6:>10.2f} {_bandwidth(p.delta):>14} {error:>12}"
     )
+    if p.burst > 0:
+        line += f"  burst {p.burst / 1024:.0f} KiB"
     if fit.note:
         return line + f"  {fit.note}"
     return line + (f"  ({fit.samples} samples)" if fit.samples else "")

@@ -70,20 +70,24 @@ def shared_calibration(control: Communicator, path: str | None) -> Calibration:
     """Rank 0's calibration (the file ``path``, or the built-in one when None) for this job's world size,
     on every rank (all ranks call it): the entry measured at this world size, or the nearest one
     (``Calibration.for_world``)."""
-    width = len(PARAMETERS)
-    values = torch.zeros(6 * width + 1, dtype=torch.float64)  # + whether the file holds two-level links
+    names = (*PARAMETERS, "burst")
+    width = len(names)
+    # + the levels' hand-over time, and whether the file holds two-level links
+    values = torch.zeros(6 * width + 2, dtype=torch.float64)
     if control.rank == 0:
         cal = Calibration.from_option(path).for_world(control.world_size)
         levels = cal.two_level()  # the two-level communicator's links (shm+gloo)
         links = (cal.intra, cal.inter, cal.native, levels.intra, levels.inter, levels.native)
-        numbers = [getattr(link, name) for link in links for name in PARAMETERS]
-        values = torch.tensor([*numbers, float(cal.levels is not None)], dtype=torch.float64)
+        numbers = [getattr(link, name) for link in links for name in names]
+        extra = [cal.level_switch(), float(cal.levels is not None)]
+        values = torch.tensor([*numbers, *extra], dtype=torch.float64)
     control.broadcast(values, 0)
-    *numbers, measured = values.tolist()
+    *numbers, switch, measured = values.tolist()
     intra, inter, native, *level_links = (
-        LinkParams(*numbers[i : i + width]) for i in range(0, 6 * width, width)
+        LinkParams(**dict(zip(names, numbers[i : i + width], strict=True)))
+        for i in range(0, 6 * width, width)
     )
-    levels = Levels(*level_links) if measured else None
+    levels = Levels(*level_links, switch=switch) if measured else None
     return Calibration(intra, inter, native, source=source_of(path), levels=levels)
 
 

@@ -8,6 +8,7 @@ accumulated in float32, and uneven gather/all_gather/scatter (which gloo refuses
 from __future__ import annotations
 
 import datetime
+import json
 from collections.abc import Callable
 
 import torch
@@ -269,6 +270,7 @@ class NativeCommunicator(Communicator):
         if self.group is None:
             raise CommError("the communicator is closed", rank=self.rank, op="split")
         global_ranks = [self._global(r) for r in ranks]
+        self._agree_on_split(global_ranks)
         try:
             group = dist.new_group(
                 global_ranks,
@@ -281,5 +283,52 @@ class NativeCommunicator(Communicator):
             return None
         return NativeCommunicator(group, timeout=self.timeout)
 
+    def _agree_on_split(self, global_ranks: list[int]) -> None:
+        """Return once every rank of this group asked for the same split as its same-numbered split;
+        raise on every rank otherwise, naming the ranks, within the timeout.
+
+        ``new_group`` must be called by every rank of the parent, in the same order, even with local
+        synchronisation: torch names a new group by its ranks *and how many groups this process has
+        made*, so a split that some ranks skip (or make with other members) lets its members go on with
+        the group while the others' next group waits for a name nobody writes — a hang, not an error.
+        Each rank posts its split's members under the split's number to the job's store and reads the
+        others' (three store round trips; splits are rare)."""
+        if self.world_size == 1:
+            return
+        assert self.group is not None
+        from meshwise.comm.debug import default_store  # the job's store: private torch API, one place
+
+        name = self.group.group_name
+        seq = _SPLITS.get(name, 0)
+        _SPLITS[name] = seq + 1
+        store = default_store()
+        keys = [f"meshwise/split/{name}/{seq}/{r}" for r in range(self.world_size)]
+        store.set(keys[self.rank], json.dumps(global_ranks))
+        op = f"split #{seq}"
+        try:
+            store.wait(keys, datetime.timedelta(seconds=self.timeout))
+        except Exception:  # the store raises a plain RuntimeError/DistStoreError on timeout
+            missing = [r for r, key in enumerate(keys) if not store.check([key])]
+            raise CommTimeoutError(
+                f"ranks {missing} did not call split within {self.timeout:g} s while this rank asked for "
+                f"{global_ranks}: every rank of the group must call split, with the same ranks, in the "
+                "same order (ranks outside the new group too: they get None)",
+                rank=self.rank,
+                op=op,
+            ) from None
+        asked = [json.loads(store.get(key)) for key in keys]
+        if any(members != global_ranks for members in asked):
+            what = "; ".join(f"rank {r} asked for {members}" for r, members in enumerate(asked))
+            raise CollectiveMismatchError(
+                f"the ranks asked for different splits ({what}): every rank of the group must call split "
+                "with the same ranks, in the same order",
+                rank=self.rank,
+                op=op,
+            )
+
+
+#: splits made so far per parent process group (by torch's group name): the number every rank of that
+#: group gives its next split, so ranks that diverge are caught at the first split where they differ
+_SPLITS: dict[str, int] = {}
 
 __all__ = ["CompletedWork", "NativeCommunicator", "NativeWork", "translate_error"]

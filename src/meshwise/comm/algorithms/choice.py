@@ -30,13 +30,15 @@ def choose_algorithm(
     local_size: int | None = None,
     candidates: Iterable[str] | None = None,
     margin: float = SWITCH_MARGIN,
+    switch: float = 0.0,
 ) -> str:
     """The predicted-fastest algorithm for ``collective``; ``native`` stays unless beaten by ``margin``.
 
     ``native`` is priced on the ``native`` link, measured over the whole job. With ``local_size`` (ranks
     per node) smaller than the world, our flat algorithms are priced on the inter-node link and
     ``hierarchical`` competes for all_reduce; on one node they use the ``intra`` link. Links come from
-    ``calibration.for_world(world_size)``, the entry measured nearest this world size.
+    ``calibration.for_world(world_size)``, the entry measured nearest this world size. ``switch``: the
+    hierarchy's hand-over time between its levels (:attr:`~meshwise.comm.cost.calibration.Levels.switch`).
     """
     calibration = calibration.for_world(world_size)
     multi_node = local_size is not None and 1 <= local_size < world_size
@@ -56,6 +58,7 @@ def choose_algorithm(
                 calibration.intra,
                 inter=calibration.inter,
                 local_size=local_size,
+                switch=switch,
             )
         else:
             # native is calibrated over the whole job (across nodes too); our flat algorithms are priced
@@ -91,6 +94,7 @@ def choose_level_split(
         local_size=local_size,
         candidates=("hierarchical",),
         margin=1.0,
+        switch=calibration.level_switch(),
     )
 
 

@@ -228,13 +228,15 @@ def predict_seconds(
     *,
     inter: LinkParams | None = None,
     local_size: int | None = None,
+    switch: float = 0.0,
 ) -> float:
     """Predicted time of one call. ``hierarchical`` also needs ``inter`` and ``local_size`` (ranks per
-    node); ``link`` is then the intra-node one (:func:`~meshwise.comm.cost.formulas.hierarchical_seconds`)."""
+    node), and may have ``switch``; ``link`` is then the intra-node one
+    (:func:`~meshwise.comm.cost.formulas.hierarchical_seconds`)."""
     if algo == "hierarchical":
         if inter is None or local_size is None:
             raise ValueError("hierarchical cost needs inter= and local_size=")
-        return f.hierarchical_seconds(collective, nbytes, world_size, local_size, link, inter)
+        return f.hierarchical_seconds(collective, nbytes, world_size, local_size, link, inter, switch)
     return link.seconds(coefficients(collective, algo, nbytes, world_size))
 
 

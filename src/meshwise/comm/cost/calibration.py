@@ -50,12 +50,18 @@ class Levels:
       runs at once* (the pattern of the hierarchical collectives, so a network the L ranks of a node
       share shows up as an L× larger β);
     * ``flat``  — the inter-node transport's collectives over the whole job (what runs when the model
-      says the hierarchy does not pay).
+      says the hierarchy does not pay);
+    * ``switch`` — seconds per hand-over between the levels inside one hierarchical call beyond the two
+      levels' calls on their own: the ranks leave one level's call at different moments (a gloo call
+      ends when its thread wakes the rank) and the next level's call waits for the last of them, while
+      spinning shared-memory waiters take cores from the others. Measured as the hierarchical
+      all_reduce's time at small sizes minus its levels' prices, per hand-over (0 when not measured).
     """
 
     intra: LinkParams
     inter: LinkParams
     flat: LinkParams
+    switch: float = 0.0
 
 
 # Built-in levels: shared memory at ~5 GB/s inside a node, a 10 Gbit/s network between nodes (shared by
@@ -116,6 +122,10 @@ class Calibration:
     def builtin(cls) -> Calibration:
         """The documented default: the development box's values (``auto`` then keeps native collectives)."""
         return cls(_DEFAULT_INTRA, _DEFAULT_INTER, _DEFAULT_NATIVE)
+
+    def level_switch(self) -> float:
+        """The two-level communicator's hand-over time (:attr:`Levels.switch`; 0 until measured)."""
+        return self.levels.switch if self.levels is not None else _DEFAULT_LEVELS.switch
 
     def two_level(self) -> Calibration:
         """What the two-level communicator prices with, in the shape ``choose_algorithm`` reads: its
@@ -184,12 +194,31 @@ def _to_json(calibration: Calibration) -> dict[str, object]:
     """The file's layout: top-level links, plus ``by_world_size`` keyed by the world size as a string
     (JSON keys are strings) only when there are entries, so files without them keep their old form."""
     raw: dict[str, object] = {
-        name: asdict(getattr(calibration, name)) for name in ("intra", "inter", "native")
+        name: _link_json(getattr(calibration, name)) for name in ("intra", "inter", "native")
     }
     if calibration.by_world_size:
-        raw["by_world_size"] = {str(p): asdict(links) for p, links in calibration.by_world_size}
+        raw["by_world_size"] = {
+            str(p): {"intra": _link_json(links.intra), "native": _link_json(links.native)}
+            for p, links in calibration.by_world_size
+        }
     if calibration.levels is not None:
-        raw["levels"] = asdict(calibration.levels)
+        levels = calibration.levels
+        entry: dict[str, object] = {name: _link_json(getattr(levels, name)) for name in _LEVEL_LINKS}
+        if levels.switch:
+            entry["switch"] = levels.switch
+        raw["levels"] = entry
+    return raw
+
+
+#: the links of :class:`Levels`, as the file names them
+_LEVEL_LINKS = ("intra", "inter", "flat")
+
+
+def _link_json(link: LinkParams) -> dict[str, float]:
+    """A link's entry; ``burst`` only where the link has one, so files of plain links keep their form."""
+    raw = asdict(link)
+    if not link.burst:
+        del raw["burst"]
     return raw
 
 
@@ -213,7 +242,8 @@ def _from_json(raw: object, source: str) -> Calibration:
         entry = raw["levels"]
         if not isinstance(entry, Mapping):
             raise TypeError(f"'levels' must be an object, got {type(entry).__name__}")
-        levels = Levels(*(_link(entry[name]) for name in ("intra", "inter", "flat")))
+        switch = float(entry.get("switch", 0.0))
+        levels = Levels(*(_link(entry[name]) for name in _LEVEL_LINKS), switch=switch)
     return Calibration(intra, inter, native, tuple(by_world), source, levels)
 
 

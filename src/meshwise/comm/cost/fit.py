@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -15,7 +15,7 @@ from meshwise.comm.cost.formulas import PARAMETERS, LinkParams
 _TIE = 1e-6
 
 
-def fit_link_params(samples: Sequence[CostSample]) -> tuple[LinkParams, float]:
+def fit_link_params(samples: Sequence[CostSample], *, burst: bool = False) -> tuple[LinkParams, float]:
     """Least-squares α, β, γ, σ, δ (non-negative) on relative residuals, judged by the worst factor.
 
     Returns the parameters and the model's error: the worst factor between predicted and measured time,
@@ -27,6 +27,14 @@ def fit_link_params(samples: Sequence[CostSample]) -> tuple[LinkParams, float]:
     when every rank has a core) stays zero. The worst factor rather than |predicted − measured| /
     measured, because the latter never exceeds 1 for an under-prediction and so favours fits that
     predict almost nothing.
+
+    With ``burst`` the link may be a token bucket (:attr:`LinkParams.burst`): time = … + β·max(0, b − B).
+    For each way of splitting the samples by their β coefficient b into those under the credit B and
+    those over it (at least three over), that is linear in α, β, γ, σ, δ and κ = β·B (the over samples
+    get b·β − κ, the under ones no β term), so the same non-negative subsets are solved with κ as one
+    more column next to β; each solution is judged, like the rest, by the worst factor of the real
+    max(0, b − B) model with B = κ/β, and a credit must fit strictly better than none. Only links that
+    cross a network are fitted so; memory has no bucket.
     """
     if len(samples) < 3:
         raise ValueError(f"fitting the link parameters needs at least 3 samples, got {len(samples)}")
@@ -38,25 +46,71 @@ def fit_link_params(samples: Sequence[CostSample]) -> tuple[LinkParams, float]:
         times.append(s.seconds)
     a = np.asarray(rows, dtype=np.float64)
     t = np.asarray(times, dtype=np.float64)
+    best = _best_subset(a, t, lambda x: a @ x)  # no credit
+    if burst:
+        moved = a[:, 1]
+        for threshold in np.unique(moved):
+            over = moved > threshold
+            if np.count_nonzero(over) < 3:
+                continue
+            split = np.column_stack([a, -over.astype(np.float64)])
+            split[:, 1] *= over  # the under samples pay no β
+            # β is required: a credit on a link without a per-byte cost means nothing
+            found = _best_subset(split, t, lambda x: _predict(_bucket(x), a), required=1)
+            if found is not None and (best is None or found[0] < best[0] - _TIE):
+                best = found
+    if best is None:
+        raise ValueError("no non-negative α, β, γ, σ, δ predicts a positive time for every sample")
+    err, x = best
+    return _bucket(x), err
+
+
+def _bucket(x: np.ndarray) -> LinkParams:
+    """The link of a solution vector: α, β, γ, σ, δ, and κ = β·credit where a sixth entry is given."""
+    credit = float(x[5] / x[1]) if len(x) > 5 and x[1] > 0 else 0.0
+    return LinkParams(*(float(v) for v in x[:5]), burst=credit)
+
+
+def _predict(link: LinkParams, a: np.ndarray) -> np.ndarray:
+    """``link``'s time for every row of coefficients ``a`` (:meth:`LinkParams.seconds`, vectorised)."""
+    over = np.maximum(0.0, a[:, 1] - link.burst)
+    return (
+        a[:, 0] * link.alpha
+        + over * link.beta
+        + a[:, 2] * link.gamma
+        + a[:, 3] * link.sigma
+        + a[:, 4] * link.delta
+    )
+
+
+def _best_subset(
+    a: np.ndarray,
+    t: np.ndarray,
+    predict: Callable[[np.ndarray], np.ndarray],
+    required: int | None = None,
+) -> tuple[float, np.ndarray] | None:
+    """The non-negative least-squares solution of a·x ≈ t (relative residuals) over the subset of the
+    parameter columns with the smallest worst factor of ``predict(x)`` against t, and that factor − 1.
+    Fewest columns first, a larger subset must be strictly better. Columns of ``a`` beyond the parameters
+    are in every subset; the ``required`` parameter column too."""
     weighted = a / t[:, None]
     scale = np.maximum(np.abs(weighted).max(axis=0), 1e-300)  # column scaling: α and β differ by 1e5
     width = len(PARAMETERS)
     best: tuple[float, np.ndarray] | None = None
     for size in range(1, width + 1):  # fewest parameters first: a larger subset must fit strictly better
         for cols in itertools.combinations(range(width), size):
-            idx = list(cols)
+            if required is not None and required not in cols:
+                continue
+            idx = [*cols, *range(width, a.shape[1])]
             sol, *_ = np.linalg.lstsq(weighted[:, idx] / scale[idx], np.ones(len(t)), rcond=None)
             if np.any(sol < 0):
                 continue
-            x = np.zeros(width)
+            x = np.zeros(a.shape[1])
             x[idx] = sol / scale[idx]
-            predicted = a @ x
+            predicted = predict(x)
             if np.any(predicted <= 0):
                 continue  # a zero prediction is an infinite factor
             err = float(np.max(np.maximum(predicted / t, t / predicted))) - 1.0
             if best is None or err < best[0] - _TIE:
                 best = (err, x)
-    if best is None:
-        raise ValueError("no non-negative α, β, γ, σ, δ predicts a positive time for every sample")
-    err, x = best
-    return LinkParams(*(float(v) for v in x)), err
+    return best

@@ -16,6 +16,10 @@ in such steps). Tree steps are one-way and pay neither, which is why the binomia
 doubling on 4 ranks over 2 cores although it takes twice the steps. Where every rank has a core of its
 own a fit leaves σ = δ = 0 and the classic model remains.
 
+A link shaped by a token bucket (``tc … tbf``, a cloud instance's burst credit) charges β only on the
+bytes past its credit: ``burst`` in :class:`LinkParams`, so a call costs … + β·max(0, b − burst). A
+plain link has none, and then every price is the linear form above.
+
 Each function here is one formula ``(nbytes, world_size) -> Coefficients`` for ``world_size >= 2``; which
 algorithm runs which collective with which formula is the registry's business
 (:mod:`meshwise.comm.algorithms.registry`). Everything is pure so the planner can price hypothetical
@@ -26,7 +30,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import astuple, dataclass
+from dataclasses import dataclass
 
 #: (a, b, c, s, d): messages on the busiest rank, bytes moved, bytes reduced, exchange steps, and bytes
 #: moved in exchange steps — the multipliers of α, β, γ, σ, δ
@@ -35,24 +39,37 @@ Coefficients = tuple[float, float, float, float, float]
 
 @dataclass(frozen=True)
 class LinkParams:
-    """α (s per message), β (s per byte moved), γ (s per byte reduced), and the oversubscription terms:
-    σ (s per exchange step) and δ (s per byte moved in exchange steps); see the module docstring."""
+    """α (s per message), β (s per byte moved), γ (s per byte reduced), the oversubscription terms σ (s
+    per exchange step) and δ (s per byte moved in exchange steps), and ``burst``: the bytes of the β term
+    each call moves before β applies (see the module docstring)."""
 
     alpha: float
     beta: float
     gamma: float
     sigma: float = 0.0
     delta: float = 0.0
+    #: A token-bucket link (``tc … tbf``, a cloud instance's burst credit) passes a call's first bytes at
+    #: the wire's speed and only the rest at its rate: the bucket refills while the link idles, and every
+    #: call idles it for its latency-bound steps. In β-coefficient bytes (the busiest rank's bytes moved),
+    #: fitted by :func:`~meshwise.comm.cost.fit.fit_link_params` (``burst=True``); 0 on a plain link.
+    burst: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in PARAMETERS:
+        for name in (*PARAMETERS, "burst"):
             value = getattr(self, name)
             if not (value >= 0 and math.isfinite(value)):
                 raise ValueError(f"LinkParams.{name} must be a finite non-negative number, got {value!r}")
 
     def seconds(self, terms: Coefficients) -> float:
         """The time ``terms`` stand for on this link."""
-        return sum(k * v for k, v in zip(terms, astuple(self), strict=True))
+        a, b, c, s, d = terms
+        return (
+            a * self.alpha
+            + max(0.0, b - self.burst) * self.beta
+            + c * self.gamma
+            + s * self.sigma
+            + d * self.delta
+        )
 
 
 #: the fields of :class:`LinkParams`, in the order of :data:`Coefficients`
@@ -182,7 +199,13 @@ def uneven_all_to_all_bytes(send_bytes: Sequence[Sequence[float]]) -> float:
 
 
 def hierarchical_seconds(
-    collective: str, nbytes: float, world_size: int, local_size: int, intra: LinkParams, inter: LinkParams
+    collective: str,
+    nbytes: float,
+    world_size: int,
+    local_size: int,
+    intra: LinkParams,
+    inter: LinkParams,
+    switch: float = 0.0,
 ) -> float:
     """Two links, so no single coefficient vector. L = ``local_size`` ranks per node, N nodes:
 
@@ -196,6 +219,10 @@ def hierarchical_seconds(
     ``meshwise bench --calibrate`` measures it): where the nodes' network is the bottleneck, its β is L
     times the link's own, and that sharing is what makes the two-level all-reduce (2 − 1/L)× a flat
     ring on two nodes rather than 2(p−1)/p ÷ 2(N−1)/(N·L).
+
+    ``switch`` is the time one hand-over between the levels costs beyond the two levels' own calls
+    (:attr:`~meshwise.comm.cost.calibration.Levels.switch`): all_reduce hands over twice (into the
+    inter-node call and out of it), all_gather and broadcast once.
     """
     if local_size < 1 or world_size % local_size:
         raise ValueError(f"local_size {local_size} must divide the world size {world_size}")
@@ -218,4 +245,5 @@ def hierarchical_seconds(
         raise ValueError(
             f"hierarchical cost is defined for all_reduce, all_gather and broadcast, not {collective}"
         )
-    return within + across
+    handovers = (2 if collective == "all_reduce" else 1) if local_size > 1 and nodes > 1 else 0
+    return within + across + handovers * switch
