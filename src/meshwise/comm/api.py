@@ -490,7 +490,8 @@ class Communicator(ABC):
     def split(self, ranks: Sequence[int]) -> Communicator | None:
         """A communicator over ``ranks`` (ordered; new rank = index in ``ranks``).
 
-        Every rank of this group must call it with the same ``ranks``; ranks outside get ``None``.
+        Every rank of this group must call it with the same ``ranks``; ranks outside get ``None``. A
+        group of one rank is the exception: its member may make it alone (no peer takes part).
         """
         ranks = list(ranks)
         if not ranks or len(set(ranks)) != len(ranks) or not all(0 <= r < self.world_size for r in ranks):

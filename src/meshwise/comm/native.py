@@ -270,7 +270,8 @@ class NativeCommunicator(Communicator):
         if self.group is None:
             raise CommError("the communicator is closed", rank=self.rank, op="split")
         global_ranks = [self._global(r) for r in ranks]
-        self._agree_on_split(global_ranks)
+        if len(ranks) > 1:  # a group of one is made by its member alone (Mesh does so): nothing to agree
+            self._agree_on_split(global_ranks)
         try:
             group = dist.new_group(
                 global_ranks,
