@@ -18,6 +18,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from meshwise.comm.cost import Calibration
 from meshwise.comm.cost.formulas import LinkParams
@@ -82,6 +83,12 @@ class Hardware:
     efficiency: Efficiency = field(default_factory=Efficiency)
     #: bytes a rank holds before it holds any model (runtime, allocator, CUDA context or Python + torch)
     reserved: float = 0.0
+    #: whether the backend stages list-form all-gathers and reduce-scatters through one flat copy of the
+    #: whole buffer (torch's gloo does, NCCL works in place): ZeRO's collectives then cost scratch memory
+    collective_copies: bool = False
+    #: measured seconds of one AdamW update per parameter (``cpu``: its per-element passes and per-tensor
+    #: Python, on this host's threads); None: the update is priced as memory-bound traffic
+    optimizer_seconds: float | None = None
     source: str = "datasheet"
 
     def peak(self, dtype: str) -> float:
@@ -238,6 +245,26 @@ def layer_rates(config: GPTConfig, micro_batches: tuple[int, ...] = (1, 2, 4, 8,
     return points
 
 
+def adam_seconds(config: GPTConfig) -> float:
+    """Seconds per parameter of one AdamW step (with clipping's norm) over one block of ``config``, the
+    median run: what the update costs here per parameter, Python per tensor included."""
+    import torch
+
+    from meshwise.models.gpt import Block
+
+    block = Block(config)
+    params = list(block.parameters())
+    for p in params:
+        p.grad = torch.randn_like(p)
+    optimizer = torch.optim.AdamW(params, lr=1e-9)
+
+    def update() -> None:
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+
+    return typical_time(update) / sum(p.numel() for p in params)
+
+
 def calibrated(hw: Hardware, sizes: tuple[int, ...] = (256, 512, 1024, 2048, 4096)) -> Hardware:
     """``hw`` with the efficiency curve measured on this host's CUDA device (bf16), against its datasheet
     peak: what ``--calibrate`` does for a GPU preset."""
@@ -263,6 +290,31 @@ def copy_rate(nbytes: int = 64 * 2**20) -> float:
     return best
 
 
+def other_runnable(samples: int = 20, every: float = 0.025) -> float:
+    """Threads other jobs keep runnable on this host now: the kernel's count of runnable entities
+    (``/proc/loadavg``'s fourth field, instantaneous, unlike the load averages) averaged over
+    ``samples`` reads, less the reading thread itself; 0 where there is no /proc."""
+    counts = []
+    for _ in range(samples):
+        try:
+            counts.append(int(Path("/proc/loadavg").read_text().split()[3].split("/")[0]))
+        except (OSError, IndexError, ValueError):
+            return 0.0
+        time.sleep(every)
+    return max(0.0, statistics.mean(counts) - 1)
+
+
+def core_share(ranks: int, threads: int, cores: int, others: float) -> float:
+    """What a rank of ``ranks`` gets of the rate one process measured alone with the same ``threads``,
+    the scheduler sharing ``cores`` fairly among runnable threads: ``others`` from other jobs plus ours.
+    The calibrating process competed with ``others``; the ranks compete with them and with each other —
+    on an idle host 1 up to ``cores`` threads in all and cores/(ranks·threads) beyond, on a loaded one
+    less than that drop (a rank's share of a busy machine grows with the number of ranks)."""
+    alone = min(1.0, cores / (others + threads))
+    together = min(1.0, cores / (others + ranks * threads))
+    return together / alone
+
+
 def measure_cpu(
     ranks: int = 1, layer: GPTConfig | None = None, sizes: tuple[int, ...] = (128, 256, 512)
 ) -> Hardware:
@@ -272,19 +324,21 @@ def measure_cpu(
     from the built-in calibration (gloo over loopback between local processes), every core a "GPU" of
     one node. Measured with the torch threads one of ``ranks`` local ranks gets (the cores split among
     them, as ``spawn`` does: OpenMP threads competing for a core are far slower than one each), and
-    scaled down further when there are more ranks than cores."""
+    scaled by the share of the cores a rank will get among the ranks and the other jobs running now
+    (:func:`core_share`: ranks beyond the free cores slow each other down)."""
     import torch
 
     from meshwise.runtime.memory import available_memory
 
     cores = os.cpu_count() or 1
     threads = max(1, cores // max(ranks, 1))
-    share = min(1.0, cores / (max(ranks, 1) * threads))
+    share = core_share(max(ranks, 1), threads, cores, other_runnable())
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         squares = {2.0 * n**3: matmul_rate(n) for n in sizes}
         rates = layer_rates(layer) if layer is not None else squares
+        update = adam_seconds(layer) / share if layer is not None else None
     finally:
         torch.set_num_threads(before)
     peak = max(squares.values())
@@ -299,5 +353,7 @@ def measure_cpu(
         inter=link,
         per_node=max(cores, 64),
         efficiency=fit_efficiency(rates, peak),
+        collective_copies=True,  # local ranks talk over gloo
+        optimizer_seconds=update,
         source="measured",
     )
