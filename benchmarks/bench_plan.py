@@ -107,6 +107,7 @@ def accuracy(config: str, steps: int, global_batch: int, seq_len: int, layouts: 
                 steps=steps,
                 global_batch=global_batch,
                 seq_len=seq_len,
+                threads=machine.threads,  # as the preset was measured (see hardware.rank_threads)
             )
             result = run_trial(spec, work, timeout=600)
             row = {

@@ -68,6 +68,7 @@ def measure(
             steps=steps,
             global_batch=problem.global_batch,
             seq_len=problem.model.config.seq_len,
+            threads=problem.hardware.threads or None,  # as the cpu preset was measured
         )
         print(f"# validate: {candidate.layout.name()} ...", file=sys.stderr, flush=True)
         result = run_trial(spec, workdir)

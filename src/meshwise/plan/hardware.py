@@ -89,6 +89,9 @@ class Hardware:
     #: measured seconds of one AdamW update per parameter (``cpu``: its per-element passes and per-tensor
     #: Python, on this host's threads); None: the update is priced as memory-bound traffic
     optimizer_seconds: float | None = None
+    #: torch threads per rank the ``cpu`` preset was measured with (0 on GPUs): runs checked against it
+    #: (``--validate``) use as many
+    threads: int = 0
     source: str = "datasheet"
 
     def peak(self, dtype: str) -> float:
@@ -315,6 +318,15 @@ def core_share(ranks: int, threads: int, cores: int, others: float) -> float:
     return together / alone
 
 
+def rank_threads(ranks: int, cores: int, others: float) -> int:
+    """Torch threads per rank: the cores split among the ranks (as ``spawn`` does), but no more than the
+    cores other jobs leave free (what ``train gpt``'s thread hint advises): an OpenMP thread waiting at a
+    barrier for a partner the scheduler descheduled spins away its slice, and a lone rank with 2 threads
+    on a 2-core host running ~15 other threads took 20–40 s for a gpt-nano step that takes 0.3 s alone."""
+    free = max(1, round(cores - others))
+    return max(1, min(cores // max(ranks, 1), free))
+
+
 def measure_cpu(
     ranks: int = 1, layer: GPTConfig | None = None, sizes: tuple[int, ...] = (128, 256, 512)
 ) -> Hardware:
@@ -331,8 +343,9 @@ def measure_cpu(
     from meshwise.runtime.memory import available_memory
 
     cores = os.cpu_count() or 1
-    threads = max(1, cores // max(ranks, 1))
-    share = core_share(max(ranks, 1), threads, cores, other_runnable())
+    others = other_runnable()
+    threads = rank_threads(ranks, cores, others)
+    share = core_share(max(ranks, 1), threads, cores, others)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -355,5 +368,6 @@ def measure_cpu(
         efficiency=fit_efficiency(rates, peak),
         collective_copies=True,  # local ranks talk over gloo
         optimizer_seconds=update,
+        threads=threads,
         source="measured",
     )

@@ -20,8 +20,10 @@ bits with dropout), then
 times the layers of a chunk times the chunks in flight on the first pipeline rank
 (:meth:`Layout.in_flight`). The loss holds the logits and their log-softmax in fp32 (2·4·sbV/t) for
 one micro-batch. ZeRO-3 gathers two blocks' weights at a time (the one running and the prefetched
-next); ZeRO-2/3 hold one block's full gradients before its reduce-scatter; DDP's buckets are views of
-the gradients (gradient_as_bucket_view), so they cost nothing more.
+next) and holds one block's full gradients before its reduce-scatter; ZeRO-2's groups are DDP's
+buckets (25 MiB), two of them unsharded in flight — and it accumulates a step's micro-batches unsharded
+and reduce-scatters once, so with more than one micro-batch it holds the full b_g·Ψ until then; DDP's
+buckets are views of the gradients (gradient_as_bucket_view), so they cost nothing more.
 
 Activations and gradients are not always alive together. With one micro-batch per step and gradients
 made afresh each step (``zero_grad(set_to_none=True)``, no data-parallel buffer that keeps them: dp = 1),
@@ -194,9 +196,15 @@ def estimate_memory(
     logits = 2 * 4 * c.seq_len * layout.micro_batch * c.vocab / layout.tp
     layer_weights = model.layer_parameters / layout.tp * precision.value
     gather = 2 * layer_weights if z == 3 and dp > 1 else 0.0
-    # ZeRO-2/3: one unit's full gradients before its reduce-scatter; DDP's buckets are views of the
-    # gradients (our reducer, torch's gradient_as_bucket_view), so they add nothing
-    buckets = layer_weights if z >= 2 and dp > 1 else 0.0
+    # ZeRO-3: one unit's full gradients before its reduce-scatter; ZeRO-2: its groups are DDP's buckets,
+    # two of them unsharded in flight — or, when a step has several micro-batches, all of them (it
+    # accumulates them unsharded and reduce-scatters once); DDP's buckets are views of the gradients
+    # (our reducer, torch's gradient_as_bucket_view), so they add nothing
+    buckets = layer_weights if z == 3 and dp > 1 else 0.0
+    if z == 2 and dp > 1:
+        unsharded = grads * dp
+        several = layout.micro_batches(global_batch) > 1
+        buckets = unsharded if several else min(unsharded, ZERO_REDUCES_IN_FLIGHT * BUCKET_BYTES)
     fresh = layout.micro_batches(global_batch) == 1 and dp == 1 and layout.pp == 1
     released = min(activations + logits, grads) if fresh else 0.0
     after_step = 0.0

@@ -57,6 +57,7 @@ class TrialSpec:
     lr: float = 2e-3
     model_flags: tuple[str, ...] = ()  # e.g. ("--layers", "1") for the baseline
     export: bool = False  # write the trained weights (Hugging Face GPT-2 safetensors)
+    threads: int | None = None  # torch threads per rank (OMP_NUM_THREADS), as a plan was measured with
 
     def argv(self, json_path: Path, export_dir: Path | None) -> list[str]:
         args = [
@@ -132,6 +133,8 @@ def run_trial(spec: TrialSpec, workdir: Path, timeout: float = 300.0) -> TrialRe
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, [_source_root(), os.environ.get("PYTHONPATH")])),
     }
+    if spec.threads is not None:
+        env["OMP_NUM_THREADS"] = str(spec.threads)
     with open(out / "stdout", "w") as stdout, open(out / "stderr", "w") as stderr:
         child = subprocess.Popen(command, stdout=stdout, stderr=stderr, env=env)
         deadline = time.monotonic() + timeout
