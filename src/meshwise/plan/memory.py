@@ -15,7 +15,8 @@ bits with dropout), then
 - a fused ("flash") attention kernel saves its output and one fp32 log-sum-exp per row instead of the
   s×s scores: ``as²b(2v + m)`` becomes ``sbh·v + 4·asb`` (CPU SDPA without dropout does this);
 - selective recomputation drops the s² terms (34·sbh/t with SP); full recomputation keeps the layer
-  input only (2·sbh, /t with SP);
+  input only (2·sbh, /t with SP) — and either brings one layer's dropped part back while backward
+  recomputes that layer (one layer at a time);
 
 times the layers of a chunk times the chunks in flight on the first pipeline rank
 (:meth:`Layout.in_flight`). The loss holds the logits and their log-softmax in fp32 (2·4·sbV/t) for
@@ -44,7 +45,7 @@ an in-place all-gather's source is cloned first):
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from meshwise.models.gpt import GPTConfig
 from meshwise.models.gpt_activations import layer_activation_bytes
@@ -193,6 +194,12 @@ def estimate_memory(
     )
     in_flight = layout.in_flight(global_batch)
     activations = in_flight * (chunk_layers * per_layer + embedding_out)
+    if layout.recompute != "none":  # backward re-runs one layer at a time: its dropped part is back
+        kept = layer_activations(
+            c, layout.micro_batch, replace(layout, recompute="none"), precision, attention=attention,
+            mask_bytes=mask_bytes,
+        )  # fmt: skip
+        activations += kept - per_layer
     logits = 2 * 4 * c.seq_len * layout.micro_batch * c.vocab / layout.tp
     layer_weights = model.layer_parameters / layout.tp * precision.value
     gather = 2 * layer_weights if z == 3 and dp > 1 else 0.0
