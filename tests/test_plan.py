@@ -303,3 +303,23 @@ def test_train_gpt_reports_peak_memory_above_its_model_states(tmp_path) -> None:
     estimate = problem.memory(Layout(2, 1, 1, micro_batch=2))
     assert estimate.model_states <= allocated <= estimate.total - estimate.reserved + 4 * 2**20, (
         allocated, estimate)  # fmt: skip
+
+
+def test_cpu_ranks_share_the_cores_with_other_jobs() -> None:
+    """The cpu preset's share of a core per rank: on an idle 2-core host 4 one-thread ranks get half of
+    what one process measured; with 13 other runnable threads they get 15/17 of it (each rank, like the
+    calibrating process, was already sharing); a lone rank keeps 2 threads only where 2 cores are free."""
+    from meshwise.plan.hardware import core_share, rank_threads
+
+    assert core_share(4, 1, 2, 0.0) == pytest.approx(0.5)
+    assert core_share(2, 1, 2, 0.0) == pytest.approx(1.0)
+    assert core_share(4, 1, 2, 13.0) == pytest.approx((2 / 17) / (2 / 14))
+    assert rank_threads(1, 2, 0.2) == 2 and rank_threads(1, 2, 13.0) == 1 and rank_threads(4, 2, 0.0) == 1
+
+
+def test_gloo_link_is_measured_here() -> None:
+    """Two gloo endpoints in this process: a latency and a bandwidth a planner can price messages with."""
+    from meshwise.plan.hardware import gloo_link
+
+    link = gloo_link(runs=3)
+    assert link is not None and 0 < link.latency < 1.0 and 1e7 < link.bandwidth < 1e12, link

@@ -318,6 +318,50 @@ def core_share(ranks: int, threads: int, cores: int, others: float) -> float:
     return together / alone
 
 
+def gloo_link(sizes: tuple[int, int] = (2**10, 2**20), runs: int = 5) -> Link | None:
+    """α and β of gloo between two endpoints on this host, measured now: two threads of this process
+    each hold a gloo process group over a file store (loopback TCP, as local ranks talk) and time
+    all-reduces of ``sizes`` float32 elements (median of ``runs``); the two-rank ring, 2α + n·β, fitted
+    through the two points. On a host shared with other jobs this is slower than the built-in
+    calibration, as the ranks will find it. None if gloo cannot start here."""
+    import datetime
+    import tempfile
+    import threading
+
+    import torch
+    import torch.distributed as dist
+
+    seconds: dict[int, dict[int, float]] = {0: {}, 1: {}}
+    with tempfile.TemporaryDirectory(prefix="meshwise-link-") as scratch:
+        path = str(Path(scratch) / "store")
+
+        def endpoint(rank: int) -> None:
+            store = dist.FileStore(path, 2)
+            group = dist.ProcessGroupGloo(store, rank, 2, datetime.timedelta(seconds=30))
+            for n in sizes:
+                tensor = torch.ones(n)
+                group.allreduce([tensor]).wait()  # connect and warm up
+                times = []
+                for _ in range(runs):
+                    started = time.perf_counter()
+                    group.allreduce([tensor]).wait()
+                    times.append(time.perf_counter() - started)
+                seconds[rank][n] = statistics.median(times)
+
+        threads = [threading.Thread(target=endpoint, args=(r,), daemon=True) for r in (0, 1)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+        if any(t.is_alive() for t in threads) or any(len(seconds[r]) < len(sizes) for r in (0, 1)):
+            return None
+    small, large = sizes
+    t_small, t_large = (max(seconds[0][n], seconds[1][n]) for n in sizes)
+    beta = max(1e-12, (t_large - t_small) / (4 * (large - small)))
+    alpha = max(1e-7, (t_small - 4 * small * beta) / 2)
+    return Link(bandwidth=1 / beta, latency=alpha)
+
+
 def rank_threads(ranks: int, cores: int, others: float) -> int:
     """Torch threads per rank: the cores split among the ranks (as ``spawn`` does), but no more than the
     cores other jobs leave free (what ``train gpt``'s thread hint advises): an OpenMP thread waiting at a
@@ -333,10 +377,10 @@ def measure_cpu(
     """This host as a planner sees it, measured now: the peak is the best fp32 square matmul; the
     efficiency curve comes from forward + backward of one block of ``layer`` (the model being planned)
     at a few micro-batch sizes, or from the square matmuls without one. Memory from /proc/meminfo, links
-    from the built-in calibration (gloo over loopback between local processes), every core a "GPU" of
-    one node. Measured with the torch threads one of ``ranks`` local ranks gets (the cores split among
-    them, as ``spawn`` does: OpenMP threads competing for a core are far slower than one each), and
-    scaled by the share of the cores a rank will get among the ranks and the other jobs running now
+    measured now (:func:`gloo_link`; the built-in calibration where gloo cannot start), every core a
+    "GPU" of one node. Measured with the torch threads one of ``ranks`` local ranks gets (the cores
+    split among them, as ``spawn`` does: OpenMP threads competing for a core are far slower than one
+    each), and scaled by the share of the cores a rank will get among the ranks and the other jobs running now
     (:func:`core_share`: ranks beyond the free cores slow each other down)."""
     import torch
 
@@ -356,7 +400,7 @@ def measure_cpu(
         torch.set_num_threads(before)
     peak = max(squares.values())
     native = Calibration.builtin().native
-    link = Link(bandwidth=1 / native.beta, latency=native.alpha)
+    link = gloo_link() or Link(bandwidth=1 / native.beta, latency=native.alpha)
     return Hardware(
         name=CPU,
         peak_flops={"fp32": peak * share, "bf16": peak * share, "fp16": peak * share},
