@@ -6,7 +6,7 @@ A100-80GB: the advisor alone (median of ``--repeat`` calls in this process) and 
 
 **Accuracy.** Each layout of ``LAYOUTS`` (gpt-nano by default, 1–4 ranks: dp, tp, sp, pp with GPipe
 and 1F1B, ZeRO 1–3, micro-batches, selective and full recomputation) is planned with the ``cpu`` preset
-measured for its number of ranks just before its trial (the host's load drifts) and run as a ``meshwise
+measured once for its number of ranks (at the first layout of that many) and run as a ``meshwise
 train gpt`` trial of ``--steps`` steps (:mod:`meshwise.train.trial`). Reported per layout: predicted vs
 measured step time (median after the first step) and per-rank peak memory (the fullest rank's peak
 allocated bytes during the steps above those before its model was built, which the run measures itself;
@@ -91,13 +91,16 @@ def speed(repeat: int) -> dict:
 
 def accuracy(config: str, steps: int, global_batch: int, seq_len: int, layouts: list[Layout]) -> dict:
     model = ModelSpec.of(gpt_config(config, seq_len=seq_len))
-    rows = []
+    rows, machines = [], {}
     with tempfile.TemporaryDirectory(prefix="bench-plan-") as scratch:
         work = Path(scratch)
         for layout in layouts:
             ranks = layout.gpus
-            # measured just before its trial: on a host shared with other jobs the load drifts
-            machine = measure_cpu(ranks, model.config)
+            # one measurement per rank count, so that layouts of as many ranks are ordered by the model
+            # alone (re-measured per layout, a busy host's noise moved equal work 2-5x)
+            if ranks not in machines:
+                machines[ranks] = measure_cpu(ranks, model.config)
+            machine = machines[ranks]
             problem = Problem(model, machine, Precision("fp32"), global_batch, ranks)
             candidate = problem.price(layout)
             spec = TrialSpec(
