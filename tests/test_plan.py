@@ -291,7 +291,7 @@ def test_peak_memory_counts_the_bytes_held_during_the_steps() -> None:
 def test_train_gpt_reports_peak_memory_above_its_model_states(tmp_path) -> None:
     """``train gpt --json`` carries the fullest rank's peak allocated bytes: at least the model states
     the plan counts (4 + 4 + 8 bytes per parameter of fp32 AdamW), and within the plan's whole estimate
-    plus the few MiB any step allocates besides (autograd's graph, gloo's buffers)."""
+    plus the few MiB any step allocates besides (autograd's graph, gloo's buffers: < 8 MiB)."""
     out = tmp_path / "run.json"
     argv = ["train", "gpt", "-np", "2", "--config", "gpt-tiny", "--steps", "2", "--global-batch", "4",
             "--backend", "gloo", "--device", "cpu", "--eval-every", "2", "--eval-windows", "2",
@@ -301,20 +301,24 @@ def test_train_gpt_reports_peak_memory_above_its_model_states(tmp_path) -> None:
     model = ModelSpec.of(CONFIGS["gpt-tiny"])
     problem = Problem(model, hardware("a100-80gb"), Precision("fp32"), 4, 2)
     estimate = problem.memory(Layout(2, 1, 1, micro_batch=2))
-    assert estimate.model_states <= allocated <= estimate.total - estimate.reserved + 4 * 2**20, (
+    assert estimate.model_states <= allocated <= estimate.total - estimate.reserved + 8 * 2**20, (
         allocated, estimate)  # fmt: skip
 
 
-def test_cpu_ranks_share_the_cores_with_other_jobs() -> None:
-    """The cpu preset's share of a core per rank: on an idle 2-core host 4 one-thread ranks get half of
-    what one process measured; with 13 other runnable threads they get 15/17 of it (each rank, like the
-    calibrating process, was already sharing); a lone rank keeps 2 threads only where 2 cores are free."""
-    from meshwise.plan.hardware import core_share, rank_threads
+def test_cpu_rank_threads_leave_the_busy_cores_alone() -> None:
+    """A lone rank keeps 2 threads only where 2 cores are free; ranks split the cores otherwise."""
+    from meshwise.plan.hardware import rank_threads
 
-    assert core_share(4, 1, 2, 0.0) == pytest.approx(0.5)
-    assert core_share(2, 1, 2, 0.0) == pytest.approx(1.0)
-    assert core_share(4, 1, 2, 13.0) == pytest.approx((2 / 17) / (2 / 14))
     assert rank_threads(1, 2, 0.2) == 2 and rank_threads(1, 2, 13.0) == 1 and rank_threads(4, 2, 0.0) == 1
+
+
+def test_rank_speedup_is_measured_and_bounded() -> None:
+    """Work run by 2 threads at once: at most twice what one gets done, and more than nothing."""
+    from meshwise.plan.hardware import rank_speedup
+
+    a = torch.randn(128, 128)
+    assert 0 < rank_speedup(lambda: a @ a, 2, seconds=0.05) <= 2.0
+    assert rank_speedup(lambda: a @ a, 1) == 1.0
 
 
 def test_gloo_link_is_measured_here() -> None:

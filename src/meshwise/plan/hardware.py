@@ -248,6 +248,21 @@ def layer_rates(config: GPTConfig, micro_batches: tuple[int, ...] = (1, 2, 4, 8,
     return points
 
 
+def _block_step(config: GPTConfig | None) -> Callable[[], object]:
+    """One rank's unit of work: forward + backward of one block of ``config`` at micro-batch 4 (a 256³
+    matmul without a model)."""
+    import torch
+
+    if config is None:
+        a = torch.randn(256, 256)
+        return lambda: a @ a
+    from meshwise.models.gpt import Block
+
+    block = Block(config)
+    x = torch.randn(4, config.seq_len, config.hidden, requires_grad=True)
+    return lambda: block(x).sum().backward()
+
+
 def adam_seconds(config: GPTConfig) -> float:
     """Seconds per parameter of one AdamW step (with clipping's norm) over one block of ``config``, the
     median run: what the update costs here per parameter, Python per tensor included."""
@@ -307,15 +322,31 @@ def other_runnable(samples: int = 20, every: float = 0.025) -> float:
     return max(0.0, statistics.mean(counts) - 1)
 
 
-def core_share(ranks: int, threads: int, cores: int, others: float) -> float:
-    """What a rank of ``ranks`` gets of the rate one process measured alone with the same ``threads``,
-    the scheduler sharing ``cores`` fairly among runnable threads: ``others`` from other jobs plus ours.
-    The calibrating process competed with ``others``; the ranks compete with them and with each other —
-    on an idle host 1 up to ``cores`` threads in all and cores/(ranks·threads) beyond, on a loaded one
-    less than that drop (a rank's share of a busy machine grows with the number of ranks)."""
-    alone = min(1.0, cores / (others + threads))
-    together = min(1.0, cores / (others + ranks * threads))
-    return together / alone
+def rank_speedup(work: Callable[[], object], ranks: int, seconds: float = 0.3) -> float:
+    """How many times the work of one rank ``ranks`` ranks get done at once here, now: ``work`` run in
+    ``ranks`` threads of this process together (torch releases the GIL inside its kernels) against the
+    same work in one. Measured rather than derived from the cores: a host shared with other jobs may
+    share its cores by thread, by process or by cgroup — under this machine's load two ranks got no more
+    done than one, which counting idle cores or runnable threads had priced at twice."""
+    import threading
+
+    one = typical_time(work)
+    if ranks <= 1:
+        return 1.0
+    calls = max(3, round(seconds / one))
+
+    def run() -> None:
+        for _ in range(calls):
+            work()
+
+    threads = [threading.Thread(target=run, daemon=True) for _ in range(ranks)]
+    started = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    together = time.perf_counter() - started
+    return min(float(ranks), ranks * calls * one / together)
 
 
 def gloo_link(sizes: tuple[int, int] = (2**10, 2**20), runs: int = 5) -> Link | None:
@@ -380,8 +411,8 @@ def measure_cpu(
     measured now (:func:`gloo_link`; the built-in calibration where gloo cannot start), every core a
     "GPU" of one node. Measured with the torch threads one of ``ranks`` local ranks gets (the cores
     split among them, as ``spawn`` does: OpenMP threads competing for a core are far slower than one
-    each), and scaled by the share of the cores a rank will get among the ranks and the other jobs running now
-    (:func:`core_share`: ranks beyond the free cores slow each other down)."""
+    each), and scaled by the share of the work a rank gets done beside the others now
+    (:func:`rank_speedup`: one block's step run by as many threads at once as there are ranks)."""
     import torch
 
     from meshwise.runtime.memory import available_memory
@@ -389,12 +420,12 @@ def measure_cpu(
     cores = os.cpu_count() or 1
     others = other_runnable()
     threads = rank_threads(ranks, cores, others)
-    share = core_share(max(ranks, 1), threads, cores, others)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         squares = {2.0 * n**3: matmul_rate(n) for n in sizes}
         rates = layer_rates(layer) if layer is not None else squares
+        share = rank_speedup(_block_step(layer), ranks) / ranks if ranks > 1 else 1.0
         update = adam_seconds(layer) / share if layer is not None else None
     finally:
         torch.set_num_threads(before)
