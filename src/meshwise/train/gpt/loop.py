@@ -34,7 +34,7 @@ from meshwise.train.gpt.init_from import export, load_weights
 from meshwise.train.gpt.moe import moe_banner
 from meshwise.train.gpt.parallelize import parallelize
 from meshwise.train.gpt.peak import peak_flops, shared_cores_peak, thread_hint
-from meshwise.train.gpt.peak_memory import PeakMemory
+from meshwise.train.gpt.peak_memory import MEASURED_STEPS, PeakMemory
 from meshwise.train.gpt.profiling import GPTProfiling
 from meshwise.train.gpt.report import GPTResult, StepStats, step_line
 from meshwise.train.gpt.schedule import lr_at
@@ -283,6 +283,8 @@ class GPTTrainer:
             task = progress.add_task("train", total=config.steps, completed=self.first_step, status="")
             for step in range(self.first_step, config.steps):
                 stats = self.train_step(step)
+                if step + 1 - self.first_step == MEASURED_STEPS:
+                    self.memory.stop()  # the peak is in; the sampler need not run on
                 last = step + 1 == config.steps
                 if (step + 1) % config.eval_every == 0 or last:
                     stats = replace(stats, val_loss=self.evaluate())

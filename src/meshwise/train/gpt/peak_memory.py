@@ -16,7 +16,8 @@ step at the run's micro-batch (:func:`warm_up`, freed at once), and the base is 
 counted is what the layout holds, as ``max_memory_allocated`` counts tensors and not cuBLAS. Reported,
 per rank, above that base (Python, torch, the corpus: what a plan does not count):
 
-- ``allocated``: the peak during the training steps (the model's states, activations, buffers);
+- ``allocated``: the peak during the first :data:`MEASURED_STEPS` training steps (the model's states,
+  activations, buffers);
 - ``setup_allocated``: the peak while the model was built and cut (the whole model on every rank);
 - ``resident``: the resident high-water mark during the steps (``/proc/self/clear_refs`` resets it when
   training starts) minus the resident set before the model: what the allocator's retention adds.
@@ -38,6 +39,9 @@ import torch
 
 from meshwise.models.gpt import GPT, GPTConfig, language_model_loss
 
+#: steps sampled: a step's peak is reached by the second (the optimizer's state exists after the
+#: first), so sampling stops after these — a long run does not pay for the thread
+MEASURED_STEPS = 5
 #: seconds between samples: a step's peak (activations of every layer, the first gradients) lasts for
 #: the start of backward — milliseconds even for gpt-tiny — and one sample costs tens of microseconds
 PERIOD = 0.002
@@ -124,6 +128,7 @@ class PeakMemory:
         self.base_resident = _status_kib("VmRSS:")
         self.peak = self.base or 0
         self.setup_peak: int | None = None
+        self.result: dict[str, int | None] | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         if self.base is not None and not self.cuda:
@@ -148,13 +153,22 @@ class PeakMemory:
         _reset_high_water()
 
     def stop(self) -> dict[str, int | None]:
-        """Bytes above the start: the steps' peak allocated, the setup's, and the steps' resident peak."""
+        """Bytes above the start: the steps' peak allocated, the setup's, and the steps' resident peak
+        (measured at the first call; later calls return the same)."""
+        if self.result is not None:
+            return self.result
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=1.0)
         peak = max(self.peak, self._now())
         resident = _status_kib("VmHWM:") - self.base_resident
         if self.base is None:
-            return {"allocated": None, "setup_allocated": None, "resident": resident}
-        setup = self.setup_peak if self.setup_peak is not None else peak
-        return {"allocated": peak - self.base, "setup_allocated": setup - self.base, "resident": resident}
+            self.result = {"allocated": None, "setup_allocated": None, "resident": resident}
+        else:
+            setup = self.setup_peak if self.setup_peak is not None else peak
+            self.result = {
+                "allocated": peak - self.base,
+                "setup_allocated": setup - self.base,
+                "resident": resident,
+            }
+        return self.result
