@@ -4,14 +4,16 @@
 A100-80GB: the advisor alone (median of ``--repeat`` calls in this process) and the whole command
 (``python -m meshwise plan --params 1e12 --gpus 3072``, interpreter and torch import included).
 
-**Accuracy.** Each layout of ``LAYOUTS`` (gpt-nano by default, 1–4 ranks: dp, tp, sp, pp with GPipe and
-1F1B, ZeRO 1–3, micro-batches) is planned with the ``cpu`` preset measured for its number of ranks and
-run as a ``meshwise train gpt`` trial of ``--steps`` steps (:mod:`meshwise.train.trial`). Reported per
-layout: predicted vs measured step time (median after the first step) and per-rank peak memory (the
-trial's largest resident set above a baseline trial of a one-layer 8-wide model on as many ranks); and
-over all of them: the mean absolute percentage errors, Spearman's rank correlation of the step times
-and the regret (measured time of the predicted-fastest over the fastest measured). Targets (issue 27):
-each memory error ≤ 10 %, mean step-time error ≤ 20 %, rank correlation ≥ 0.8.
+**Accuracy.** Each layout of ``LAYOUTS`` (gpt-nano by default, 1–4 ranks: dp, tp, sp, pp with GPipe
+and 1F1B, ZeRO 1–3, micro-batches, selective and full recomputation) is planned with the ``cpu`` preset
+measured once for its number of ranks (at the first layout of that many) and run as a ``meshwise
+train gpt`` trial of ``--steps`` steps (:mod:`meshwise.train.trial`). Reported per layout: predicted vs
+measured step time (median after the first step) and per-rank peak memory (the fullest rank's peak
+allocated bytes during the steps above those before its model was built, which the run measures itself;
+its resident high-water mark above the same point is shown beside it); and over all of them: the mean
+absolute percentage errors, Spearman's rank correlation of the step times and the regret (measured time
+of the predicted-fastest over the fastest measured). Targets (issue 27): each memory error ≤ 10 %, mean
+step-time error ≤ 20 %, rank correlation ≥ 0.8.
 
     python benchmarks/bench_plan.py --json benchmarks/results/p27_plan.json
 """
@@ -33,7 +35,7 @@ from meshwise.models.gpt import gpt_config
 from meshwise.plan import Layout, ModelSpec, Precision, Problem, advise, hardware
 from meshwise.plan.accuracy import mape, regret, spearman
 from meshwise.plan.hardware import measure_cpu
-from meshwise.train.trial import TrialSpec, baseline, run_trial
+from meshwise.train.trial import TrialSpec, run_trial
 
 #: (ranks, planner layout): dp, tp (± sp), pp (GPipe, 1F1B), ZeRO 1–3, micro-batches, combinations
 LAYOUTS: list[Layout] = [
@@ -41,6 +43,7 @@ LAYOUTS: list[Layout] = [
     Layout(1, 1, 1, micro_batch=4),
     Layout(2, 1, 1, micro_batch=4),
     Layout(2, 1, 1, zero=1, micro_batch=4),
+    Layout(2, 1, 1, zero=2, micro_batch=4),
     Layout(2, 1, 1, zero=3, micro_batch=4),
     Layout(1, 2, 1, micro_batch=8),
     Layout(1, 2, 1, micro_batch=8, sp=True),
@@ -49,6 +52,8 @@ LAYOUTS: list[Layout] = [
     Layout(4, 1, 1, micro_batch=2),
     Layout(2, 2, 1, micro_batch=4),
     Layout(2, 1, 2, micro_batch=2),
+    Layout(2, 1, 1, micro_batch=4, recompute="selective"),
+    Layout(2, 1, 1, micro_batch=4, recompute="full"),
 ]
 TARGETS = {"memory_error_each": 0.10, "step_mape": 0.20, "rank_correlation": 0.8}
 
@@ -86,15 +91,17 @@ def speed(repeat: int) -> dict:
 
 def accuracy(config: str, steps: int, global_batch: int, seq_len: int, layouts: list[Layout]) -> dict:
     model = ModelSpec.of(gpt_config(config, seq_len=seq_len))
-    rows, bases, machines = [], {}, {}
+    rows, machines = [], {}
     with tempfile.TemporaryDirectory(prefix="bench-plan-") as scratch:
         work = Path(scratch)
         for layout in layouts:
             ranks = layout.gpus
-            if ranks not in bases:
-                bases[ranks] = baseline(TrialSpec(ranks, config=config), work)
+            # one measurement per rank count, so that layouts of as many ranks are ordered by the model
+            # alone (re-measured per layout, a busy host's noise moved equal work 2-5x)
+            if ranks not in machines:
                 machines[ranks] = measure_cpu(ranks, model.config)
-            problem = Problem(model, machines[ranks], Precision("fp32"), global_batch, ranks)
+            machine = machines[ranks]
+            problem = Problem(model, machine, Precision("fp32"), global_batch, ranks)
             candidate = problem.price(layout)
             spec = TrialSpec(
                 ranks,
@@ -103,6 +110,7 @@ def accuracy(config: str, steps: int, global_batch: int, seq_len: int, layouts: 
                 steps=steps,
                 global_batch=global_batch,
                 seq_len=seq_len,
+                threads=machine.threads,  # as the preset was measured (see hardware.rank_threads)
             )
             result = run_trial(spec, work, timeout=600)
             row = {
@@ -117,8 +125,9 @@ def accuracy(config: str, steps: int, global_batch: int, seq_len: int, layouts: 
                 row |= {
                     "measured_step": result.step_time,
                     "step_seconds": list(result.step_seconds),
-                    "measured_memory": result.peak_rss - bases[ranks].peak_rss,
-                    "peak_rss": result.peak_rss,
+                    "measured_memory": result.peak_allocated,
+                    "measured_resident": result.peak_resident,
+                    "setup_allocated": result.setup_allocated,
                 }
                 row["step_error"] = row["predicted_step"] / row["measured_step"] - 1
                 row["memory_error"] = row["predicted_memory"] / row["measured_memory"] - 1
@@ -132,7 +141,6 @@ def accuracy(config: str, steps: int, global_batch: int, seq_len: int, layouts: 
         "global_batch": global_batch,
         "seq_len": seq_len,
         "rows": rows,
-        "baseline_rss": {ranks: b.peak_rss for ranks, b in bases.items()},
         "step_mape": mape(predicted, measured),
         "memory_mape": mape([r["predicted_memory"] for r in ran], [r["measured_memory"] for r in ran]),
         "max_memory_error": max(abs(r["memory_error"]) for r in ran),
@@ -147,7 +155,8 @@ def _line(row: dict) -> str:
     return (
         f"{row['layout']:<30} step {row['predicted_step']:7.3f} / {row['measured_step']:7.3f} s "
         f"({100 * row['step_error']:+5.0f} %)   memory {row['predicted_memory'] / 2**20:7.1f} / "
-        f"{row['measured_memory'] / 2**20:7.1f} MiB ({100 * row['memory_error']:+5.1f} %)"
+        f"{row['measured_memory'] / 2**20:7.1f} MiB ({100 * row['memory_error']:+5.1f} %), resident "
+        f"{row['measured_resident'] / 2**20:7.1f}"
     )
 
 

@@ -3,9 +3,11 @@ pipeline and communication terms against the simulator and the cost model, and b
 
 from __future__ import annotations
 
+import copy
 import json
 import subprocess
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -22,13 +24,16 @@ from meshwise.models.gpt_activations import (
     layer_activation_report,
     saved_activation_bytes,
 )
+from meshwise.models.gpt_plan import tensor_parallel
 from meshwise.parallel.pipeline_parallel.schedules import build_schedule
 from meshwise.parallel.pipeline_parallel.simulator import simulate
+from meshwise.parallel.recompute import apply_recompute
 from meshwise.plan import Layout, ModelSpec, Precision, Problem, advise, hardware
 from meshwise.plan.memory import layer_activations
 from meshwise.plan.model import MEGATRON_SEQ, MEGATRON_TABLE, MEGATRON_VOCAB, narayanan_parameters
 from meshwise.plan.step_time import all_reduce_seconds, dp_layout, estimate_time
 from meshwise.runtime.spawn import spawn
+from meshwise.train.gpt.peak_memory import PERIOD, PeakMemory
 
 
 def test_zero_paper_figure_1_is_printed(capsys) -> None:
@@ -89,6 +94,62 @@ def test_activation_formula_against_saved_tensors(dropout: float, recompute: str
         mask_bytes=dropout_mask_bytes() if dropout else 0,
     )  # fmt: skip
     assert abs(measured / formula - 1) <= 0.10, (measured, formula)
+
+
+@pytest.mark.parametrize(("dropout", "attention"), [(0.0, "flash"), (0.1, "math")])
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_activation_formula_under_train_gpt_recompute(dropout: float, attention: str, recompute: str) -> None:
+    """The block as ``train gpt --recompute`` runs it (the library's policy, not a hand-made checkpoint):
+    selective keeps the layer's 34·sbh without the s² terms (its attention core is recomputed, whatever
+    kernel that core runs), full keeps the block's input only."""
+    config = replace(CONFIGS["gpt-tiny"], dropout=dropout)
+    torch.manual_seed(0)
+    block = GPT(config).train().blocks[0]
+    apply_recompute([block], recompute)
+    x = torch.randn(2, config.seq_len, config.hidden, requires_grad=True)
+    measured = saved_activation_bytes(block, x)
+    formula = layer_activations(
+        config, 2, Layout(1, 1, 1, recompute=recompute), Precision("fp32"), attention=attention,
+        mask_bytes=dropout_mask_bytes() if dropout else 0,
+    )  # fmt: skip
+    assert abs(measured / formula - 1) <= 0.10, (measured, formula)
+
+
+def _recompute_rows(dropout: float) -> dict:
+    """On each of 2 ranks: one TP (and TP+SP) layer's saved bytes under each ``--recompute`` mode."""
+    import meshwise
+
+    world = meshwise.init(backend="gloo", timeout=60)
+    try:
+        config = replace(CONFIGS["gpt-tiny"], dropout=dropout)
+        torch.manual_seed(0)
+        full = GPT(config).train()
+        rows = {}
+        for sp in (False, True):
+            model = tensor_parallel(copy.deepcopy(full), world.comm, sequence_parallel=sp).train()
+            for mode in ("selective", "full"):
+                apply_recompute([model.blocks[0]], mode)
+                x = torch.randn(2, config.seq_len // (2 if sp else 1), config.hidden, requires_grad=True)
+                rows[(sp, mode)] = saved_activation_bytes(model.blocks[0], x)
+        return rows
+    finally:
+        meshwise.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("dropout", "attention"), [(0.0, "flash"), (0.1, "math")])
+def test_activation_formula_tensor_parallel_recompute(dropout: float, attention: str) -> None:
+    """The planner's per-layer bytes under selective and full recomputation on a rank of a 2-way TP and
+    TP+SP layer (full with SP keeps the rank's s/t slice of the input: 2·sbh/t)."""
+    rows = spawn(_recompute_rows, 2, (dropout,), timeout=120)[0]
+    config = replace(CONFIGS["gpt-tiny"], dropout=dropout)
+    mask = dropout_mask_bytes() if dropout else 0
+    for (sp, mode), measured in rows.items():
+        layout = Layout(1, 2, 1, recompute=mode, sp=sp)
+        formula = layer_activations(
+            config, 2, layout, Precision("fp32"), attention=attention, mask_bytes=mask
+        )
+        assert abs(measured / formula - 1) <= 0.10, (sp, mode, measured, formula)
 
 
 def _tensor_parallel_rows(dropout: float) -> dict:
@@ -209,3 +270,60 @@ def test_json_and_plot_outputs(capsys, tmp_path) -> None:
     assert data["best"]["memory"]["fits"] and data["ranked"][0]["name"] == data["best"]["name"]
     assert set(data["zero_model_states"]) == {"0", "1", "2", "3"} and data["neighbours"]
     assert plot.stat().st_size > 10_000
+
+
+def test_peak_memory_counts_the_bytes_held_during_the_steps() -> None:
+    """The trainer's probe: a 64 MiB tensor held for a few sampling periods after training starts is
+    counted (allocated bytes, not resident ones) and nothing from before it is."""
+    probe = PeakMemory(CONFIGS["gpt-tiny"], 1, torch.device("cpu"))
+    before = torch.ones(2**22)  # 16 MiB during "setup"
+    probe.training_starts()
+    del before
+    held = torch.ones(2**24)  # 64 MiB
+    time.sleep(20 * PERIOD)
+    del held
+    measured = probe.stop()
+    assert 64 * 2**20 <= measured["allocated"] < 68 * 2**20, measured
+    assert measured["setup_allocated"] >= 16 * 2**20, measured
+
+
+@pytest.mark.timeout(240)
+def test_train_gpt_reports_peak_memory_above_its_model_states(tmp_path) -> None:
+    """``train gpt --json`` carries the fullest rank's peak allocated bytes: at least the model states
+    the plan counts (4 + 4 + 8 bytes per parameter of fp32 AdamW), and within the plan's whole estimate
+    plus the few MiB any step allocates besides (autograd's graph, gloo's buffers: < 8 MiB)."""
+    out = tmp_path / "run.json"
+    argv = ["train", "gpt", "-np", "2", "--config", "gpt-tiny", "--steps", "2", "--global-batch", "4",
+            "--backend", "gloo", "--device", "cpu", "--eval-every", "2", "--eval-windows", "2",
+            "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    allocated = json.loads(out.read_text())["peak_memory"]["allocated"]
+    model = ModelSpec.of(CONFIGS["gpt-tiny"])
+    problem = Problem(model, hardware("a100-80gb"), Precision("fp32"), 4, 2)
+    estimate = problem.memory(Layout(2, 1, 1, micro_batch=2))
+    assert estimate.model_states <= allocated <= estimate.total - estimate.reserved + 8 * 2**20, (
+        allocated, estimate)  # fmt: skip
+
+
+def test_cpu_rank_threads_leave_the_busy_cores_alone() -> None:
+    """A lone rank keeps 2 threads only where 2 cores are free; ranks split the cores otherwise."""
+    from meshwise.plan.hardware import rank_threads
+
+    assert rank_threads(1, 2, 0.2) == 2 and rank_threads(1, 2, 13.0) == 1 and rank_threads(4, 2, 0.0) == 1
+
+
+def test_rank_speedup_is_measured_and_bounded() -> None:
+    """Work run by 2 threads at once: at most twice what one gets done, and more than nothing."""
+    from meshwise.plan.hardware import rank_speedup
+
+    a = torch.randn(128, 128)
+    assert 0 < rank_speedup(lambda: a @ a, 2, seconds=0.05) <= 2.0
+    assert rank_speedup(lambda: a @ a, 1) == 1.0
+
+
+def test_gloo_link_is_measured_here() -> None:
+    """Two gloo endpoints in this process: a latency and a bandwidth a planner can price messages with."""
+    from meshwise.plan.hardware import gloo_link
+
+    link = gloo_link(runs=3)
+    assert link is not None and 0 < link.latency < 1.0 and 1e7 < link.bandwidth < 1e12, link

@@ -18,6 +18,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from meshwise.comm.cost import Calibration
 from meshwise.comm.cost.formulas import LinkParams
@@ -82,6 +83,15 @@ class Hardware:
     efficiency: Efficiency = field(default_factory=Efficiency)
     #: bytes a rank holds before it holds any model (runtime, allocator, CUDA context or Python + torch)
     reserved: float = 0.0
+    #: whether the backend stages list-form all-gathers and reduce-scatters through one flat copy of the
+    #: whole buffer (torch's gloo does, NCCL works in place): ZeRO's collectives then cost scratch memory
+    collective_copies: bool = False
+    #: measured seconds of one AdamW update per parameter (``cpu``: its per-element passes and per-tensor
+    #: Python, on this host's threads); None: the update is priced as memory-bound traffic
+    optimizer_seconds: float | None = None
+    #: torch threads per rank the ``cpu`` preset was measured with (0 on GPUs): runs checked against it
+    #: (``--validate``) use as many
+    threads: int = 0
     source: str = "datasheet"
 
     def peak(self, dtype: str) -> float:
@@ -238,6 +248,41 @@ def layer_rates(config: GPTConfig, micro_batches: tuple[int, ...] = (1, 2, 4, 8,
     return points
 
 
+def _block_step(config: GPTConfig | None) -> Callable[[], object]:
+    """One rank's unit of work: forward + backward of one block of ``config`` at micro-batch 4 (a 256³
+    matmul without a model)."""
+    import torch
+
+    if config is None:
+        a = torch.randn(256, 256)
+        return lambda: a @ a
+    from meshwise.models.gpt import Block
+
+    block = Block(config)
+    x = torch.randn(4, config.seq_len, config.hidden, requires_grad=True)
+    return lambda: block(x).sum().backward()
+
+
+def adam_seconds(config: GPTConfig) -> float:
+    """Seconds per parameter of one AdamW step (with clipping's norm) over one block of ``config``, the
+    median run: what the update costs here per parameter, Python per tensor included."""
+    import torch
+
+    from meshwise.models.gpt import Block
+
+    block = Block(config)
+    params = list(block.parameters())
+    for p in params:
+        p.grad = torch.randn_like(p)
+    optimizer = torch.optim.AdamW(params, lr=1e-9)
+
+    def update() -> None:
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+
+    return typical_time(update) / sum(p.numel() for p in params)
+
+
 def calibrated(hw: Hardware, sizes: tuple[int, ...] = (256, 512, 1024, 2048, 4096)) -> Hardware:
     """``hw`` with the efficiency curve measured on this host's CUDA device (bf16), against its datasheet
     peak: what ``--calibrate`` does for a GPU preset."""
@@ -263,33 +308,130 @@ def copy_rate(nbytes: int = 64 * 2**20) -> float:
     return best
 
 
+def other_runnable(samples: int = 20, every: float = 0.025) -> float:
+    """Threads other jobs keep runnable on this host now: the kernel's count of runnable entities
+    (``/proc/loadavg``'s fourth field, instantaneous, unlike the load averages) averaged over
+    ``samples`` reads, less the reading thread itself; 0 where there is no /proc."""
+    counts = []
+    for _ in range(samples):
+        try:
+            counts.append(int(Path("/proc/loadavg").read_text().split()[3].split("/")[0]))
+        except (OSError, IndexError, ValueError):
+            return 0.0
+        time.sleep(every)
+    return max(0.0, statistics.mean(counts) - 1)
+
+
+def rank_speedup(work: Callable[[], object], ranks: int, seconds: float = 0.3) -> float:
+    """How many times the work of one rank ``ranks`` ranks get done at once here, now: ``work`` run in
+    ``ranks`` threads of this process together (torch releases the GIL inside its kernels) against the
+    same work in one. Measured rather than derived from the cores: a host shared with other jobs may
+    share its cores by thread, by process or by cgroup — under this machine's load two ranks got no more
+    done than one, which counting idle cores or runnable threads had priced at twice."""
+    import threading
+
+    one = typical_time(work)
+    if ranks <= 1:
+        return 1.0
+    calls = max(3, round(seconds / one))
+
+    def run() -> None:
+        for _ in range(calls):
+            work()
+
+    threads = [threading.Thread(target=run, daemon=True) for _ in range(ranks)]
+    started = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    together = time.perf_counter() - started
+    return min(float(ranks), ranks * calls * one / together)
+
+
+def gloo_link(sizes: tuple[int, int] = (2**10, 2**20), runs: int = 5) -> Link | None:
+    """α and β of gloo between two endpoints on this host, measured now: two threads of this process
+    each hold a gloo process group over a file store (loopback TCP, as local ranks talk) and time
+    all-reduces of ``sizes`` float32 elements (median of ``runs``); the two-rank ring, 2α + n·β, fitted
+    through the two points. On a host shared with other jobs this is slower than the built-in
+    calibration, as the ranks will find it. None if gloo cannot start here."""
+    import datetime
+    import tempfile
+    import threading
+
+    import torch
+    import torch.distributed as dist
+
+    seconds: dict[int, dict[int, float]] = {0: {}, 1: {}}
+    with tempfile.TemporaryDirectory(prefix="meshwise-link-") as scratch:
+        path = str(Path(scratch) / "store")
+
+        def endpoint(rank: int) -> None:
+            store = dist.FileStore(path, 2)
+            group = dist.ProcessGroupGloo(store, rank, 2, datetime.timedelta(seconds=30))
+            for n in sizes:
+                tensor = torch.ones(n)
+                group.allreduce([tensor]).wait()  # connect and warm up
+                times = []
+                for _ in range(runs):
+                    started = time.perf_counter()
+                    group.allreduce([tensor]).wait()
+                    times.append(time.perf_counter() - started)
+                seconds[rank][n] = statistics.median(times)
+
+        threads = [threading.Thread(target=endpoint, args=(r,), daemon=True) for r in (0, 1)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+        if any(t.is_alive() for t in threads) or any(len(seconds[r]) < len(sizes) for r in (0, 1)):
+            return None
+    small, large = sizes
+    t_small, t_large = (max(seconds[0][n], seconds[1][n]) for n in sizes)
+    beta = max(1e-12, (t_large - t_small) / (4 * (large - small)))
+    alpha = max(1e-7, (t_small - 4 * small * beta) / 2)
+    return Link(bandwidth=1 / beta, latency=alpha)
+
+
+def rank_threads(ranks: int, cores: int, others: float) -> int:
+    """Torch threads per rank: the cores split among the ranks (as ``spawn`` does), but no more than the
+    cores other jobs leave free (what ``train gpt``'s thread hint advises): an OpenMP thread waiting at a
+    barrier for a partner the scheduler descheduled spins away its slice, and a lone rank with 2 threads
+    on a 2-core host running ~15 other threads took 20–40 s for a gpt-nano step that takes 0.3 s alone."""
+    free = max(1, round(cores - others))
+    return max(1, min(cores // max(ranks, 1), free))
+
+
 def measure_cpu(
     ranks: int = 1, layer: GPTConfig | None = None, sizes: tuple[int, ...] = (128, 256, 512)
 ) -> Hardware:
     """This host as a planner sees it, measured now: the peak is the best fp32 square matmul; the
     efficiency curve comes from forward + backward of one block of ``layer`` (the model being planned)
     at a few micro-batch sizes, or from the square matmuls without one. Memory from /proc/meminfo, links
-    from the built-in calibration (gloo over loopback between local processes), every core a "GPU" of
-    one node. Measured with the torch threads one of ``ranks`` local ranks gets (the cores split among
-    them, as ``spawn`` does: OpenMP threads competing for a core are far slower than one each), and
-    scaled down further when there are more ranks than cores."""
+    measured now (:func:`gloo_link`; the built-in calibration where gloo cannot start), every core a
+    "GPU" of one node. Measured with the torch threads one of ``ranks`` local ranks gets (the cores
+    split among them, as ``spawn`` does: OpenMP threads competing for a core are far slower than one
+    each), and scaled by the share of the work a rank gets done beside the others now
+    (:func:`rank_speedup`: one block's step run by as many threads at once as there are ranks)."""
     import torch
 
     from meshwise.runtime.memory import available_memory
 
     cores = os.cpu_count() or 1
-    threads = max(1, cores // max(ranks, 1))
-    share = min(1.0, cores / (max(ranks, 1) * threads))
+    others = other_runnable()
+    threads = rank_threads(ranks, cores, others)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         squares = {2.0 * n**3: matmul_rate(n) for n in sizes}
         rates = layer_rates(layer) if layer is not None else squares
+        share = rank_speedup(_block_step(layer), ranks) / ranks if ranks > 1 else 1.0
+        update = adam_seconds(layer) / share if layer is not None else None
     finally:
         torch.set_num_threads(before)
     peak = max(squares.values())
     native = Calibration.builtin().native
-    link = Link(bandwidth=1 / native.beta, latency=native.alpha)
+    link = gloo_link() or Link(bandwidth=1 / native.beta, latency=native.alpha)
     return Hardware(
         name=CPU,
         peak_flops={"fp32": peak * share, "bf16": peak * share, "fp16": peak * share},
@@ -299,5 +441,8 @@ def measure_cpu(
         inter=link,
         per_node=max(cores, 64),
         efficiency=fit_efficiency(rates, peak),
+        collective_copies=True,  # local ranks talk over gloo
+        optimizer_seconds=update,
+        threads=threads,
         source="measured",
     )

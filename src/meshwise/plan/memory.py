@@ -15,18 +15,37 @@ bits with dropout), then
 - a fused ("flash") attention kernel saves its output and one fp32 log-sum-exp per row instead of the
   s×s scores: ``as²b(2v + m)`` becomes ``sbh·v + 4·asb`` (CPU SDPA without dropout does this);
 - selective recomputation drops the s² terms (34·sbh/t with SP); full recomputation keeps the layer
-  input only (2·sbh, /t with SP);
+  input only (2·sbh, /t with SP) — and either brings one layer's dropped part back while backward
+  recomputes that layer (one layer at a time);
 
 times the layers of a chunk times the chunks in flight on the first pipeline rank
 (:meth:`Layout.in_flight`). The loss holds the logits and their log-softmax in fp32 (2·4·sbV/t) for
 one micro-batch. ZeRO-3 gathers two blocks' weights at a time (the one running and the prefetched
-next); ZeRO-2/3 hold one block's full gradients before its reduce-scatter; DDP's buckets are views of
-the gradients (gradient_as_bucket_view), so they cost nothing more.
+next) and holds one block's full gradients before its reduce-scatter; ZeRO-2's groups are DDP's
+buckets (25 MiB), two of them unsharded in flight — and it accumulates a step's micro-batches unsharded
+and reduce-scatters once, so with more than one micro-batch it holds the full b_g·Ψ until then; DDP's
+buckets are views of the gradients (gradient_as_bucket_view), so they cost nothing more.
+
+Activations and gradients are not always alive together. With one micro-batch per step and gradients
+made afresh each step (``zero_grad(set_to_none=True)``, no data-parallel buffer that keeps them: dp = 1),
+backward frees each layer's activations as it makes that layer's gradients, so the step's peak holds
+the larger of the two, not their sum: ``released`` = min(activations + logits, gradients) comes off the
+total. With more micro-batches the first one's gradients are alive through the next one's forward.
+
+Where the backend copies collective buffers (``Hardware.collective_copies``: torch's gloo stages a
+list-form all-gather's output and reduce-scatter's input through one flat tensor of the whole buffer, and
+an in-place all-gather's source is cloned first):
+
+- ZeRO-1/2 all-gather every group's updated shard at once after the optimizer step — ``after_step`` is
+  what that phase holds beyond the backward's peak: b_p·Ψ·(1 + 1/N) scratch with the model states
+  (stage 1's reduced gradient shard freed, activations gone);
+- ZeRO-3 keeps two units' reduce-scatters in flight (:data:`ZERO_REDUCES_IN_FLIGHT`), each a flat copy
+  of the unit's gradients and its reduced slice: 2·b_g·Ψ_layer·(1 + 1/N) in ``comm_buckets``.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from meshwise.models.gpt import GPTConfig
 from meshwise.models.gpt_activations import layer_activation_bytes
@@ -36,6 +55,8 @@ from meshwise.plan.model import ModelSpec
 
 #: DDP's bucket cap (torch's default): how much of the gradient reduction the last bucket leaves exposed
 BUCKET_BYTES = 25 * 2**20
+#: reduce-scatters ZeRO-2/3 keep in flight (meshwise.parallel.zero.grads.MAX_IN_FLIGHT)
+ZERO_REDUCES_IN_FLIGHT = 2
 OPTIMIZERS = ("adam", "sgd")
 
 
@@ -76,6 +97,8 @@ class MemoryEstimate:
     comm_buckets: float
     reserved: float
     capacity: float
+    released: float = 0.0  # activations freed before the gradients replacing them exist (see above)
+    after_step: float = 0.0  # what the phase after the optimizer step holds beyond backward's peak
 
     @property
     def model_states(self) -> float:
@@ -90,6 +113,8 @@ class MemoryEstimate:
             + self.gather_buffers
             + self.comm_buckets
             + self.reserved
+            - self.released
+            + self.after_step
         )
 
     @property
@@ -98,7 +123,7 @@ class MemoryEstimate:
 
     @property
     def largest(self) -> str:
-        parts = {k: v for k, v in asdict(self).items() if k not in ("capacity", "reserved")}
+        parts = {k: v for k, v in asdict(self).items() if k not in ("capacity", "reserved", "released")}
         return max(parts, key=parts.__getitem__).replace("_", " ")
 
     def verdict(self) -> str:
@@ -169,15 +194,38 @@ def estimate_memory(
     )
     in_flight = layout.in_flight(global_batch)
     activations = in_flight * (chunk_layers * per_layer + embedding_out)
+    if layout.recompute != "none":  # backward re-runs one layer at a time: its dropped part is back
+        kept = layer_activations(
+            c, layout.micro_batch, replace(layout, recompute="none"), precision, attention=attention,
+            mask_bytes=mask_bytes,
+        )  # fmt: skip
+        activations += kept - per_layer
     logits = 2 * 4 * c.seq_len * layout.micro_batch * c.vocab / layout.tp
     layer_weights = model.layer_parameters / layout.tp * precision.value
     gather = 2 * layer_weights if z == 3 and dp > 1 else 0.0
-    # ZeRO-2/3: one unit's full gradients before its reduce-scatter; DDP's buckets are views of the
-    # gradients (our reducer, torch's gradient_as_bucket_view), so they add nothing
-    buckets = layer_weights if z >= 2 and dp > 1 else 0.0
+    # ZeRO-3: one unit's full gradients before its reduce-scatter; ZeRO-2: its groups are DDP's buckets,
+    # two of them unsharded in flight — or, when a step has several micro-batches, all of them (it
+    # accumulates them unsharded and reduce-scatters once); DDP's buckets are views of the gradients
+    # (our reducer, torch's gradient_as_bucket_view), so they add nothing
+    buckets = layer_weights if z == 3 and dp > 1 else 0.0
+    if z == 2 and dp > 1:
+        unsharded = grads * dp
+        several = layout.micro_batches(global_batch) > 1
+        buckets = unsharded if several else min(unsharded, ZERO_REDUCES_IN_FLIGHT * BUCKET_BYTES)
+    fresh = layout.micro_batches(global_batch) == 1 and dp == 1 and layout.pp == 1
+    released = min(activations + logits, grads) if fresh else 0.0
+    after_step = 0.0
+    if hw.collective_copies and dp > 1 and z:
+        if z == 3:
+            buckets += ZERO_REDUCES_IN_FLIGHT * layer_weights * (1 + 1 / dp)
+        else:
+            scratch = precision.value * rank_parameters(model, layout) * (1 + 1 / dp)
+            kept = activations + logits + buckets - released  # what backward's peak held beyond the states
+            after_step = max(0.0, scratch - kept)
     return MemoryEstimate(
-        params, grads, optimizer, activations, logits, gather, buckets, hw.reserved, hw.memory
-    )
+        params, grads, optimizer, activations, logits, gather, buckets, hw.reserved, hw.memory, released,
+        after_step,
+    )  # fmt: skip
 
 
 def model_states(parameters: float, dp: int, stage: int, precision: Precision) -> tuple[float, float, float]:

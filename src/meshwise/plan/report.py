@@ -19,6 +19,8 @@ MEMORY_KINDS = (
     "logits",
     "gather_buffers",
     "comm_buckets",
+    "after_step",
+    "released",
     "reserved",
 )
 
@@ -166,7 +168,7 @@ def plot(plan: Plan, scaling: Sequence[tuple[int, float | None]], path: str, top
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
     shown = plan.ranked[:top] or ([plan.best] if plan.best else [])
     bottoms = [0.0] * len(shown)
-    for kind in MEMORY_KINDS:
+    for kind in (k for k in MEMORY_KINDS if k != "released"):  # bars stack what is held
         values = [getattr(c.memory, kind) / GIB for c in shown]
         left.bar(range(len(shown)), values, bottom=bottoms, label=kind.replace("_", " "))
         bottoms = [b + v for b, v in zip(bottoms, values, strict=True)]

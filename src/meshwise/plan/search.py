@@ -208,7 +208,7 @@ def explain_neighbours(problem: Problem, winner: Candidate) -> Iterator[tuple[La
 
 def out_of_memory(winner: MemoryEstimate, other: MemoryEstimate) -> str:
     """ "out of memory by 1.3 GiB: activations +2.0 GiB" — the kind that grew most against the winner."""
-    kinds = [k for k in vars(other) if k not in ("capacity", "reserved")]
+    kinds = [k for k in vars(other) if k not in ("capacity", "reserved", "released")]
     grown = max(kinds, key=lambda k: getattr(other, k) - getattr(winner, k))
     delta = getattr(other, grown) - getattr(winner, grown)
     short = (other.total - other.capacity) / GIB

@@ -15,7 +15,9 @@ point-to-point, data-parallel reduction (what backward does not hide), ZeRO-3 ga
   backward and reduce-scatters gradients for every micro-batch. Buckets overlap with the last
   micro-batch's backward (ZeRO-3's gathers with every micro-batch's compute); only the part longer than
   that, or at least the last bucket, is exposed.
-- **Optimizer**: memory-bound; every byte of state read and written once at the memory bandwidth.
+- **Optimizer**: memory-bound, every byte of state read and written once at the memory bandwidth; or,
+  where the hardware measured it (``cpu``: an AdamW step with clipping over one block), that time per
+  parameter times the parameters this rank updates (Ψ_rank/dp under ZeRO).
 
 Collective times come from :func:`meshwise.comm.algorithms.registry.predict_seconds` with the link's α, β
 and γ (the device's memory bandwidth reduces): the same formulas ``meshwise bench`` is checked against.
@@ -159,6 +161,8 @@ def estimate_time(
     psi = rank_parameters(model, layout)
     states = sum(model_states(psi, layout.dp, layout.zero, precision))
     optimizer = 2 * states / hw.memory_bandwidth
+    if hw.optimizer_seconds is not None:
+        optimizer = hw.optimizer_seconds * psi / (layout.dp if layout.zero else 1)
     return TimeEstimate(
         compute=m * compute_mb,
         tensor_parallel=m * tp_mb,

@@ -5,11 +5,10 @@ seconds, the peak memory of its fullest rank, and (optionally) its trained weigh
 drives the public command line (``meshwise train gpt … --json F``) in a child process rather than the
 trainer's internals, so it measures what a user would run and survives changes inside ``train/gpt``.
 
-Peak memory is the largest peak resident set (``VmHWM``, sampled every 50 ms) of any process of the
-trial — the command and the ranks it spawned — minus the same figure for a *baseline* trial of a model
-too small to matter on the same number of ranks: what Python, torch, gloo, the corpus and evaluation
-cost is then not counted, and what remains is the bytes the layout itself adds — what a planner
-predicts.
+Peak memory is what the run itself reports (``peak_memory`` in its JSON, :mod:`meshwise.train.gpt.
+peak_memory`): the fullest rank's peak *allocated* bytes during the steps above those allocated before
+the model was built — the tensors a planner predicts, as ``max_memory_allocated`` is on a GPU — beside
+its resident high-water mark above the same point (which adds what glibc keeps of freed chunks).
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 #: train gpt flags a layout may set (the Layout spelling → the flag)
@@ -34,11 +33,10 @@ LAYOUT_FLAGS = {
     "micro_batches": "--micro-batches",
     "schedule": "--schedule",
     "virtual_stages": "--virtual-stages",
+    "recompute": "--recompute",
 }
 
-
-#: how often a trial's processes are sampled for their peak resident set (VmHWM only grows, so a sample
-#: shortly before a rank exits holds its peak up to then)
+#: how often a running trial is checked for its end
 POLL_SECONDS = 0.05
 #: validation windows of the one evaluation at the end: few (cheap), yet at least one per rank of any
 #: layout here, so that no rank's forwards are all padding (see data.windows.lockstep_val_batches)
@@ -59,6 +57,7 @@ class TrialSpec:
     lr: float = 2e-3
     model_flags: tuple[str, ...] = ()  # e.g. ("--layers", "1") for the baseline
     export: bool = False  # write the trained weights (Hugging Face GPT-2 safetensors)
+    threads: int | None = None  # torch threads per rank (OMP_NUM_THREADS), as a plan was measured with
 
     def argv(self, json_path: Path, export_dir: Path | None) -> list[str]:
         args = [
@@ -111,7 +110,9 @@ class TrialResult:
     error: str  # the run's last stderr line when it failed ("" otherwise)
     losses: tuple[float, ...] = ()
     step_seconds: tuple[float, ...] = ()
-    peak_rss: int = 0  # bytes, the largest process of the trial
+    peak_allocated: int = 0  # bytes: the fullest rank's peak allocated during the steps, above its start
+    peak_resident: int = 0  # bytes: the same rank's resident high-water mark during the steps, likewise
+    setup_allocated: int = 0  # bytes: the peak allocated while the model was built and cut
     weights: str | None = None  # exported safetensors file
 
     @property
@@ -132,15 +133,16 @@ def run_trial(spec: TrialSpec, workdir: Path, timeout: float = 300.0) -> TrialRe
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, [_source_root(), os.environ.get("PYTHONPATH")])),
     }
+    if spec.threads is not None:
+        env["OMP_NUM_THREADS"] = str(spec.threads)
     with open(out / "stdout", "w") as stdout, open(out / "stderr", "w") as stderr:
         child = subprocess.Popen(command, stdout=stdout, stderr=stderr, env=env)
-        peak, deadline = 0, time.monotonic() + timeout
+        deadline = time.monotonic() + timeout
         while child.poll() is None:
             if time.monotonic() > deadline:
                 child.kill()
                 child.wait()
                 return TrialResult(spec, False, f"did not finish in {timeout:.0f} s")
-            peak = max(peak, _peak_resident(child.pid))
             time.sleep(POLL_SECONDS)
     if child.returncode != 0 or not json_path.exists():
         lines = [line for line in (out / "stderr").read_text().splitlines() if line.strip()] or [
@@ -149,6 +151,7 @@ def run_trial(spec: TrialSpec, workdir: Path, timeout: float = 300.0) -> TrialRe
         return TrialResult(spec, False, lines[-1])
     run = json.loads(json_path.read_text())
     history = [h for h in run["history"] if h["step"] > run["first_step"]]
+    memory = run.get("peak_memory") or {}
     weights = None
     if export_dir is not None:
         weights = next((str(p) for p in sorted(export_dir.glob("*.safetensors"))), None)
@@ -158,36 +161,11 @@ def run_trial(spec: TrialSpec, workdir: Path, timeout: float = 300.0) -> TrialRe
         "",
         tuple(h["loss"] for h in history),
         tuple(h["seconds"] for h in history),
-        peak,
+        memory.get("allocated") or 0,
+        memory.get("resident") or 0,
+        memory.get("setup_allocated") or 0,
         weights,
     )
-
-
-def _peak_resident(pid: int) -> int:
-    """The largest peak resident set (VmHWM, bytes) of ``pid`` and its descendants now alive: the
-    spawned ranks are children of multiprocessing's fork server, which a parent's rusage never sees."""
-    largest, pending = 0, [pid]
-    while pending:
-        current = pending.pop()
-        try:
-            status = Path(f"/proc/{current}/status").read_text()
-            children = Path(f"/proc/{current}/task/{current}/children").read_text().split()
-        except OSError:  # it exited between two reads
-            continue
-        for line in status.splitlines():
-            if line.startswith("VmHWM:"):
-                largest = max(largest, int(line.split()[1]) * 1024)
-        pending += [int(c) for c in children]
-    return largest
-
-
-def baseline(spec: TrialSpec, workdir: Path, timeout: float = 300.0) -> TrialResult:
-    """The same run shape with a one-layer, 8-wide model on plain data parallelism: the memory every
-    trial of ``spec.ranks`` ranks pays whatever its layout."""
-    tiny = replace(spec, layout={}, steps=2, export=False,
-                   model_flags=("--layers", "1", "--hidden", "8", "--heads", "1"), global_batch=spec.ranks,
-                   seq_len=8)  # fmt: skip
-    return run_trial(tiny, workdir, timeout)
 
 
 def _source_root() -> str:

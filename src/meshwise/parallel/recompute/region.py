@@ -127,7 +127,10 @@ class _Region:
         fresh: list[torch.Tensor] = []
 
         def collect(tensor: torch.Tensor) -> int:
-            fresh.append(tensor)
+            # detached, as torch.utils.checkpoint keeps them: the tensor's own grad_fn belongs to this
+            # throw-away graph, whose saved-tensor hooks hold ``fresh`` — a cycle through C++ that the
+            # garbage collector cannot see, which kept every recomputed tensor to the end of backward
+            fresh.append(tensor.detach())
             return len(fresh) - 1
 
         inputs = [x.detach().requires_grad_(x.requires_grad) for x in self.inputs]

@@ -34,6 +34,7 @@ from meshwise.train.gpt.init_from import export, load_weights
 from meshwise.train.gpt.moe import moe_banner, router_report
 from meshwise.train.gpt.parallelize import parallelize
 from meshwise.train.gpt.peak import peak_flops, shared_cores_peak, thread_hint
+from meshwise.train.gpt.peak_memory import MEASURED_STEPS, PeakMemory
 from meshwise.train.gpt.profiling import GPTProfiling
 from meshwise.train.gpt.report import GPTResult, StepStats, step_line
 from meshwise.train.gpt.schedule import lr_at
@@ -62,6 +63,10 @@ class GPTTrainer:
         self.model_config = config.model_config
         self.seq_len = config.train_seq_len
         self.micro_batch = config.per_rank_micro_batch(self.dp)
+        # from here: the bytes a plan predicts (see peak_memory)
+        self.memory = PeakMemory(
+            replace(self.model_config, seq_len=self.seq_len), self.micro_batch, world.device
+        )
         torch.manual_seed(config.seed)
         model = GPT(self.model_config).to(world.device)
         if config.init_from is not None and not config.resume:  # a resumed run continues its own weights
@@ -70,6 +75,8 @@ class GPTTrainer:
             for block in model.blocks:
                 block.compile()
         self.step_runner = parallelize(model, self.mesh, config)
+        del model  # this rank's shard lives on in the step runner
+        self.memory.training_starts()
         self.history: list[StepStats] = []
         self.first_step = 0
         self.initial_val_loss: float | None = None  # before the first step: the baseline learning beats
@@ -250,7 +257,8 @@ class GPTTrainer:
 
     def run(self) -> GPTResult:
         config, world = self.config, self.world
-        parameters = sum(p.numel() for p in self.step_runner.full_model().parameters())
+        with torch.device("meta"):  # counted, not reassembled: a sharded full_model() is a whole copy
+            parameters = sum(p.numel() for p in GPT(self.model_config).parameters())
         flops = replace(self.model_config, seq_len=self.seq_len).flops_per_token()
         peak, source = self._peak()
         if world.is_main:
@@ -280,6 +288,8 @@ class GPTTrainer:
             task = progress.add_task("train", total=config.steps, completed=self.first_step, status="")
             for step in range(self.first_step, config.steps):
                 stats = self.train_step(step)
+                if step + 1 - self.first_step == MEASURED_STEPS:
+                    self.memory.stop()  # the peak is in; the sampler need not run on
                 last = step + 1 == config.steps
                 if (step + 1) % config.eval_every == 0 or last:
                     stats = replace(stats, val_loss=self.evaluate())
@@ -298,6 +308,7 @@ class GPTTrainer:
                 if checkpoint_due(config, step + 1, evaluated=stats.val_loss is not None):
                     self.save_checkpoint(step + 1)
         self.step_log.close()
+        peak_memory = self._peak_memory()
         self.step_runner.finish()
         text = self.sample(config.sample) if config.sample else None
         exported = self.export_hf(config.export_hf) if config.export_hf is not None else None
@@ -326,6 +337,7 @@ class GPTTrainer:
             checkpoint=self.checkpoint_path,
             sample=text,
             comm_stats=self._comm_stats(),
+            peak_memory=peak_memory,
             exported=exported,
             profile=self.profiling.finish(),
             notes=notes,
@@ -353,6 +365,14 @@ class GPTTrainer:
                 if path is not None
             },
         )
+
+    def _peak_memory(self) -> dict[str, int | None]:
+        """Collective: the fullest rank's peak bytes during the steps (see :mod:`peak_memory`)."""
+        mine = self.memory.stop()
+        keys = sorted(mine)
+        values = torch.tensor([-1 if mine[k] is None else mine[k] for k in keys], dtype=torch.float64)
+        self.world.comm.all_reduce(values, ReduceOp.MAX)
+        return {k: None if v < 0 else int(v) for k, v in zip(keys, values.tolist(), strict=True)}
 
     def _comm_stats(self) -> dict[str, dict[str, dict[str, float]]] | None:
         if not self.config.comm_stats:

@@ -56,6 +56,9 @@ class GPTResult:
     #: with --comm-stats: rank 0's calls, bytes and bus bytes per op on each mesh axis, over the run
     comm_stats: dict[str, dict[str, dict[str, float]]] | None = None
     exported: str | None = None  # the Hugging Face weights file --export-hf wrote
+    #: the fullest rank's peak bytes during the steps above those before the model: allocated (what a
+    #: plan predicts), setup_allocated (building and cutting the model), resident (see peak_memory)
+    peak_memory: dict[str, int | None] | None = None
     #: with --profile: rank 0's step breakdown (Breakdown.to_json; under --pp also pipeline_idle_fraction)
     profile: dict | None = None
     #: the strategy's own summary lines (ZeRO: per-rank memory vs the formula, the fp16 loss scale)
