@@ -158,11 +158,13 @@ def sharded_tensor(
 
 
 def _dtensor(pieces: LocalShardsWrapper, whole: torch.Size, dtype: torch.dtype) -> DTensor:
-    """A DTensor of global shape ``whole`` holding ``pieces`` on a 1-D mesh over the job. Built from its
-    spec rather than ``DTensor.from_local``, which views the local tensor as a whole and so would refuse
-    pieces of a tensor with more than two dimensions (a convolution's weight)."""
-    device = pieces.device.type
-    mesh = DeviceMesh(device, torch.arange(dist.get_world_size()))
+    """A DTensor of global shape ``whole`` holding ``pieces`` on a 1-D mesh over the job. The mesh only
+    describes (DCP asks the pieces, never the mesh's process groups), so it is built without any:
+    creating them is collective and, for gloo on a CUDA machine, a new process group per tensor. Built
+    from its spec rather than ``DTensor.from_local``, which views the local tensor as a whole and so would
+    refuse pieces of a tensor with more than two dimensions (a convolution's weight)."""
+    world = torch.arange(dist.get_world_size())
+    mesh = DeviceMesh(pieces.device.type, world, _init_backend=False, _rank=dist.get_rank())
     meta = TensorMeta(whole, torch.empty(whole, device="meta").stride(), dtype)
     spec = DTensorSpec(mesh, (Shard(0),), tensor_meta=meta)
     return DTensor(pieces, spec, requires_grad=False)
