@@ -14,7 +14,7 @@ import re
 
 import pytest
 import torch
-from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.tensor import DTensor
 
 import meshwise
 from gpt_reference import reference_step
@@ -116,11 +116,12 @@ def _save_then_resume_on_two(data: str, root: str) -> dict[str, object]:
 def _local_elements(state: dict) -> dict[str, tuple[int, int]]:
     """For each model / AdamW tensor handed to DCP: (this rank's elements of it, the tensor's elements)
     — what a rank materialises while saving."""
-    tensors = {f"model.{k}": v for k, v in state["model"].items() if isinstance(v, ShardedTensor)}
+    tensors = {f"model.{k}": v for k, v in state["model"].items() if isinstance(v, DTensor)}
     for name, slots in state["optim"]["state"].items():
-        tensors |= {f"optim.{name}.{k}": v for k, v in slots.items() if isinstance(v, ShardedTensor)}
+        tensors |= {f"optim.{name}.{k}": v for k, v in slots.items() if isinstance(v, DTensor)}
     unique = {id(t): (key, t) for key, t in reversed(tensors.items())}.values()  # a tied weight once
-    return {key: (sum(s.tensor.numel() for s in t.local_shards()), t.size().numel()) for key, t in unique}
+    local = {key: t.to_local().local_shards() for key, t in unique}
+    return {key: (sum(s.numel() for s in local[key]), t.size().numel()) for key, t in unique}
 
 
 def _resume_on_one(data: str, root: str) -> dict[str, object]:
@@ -149,7 +150,7 @@ def test_a_zero3_checkpoint_resumes_as_zero1_as_dp_and_on_another_world_size(tex
     expected = two["expected"]
     assert _close(two["zero3 from zero3"], expected), two
     assert two["zero3 params"] < TOLERANCE, two
-    # saving: every parameter and moment is a ShardedTensor; the ranks' local pieces cover each exactly
+    # saving: every parameter and moment is a DTensor; the ranks' local pieces cover each exactly
     # (none twice, padding never), so each rank hands DCP about half of all elements, not all of them
     local = [found["local"] for found in both]
     assert {k.split(".")[0] for k in local[0]} == {"model", "optim"} and len(local[0]) > 10, local

@@ -9,10 +9,12 @@ different world sizes differ only by reduction order (≈1e-16) and "the same lo
 from __future__ import annotations
 
 import os
+import warnings
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch import nn
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import meshwise
@@ -92,3 +94,56 @@ def test_a_checkpoint_from_4_ranks_continues_on_2_and_on_1_with_the_same_losses(
     x, y = _batch(SAVED_AT)
     with torch.no_grad():
         assert language_model_loss(plain(x), y).item() == pytest.approx(uninterrupted[0], abs=1e-12)
+
+
+def _save_and_load_warning_free(directory: str) -> dict[str, object]:
+    """ZeRO-3 over 2 ranks of a small CNN (4-D weights whose flat ranges cut mid-row): save, scramble the
+    shards, load back — recording every warning torch raises on the way."""
+    comm = meshwise.init("gloo", timeout=60).comm
+    try:
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Conv2d(2, 3, 3), nn.ReLU(), nn.Flatten(), nn.Linear(3 * 4 * 4, 5))
+        model = shard(net, comm, stage=3)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model(torch.randn(4, 2, 6, 6)).square().mean().backward()
+        optimizer.step()
+        saved = [(g.master.clone(), optimizer.state[g.master]["exp_avg"].clone()) for g in model.groups]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            state = zero_state_dict(model, optimizer)
+            dcp.save(state, checkpoint_id=directory)
+            for group in model.groups:
+                group.master.data.normal_()
+                optimizer.state[group.master]["exp_avg"].zero_()
+            loaded = zero_state_dict(model, optimizer)
+            dcp.load(loaded, checkpoint_id=directory)
+            load_zero_state_dict(model, optimizer, loaded)
+        restored = all(  # every element but the padding, which is never written
+            torch.equal(g.master[p], master[p])
+            and torch.equal(optimizer.state[g.master]["exp_avg"][p], moment[p])
+            for g, (master, moment) in zip(model.groups, saved, strict=True)
+            for p in (slice(q.shard_start, q.shard_start + q.numel) for q in g.layout.pieces(comm.rank))
+        )
+        kinds = {type(v).__name__ for v in state["model"].values()}
+        kinds |= {type(v).__name__ for slots in state["optim"]["state"].values() for v in slots.values()}
+        return {
+            "warnings": [f"{w.category.__name__}: {w.message}" for w in caught],
+            "restored": restored,
+            "kinds": kinds,
+            "weights": {k: tuple(v.shape) for k, v in net.state_dict().items()},
+        }
+    finally:
+        meshwise.shutdown()
+
+
+def test_a_zero_checkpoint_is_dtensors_saved_and_loaded_without_a_deprecation_warning(tmp_path):
+    """No ``ShardedTensor`` (deprecated: torch warns on every save and load): DTensors, read back
+    exactly, and torch alone turns the checkpoint into the plain CNN's state dict."""
+    found = spawn(_save_and_load_warning_free, 2, (str(tmp_path / "ckpt"),), timeout=60)
+    for rank in found:
+        assert not [w for w in rank["warnings"] if "FutureWarning" in w or "ShardedTensor" in w], rank
+        assert rank["restored"], rank
+        assert rank["kinds"] == {"DTensor", "Tensor"}, rank  # moments and weights; AdamW's step a Tensor
+    dcp_to_torch_save(tmp_path / "ckpt", tmp_path / "plain.pt")
+    saved = torch.load(tmp_path / "plain.pt", weights_only=False)
+    assert {k: tuple(v.shape) for k, v in saved["model"].items()} == found[0]["weights"]

@@ -4,8 +4,8 @@
 2 ranks, plain data parallelism, tensor-parallel slices) loads into another when every layout describes
 the same logical tensors. :func:`zero_state_dict` therefore gives the layout of a data-parallel
 checkpoint — ``model[name]`` and ``optim.state[name][key]`` shaped like the plain parameter, the
-optimizer's ``param_groups`` naming parameters — but each tensor is a ``ShardedTensor`` whose local
-shards are views of this rank's flat master shard (or AdamW moment). A flat shard cuts parameters at
+optimizer's ``param_groups`` naming parameters — but each tensor is a ``DTensor`` whose local pieces
+are views of this rank's flat master shard (or AdamW moment). A flat shard cuts parameters at
 arbitrary element offsets, so a rank's piece of a parameter is described as the few rectangular boxes
 covering it (:func:`~.rectangles.boxes`), computed from the layout every rank knows: no metadata is
 exchanged, padding is never written, and no rank ever holds a whole tensor. Model-agnostic: the callers
@@ -20,9 +20,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed._shard.metadata import ShardMetadata
-from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
-from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 
 from meshwise.parallel.optimizer_state import init_optimizer_state
 from meshwise.parallel.zero.flat import FlatGroup
@@ -38,9 +40,10 @@ def zero_state_dict(
     optimizer_key: Callable[[str], str] = lambda name: name,
 ) -> dict[str, Any]:
     """The data-parallel checkpoint layout — ``model[name]`` and ``optim.state[name][key]`` shaped like
-    the plain parameter — where each tensor is a ``ShardedTensor`` whose local shards are views of this
-    rank's master shard (or AdamW moment), placed on the job by ``slices_of`` (default: ZeRO over the
-    whole job, :meth:`Slices.flat`; ``train gpt``'s ``zero_slices`` adds tensor parallelism): DCP
+    the plain parameter — where each tensor is a ``DTensor`` (:func:`sharded_tensor`) whose local pieces
+    are views of this rank's master shard (or AdamW moment), placed in the plain parameter by
+    ``slices_of`` (default: the parameter itself; ``train gpt``'s ``zero_slices`` adds tensor
+    parallelism): DCP
     writes only this rank's elements, and loading into this dict reads only the ranges this rank's layout
     needs, in place. No rank ever holds a whole tensor, which is the point of ZeRO when a model does not
     fit. The scalar ``step`` is replicated. ``group_names``: the plain model's names of each optimizer
@@ -111,68 +114,69 @@ def sharded_tensor(
     shape: tuple[int, ...] | None = None,
     *,
     slices: Slices | None = None,
-) -> ShardedTensor:
-    """Parameter ``index`` of ``group`` as a ShardedTensor of ``shape`` (default: 1-D, its ``numel``
-    elements) whose local shards are views of ``flat`` (this rank's flat shard of a parameter-shaped
+) -> DTensor:
+    """Parameter ``index`` of ``group`` as a DTensor of ``shape`` (default: 1-D, its ``numel``
+    elements) whose local pieces are views of ``flat`` (this rank's flat shard of a parameter-shaped
     quantity: the master, a moment, a staging buffer). Each rank's piece of the parameter becomes the
     :func:`~.rectangles.boxes` covering it, computed from the layout every rank knows, so no metadata
     is exchanged and padding is never part of a shard.
 
-    ``slices`` places it on a larger mesh (see :class:`Slices`): shards are named by job rank, and a
-    tensor-parallel slice's boxes move to where it lies in the plain parameter — the ShardedTensor then
-    has the plain parameter's shape and every (dp, tp) rank's shards together cover it."""
+    ``slices`` places it on a larger mesh (see :class:`Slices`): a tensor-parallel slice's boxes move to
+    where it lies in the plain parameter — the DTensor then has the plain parameter's shape and every
+    (dp, tp) rank's pieces together cover it.
+
+    Why this form: a flat shard cuts a parameter at an arbitrary element, so a rank holds up to three
+    rectangles of it (a partial row, whole rows, a partial row), which no DTensor placement
+    (``Shard``, uneven ``torch.chunk`` splits, ``_StridedShard``) describes — they all give a rank one
+    rectangle. DTensor's checkpoint protocol defers to its local tensor, and torch's
+    ``LocalShardsWrapper`` (what torchrec checkpoints its row/column-wise tables with) holds several
+    rectangles with their offsets; DCP then writes exactly these chunks, as plain tensor chunks that
+    ``dcp_to_torch_save`` reads with torch alone. The DTensor lives on a 1-D ``DeviceMesh`` over the
+    job (``Shard(0)``: each rank holds its own part); the chunks, not the placement, say which part."""
     layout = group.layout
     shape = (layout.numels[index],) if shape is None else tuple(shape)
-    slices = slices if slices is not None else Slices.flat(group.comm.world_size)
+    slices = slices if slices is not None else Slices()
     whole = slices.whole or shape
-    device = flat.device.type
-    metadata, local = [], []
-    for slice_index, owners in enumerate(slices.owners):
-        offset = slice_index * shape[slices.dim]
-        for rank in range(layout.world_size):
-            mine = slice_index == slices.mine and rank == group.comm.rank
-            placement = f"rank:{owners[rank]}/{device}"
-            placed = 0
-            for piece in (p for p in layout.pieces(rank) if p.param == index):
-                for box in boxes(shape, piece.param_start, piece.param_start + piece.numel):
-                    offsets, sizes = list(box.offsets), list(box.sizes)
-                    offsets[slices.dim] += offset
-                    sizes[slices.dim] = min(sizes[slices.dim], whole[slices.dim] - offsets[slices.dim])
-                    if sizes[slices.dim] <= 0:
-                        continue  # vocabulary padding only
-                    metadata.append(ShardMetadata(offsets, sizes, placement))
-                    placed += 1
-                    if mine:
-                        begin = piece.shard_start + box.flat_start - piece.param_start
-                        view = flat[begin : begin + box.numel].view(box.sizes)
-                        local.append(Shard(view.narrow(slices.dim, 0, sizes[slices.dim]), metadata[-1]))
-            if not placed:  # an empty chunk: DCP mishandles a key some rank holds nothing of (it then
-                # reads nested keys the pre-2.4 way and misses them), and an empty parameter still needs
-                # one chunk. It sits at the far corner: DCP tells chunks apart by offset, and no real
-                # chunk starts there
-                empty = [0] * len(whole)
-                metadata.append(ShardMetadata(list(whole), empty, placement))
-                if mine:
-                    local.append(Shard(flat[:0].view(empty), metadata[-1]))
-    properties = TensorProperties(dtype=flat.dtype)
-    global_metadata = ShardedTensorMetadata(metadata, torch.Size(whole), properties)
-    return ShardedTensor._init_from_local_shards_and_global_metadata(local, global_metadata)
+    local, offsets = [], []
+    for piece in (p for p in layout.pieces(group.comm.rank) if p.param == index):
+        for box in boxes(shape, piece.param_start, piece.param_start + piece.numel):
+            start, sizes = list(box.offsets), list(box.sizes)
+            start[slices.dim] += slices.mine * shape[slices.dim]
+            sizes[slices.dim] = min(sizes[slices.dim], whole[slices.dim] - start[slices.dim])
+            if sizes[slices.dim] <= 0:
+                continue  # vocabulary padding only
+            begin = piece.shard_start + box.flat_start - piece.param_start
+            view = flat[begin : begin + box.numel].view(box.sizes)
+            local.append(view.narrow(slices.dim, 0, sizes[slices.dim]))
+            offsets.append(tuple(start))
+    if not local:  # an empty chunk: DCP mishandles a key some rank holds nothing of (it then reads
+        # nested keys the pre-2.4 way and misses them), and an empty parameter still needs one chunk.
+        # It sits at the far corner: DCP tells chunks apart by offset, and no real chunk starts there
+        local.append(flat[:0].view([0] * len(whole)))
+        offsets.append(tuple(whole))
+    return _dtensor(LocalShardsWrapper(local, offsets), torch.Size(whole), flat.dtype)
+
+
+def _dtensor(pieces: LocalShardsWrapper, whole: torch.Size, dtype: torch.dtype) -> DTensor:
+    """A DTensor of global shape ``whole`` holding ``pieces`` on a 1-D mesh over the job. The mesh only
+    describes (DCP asks the pieces, never the mesh's process groups), so it is built without any:
+    creating them is collective and, for gloo on a CUDA machine, a new process group per tensor. Built
+    from its spec rather than ``DTensor.from_local``, which views the local tensor as a whole and so would
+    refuse pieces of a tensor with more than two dimensions (a convolution's weight)."""
+    world = torch.arange(dist.get_world_size())
+    mesh = DeviceMesh(pieces.device.type, world, _init_backend=False, _rank=dist.get_rank())
+    meta = TensorMeta(whole, torch.empty(whole, device="meta").stride(), dtype)
+    spec = DTensorSpec(mesh, (Shard(0),), tensor_meta=meta)
+    return DTensor(pieces, spec, requires_grad=False)
 
 
 @dataclass(frozen=True)
 class Slices:
-    """How a ZeRO-sharded parameter lies on the job: ``owners[t][d]`` is the job rank holding flat-layout
-    rank ``d``'s piece of slice ``t``; this rank holds slice ``mine``. Without tensor parallelism there
-    is one slice, the parameter itself. With it, a tp-sharded parameter is slice ``t`` (tp rank t's
-    shard) of ``whole`` along ``dim``; a tp-replicated one is one slice, and its copies on the other tp
-    ranks describe the same chunks, which DCP writes once."""
+    """How a ZeRO-sharded parameter lies in the plain one. Without tensor parallelism it is the plain
+    parameter itself. With it, a tp-sharded parameter is slice ``mine`` (this tp rank's shard) of
+    ``whole`` along ``dim``; a tp-replicated one is the whole parameter on every tp rank, whose copies
+    describe the same chunks, which DCP writes once."""
 
-    owners: tuple[tuple[int, ...], ...]
     mine: int = 0
     whole: tuple[int, ...] | None = None
     dim: int = 0
-
-    @classmethod
-    def flat(cls, ranks: int) -> Slices:
-        """One slice whose flat-layout ranks are job ranks 0..ranks-1 (ZeRO over the whole job)."""
-        return cls(owners=(tuple(range(ranks)),))

@@ -15,7 +15,7 @@ seam's contract asks of a sharded strategy, and how it is met here:
   overflowed on any rank is skipped on every rank (the loop's ``optimizer.step()`` then finds no gradient);
 - checkpoints use the plain model's names and shapes, model and AdamW state alike — the layout of a
   data-parallel checkpoint — so a run resumes under any stage, as plain data parallelism, or on another
-  number of ranks; but each tensor is a ``ShardedTensor`` of the rectangles of this rank's flat range,
+  number of ranks; but each tensor is a ``DTensor`` of the rectangles of this rank's flat range,
   so every rank writes and reads only its own elements (never a whole tensor, never padding);
 - ``full_model()`` gathers a plain GPT (collective: every rank calls it; ``--sample`` uses rank 0's).
 """
@@ -162,21 +162,14 @@ class ZeroStep(ParallelStep):
 
 
 def zero_slices(mesh: Mesh, plain_shapes: dict[str, torch.Size]) -> Callable[[str, torch.Tensor], Slices]:
-    """How a parameter's flat shards lie on the job: over this rank's replicas group (ZeRO's, in its rank
-    order), and for a tp shard over every tp rank's replicas group, each holding its slice of the plain
-    parameter (of ``plain_shapes[name]``)."""
-    shape, here = mesh.shape, mesh.coordinates
-    groups = shape.groups(*GROUPINGS["replicas"])
-
-    def owners(tp_index: int) -> tuple[int, ...]:
-        rank = shape.rank_of(**{**here, "tp": tp_index})
-        return tuple(next(group for group in groups if rank in group))
+    """Where a parameter's flat shards lie in the plain parameter: a tp shard is this tp rank's slice of
+    the plain parameter (of ``plain_shapes[name]``); anything else is the plain parameter itself."""
+    tp_rank = mesh.coordinates["tp"]
 
     def slices_of(name: str, param: torch.Tensor) -> Slices:
         dim = shard_dim(param)
         if dim is None:
-            return Slices(owners=(owners(here["tp"]),))
-        held = tuple(owners(t) for t in range(shape.tp))
-        return Slices(held, mine=here["tp"], whole=tuple(plain_shapes[name]), dim=dim)
+            return Slices()
+        return Slices(mine=tp_rank, whole=tuple(plain_shapes[name]), dim=dim)
 
     return slices_of
