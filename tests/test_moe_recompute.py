@@ -17,8 +17,10 @@ from dataclasses import asdict
 
 import numpy as np
 import pytest
+import torch
 
 import meshwise
+from meshwise.parallel.recompute.region import recomputed, replay_aware
 from meshwise.runtime.spawn import spawn
 from meshwise.train.gpt import GPTTrainConfig
 from meshwise.train.gpt.loop import GPTTrainer
@@ -84,3 +86,26 @@ def test_moe_recompute_trains_exactly_as_without(text: str, ranks: int, flags: d
     results = spawn(_run_modes, ranks, args=(text, flags), timeout=110)
     for runs in results:
         _check_equal(runs)
+
+
+class _Counting(torch.nn.Module):
+    """Records the ``recomputing`` flag of each of its forwards."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+        self.recomputing = False
+        self.seen: list[bool] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(self.recomputing)
+        return self.linear(x).tanh()
+
+
+def test_a_recomputed_region_flags_its_second_run_and_restores_the_flag() -> None:
+    inner = _Counting()
+    outer = torch.nn.Sequential(inner)
+    x = torch.randn(3, 4, requires_grad=True)
+    recomputed(outer, x, owners=[outer]).sum().backward()
+    assert inner.seen == [False, True] and inner.recomputing is False
+    assert replay_aware([outer, inner]) == [inner]  # each flagged module once, found under its owners
