@@ -54,7 +54,6 @@ def test_data_parallel_moe_matches_one_process_and_reports_the_router(text: str,
         ({"config": "gpt-moe-tiny", "nproc": 2, "tp": 2, "sp": True}, "drop --sp"),
         ({"config": "gpt-moe-tiny", "zero": 1}, "drop --zero"),
         ({"config": "gpt-moe-tiny", "nproc": 2, "pp": 2, "schedule": "zb"}, "drop --schedule zb"),
-        ({"config": "gpt-moe-tiny", "recompute": "full"}, "drop --recompute full"),
         ({"experts": 4, "z_loss_coef": float("nan")}, "--z-loss-coef must be a number ≥ 0"),
     ],
 )

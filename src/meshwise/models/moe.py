@@ -188,16 +188,22 @@ class MixtureOfExperts(nn.Module):
         #: layer's backward adds their gradient, times it (a pipeline stage, whose loss is elsewhere)
         self.aux_gradient_scale: float | None = None
         self.tally = RouterTally.empty(experts)
+        #: True while activation recomputation runs this forward again (set by the recomputed region):
+        #: the tally and ``routing`` keep the first run's, so a step's routing is counted once and the
+        #: auxiliary losses (already in the first run's graph) enter the gradient once
+        self.recomputing = False
 
     def forward(self, x: Tensor) -> Tensor:
         flat = x.reshape(-1, x.shape[-1])
         routing = route(self.router(flat), self.top_k, self.capacity_factor)
         grouped, counts, order = group_by_expert(flat, routing)
         outputs = self.exchange(grouped, counts, self.run_local_experts)
-        self.routing = routing
         mixed = combine(outputs, order, routing, flat.shape[0]).reshape(x.shape)
+        if not self.recomputing:
+            self.routing = routing
         if self.training:
-            self.tally.add(routing)
+            if not self.recomputing:
+                self.tally.add(routing)
             if self.aux_gradient_scale is not None:
                 aux = self.balance_coef * routing.balance_loss + self.z_loss_coef * routing.z_loss
                 mixed = _WithAuxiliaryGradient.apply(mixed, aux, self.aux_gradient_scale)

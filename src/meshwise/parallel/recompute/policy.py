@@ -12,7 +12,8 @@
 
 The policy is applied to the blocks a rank holds after the model has been parallelized (tensor-parallel
 layers replaced, pipeline stages cut), so it composes with every strategy: it changes how a block's
-forward is run, never which parameters or collectives it has. A block is anything with the
+forward is run, never which parameters or collectives it has (a recomputed block with expert
+parallelism's all-to-alls runs them again, in the same order on every rank). A block is anything with the
 ``run_body``/``body`` pair and an ``attn`` with ``run_core``/``core`` (our GPT's :class:`Block`).
 """
 

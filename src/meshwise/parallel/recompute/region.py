@@ -23,6 +23,13 @@ random numbers is not disturbed. Modules may draw from states of their own (tens
 per-rank state): any ``random`` attribute of a module in ``owners`` with ``get_state``/``set_state`` is
 captured and replayed the same way.
 
+**Side effects** (a mixture of experts' router tally, its last routing for the auxiliary losses): the
+recomputation must not repeat them. Any module under ``owners`` with a boolean ``recomputing`` attribute
+has it set to True while its forward runs again (:func:`recomputing`), and skips what it already did;
+the auxiliary losses need nothing more — the first run's graph, which backward walks, holds them once.
+Collectives in the recomputed forward (expert parallelism's all-to-alls) run again in their order, at
+the first ticket backward asks for; every rank walks the same graph, so they meet at the same point.
+
 Saved-bytes measurement (:mod:`.saved`) sees the region's kept inputs through :func:`note_kept`.
 """
 
@@ -87,6 +94,29 @@ class RandomSnapshot:
                 source.set_state(state)
 
 
+def replay_aware(owners: Sequence[nn.Module]) -> list[nn.Module]:
+    """The modules under ``owners`` that declare a ``recomputing`` flag (each once, in module order)."""
+    found: dict[int, nn.Module] = {}
+    for owner in owners:
+        for module in owner.modules():
+            if isinstance(getattr(module, "recomputing", None), bool):
+                found.setdefault(id(module), module)
+    return list(found.values())
+
+
+@contextmanager
+def recomputing(modules: Sequence[nn.Module]) -> Iterator[None]:
+    """Inside: every one of ``modules`` has ``recomputing = True``; after: the values from before."""
+    before = [module.recomputing for module in modules]
+    for module in modules:
+        module.recomputing = True
+    try:
+        yield
+    finally:
+        for module, value in zip(modules, before, strict=True):
+            module.recomputing = value
+
+
 class AutocastSnapshot:
     """The autocast setting of the device a region ran on, re-entered for the recomputation."""
 
@@ -108,6 +138,7 @@ class _Region:
         device = inputs[0].device
         self.random = RandomSnapshot(device, random_sources(owners))
         self.autocast = AutocastSnapshot(device)
+        self.replay_aware = replay_aware(owners)
         self.saved = 0  # tickets handed out by the first run
         self.recomputed: list[torch.Tensor | None] = []
 
@@ -135,7 +166,8 @@ class _Region:
 
         inputs = [x.detach().requires_grad_(x.requires_grad) for x in self.inputs]
         hooks = torch.autograd.graph.saved_tensors_hooks(collect, fresh.__getitem__)
-        with torch.enable_grad(), self.random.replayed(), self.autocast.entered(), hooks:
+        replaying = recomputing(self.replay_aware)
+        with torch.enable_grad(), self.random.replayed(), self.autocast.entered(), replaying, hooks:
             self.fn(*inputs)
         if len(fresh) != self.saved:
             raise RuntimeError(
@@ -149,7 +181,8 @@ class _Region:
 def recomputed(fn: Callable[..., Any], *inputs: torch.Tensor, owners: Sequence[nn.Module] = ()) -> Any:
     """``fn(*inputs)``, keeping only ``inputs`` for backward and recomputing the rest when it is needed.
 
-    ``owners`` are the modules ``fn`` runs (their own random states are replayed). Without autograd
+    ``owners`` are the modules ``fn`` runs (their own random states are replayed, their ``recomputing``
+    flags set during the second run). Without autograd
     (evaluation, ``torch.no_grad``) it is simply ``fn(*inputs)``.
     """
     if not torch.is_grad_enabled():

@@ -67,8 +67,6 @@ def check_moe_training(config: GPTTrainConfig, default_model: str) -> None:
             ),
             ("--init-from", config.init_from is not None, "Hugging Face GPT-2 weights have no experts"),
             ("--export-hf", config.export_hf is not None, "Hugging Face GPT-2 weights have no experts"),
-            # a recomputed block runs its router twice, which would count each step's routing twice
-            (f"--recompute {config.recompute}", config.recompute != "none", "the router would run twice"),
         )
         if on
     ]
