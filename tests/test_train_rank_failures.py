@@ -77,8 +77,9 @@ def test_an_exception_on_rank_1_is_reported_by_rank_1_once(tmp_path):
 def test_a_gpt_loss_that_turns_nan_on_rank_1_is_named_once_by_rank_0(tmp_path, text):
     gpt = ["train", "gpt", "--config", "gpt-tiny", "--data", text, "--seq-len", "32", "--global-batch", "4",
            "--steps", "4", "--eval-every", "4", "--eval-windows", "2", "--backend", "gloo"]  # fmt: skip
-    # call 1 is rank 1's share of the first evaluation: step 3 is the first with a NaN loss on rank 1
-    code, output = _launched(tmp_path, "1", "nan", "4", *gpt)
+    # call 1 is the memory probe's one-block warm-up (train/gpt/peak_memory.py), call 2 rank 1's share of
+    # the first evaluation: step 3 is the first with a NaN loss on rank 1
+    code, output = _launched(tmp_path, "1", "nan", "5", *gpt)
     assert code == 1, output
     reports = [line for line in output.splitlines() if "training diverged" in line]
     assert reports[0] == (
