@@ -11,7 +11,7 @@ from gpt_cli import gpt_argv
 from meshwise.cli import build_parser, main
 from meshwise.train.gpt import GPTTrainConfig
 from meshwise.train.gpt.peak import shared_cores_peak, thread_hint
-from meshwise.train.gpt.report import GPT_KNOBS
+from meshwise.train.gpt.report import GPT_KNOBS, gpt_knobs
 from meshwise.train.gpt.start_notes import schedule_note
 
 
@@ -40,8 +40,22 @@ def test_the_profile_advice_names_only_flags_train_gpt_has():
     parser = build_parser("train")
     gpt = parser._subparsers._group_actions[0].choices["train"]._subparsers._group_actions[0].choices["gpt"]
     flags = {option for action in gpt._actions for option in action.option_strings}
-    named = {flag for knob in GPT_KNOBS.values() for flag in re.findall(r"(?<![\w-])--?[a-z][a-z-]*", knob)}
+    runs = [None, {"schedule": "zb"}, {"schedule": "interleaved", "virtual_stages": 2}]
+    knobs = [knob for strategy in runs for knob in gpt_knobs(strategy).values()]
+    named = {flag for knob in knobs for flag in re.findall(r"(?<![\w-])--?[a-z][a-z-]*", knob)}
     assert named and named <= flags, named - flags
+
+
+def test_the_bubble_advice_names_only_schedules_the_run_does_not_use():
+    assert gpt_knobs(None) is GPT_KNOBS and "--schedule zb" in GPT_KNOBS["bubble"]
+    zb = gpt_knobs({"schedule": "zb", "virtual_stages": 1})["bubble"]
+    assert "--schedule zb" not in zb and "--schedule interleaved" in zb
+    interleaved = gpt_knobs({"schedule": "interleaved", "virtual_stages": 2})["bubble"]
+    assert (
+        "--schedule interleaved" not in interleaved
+        and "now 2" in interleaved
+        and "--schedule zb" in interleaved
+    )
 
 
 def test_a_resume_with_more_steps_notes_the_replanned_schedule():

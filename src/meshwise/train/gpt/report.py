@@ -127,7 +127,7 @@ class GPTResult:
         if self.comm_stats:
             lines += self._comm_lines()
         if self.profile is not None:
-            lines += ["", table(Breakdown.from_json(self.profile), GPT_KNOBS)]
+            lines += ["", table(Breakdown.from_json(self.profile), gpt_knobs(self.strategy))]
             if "pipeline_idle_fraction" in self.profile:
                 idle = self.profile["pipeline_idle_fraction"]
                 lines.append(
@@ -165,7 +165,7 @@ class GPTResult:
         )
         if self.profile is not None and "verdict" in self.profile:  # the advice in train gpt's flags
             verdict = data["profile"]["verdict"]
-            verdict["knob"] = GPT_KNOBS[verdict["bound"]]
+            verdict["knob"] = gpt_knobs(self.strategy)[verdict["bound"]]
         return data
 
 
@@ -181,6 +181,22 @@ GPT_KNOBS = {
     "--log-every, drop --comm-stats",
     "compute": "compute dominates, as it should: add ranks (-np), use --device cuda, or --dtype bf16",
 }
+
+
+def gpt_knobs(strategy: dict[str, Any] | None) -> dict[str, str]:
+    """:data:`GPT_KNOBS` for this run: the bubble advice names only the schedules it does not already use
+    (a zb run is not told to try zb; an interleaved one is told to raise --virtual-stages)."""
+    run = strategy or {}
+    schedule = run.get("schedule")
+    if schedule not in ("zb", "interleaved"):
+        return GPT_KNOBS
+    other = (
+        "--schedule interleaved --virtual-stages 2"
+        if schedule == "zb"
+        else f"more --virtual-stages (now {run.get('virtual_stages', 1)}), or --schedule zb"
+    )
+    bubble = f"shrink the pipeline bubble: more --micro-batches per step (m >> pp), or {other}"
+    return GPT_KNOBS | {"bubble": bubble}
 
 
 def strategy_line(strategy: dict[str, Any]) -> str:
