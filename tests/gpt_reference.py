@@ -41,3 +41,42 @@ def reference_step(
     norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), config.grad_clip)
     optimizer.step()
     return sum(losses) / len(losses), float(norm)
+
+
+#: the resume tests: a run of RESUME_STEPS steps on layout A checkpoints after RESUME_AT; layout B resumes
+RESUME_AT, RESUME_STEPS = 2, 4
+
+
+def resume_run(config: GPTTrainConfig) -> dict:
+    """On a spawned rank: ``config``'s run to RESUME_STEPS (from its checkpoint when ``config.resume``,
+    saving one after RESUME_AT otherwise); its losses by step and the plain model's parameters (None on a
+    rank that holds no gathered model)."""
+    import os
+
+    import meshwise
+
+    world = meshwise.init("gloo", timeout=90, mesh=config.mesh_shape(int(os.environ["WORLD_SIZE"])))
+    try:
+        trainer = GPTTrainer(world, config)
+        losses = {}
+        for step in range(trainer.first_step, RESUME_STEPS):
+            losses[step] = trainer.train_step(step).loss
+            if step + 1 == RESUME_AT and not config.resume:
+                trainer.save_checkpoint(RESUME_AT)
+        model = trainer.step_runner.sampling_model()
+        held = next(model.parameters()).device.type != "meta"
+        params = {n: p.detach().numpy().copy() for n, p in model.named_parameters()} if held else None
+        return {"losses": losses, "params": params}
+    finally:
+        meshwise.shutdown()
+
+
+def assert_resumed(a: dict, b: dict, loss_tolerance: float, param_tolerance: float) -> None:
+    """Layout B's steps after the checkpoint, and its final weights, equal layout A's uninterrupted run."""
+    import pytest
+
+    for step in range(RESUME_AT, RESUME_STEPS):
+        assert b["losses"][step] == pytest.approx(a["losses"][step], abs=loss_tolerance), step
+    assert set(b["params"]) == set(a["params"])
+    for name, value in a["params"].items():
+        assert abs(b["params"][name] - value).max() < param_tolerance, name

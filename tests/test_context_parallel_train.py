@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import meshwise
-from gpt_reference import reference_step
+from gpt_reference import assert_resumed, reference_step, resume_run
 from meshwise.cli import main
 from meshwise.models.gpt import GPT
 from meshwise.runtime.spawn import spawn
@@ -166,26 +166,9 @@ def test_bf16_attention_keeps_its_log_sum_exp_in_fp32() -> None:
 
 
 # ---------------------------------------------------------------------------------------------- resume
-RESUME_AT, RESUME_STEPS = 2, 4
-
-
 def _train(text: str, root: str, flags: dict, resume: bool) -> dict:
     """Layout A: RESUME_STEPS steps, a checkpoint after RESUME_AT; or layout B: resume from it."""
-    config = _config(text, checkpoint=f"{root}/ckpt", resume=resume, **flags)
-    world = meshwise.init("gloo", timeout=90, mesh=config.mesh_shape(int(os.environ["WORLD_SIZE"])))
-    try:
-        trainer = GPTTrainer(world, config)
-        losses = {}
-        for step in range(trainer.first_step, RESUME_STEPS):
-            losses[step] = trainer.train_step(step).loss
-            if step + 1 == RESUME_AT and not resume:
-                trainer.save_checkpoint(RESUME_AT)
-        model = trainer.step_runner.sampling_model()
-        held = next(model.parameters()).device.type != "meta"
-        params = {n: p.detach().numpy().copy() for n, p in model.named_parameters()} if held else None
-        return {"losses": losses, "params": params}
-    finally:
-        meshwise.shutdown()
+    return resume_run(_config(text, checkpoint=f"{root}/ckpt", resume=resume, **flags))
 
 
 RESUMES = {
@@ -199,10 +182,7 @@ def test_a_checkpoint_resumes_exactly_across_cp_layouts(text: str, tmp_path, fir
     root = str(tmp_path)
     a = spawn(_train, first.get("nproc", 4), args=(text, root, first, False), timeout=110)[0]
     b = spawn(_train, then.get("nproc", 4), args=(text, root, then, True), timeout=110)[0]
-    for step in range(RESUME_AT, RESUME_STEPS):
-        assert b["losses"][step] == pytest.approx(a["losses"][step], abs=LOSS_TOLERANCE), step
-    for name, value in a["params"].items():
-        assert abs(b["params"][name] - value).max() < PARAM_TOLERANCE, name
+    assert_resumed(a, b, LOSS_TOLERANCE, PARAM_TOLERANCE)
 
 
 # ---------------------------------------------------------------------------------------------- the CLI

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import meshwise
+from gpt_reference import assert_resumed, resume_run
 from meshwise.cli import main
 from meshwise.data.windows import train_batch
 from meshwise.models.gpt import GPT, language_model_loss
@@ -191,25 +192,9 @@ def test_a_skewed_router_trains_and_reports_the_imbalance(text: str, capacity_fa
 
 
 # ---------------------------------------------------------------------------------------------- resume
-RESUME_AT, RESUME_STEPS = 2, 4
-
-
 def _train(text: str, root: str, flags: dict, resume: bool) -> dict:
     """Layout A: RESUME_STEPS steps, a checkpoint after RESUME_AT; or layout B: resume from it."""
-    config = _config(text, checkpoint=f"{root}/ckpt", resume=resume, capacity_factor=1.0, **flags)
-    world = meshwise.init("gloo", timeout=90, mesh=config.mesh_shape(int(os.environ["WORLD_SIZE"])))
-    try:
-        trainer = GPTTrainer(world, config)
-        losses = {}
-        for step in range(trainer.first_step, RESUME_STEPS):
-            losses[step] = trainer.train_step(step).loss
-            if step + 1 == RESUME_AT and not resume:
-                trainer.save_checkpoint(RESUME_AT)
-        model = trainer.step_runner.sampling_model()  # the plain model, every expert gathered
-        params = {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
-        return {"losses": losses, "params": params}
-    finally:
-        meshwise.shutdown()
+    return resume_run(_config(text, checkpoint=f"{root}/ckpt", resume=resume, capacity_factor=1.0, **flags))
 
 
 RESUMES = {
@@ -224,11 +209,7 @@ def test_a_checkpoint_resumes_exactly_across_ep_sizes(text: str, tmp_path, first
     root = str(tmp_path)
     a = spawn(_train, first.get("nproc", 2), args=(text, root, first, False), timeout=110)[0]
     b = spawn(_train, then.get("nproc", 2), args=(text, root, then, True), timeout=110)[0]
-    for step in range(RESUME_AT, RESUME_STEPS):
-        assert b["losses"][step] == pytest.approx(a["losses"][step], abs=LOSS_TOLERANCE), step
-    assert set(b["params"]) == set(a["params"])
-    for name, value in a["params"].items():
-        assert abs(b["params"][name] - value).max() < PARAM_TOLERANCE, name
+    assert_resumed(a, b, LOSS_TOLERANCE, PARAM_TOLERANCE)
 
 
 # ------------------------------------------------------------------------------------------- bad input
