@@ -7,6 +7,11 @@ calls), meshwise through ``comm.all_to_all_single`` on shm. Patterns: ``balanced
 alltoall) and ``skewed`` (rank 0 a hot expert exchanging ``--skew`` times the rows of any other pair, both
 ways; :meth:`meshwise.bench.busbw.Layout.split`). The size is the largest rank's send buffer.
 
+Beside them, ``floor`` times the copies any shared-memory exchange must make, on every rank at once and
+without synchronisation: the bytes for the peers copied once into a staging buffer and once out of one,
+the rank's own block once (memcpy through numpy, as the shm backend copies). ``shm/floor`` says how close
+the transport runs to that ceiling; the rest is synchronisation and scheduling.
+
 Timing as nccl-tests: ``--rounds`` rounds alternate the backends; each is a barrier, then enough calls
 back to back to fill ``--budget``/``--rounds`` seconds (same count on every rank), divided; a round's
 figure is the slowest rank's; the reported time is the median over rounds. One extra call per row
@@ -26,6 +31,7 @@ import sys
 import time
 from functools import partial
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -44,6 +50,17 @@ def _splits(pattern: str, nbytes: int, n: int, rank: int, skew: int) -> list[int
     return [layout.split(rank, j) for j in range(n)]
 
 
+def _copy_floor(out: np.ndarray, source: np.ndarray, stage: np.ndarray, own: slice) -> None:
+    """The copies of an exchange through shared memory without its synchronisation (module docstring):
+    the peers' share of ``source`` into ``stage`` and back out into ``out``, the own block directly."""
+    before, after = source[: own.start], source[own.stop :]
+    np.copyto(stage[: before.size], before)
+    np.copyto(stage[before.size :], after)
+    np.copyto(out[: own.start], stage[: before.size])
+    np.copyto(out[own.stop :], stage[before.size :])
+    np.copyto(out[own], source[own])
+
+
 def _rank_main(sizes: list[int], skew: int, warmup: int, budget: float, rounds: int) -> list:
     torch.set_num_threads(1)
     world = meshwise.init("gloo", timeout=300)
@@ -55,10 +72,13 @@ def _rank_main(sizes: list[int], skew: int, warmup: int, budget: float, rounds: 
         for nbytes in sizes:
             splits = _splits(pattern, nbytes, n, rank, skew)
             source = ((torch.arange(sum(splits)) + 3 * rank) % 11).float()
-            outs = {name: torch.empty(sum(splits)) for name in ("gloo", "shm")}
+            outs = {name: torch.empty(sum(splits)) for name in ("gloo", "shm", "floor")}
+            own = slice(sum(splits[:rank]), sum(splits[: rank + 1]))
+            stage = np.empty(sum(splits) - splits[rank], dtype=np.float32)
             calls = {
                 "gloo": partial(dist.all_to_all_single, outs["gloo"], source, splits, splits),
                 "shm": partial(shm.all_to_all_single, outs["shm"], source, splits, splits),
+                "floor": partial(_copy_floor, outs["floor"].numpy(), source.numpy(), stage, own),
             }
             iters, per_round = {}, {name: [] for name in calls}
             for name, call in calls.items():
@@ -108,7 +128,10 @@ def main() -> None:
     load = os.getloadavg()
     records = []
     print(f"# {cores} cores; load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}; skew {args.skew}")
-    print(f"{'np':>3} {'pattern':<9}{'bytes':>10} {'gloo us':>10} {'shm us':>10} {'speedup':>8} {'wrong':>6}")
+    print(
+        f"{'np':>3} {'pattern':<9}{'bytes':>10} {'gloo us':>10} {'shm us':>10} {'floor us':>10} "
+        f"{'speedup':>8} {'shm/floor':>9} {'wrong':>6}"
+    )
     for n in (int(x) for x in args.np.split(",")):
         print(
             f"# {n} ranks on {cores} cores{' (oversubscribed: contention)' if n > cores else ''}",
@@ -119,7 +142,8 @@ def main() -> None:
             speedup = seconds["gloo"] / seconds["shm"]
             print(
                 f"{n:>3} {pattern:<9}{nbytes:>10} {seconds['gloo'] * 1e6:>10.1f} "
-                f"{seconds['shm'] * 1e6:>10.1f} {speedup:>7.2f}x {wrong:>6}"
+                f"{seconds['shm'] * 1e6:>10.1f} {seconds['floor'] * 1e6:>10.1f} {speedup:>7.2f}x "
+                f"{seconds['shm'] / seconds['floor']:>8.2f}x {wrong:>6}"
             )
             records.append(
                 {
@@ -128,6 +152,7 @@ def main() -> None:
                     "bytes": nbytes,
                     "gloo_seconds": seconds["gloo"],
                     "shm_seconds": seconds["shm"],
+                    "floor_seconds": seconds["floor"],
                     "speedup": speedup,
                     "wrong": wrong,
                 }

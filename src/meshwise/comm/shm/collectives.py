@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import torch
 
 from meshwise.comm.api import SUPPORTED_DTYPES, Collective, ReduceOp
+from meshwise.comm.shm.all_to_all import all_to_all as packed_all_to_all
 from meshwise.comm.shm.kernels import Array, as_array, copy, reduce_into, same_memory, size
 from meshwise.comm.shm.phase import PhaseEngine, signature
-from meshwise.comm.splits import first_mismatch
 
 #: all_reduce messages up to this size use the one-phase path on any number of ranks
 SMALL_ALL_REDUCE_BYTES = 256 * 1024
@@ -221,34 +221,7 @@ def reduce_scatter(eng: PhaseEngine, out: torch.Tensor, inputs: list[torch.Tenso
 
 
 def all_to_all(eng: PhaseEngine, outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> None:
-    n, rank, dtype = eng.n, eng.rank, inputs[0].dtype
-    ins = [as_array(t) for t in inputs]
-    outs = [as_array(t) for t in outputs]
-    per = eng.capacity(dtype, n)
-    sig = _sig("all_to_all", dtype)
-    copy(outs[rank], ins[rank])
-    start, phases = 0, 1
-    while start == 0 or start < phases * per:
-        e = eng.begin("all_to_all")
-        for j, t in enumerate(ins):
-            piece = t[start : start + per]
-            if j != rank and size(piece):
-                copy(eng.view(rank, e, dtype, size(piece), part=j), piece)
-        counts = [size(t) for t in ins] + [size(t) for t in outs]
-        eng.post(e, sig, counts if start == 0 else None)
-        eng.wait(e, eng.peers, "all_to_all")
-        if start == 0:
-            # every rank sees every rank's send and receive counts, so all raise the same error
-            table = [eng.meta(p, e, 2 * n) for p in range(n)]
-            wrong = first_mismatch([row[:n] for row in table], [row[n:] for row in table], "all_to_all")
-            if wrong:
-                raise eng.mismatch(wrong, "all_to_all")
-            phases = max(1, -(-max(max(row[:n]) for row in table) // per))
-        for p in eng.peers:
-            piece = outs[p][start : start + per]
-            if size(piece):
-                copy(piece, eng.view(p, e, dtype, size(piece), part=rank))
-        start += per
+    packed_all_to_all(eng, outputs, inputs, _sig("all_to_all", inputs[0].dtype))
 
 
 def scatter(eng: PhaseEngine, output: torch.Tensor, inputs: list[torch.Tensor] | None, root: int) -> None:

@@ -173,6 +173,7 @@ class ShmCommunicator(Communicator):
         self._threads = ThreadLimit(threads_per_rank(self.world_size))
         self._p2p = P2PEngine(self.rank, layout, self._segments, self._phases, self._threads)
         self._phases.progress = self._p2p.progress
+        self._phases.p2p_idle = lambda: self._p2p.idle
         return layout
 
     def close(self) -> None:

@@ -11,6 +11,10 @@ epoch parity, which gives the whole protocol with one counter store and one wait
   ``e % 2`` (operation, dtype, sizes, root): a different value means ranks called different collectives.
 
 A rank can therefore run at most one phase ahead of the slowest peer, which pipelines chunked messages.
+
+A rank that has waited past its short spin sleeps on the awaited peer's epoch word (a futex) after
+setting its ``sleeping`` word in that peer's segment; a rank that publishes an epoch wakes its
+sleepers, paying the syscall only when one announced itself.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import numpy as np
 import torch
 
 from meshwise.comm.api import CollectiveMismatchError
+from meshwise.comm.shm.futex import futex_wait, futex_wake
 from meshwise.comm.shm.kernels import Array, numpy_dtype
 from meshwise.comm.shm.segment import Layout, Segment
 from meshwise.comm.shm.sync import ABORT_MISMATCH, Waiter, store_fence
@@ -55,6 +60,12 @@ class PhaseEngine:
         self.memo: dict[tuple, object] = {}
         #: called while waiting, so queued point-to-point messages keep moving during a collective
         self.progress: Callable[[], None] | None = None
+        #: whether no point-to-point message is in flight: only then may a wait sleep (a queued message
+        #: moves only while this rank polls)
+        self.p2p_idle: Callable[[], bool] = lambda: True
+        sleeping = layout.sleeping(0)
+        self._sleepers = self._mine[sleeping : sleeping + self.n]
+        self._epoch_address = [w.ctypes.data + 8 * layout.EPOCH for w in self._words]
 
     @property
     def peers(self) -> list[int]:
@@ -103,6 +114,9 @@ class PhaseEngine:
         words[layout.EPOCH] = epoch
         self.epoch = epoch
         self._sig = sig
+        store_fence()  # the epoch store before the read of the sleepers (the waiter fences the other way)
+        if self._sleepers.any():
+            futex_wake(self._epoch_address[self.rank])
 
     def wait(self, epoch: int, peers: list[int], op: str) -> None:
         """Block until ``peers`` published ``epoch``; raise if they published a different call."""
@@ -127,8 +141,15 @@ class PhaseEngine:
         def pending() -> list[int]:
             return [p for p, w in zip(peers, words, strict=True) if w[index] < epoch]
 
+        def sleep(seconds: float) -> None:
+            late = pending()
+            if late:
+                self._sleep_on(late[0], epoch, seconds)
+
         if not ready():
-            self.waiter.wait(ready, op, peers, progress=self.progress, pending=pending)
+            # with point-to-point messages in flight the wait must keep polling to move them
+            sleeps = sleep if self.p2p_idle() else None
+            self.waiter.wait(ready, op, peers, progress=self.progress, pending=pending, sleep=sleeps)
         if check_sig:
             slot = self.layout.sig(epoch & 1)
             for p, w in zip(peers, words, strict=True):
@@ -138,6 +159,20 @@ class PhaseEngine:
                         f"call #{epoch}",
                         op,
                     )
+
+    def _sleep_on(self, peer: int, epoch: int, seconds: float) -> None:
+        """Sleep until ``peer`` publishes an epoch (or ``seconds`` pass) unless it reached ``epoch``.
+
+        Announce first, then read the counter: a poster that stored its epoch before our announcement
+        is seen here, one that stores it after sees the announcement and wakes us (full fences on both
+        sides; the kernel re-checks the word atomically before sleeping)."""
+        flag = self._words[peer][self.layout.sleeping(self.rank) :][:1]
+        flag[0] = 1
+        store_fence()
+        seen = int(self._words[peer][self.layout.EPOCH])
+        if seen < epoch:
+            futex_wait(self._epoch_address[peer], seen, seconds)
+        flag[0] = 0
 
 
 class ThreadLimit:

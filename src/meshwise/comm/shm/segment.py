@@ -9,7 +9,7 @@ tmpfs is an error at start-up instead of a SIGBUS in the middle of a collective.
 Layout of one segment (all offsets 64-byte aligned; every counter has a cache line of its own, so a
 rank spinning on a peer's counter does not falsely share a line with data being written)::
 
-    header  | epoch | abort | sig[2] | meta[2][n] | sent[n] | recvd[n] | p2p headers[n][2] |
+    header  | epoch | abort | sig[2] | meta[2][n] | sent[n] | recvd[n] | sleeping[n] | p2p headers[n][2] |
     region 0 (collectives, even epochs) | region 1 (odd epochs) | p2p slots [n peers][2] |
 """
 
@@ -105,8 +105,13 @@ class Layout:
     def recvd(self, peer: int) -> int:
         return self.sent(self.world_size) + peer * LINE_WORDS
 
+    def sleeping(self, waiter: int) -> int:
+        """Set by rank ``waiter`` in the segment of the rank whose epoch it sleeps on (the words of all
+        waiters are adjacent, so a publishing rank reads them in one slice; see phase.py)."""
+        return self.recvd(self.world_size) + waiter
+
     def p2p_header(self, peer: int, slot: int) -> int:
-        return self.recvd(self.world_size) + (2 * peer + slot) * LINE_WORDS
+        return self.sleeping(0) + _round_up(self.world_size, LINE_WORDS) + (2 * peer + slot) * LINE_WORDS
 
     @property
     def header_words(self) -> int:

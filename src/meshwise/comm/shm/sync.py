@@ -2,8 +2,9 @@
 
 A rank publishes progress by storing a monotonically increasing int64 (an aligned 8-byte store is atomic
 on x86-64) after its data; peers poll it. Polling starts with a short pure spin (the peer is usually a
-few microseconds away), then yields the CPU every round so that oversubscribed ranks (4 ranks on 2 cores)
-let the peer they wait for run, then sleeps in short naps. Every few milliseconds the slow path checks
+few microseconds away), then sleeps until the peer publishes where the caller can say how (a futex on
+the counter: the collectives' phases), else yields the CPU every round so that oversubscribed ranks (4
+ranks on 2 cores) let the peer they wait for run, then naps. Every few milliseconds the slow path checks
 the deadline, the peers' abort words and whether the peer processes still exist, so a hung peer becomes
 a :class:`CommTimeoutError` and a dead one, or one that closed the communicator, a
 :class:`PeerFailureError` naming it, never a hang.
@@ -92,10 +93,19 @@ class Waiter:
         progress: Callable[[], None] | None = None,
         timeout: float | None = None,
         pending: Callable[[], list[int]] | None = None,
+        sleep: Callable[[float], None] | None = None,
     ) -> None:
         """Return once ``ready()`` is true; ``peers`` are the ranks whose failure would block it, and
         ``pending()`` (default: all of ``peers``) those that have not yet done their part. Only a pending
         peer that closed the communicator is an error: one that finished this call and then closed is not.
+
+        ``sleep(seconds)``, when given, blocks until the awaited counter may have changed or ``seconds``
+        passed (a futex wait, :mod:`meshwise.comm.shm.futex`); it replaces yielding and napping right
+        after the spin, so a waiting rank gives its core to the peer it waits for and wakes as soon as
+        the peer publishes (the deadline and liveness checks still run every few milliseconds). Measured
+        side by side on 2 busy cores (load 14–18), 2- and 4-rank all_to_all of 64 KiB–4 MiB: sleeping
+        at once ran as fast as yielding (±10 %), while polling 0.2 ms before sleeping was 1.1–2.7x and
+        polling 2 ms 2–15x slower: a rank that polls burns the time slice its peers need.
         """
         for _ in range(self.spin_rounds):
             if ready():
@@ -120,14 +130,14 @@ class Waiter:
                         op=op,
                     )
                 next_check = now + _CHECK_SECONDS
-            if now < yield_until:
+            if sleep is not None:
+                sleep(max(next_check - now, 0.0))
+            elif now < yield_until:
                 os.sched_yield()
             else:
                 time.sleep(_NAP_SECONDS)
 
-    def check_peers(
-        self, op: str, peers: list[int], pending: Callable[[], list[int]] | None = None
-    ) -> None:
+    def check_peers(self, op: str, peers: list[int], pending: Callable[[], list[int]] | None = None) -> None:
         """Raise if a peer died, reported a failure (and tell the others through our abort word), or
         closed the communicator or exited while this rank still waits for it.
 
