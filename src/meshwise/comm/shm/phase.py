@@ -166,13 +166,13 @@ class PhaseEngine:
         Announce first, then read the counter: a poster that stored its epoch before our announcement
         is seen here, one that stores it after sees the announcement and wakes us (full fences on both
         sides; the kernel re-checks the word atomically before sleeping)."""
-        flag = self._words[peer][self.layout.sleeping(self.rank) :][:1]
-        flag[0] = 1
+        words, flag = self._words[peer], self.layout.sleeping(self.rank)
+        words[flag] = 1
         store_fence()
-        seen = int(self._words[peer][self.layout.EPOCH])
+        seen = int(words[self.layout.EPOCH])
         if seen < epoch:
             futex_wait(self._epoch_address[peer], seen, seconds)
-        flag[0] = 0
+        words[flag] = 0
 
 
 class ThreadLimit:
