@@ -104,8 +104,9 @@ class Waiter:
         after the spin, so a waiting rank gives its core to the peer it waits for and wakes as soon as
         the peer publishes (the deadline and liveness checks still run every few milliseconds). Measured
         side by side on 2 busy cores (load 14–18), 2- and 4-rank all_to_all of 64 KiB–4 MiB: sleeping
-        at once ran as fast as yielding (±10 %), while polling 0.2 ms before sleeping was 1.1–2.7x and
-        polling 2 ms 2–15x slower: a rank that polls burns the time slice its peers need.
+        at once ran within −15…+20 % of yielding (the noise at that load), while polling 0.2 ms before
+        sleeping was 1.1–2.7x and polling 2 ms 2.4–14x slower: a rank that polls burns the time slice
+        its peers need.
         """
         for _ in range(self.spin_rounds):
             if ready():
