@@ -23,7 +23,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from meshwise.comm.api import ReduceOp
 from meshwise.comm.counting import CountingCommunicator
-from meshwise.comm.mesh import AXES
+from meshwise.comm.mesh import AXES, MeshShape
 from meshwise.data.local_tokenizer import FileTokenizer
 from meshwise.data.tokens import ByteTokenizer
 from meshwise.data.windows import lockstep_val_batches, train_batch
@@ -156,9 +156,13 @@ class GPTTrainer:
         coordinates, seed, step = self.mesh.coordinates, self.config.seed, self.first_step
         self._resumed_random = lambda: random_state.rederive(seed, step, coordinates, models)
         if self.model_config.dropout:
-            written = "written by another layout" if "mesh" in run else f"of format {run['format']}"
+            why = (
+                f"was written by another layout ({MeshShape(**run['mesh']).describe()})"
+                if "mesh" in run
+                else f"(format {run['format']}) holds no random streams"
+            )
             self.random_note = (
-                f"the checkpoint is {written}, so its random streams cannot be continued: --dropout draws "
+                f"the checkpoint {why}, so its random streams are not continued: --dropout draws "
                 f"masks re-derived from (--seed, step {step}) — deterministic, but not the uninterrupted "
                 "run's (resume on the layout that wrote it to continue exactly)"
             )
