@@ -1,6 +1,9 @@
 """Random streams and data position in GPT checkpoints: with ``--dropout`` a run resumed on the layout
 that wrote its checkpoint equals the uninterrupted run exactly — the same batches, the same masks, the
-same losses and weights bit for bit (same ops on the same numbers: no tolerance).
+same losses and weights bit for bit (same ops on the same numbers: no tolerance) — on one process, dp2 and
+tp2 (whose attention dropout draws from each rank's own stream, saved too). Under tp the replicated
+activations' masks are equal on every tp rank, or replicated weights would drift apart (tested, with a
+desynchronised control).
 
 On another layout (or from a ``meshwise-gpt/1`` checkpoint, which holds no streams) the streams are
 re-derived from (seed, step): resuming twice gives the same run, and — the control that shows the exact
@@ -48,7 +51,7 @@ def _assert_same_run(a: dict, b: dict) -> None:
         assert torch.equal(torch.from_numpy(b["params"][name]), torch.from_numpy(value)), name
 
 
-LAYOUTS = {"one process": {"nproc": 1}, "dp2": {"nproc": 2}}
+LAYOUTS = {"one process": {"nproc": 1}, "dp2": {"nproc": 2}, "tp2": {"nproc": 2, "tp": 2}}
 
 
 @pytest.mark.parametrize("flags", LAYOUTS.values(), ids=LAYOUTS.keys())
@@ -65,8 +68,9 @@ def test_dropout_resumes_exactly_on_the_layout_that_wrote_it(text: str, tmp_path
         from torch.distributed.checkpoint import FileSystemReader
 
         metadata = FileSystemReader(f"{directory}/step-{RESUME_AT:06d}").read_metadata()
-        keys = {key.split(".cpu")[0] for key in metadata.state_dict_metadata if key.endswith(".cpu")}
-        assert keys == {"rng.pp0.dp0.ep0.cp0.tp0", "rng.pp0.dp1.ep0.cp0.tp0"}
+        keys = {key.rsplit(".", 1)[0] for key in metadata.state_dict_metadata if key.startswith("rng.")}
+        shape = _config("", **flags).mesh_shape(ranks)
+        assert keys == {f"rng.{rank_key(shape.coordinates(rank))}" for rank in range(ranks)}
 
 
 def test_a_checkpoint_without_streams_resumes_deterministically(text: str, tmp_path) -> None:
@@ -122,3 +126,38 @@ def test_streams_are_captured_restored_and_rederived_as_pure_functions() -> None
     assert derived_seed(1, 5) != derived_seed(1, 6) and 0 <= derived_seed(2**62, 10**9, "x") < 2**63
     with pytest.raises(ValueError, match="holds 0 module random streams"):
         restore({"cpu": saved["cpu"]}, [model], torch.device("cpu"))
+
+
+def _replicated_after_steps(data: str) -> list[dict[str, list]]:
+    """tp2's replicated weights after 3 steps with dropout; then again with rank 1's CPU stream advanced
+    by one draw (the control: masks that differ must show)."""
+    import os
+
+    import meshwise
+    from meshwise.parallel.tensor_parallel import shard_dim
+    from meshwise.train.gpt.loop import GPTTrainer
+
+    config = _config(data, nproc=2, tp=2)
+    world = meshwise.init("gloo", timeout=90, mesh=config.mesh_shape(int(os.environ["WORLD_SIZE"])))
+    try:
+        found = []
+        for desynchronised in (False, True):
+            trainer = GPTTrainer(world, config)
+            if desynchronised and world.rank == 1:
+                torch.rand(1)
+            for step in range(3):
+                trainer.train_step(step)
+            named = trainer.step_runner.local.named_parameters()
+            found.append({n: p.detach().reshape(-1).tolist() for n, p in named if shard_dim(p) is None})
+        return found
+    finally:
+        meshwise.shutdown()
+
+
+def test_dropout_under_tp_keeps_the_replicated_weights_equal(text: str) -> None:
+    """Without --sp the residual stream is replicated over tp: its dropout must draw the same masks on both
+    ranks, or the LayerNorm gains (whose gradients each rank computes alone) drift apart."""
+    (first, first_control), (second, second_control) = spawn(_replicated_after_steps, 2, (text,), timeout=110)
+    assert first.keys() == second.keys() and len(first) > 10
+    assert all(first[name] == second[name] for name in first)
+    assert any(first_control[name] != second_control[name] for name in first)
