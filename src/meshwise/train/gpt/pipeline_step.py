@@ -154,6 +154,9 @@ class PipelineStep(ParallelStep):
         return self.zero.gathered() if self.zero is not None else nullcontext()
 
     def forward_backward(self, micro_batches: Sequence[Batch]) -> float:
+        if self.scaler is not None:  # MoE layers add their auxiliary gradient themselves: scaled alike
+            for layer in moe_layers(self.model):
+                layer.aux_gradient_scale = self.scaler.scale / len(micro_batches)
         accumulate = self.zero.no_sync() if self.zero is not None else nullcontext()
         with self.autocast(), accumulate, self.gathered(), self.timed_exchange(self.exchange_timer):
             result = self.executor.step([x for x, _ in micro_batches], [y for _, y in micro_batches])
