@@ -49,8 +49,9 @@ RESUME_AT, RESUME_STEPS = 2, 4
 
 def resume_run(config: GPTTrainConfig) -> dict:
     """On a spawned rank: ``config``'s run to RESUME_STEPS (from its checkpoint when ``config.resume``,
-    saving one after RESUME_AT otherwise); its losses by step and the plain model's parameters (None on a
-    rank that holds no gathered model)."""
+    saving one after RESUME_AT otherwise); its losses by step, the plain model's parameters (None on a
+    rank that holds no gathered model), the rank's training tokens by step (``batches``: the data position
+    a resume continues from) and the note a resume printed about its random streams."""
     import os
 
     import meshwise
@@ -58,6 +59,13 @@ def resume_run(config: GPTTrainConfig) -> dict:
     world = meshwise.init("gloo", timeout=90, mesh=config.mesh_shape(int(os.environ["WORLD_SIZE"])))
     try:
         trainer = GPTTrainer(world, config)
+        batches, read = {}, trainer.micro_batches
+
+        def recorded(step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+            batches[step] = torch.cat([x for x, _ in read(step)]).tolist()
+            return read(step)
+
+        trainer.micro_batches = recorded  # type: ignore[method-assign]
         losses = {}
         for step in range(trainer.first_step, RESUME_STEPS):
             losses[step] = trainer.train_step(step).loss
@@ -66,7 +74,7 @@ def resume_run(config: GPTTrainConfig) -> dict:
         model = trainer.step_runner.sampling_model()
         held = next(model.parameters()).device.type != "meta"
         params = {n: p.detach().numpy().copy() for n, p in model.named_parameters()} if held else None
-        return {"losses": losses, "params": params}
+        return {"losses": losses, "params": params, "batches": batches, "note": trainer.random_note}
     finally:
         meshwise.shutdown()
 

@@ -9,7 +9,8 @@ stage, plain data parallelism, one process), no rank gathers the whole model to 
 
 Layout of ``DIR``::
 
-    step-000100/       a DCP checkpoint: {"model": ..., "optim": ...} (model and optimizer state by name)
+    step-000100/       a DCP checkpoint: {"model": ..., "optim": ...} (model and optimizer state by name;
+                       ``train gpt`` adds each rank's random streams, see :mod:`meshwise.train.random_state`)
     run.json           format, the step completed, which step-* directory holds it, and what the trainer
                        needs to continue (its settings, metrics, data position, RNG) — written by rank 0
                        after every rank finished its part of the DCP save, via a temporary file renamed
@@ -17,7 +18,7 @@ Layout of ``DIR``::
 
 A job killed mid-save leaves ``run.json`` naming the previous complete step; older ``step-*`` directories
 are removed only after ``run.json`` points past them. ``run.json`` is also what ``--resume`` checks before
-any rank starts. ``train gpt`` (format ``meshwise-gpt/1``, :mod:`meshwise.train.gpt.checkpoint`) and
+any rank starts. ``train gpt`` (format ``meshwise-gpt/2``, :mod:`meshwise.train.gpt.checkpoint`) and
 ``train mlp|cnn|deep-mlp`` (format :data:`TRAIN_FORMAT`) both write through :func:`save`.
 
 ``train mlp|cnn|deep-mlp``'s ``run.json`` holds, besides ``format`` and ``step`` (optimizer steps taken):
@@ -63,9 +64,12 @@ def run_file(directory: str | Path) -> Path:
     return Path(directory) / RUN_FILE
 
 
-def read_run(directory: str | Path, format: str, what: str = "") -> dict[str, Any]:
-    """``DIR/run.json`` of ``format``, or one clear error when there is nothing (of ours) to resume.
-    ``what``: the kind of checkpoint, for the message (``"GPT "``)."""
+def read_run(directory: str | Path, format: str | tuple[str, ...], what: str = "") -> dict[str, Any]:
+    """``DIR/run.json`` of ``format`` (or of one of several readable formats, newest first), or one clear
+    error when there is nothing (of ours) to resume. ``what``: the kind of checkpoint, for the message
+    (``"GPT "``). Another version of the same family (``meshwise-gpt/3`` when this meshwise reads /1 and
+    /2) is named as such, so a checkpoint from a newer or older meshwise is not called a stranger's."""
+    formats = (format,) if isinstance(format, str) else format
     path = run_file(directory)
     if not Path(directory).is_dir():
         raise FileNotFoundError(f"--resume: checkpoint directory {directory} does not exist")
@@ -75,8 +79,14 @@ def read_run(directory: str | Path, format: str, what: str = "") -> dict[str, An
         run = json.loads(path.read_text())
     except (ValueError, UnicodeDecodeError) as exc:
         raise ValueError(f"{path} is not readable JSON: {exc}") from None
-    if not isinstance(run, dict) or run.get("format") != format:
-        raise ValueError(f"{path} is not a meshwise {what}checkpoint (format {format!r} expected)")
+    found = run.get("format") if isinstance(run, dict) else None
+    if isinstance(found, str) and found not in formats and found.split("/")[0] == formats[0].split("/")[0]:
+        raise ValueError(
+            f"{path} has format {found!r}, which this meshwise does not read (it reads "
+            f"{', '.join(formats)}); resume it with the meshwise version that wrote it"
+        )
+    if found not in formats:
+        raise ValueError(f"{path} is not a meshwise {what}checkpoint (format {formats[0]!r} expected)")
     if not isinstance(run.get("step"), int):
         raise ValueError(f"{path} is not a complete meshwise checkpoint (no step)")
     if not step_dir(directory, run["step"]).is_dir():
@@ -131,7 +141,9 @@ def stale_steps(directory: str | Path, target: Path, keep: int) -> list[Path]:
     return [p for p in Path(directory).glob("step-*") if p != target and p not in kept]
 
 
-def load(directory: str | Path, state: dict[str, Any], format: str, what: str = "") -> dict[str, Any]:
+def load(
+    directory: str | Path, state: dict[str, Any], format: str | tuple[str, ...], what: str = ""
+) -> dict[str, Any]:
     """Fill ``state`` (tensors in place) from the checkpoint run.json names; return run.json."""
     run = read_run(directory, format, what)
     dcp.load(state, checkpoint_id=str(step_dir(directory, run["step"])))

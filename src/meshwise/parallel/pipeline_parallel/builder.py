@@ -42,6 +42,7 @@ def build_pipeline(
     sequence_shards: int = 1,
     layers_per_chunk: Sequence[int] | None = None,
     in_place: bool = False,
+    activation_dtype: torch.dtype = torch.float32,
 ) -> tuple[PipelineExecutor, list[LayerChunk]]:
     """This rank's chunks of ``model`` and the executor that trains them.
 
@@ -53,7 +54,9 @@ def build_pipeline(
     layers hold a communicator that must not be copied), with the sharded loss; rank ``r`` of a stage's tp
     group then exchanges activations with rank ``r`` of its neighbours' (its own ``pp`` group) — the
     replicated hidden states, or under sequence parallelism (``sequence_shards`` = tp) its shard of the
-    sequence.
+    sequence. ``activation_dtype``: what activations and their gradients travel (and arrive) in between
+    stages — float16 for stages that compute in float16 (ZeRO's fp16 compute copies), so that a stage's
+    input is in its weights' dtype.
     """
     stages = pp.world_size
     validate_pipeline(len(plan.layer_modules(model)), stages, micro_batches, schedule, virtual_stages)
@@ -64,7 +67,8 @@ def build_pipeline(
     )
     local = chunks_of_rank(cut, pp.rank, stages)
     tied = tied_parameters(local) if stages > 1 else ()
-    executor = PipelineExecutor(local, steps, pp, plan.loss if loss is None else loss, dp=dp, tied=tied)
+    loss = plan.loss if loss is None else loss
+    executor = PipelineExecutor(local, steps, pp, loss, dp=dp, tied=tied, dtype=activation_dtype)
     return executor, local
 
 

@@ -88,7 +88,7 @@ class GPTTrainConfig:
     recompute_layers: int | None = None  # with full: only the first K blocks of each pipeline stage
     log_every: int | None = None  # also report every N-th step (default: the evaluation steps only)
     lr_schedule: str = "cosine"  # the decay after warmup: cosine, linear, constant or wsd (schedule.py)
-    dropout: float = 0.0  # on attention weights and residual branches, as GPT-2 (tp = pp = 1)
+    dropout: float = 0.0  # on attention weights and residual branches, as GPT-2 (pp = 1)
     beta1: float = 0.9  # AdamW's first-moment decay
     beta2: float = 0.95  # AdamW's second-moment decay (GPT-3's 0.95 rather than torch's 0.999)
     eps: float = 1e-8  # AdamW's denominator floor
@@ -369,10 +369,10 @@ def check_optimisation(config: GPTTrainConfig) -> None:
         )
     if not 0.0 <= config.dropout < 1.0:
         raise ValueError(f"--dropout must be in [0, 1), got {config.dropout}")
-    if config.dropout and (config.tp > 1 or config.pp > 1):
+    if config.dropout and config.pp > 1:
         raise ValueError(
-            "--dropout is supported with data parallelism and ZeRO only: tensor- and pipeline-parallel ranks "
-            "would draw different masks for the same activations; drop --dropout or --tp/--pp"
+            "--dropout is supported with data, tensor, context and expert parallelism and ZeRO, not yet "
+            "with --pp (its stages' random streams are untested); drop --dropout or --pp"
         )
     for flag, value in (("--beta1", config.beta1), ("--beta2", config.beta2)):
         if not 0.0 <= value < 1.0:

@@ -3,8 +3,10 @@
 It is strategy-agnostic: the model is cut and stepped by the :class:`ParallelStep` that
 :func:`~meshwise.train.gpt.parallelize.parallelize` returns, so ZeRO, tensor and pipeline parallelism
 reuse this loop unchanged. Data and learning rate are pure functions of the step (see
-:mod:`meshwise.data.windows` and :mod:`meshwise.train.gpt.schedule`), so a resumed run restores only
-model and optimizer state and continues exactly.
+:mod:`meshwise.data.windows` and :mod:`meshwise.train.gpt.schedule`), so a resumed run restores model and
+optimizer state, the data position (the next step) and — for ``--dropout`` — each rank's random streams,
+and continues exactly on the same layout (on another, exactly without dropout and deterministically with
+it: :mod:`meshwise.train.random_state`).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, replace
 
 import torch
@@ -20,12 +23,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from meshwise.comm.api import ReduceOp
 from meshwise.comm.counting import CountingCommunicator
-from meshwise.comm.mesh import AXES
+from meshwise.comm.mesh import AXES, MeshShape
 from meshwise.data.local_tokenizer import FileTokenizer
 from meshwise.data.tokens import ByteTokenizer
 from meshwise.data.windows import lockstep_val_batches, train_batch
 from meshwise.models.gpt import GPT
 from meshwise.runtime.cores import available_cores
+from meshwise.train import random_state
 from meshwise.train.errors import TrainingError, diverged_on, train_on_rank
 from meshwise.train.gpt import checkpoint
 from meshwise.train.gpt.config import GPTTrainConfig
@@ -83,6 +87,9 @@ class GPTTrainer:
         self.saved_run: dict | None = None  # the resumed checkpoint's run record
         self.peak_notes: list[str] = []  # what the MFU peak had to assume (shared cores)
         self.checkpoint_path: str | None = None
+        # a resume's random streams, set when its first step starts (nothing before it may draw them away)
+        self._resumed_random: Callable[[], None] | None = None
+        self.random_note: str | None = None  # a resume that cannot continue the streams says so
         if config.resume:
             self._restore()
         self.console = Console(soft_wrap=True)
@@ -96,12 +103,14 @@ class GPTTrainer:
         )
 
     # ------------------------------------------------------------------ checkpoints
-    def _run_record(self) -> dict:
+    def _run_record(self, step: int) -> dict:
         run = {key: getattr(self.config, key) for key in ("global_batch", "seed", "steps", "config")}
         return {
             "model": asdict(self.model_config),
             "run": run | {"train_seq_len": self.seq_len},
             "world_size": self.world.world_size,
+            "mesh": self.mesh.shape.sizes,
+            "data": checkpoint.data_position(self.config.seed, self.config.global_batch, self.seq_len, step),
             "initial_val_loss": self.initial_val_loss,
             "history": [asdict(s) for s in self.history],
         }
@@ -109,26 +118,54 @@ class GPTTrainer:
     def save_checkpoint(self, step: int) -> None:
         """Collective: write the DCP checkpoint of ``step`` steps completed."""
         assert self.config.checkpoint is not None
+        state = self.step_runner.state_dict()
+        state["rng"] = {self._rank_key: random_state.capture([self.step_runner.model], self.world.device)}
         path = checkpoint.save(
             self.config.checkpoint,
             step,
-            self.step_runner.state_dict(),
-            self._run_record(),
+            state,
+            self._run_record(step),
             is_main=self.world.is_main,
             barrier=self.world.comm.barrier,
             keep=self.config.keep,
         )
         self.checkpoint_path = str(path)
 
+    @property
+    def _rank_key(self) -> str:
+        return random_state.rank_key(self.mesh.coordinates)
+
     def _restore(self) -> None:
         assert self.config.checkpoint is not None
         state = self.step_runner.state_dict()
+        run = checkpoint.read_run(self.config.checkpoint)
+        models, device = [self.step_runner.model], self.world.device
+        same_layout = run.get("mesh") == self.mesh.shape.sizes
+        if same_layout:  # this rank's own streams, filled in place by the load
+            state["rng"] = {self._rank_key: random_state.capture(models, device)}
         run = checkpoint.load(self.config.checkpoint, state)
         self.saved_run = run
         self.step_runner.load_state_dict(state)
-        self.first_step = int(run["step"])
+        self.first_step = checkpoint.next_step(run)
         self.history = [StepStats(**s) for s in run["history"]]
         self.initial_val_loss = run["initial_val_loss"]
+        if same_layout:
+            streams = state["rng"][self._rank_key]
+            self._resumed_random = lambda: random_state.restore(streams, models, device)
+            return
+        coordinates, seed, step = self.mesh.coordinates, self.config.seed, self.first_step
+        self._resumed_random = lambda: random_state.rederive(seed, step, coordinates, models)
+        if self.model_config.dropout:
+            why = (
+                f"was written by another layout ({MeshShape(**run['mesh']).describe()})"
+                if "mesh" in run
+                else f"(format {run['format']}) holds no random streams"
+            )
+            self.random_note = (
+                f"the checkpoint {why}, so its random streams are not continued: --dropout draws "
+                f"masks re-derived from (--seed, step {step}) — deterministic, but not the uninterrupted "
+                "run's (resume on the layout that wrote it to continue exactly)"
+            )
 
     # ------------------------------------------------------------------ steps
     def micro_batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -147,6 +184,9 @@ class GPTTrainer:
     def train_step(self, step: int) -> StepStats:
         """One optimizer step (0-based ``step``); the returned loss is the global batch's mean."""
         config, runner, profiling = self.config, self.step_runner, self.profiling
+        if self._resumed_random is not None:
+            self._resumed_random()
+            self._resumed_random = None
         lr = lr_at(
             step,
             lr=config.lr,
@@ -270,7 +310,8 @@ class GPTTrainer:
             )
             if (experts := moe_banner(self.model_config)) is not None:
                 self.console.print(experts)
-            for note in [*start_notes(config, self.model_config.vocab, self.saved_run), *self.peak_notes]:
+            notes = [*start_notes(config, self.model_config.vocab, self.saved_run), *self.peak_notes]
+            for note in [*notes, *([self.random_note] if self.random_note else [])]:
                 self.console.print(f"note: {note}")
         if self.first_step == 0:
             self.initial_val_loss = self.evaluate()

@@ -5,7 +5,7 @@ The loop (:mod:`meshwise.train.gpt.loop`) knows nothing about how the model is c
 one step's micro-batches turn into gradients — and then only calls that object's methods.
 :func:`parallelize` applies the strategies in one fixed order (tensor → context → experts → pipeline →
 recomputation → data parallel / ZeRO), and :func:`check_supported` refuses, before any rank starts, a
-combination that cannot be built yet (``--zero`` with ``--pp`` in fp16).
+combination that cannot be built.
 
 What a ParallelStep must guarantee, so the loop and its tests stay valid for every strategy:
 
@@ -308,10 +308,6 @@ def gather_expert_model(local: GPT, tp: Communicator, ep: Communicator) -> GPT:
 
 def check_supported(config: GPTTrainConfig) -> None:
     """A clear error, before any rank starts, for a composition that cannot be built (or is not yet)."""
-    if config.zero:
-        from meshwise.train.gpt.zero_step import check_zero
-
-        check_zero(config)
     if config.sp and config.tp < 2:
         raise ValueError("--sp splits the sequence across the tensor-parallel ranks: add --tp 2 or more")
     config.mesh_shape(config.world_size())  # the degree checks: sizes that divide the ranks

@@ -24,6 +24,7 @@ The cost is one copy of the weights on that rank, once, at the end of the run.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -137,8 +138,11 @@ def gather_plain_model(
     pp: Communicator,
     device: torch.device,
     tp: Communicator | None = None,
+    values: Mapping[str, torch.Tensor] | None = None,
 ) -> GPT | None:
     """Collective over ``pp``: the plain GPT with every stage's weights, on pp rank 0 (None elsewhere).
+    ``values``: what to gather in place of the stage's parameters, under their names — ZeRO's float32
+    masters when the stage computes with float16 copies (fp16), which would otherwise be sent as such.
 
     Who holds block i is agreed on with one all-reduce; the embeddings are on stage 0 (chunk 0 is always
     there), the final LayerNorm on the last. Each owner sends its tensors in the plain model's order and
@@ -148,11 +152,13 @@ def gather_plain_model(
     for index in stage.blocks:
         owners[int(index)] = pp.rank
     pp.all_reduce(owners, ReduceOp.SUM)
+    params = dict(stage.named_parameters())
+    values = params if values is None else values
     if tp is not None and tp.world_size > 1:  # each stage's tp shards whole first (collective over tp)
         shapes = _full_shapes(config)
-        held = {name: gather_full(p, p, tp, shapes[name]) for name, p in stage.named_parameters()}
+        held = {name: gather_full(values[name], p, tp, shapes[name]) for name, p in params.items()}
     else:
-        held = dict(stage.named_parameters())
+        held = {name: values[name] for name in params}
     model = GPT(config).to(device) if pp.rank == 0 else None
     with torch.device("meta"):
         order = [(name, tuple(p.shape)) for name, p in GPT(config).named_parameters()]  # tied: wte only

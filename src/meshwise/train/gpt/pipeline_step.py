@@ -11,6 +11,15 @@ squares summed over this rank's parameters (the tied matrix counted once, on the
 pp group — dp replicas hold equal gradients after the average.
 Checkpoints and ``--sample`` are in :mod:`meshwise.train.gpt.pipeline_state`.
 
+``--dtype fp16`` (with ``--zero``) computes as one fp16 ZeRO process does: each stage's ZeRO keeps
+float16 compute copies of its float32 master shards (no autocast: LayerNorm and softmax run in float16
+too), activations and their gradients travel between stages in float16, and a
+:class:`~meshwise.parallel.zero.LossScaler` multiplies the loss on the last stage before its backward.
+Before clipping every stage unscales its reduced gradient shards in float32 and the overflow verdict is
+one all-reduce (MAX) of a flag over the whole job — every stage and replica — so all ranks skip the same
+steps and keep the same scale (the scale is a power of two, so the reported loss, divided by it, is the
+unscaled loss exactly).
+
 ZeRO-3 keeps each stage's parameters gathered for the whole pipeline step (:meth:`ShardedModel.gathered`)
 and frees them after it, as FSDP2 does under torch's pipelining (``reshard_after_forward=False``): a
 stage runs forward and backward of its micro-batches interleaved on the same layers, so gathering around
@@ -21,9 +30,11 @@ in the checkpoint, every rank holds its shards alone.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from functools import partial
+from typing import Any
 
 import torch
 from torch import nn
@@ -39,7 +50,7 @@ from meshwise.parallel.pipeline_parallel.partition import LayerChunk
 from meshwise.parallel.pipeline_parallel.timeline import COMPUTE_OPS, draw, gather_events
 from meshwise.parallel.placement import Placement, clip_gradients_
 from meshwise.parallel.tensor_parallel import shard_dim
-from meshwise.parallel.zero import shard
+from meshwise.parallel.zero import LossScaler, shard
 from meshwise.parallel.zero.sharded import ShardedModel
 from meshwise.train.gpt.config import GPTTrainConfig
 from meshwise.train.gpt.optimizer import adamw, decays
@@ -54,6 +65,8 @@ from meshwise.train.gpt.pipeline_state import (
 from meshwise.train.gpt.zero_step import (
     REPLICAS,
     load_zero_state_dict,
+    loss_scale_lines,
+    skipped_for_overflow,
     tensor_parallel_key,
     zero_slices,
     zero_state_dict,
@@ -85,6 +98,7 @@ class PipelineStep(ParallelStep):
         model, plan, tp = sharded.model, sharded.plan, mesh.tp.world_size
         super().__init__(config, mesh, next(model.parameters()).device)
         self.mesh, self.config, self.sharded_loss = mesh, config, sharded.loss
+        self.scaler = LossScaler(mesh.job) if config.dtype == "fp16" else None  # every rank skips together
         micro_batches = config.accumulation(mesh.shape.batch_size)  # dp·ep: ep ranks are data ranks
         self.executor, self.chunks = build_pipeline(
             model,
@@ -96,9 +110,10 @@ class PipelineStep(ParallelStep):
             # gradients averaged over the replicas (dp·cp); ZeRO reduce-scatters each stage's itself;
             # --ep reduces dense and expert gradients apart
             dp=None if config.zero or mesh.shape.ep > 1 else mesh.replicas,
-            loss=partial(sharded.loss, reduction="mean"),
+            loss=self._training_loss,
             sequence_shards=tp if config.sp else 1,
             in_place=True,  # the model is this run's own (and a tp one holds a communicator: no copies)
+            activation_dtype=torch.float16 if self.scaler is not None else torch.float32,
         )
         self.model = StageModule(self.chunks)
         self.exchange_timer = sharded.exchange_timer
@@ -125,11 +140,23 @@ class PipelineStep(ParallelStep):
             self._shape_model = GPT(model.config)
             self._group_names = group_names(self._shape_model, build_optimizer(self._shape_model, config))
 
+    def _training_loss(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The last stage's loss, multiplied by the loss scale under fp16."""
+        loss = self.sharded_loss(output, targets, "mean")
+        return loss if self.scaler is None else self.scaler.scale_loss(loss)
+
+    def autocast(self) -> AbstractContextManager[Any]:
+        """fp16 computes in ZeRO's float16 copies themselves (as one fp16 process does); bf16 autocasts."""
+        return nullcontext() if self.scaler is not None else super().autocast()
+
     def gathered(self) -> AbstractContextManager[None]:
         """ZeRO-3: the stage's parameters gathered for what runs inside (nothing to do otherwise)."""
         return self.zero.gathered() if self.zero is not None else nullcontext()
 
     def forward_backward(self, micro_batches: Sequence[Batch]) -> float:
+        if self.scaler is not None:  # MoE layers add their auxiliary gradient themselves: scaled alike
+            for layer in moe_layers(self.model):
+                layer.aux_gradient_scale = self.scaler.scale / len(micro_batches)
         accumulate = self.zero.no_sync() if self.zero is not None else nullcontext()
         with self.autocast(), accumulate, self.gathered(), self.timed_exchange(self.exchange_timer):
             result = self.executor.step([x for x, _ in micro_batches], [y for _, y in micro_batches])
@@ -144,11 +171,13 @@ class PipelineStep(ParallelStep):
                     label = f"{event.op}{event.micro_batch} chunk {event.chunk}"
                     self.profiler.record(phase, label, event.start, event.end)
         self._last_events = result.events
-        return result.loss
+        return result.loss if self.scaler is None else result.loss / self.scaler.scale
 
     def clip_grad_norm(self, max_norm: float) -> float:
         if self.zero is None:
             return super().clip_grad_norm(max_norm)
+        if skipped_for_overflow(self.scaler, self.zero):
+            return math.inf  # skipped on every rank: the optimizer finds no gradient
         shards = list(zip(self.zero.gradient_shards(), self._shard_placements, strict=True))
         return clip_gradients_(shards, max_norm, self.mesh.coordinates, self.mesh.job)
 
@@ -169,18 +198,20 @@ class PipelineStep(ParallelStep):
             for group in self.zero.groups:
                 group.wait_gathered()
         with self.gathered():  # ZeRO-3: collective over the replicas, so before replica 0 goes on alone
+            # fp16: the float32 masters (collective over the replicas), not the float16 compute copies
+            masters = self.zero.state_dict() if self.scaler is not None and self.zero is not None else None
             if self.mesh.replicas.rank != 0:  # one pipeline gathers: replica 0's (dp = cp = 0)
                 return self._shape_model
-            gathered = gather_plain_model(
-                self.model, self._shape_model.config, self.mesh.pp, self.device, tp=self.mesh.tp
-            )
+            config, pp, tp = self._shape_model.config, self.mesh.pp, self.mesh.tp
+            gathered = gather_plain_model(self.model, config, pp, self.device, tp=tp, values=masters)
         return self._shape_model if gathered is None else gathered
 
     def state_dict(self) -> dict:
         if self.zero is not None:  # each (dp, tp) rank of each stage writes its flat range
             shapes = {name: t.shape for name, t in self._shape_model.state_dict().items()}
             slices = zero_slices(self.mesh, shapes)
-            return zero_state_dict(self.zero, self.optimizer, slices, self._group_names, optimizer_key)
+            state = zero_state_dict(self.zero, self.optimizer, slices, self._group_names, optimizer_key)
+            return state | ({"scaler": self.scaler.state_dict()} if self.scaler is not None else {})
         return stage_state_dict(
             self.model, self.optimizer, self._group_names, tp=self.mesh.tp, config=self._shape_model.config
         )
@@ -188,8 +219,14 @@ class PipelineStep(ParallelStep):
     def load_state_dict(self, state: dict) -> None:
         if self.zero is not None:
             load_zero_state_dict(self.zero, self.optimizer, state, optimizer_key)
+            if self.scaler is not None:
+                self.scaler.load_state_dict(state["scaler"])
         else:
             load_stage_state_dict(self.model, self.optimizer, state, tp=self.mesh.tp)
+
+    def summary_lines(self) -> list[str]:
+        """fp16: the loss scale and the steps skipped."""
+        return loss_scale_lines(self.scaler)
 
     def finish(self) -> None:
         """``--timeline``: the last step's diagram, drawn once (drawing is slower than a small step)."""
@@ -216,7 +253,10 @@ def stage_zero(
         return (*tensor_parallel_key(name, param), name in tied)
 
     units = list(stage.blocks.values()) if config.zero == 3 else None
-    zero = shard(stage, mesh.replicas, stage=config.zero, separate_by=key, units=units)
+    precision = "fp16" if config.dtype == "fp16" else None  # bf16 autocasts over float32 stages
+    zero = shard(
+        stage, mesh.replicas, stage=config.zero, mixed_precision=precision, separate_by=key, units=units
+    )
     rest = zero.parameters_where(lambda n, p: not decays(n, p))
     optimizer = adamw(zero.parameters_where(decays), rest, config)
     placements = []

@@ -36,6 +36,7 @@ from meshwise.parallel.tensor_parallel import shard_dim
 from meshwise.parallel.tensor_parallel.shards import gather_full
 from meshwise.parallel.zero import LossScaler, shard
 from meshwise.parallel.zero.memory import rank_lines
+from meshwise.parallel.zero.sharded import ShardedModel
 from meshwise.parallel.zero.state_dict import Slices, load_zero_state_dict, zero_state_dict
 from meshwise.train.gpt.config import GPTTrainConfig
 from meshwise.train.gpt.optimizer import adamw, decays
@@ -46,15 +47,6 @@ from meshwise.train.gpt.parallelize import Batch, LayerSharded, ParallelStep
 REPLICAS = frozenset(GROUPINGS["replicas"])
 #: --dtype → shard()'s mixed precision (float32 master shards in every case).
 PRECISION = {"fp32": None, "bf16": "bf16", "fp16": "fp16"}
-
-
-def check_zero(config: GPTTrainConfig) -> None:
-    """--zero's own limits, before any rank starts."""
-    if config.zero and config.pp > 1 and config.dtype == "fp16":
-        raise ValueError(
-            f"--zero {config.zero} with --pp: fp16 needs a loss scaler around the pipeline's backward, "
-            "which is not built yet; use --dtype bf16 (or fp32), or drop --pp"
-        )
 
 
 def tensor_parallel_key(name: str, param: nn.Parameter) -> tuple[bool, bool]:
@@ -110,11 +102,8 @@ class ZeroStep(ParallelStep):
         )
 
     def clip_grad_norm(self, max_norm: float) -> float:
-        if self.scaler is not None:
-            found_inf = self.scaler.unscale_(self.model)
-            self.scaler.update(found_inf)
-            if found_inf:
-                return math.inf  # skipped: the optimizer finds no gradient
+        if skipped_for_overflow(self.scaler, self.model):
+            return math.inf  # skipped: the optimizer finds no gradient
         shards = list(zip(self.model.gradient_shards(), self._shard_placements, strict=True))
         return clip_gradients_(shards, max_norm, self.mesh.coordinates, self.mesh.job)
 
@@ -138,12 +127,7 @@ class ZeroStep(ParallelStep):
         mixed = self.model.precision is not None
         lines = [f"Memory (ZeRO-{self.model.stage}, per rank, accounted vs formula)"]
         lines += [f"  {line}" for line in rank_lines(self.model, self.optimizer, k=8 + 4 * mixed)]
-        if self.scaler is not None:
-            lines.append(
-                f"Loss scale          = {self.scaler.scale:g} (fp16; {self.scaler.skipped} step"
-                f"{'s' if self.scaler.skipped != 1 else ''} skipped for inf/nan gradients)"
-            )
-        return lines
+        return lines + loss_scale_lines(self.scaler)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -159,6 +143,25 @@ class ZeroStep(ParallelStep):
         load_zero_state_dict(self.model, self.optimizer, state)
         if self.scaler is not None:
             self.scaler.load_state_dict(state["scaler"])
+
+
+def skipped_for_overflow(scaler: LossScaler | None, model: ShardedModel) -> bool:
+    """fp16, before clipping: unscale ``model``'s reduced gradient shards (in float32) and update the
+    scale; True when any rank of the scaler's group (the whole job: every stage and replica) found an inf
+    or nan — every rank then discarded its gradients and skips the step together."""
+    if scaler is None:
+        return False
+    found_inf = scaler.unscale_(model)
+    scaler.update(found_inf)
+    return found_inf
+
+
+def loss_scale_lines(scaler: LossScaler | None) -> list[str]:
+    """The run summary's loss-scale line (fp16), empty otherwise."""
+    if scaler is None:
+        return []
+    skipped = f"{scaler.skipped} step{'s' if scaler.skipped != 1 else ''} skipped for inf/nan gradients"
+    return [f"Loss scale          = {scaler.scale:g} (fp16; {skipped})"]
 
 
 def zero_slices(mesh: Mesh, plain_shapes: dict[str, torch.Size]) -> Callable[[str, torch.Tensor], Slices]:
