@@ -80,14 +80,21 @@ def recorded_ratios(results: Path) -> dict[str, float | None]:
     return out
 
 
-def paired_ratios(samples: list[dict[str, dict[str, list[float]]]]) -> dict[str, float]:
-    """Each ratio's median over every round of every run: the per-round step times of ``samples`` (one
-    dict per run: group → contender → seconds per round) divided pairwise, ours by torch's."""
+def paired_ratios(samples: list[dict[str, dict[str, list[float]]]]) -> dict[str, list[list[float]]]:
+    """Per ratio, per run, the per-round ratios: ``samples`` holds one dict per run (group → contender →
+    seconds per round), divided pairwise, ours by torch's."""
     out = {}
     for name, (group, ours, theirs) in RATIOS.items():
-        pairs = [a / b for run in samples for a, b in zip(run[group][ours], run[group][theirs], strict=True)]
-        out[name] = statistics.median(pairs)
+        if group in samples[0]:
+            out[name] = [
+                [a / b for a, b in zip(run[group][ours], run[group][theirs], strict=True)] for run in samples
+            ]
     return out
+
+
+def median_ratio(per_run: list[list[float]]) -> float:
+    """The median over every round of every run."""
+    return statistics.median(r for run in per_run for r in run)
 
 
 # --- measuring (in the ranks; imports the meshwise found on PYTHONPATH, now or at --before) -----------------
@@ -251,8 +258,8 @@ GROUPS: dict[str, Callable] = {
 }
 
 
-def _measure(rounds: int, steps: int, warmup: int) -> dict[str, dict[str, list[float]]]:
-    """In each rank: every group's contenders built, timed in rotating rounds, released."""
+def _measure(groups: list[str], rounds: int, steps: int, warmup: int) -> dict[str, dict[str, list[float]]]:
+    """In each rank: each group's contenders built, timed in rotating rounds, released."""
     import torch.distributed as dist
     from bench_ddp import _time_rounds
 
@@ -263,8 +270,8 @@ def _measure(rounds: int, steps: int, warmup: int) -> dict[str, dict[str, list[f
     shm = ShmCommunicator.from_process_group(None, timeout=600)
     samples = {}
     try:
-        for name, build in GROUPS.items():
-            steppers, release = build(world, shm)
+        for name in groups:
+            steppers, release = GROUPS[name](world, shm)
             samples[name] = _time_rounds(steppers, rounds, steps, warmup, dist.barrier)
             del steppers
             release()  # torch's DDP/FSDP2 hold the process group: release them before shutdown
@@ -275,10 +282,10 @@ def _measure(rounds: int, steps: int, warmup: int) -> dict[str, dict[str, list[f
     return samples
 
 
-def _worker(out: str, rounds: int, steps: int, warmup: int) -> None:
+def _worker(out: str, groups: list[str], rounds: int, steps: int, warmup: int) -> None:
     from meshwise.runtime.spawn import spawn
 
-    samples = spawn(_measure, 2, args=(rounds, steps, warmup), timeout=3000)[0]
+    samples = spawn(_measure, 2, args=(groups, rounds, steps, warmup), timeout=3000)[0]
     Path(out).write_text(json.dumps(samples))
 
 
@@ -295,23 +302,27 @@ def _source_of(revision: str, into: Path) -> Path:
     return into / "src"
 
 
-def _run_worker(source: Path, rounds: int, steps: int, warmup: int) -> dict:
+def _run_worker(source: Path, groups: list[str], rounds: int, steps: int, warmup: int) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(source), str(BENCHMARKS)])}
-        command = [sys.executable, __file__, "--worker", out.name, "--rounds", str(rounds),
-                   "--steps", str(steps), "--warmup", str(warmup)]  # fmt: skip
+        command = [sys.executable, __file__, "--worker", out.name, "--groups", ",".join(groups),
+                   "--rounds", str(rounds), "--steps", str(steps), "--warmup", str(warmup)]  # fmt: skip
         subprocess.run(command, env=env, check=True, timeout=3600)
         return json.loads(Path(out.name).read_text())
 
 
-def _table(now: dict[str, float], before: dict[str, float] | None, recorded: dict, rev: str | None) -> str:
-    header = f"{'ratio (ours / torch)':<22}{'now':>7}"
+def _table(per_run: dict[str, dict[str, list[list[float]]]], recorded: dict, rev: str | None) -> str:
+    """Medians, the spread of the runs' own medians (how much the machine moved them), after/before."""
+    now = {name: median_ratio(runs) for name, runs in per_run["now"].items()}
+    before = {name: median_ratio(runs) for name, runs in per_run["before"].items()} if rev else None
+    header = f"{'ratio (ours / torch)':<22}{'now':>7}{'runs':>12}"
     if before is not None:
         header += f"{'at ' + str(rev):>12}{'now/before':>11}  {'±3 %':<5}"
     header += f"{'recorded':>9}{'now/rec.':>9}"
     lines = [header]
     for name, ratio in now.items():
-        line = f"{name:<22}{ratio:>7.3f}"
+        spread = [statistics.median(run) for run in per_run["now"][name]]
+        line = f"{name:<22}{ratio:>7.3f}{f'{min(spread):.2f}–{max(spread):.2f}':>12}"
         if before is not None:
             change = ratio / before[name]
             verdict = "ok" if abs(change - 1) <= TOLERANCE else ("better" if change < 1 else "WORSE")
@@ -329,11 +340,16 @@ def main() -> None:
     parser.add_argument("--inner-rounds", type=int, default=3, help="timed rounds per group per run")
     parser.add_argument("--steps", type=int, default=2, help="steps per timed round (default 2)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per contender first")
+    parser.add_argument("--groups", default=",".join(GROUPS), help=f"comma-separated, of {','.join(GROUPS)}")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     parser.add_argument("--worker", metavar="OUT", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    groups = args.groups.split(",")
+    unknown = sorted(set(groups) - set(GROUPS))
+    if unknown:
+        parser.error(f"--groups: {unknown} unknown; choose from {','.join(GROUPS)}")
     if args.worker:
-        _worker(args.worker, args.rounds, args.steps, args.warmup)
+        _worker(args.worker, groups, args.rounds, args.steps, args.warmup)
         return
     with tempfile.TemporaryDirectory() as scratch:
         # a copy: edits to the working tree while the run goes on do not change what "now" measures
@@ -348,12 +364,17 @@ def main() -> None:
                     f"# round {r + 1}/{args.rounds}: {label}, load {os.getloadavg()[0]:.1f}", file=sys.stderr
                 )
                 loads.append(os.getloadavg()[0])
-                runs[label].append(_run_worker(trees[label], args.inner_rounds, args.steps, args.warmup))
-    ratios = {label: paired_ratios(samples) for label, samples in runs.items()}
+                runs[label].append(
+                    _run_worker(trees[label], groups, args.inner_rounds, args.steps, args.warmup)
+                )
+    per_run = {label: paired_ratios(samples) for label, samples in runs.items()}
+    ratios = {
+        label: {name: median_ratio(r) for name, r in values.items()} for label, values in per_run.items()
+    }
     recorded = recorded_ratios(BENCHMARKS / "results")
     print(f"2 ranks, gloo/CPU; medians of per-round ratios over {args.rounds} runs × {args.inner_rounds} "
           f"rounds × {args.steps} steps; load average {min(loads):.1f}–{max(loads):.1f}")  # fmt: skip
-    print(_table(ratios["now"], ratios.get("before"), recorded, args.before))
+    print(_table(per_run, recorded, args.before))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         out = {"args": vars(args), "ratios": ratios, "recorded": recorded, "loads": loads, "runs": runs}
