@@ -46,7 +46,7 @@ LAYOUTS: dict[str, dict] = {  # gpt-nano has 6 heads: tp splits them 2 (or 3) wa
     "zero3·pp2": {"zero": 3, "pp": 2},
     "pp2·dp2 zb": {"pp": 2, "schedule": "zb"},
     "cp2·dp2": {"cp": 2},
-    "ep2·dp2 (4 experts, top-2)": {"ep": 2, "experts": 4, "top_k": 2},
+    "ep2·dp2 moe": {"ep": 2, "experts": 4, "top_k": 2},  # 4 experts, top-2
 }
 
 
