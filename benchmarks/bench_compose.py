@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch_baselines import dtensor_tensor_parallel, fully_shard_blocks
 
 import meshwise
 from meshwise.comm.mesh import MeshShape
@@ -53,20 +54,8 @@ def _build(name: str, config: str, world: World) -> tuple[nn.Module, torch.optim
     model: nn.Module = GPT(CONFIGS[config])
     mesh = world.mesh
     if name == "torch-2d":
-        from torch.distributed.fsdp import fully_shard
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
         device_mesh = mesh.device_mesh()
-        plan = {}
-        for i in range(len(model.blocks)):
-            for column in ("attn.q", "attn.k", "attn.v", "mlp.fc"):
-                plan[f"blocks.{i}.{column}"] = ColwiseParallel()
-            for row in ("attn.out", "mlp.proj"):
-                plan[f"blocks.{i}.{row}"] = RowwiseParallel()
-        parallelize_module(model, device_mesh["tp"], plan)
-        for block in model.blocks:
-            fully_shard(block, mesh=device_mesh["dp"])
-        fully_shard(model, mesh=device_mesh["dp"])
+        fully_shard_blocks(dtensor_tensor_parallel(model, device_mesh["tp"]), device_mesh["dp"])
         return model, torch.optim.AdamW(model.parameters(), lr=1e-4), language_model_loss
     gpt_plan(model.config).tensor_parallel.convert(model, mesh.tp, False)  # type: ignore[union-attr]
     units = list(model.blocks)

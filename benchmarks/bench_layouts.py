@@ -3,9 +3,13 @@
 For each layout the same 4 CPU ranks (gloo) run the real trainer — what ``meshwise train gpt -np 4
 <flags>`` runs — for ``--steps`` steps on the same tokens (the standard library's ``argparse.py``) from
 the same seed. A step's time is the trainer's own (the slowest rank's, as the loop reports it), the
-median over the steps after the first; per-rank peak memory is the growth of the resident set's high-water
-mark (VmHWM) from before the model is built to the end, the largest over the ranks. Layouts run one after
-another, so compare figures taken in one run only (the machine's load is printed with them).
+median over the steps after the first. Per-rank peak memory, the largest over the ranks, twice: the peak
+*allocated* bytes during the steps (the trainer's own figure, its ``--json`` ``peak_memory.allocated``:
+tensors held, measured above the bytes torch takes for itself — what ``meshwise plan`` predicts), and the
+growth of the resident set's high-water mark (VmHWM) from before the model is built to the end (which
+also holds the whole model built on every rank before it is cut, and what glibc keeps of freed
+activations). Layouts run one after another, so compare figures taken in one run only (the machine's
+load is printed with them).
 
     python benchmarks/bench_layouts.py --json benchmarks/results/c25_layouts.json --markdown table.md
 """
@@ -39,6 +43,10 @@ LAYOUTS: dict[str, dict] = {  # gpt-nano has 6 heads: tp splits them 2 (or 3) wa
     "zero3·tp2": {"zero": 3, "tp": 2},
     "zero1·tp2·sp": {"zero": 1, "tp": 2, "sp": True},
     "zero2·pp2": {"zero": 2, "pp": 2},
+    "zero3·pp2": {"zero": 3, "pp": 2},
+    "pp2·dp2 zb": {"pp": 2, "schedule": "zb"},
+    "cp2·dp2": {"cp": 2},
+    "ep2·dp2 moe": {"ep": 2, "experts": 4, "top_k": 2},  # 4 experts, top-2
 }
 
 
@@ -58,7 +66,9 @@ def _run(config: GPTTrainConfig) -> dict:
         before = peak_resident_bytes() or 0
         trainer = GPTTrainer(world, config)
         seconds = [trainer.train_step(step).seconds for step in range(config.steps)]
-        return {"seconds": seconds, "peak_rss_growth": (peak_resident_bytes() or 0) - before}
+        allocated = trainer.memory.stop()["allocated"]  # this rank's, above torch's own
+        return {"seconds": seconds, "peak_rss_growth": (peak_resident_bytes() or 0) - before,
+                "peak_allocated": allocated}  # fmt: skip
     finally:
         meshwise.shutdown()
 
@@ -82,18 +92,20 @@ def main() -> None:
             "command": f"meshwise train gpt {_flags({'nproc': 4} | flags)} --seq-len 128 --global-batch 8",
             "step_seconds": statistics.median(results[0]["seconds"][1:]),
             "peak_rss_growth_mib": max(r["peak_rss_growth"] for r in results) / 2**20,
+            "peak_allocated_mib": max(r["peak_allocated"] or 0 for r in results) / 2**20,
             "load": os.getloadavg()[0],
         }
         row = rows[name]
-        print(f"{name:22} {row['step_seconds']:8.3f} s  {row['peak_rss_growth_mib']:8.1f} MiB  "
+        print(f"{name:26} {row['step_seconds']:8.3f} s  {row['peak_allocated_mib']:7.1f} MiB allocated  "
+              f"{row['peak_rss_growth_mib']:7.1f} MiB RSS  "
               f"load {row['load']:.1f}   {row['command']}", flush=True)  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
     if args.markdown:
-        lines = ["| layout | command | step s (median) | peak RSS growth / rank, MiB | load |",
-                 "|---|---|---:|---:|---:|"]  # fmt: skip
-        lines += [f"| {n} | `{r['command']}` | {r['step_seconds']:.3f} | {r['peak_rss_growth_mib']:.1f} | "
-                  f"{r['load']:.1f} |" for n, r in rows.items()]  # fmt: skip
+        lines = ["| layout | command | step s (median) | peak allocated / rank, MiB | "
+                 "peak RSS growth / rank, MiB | load |", "|---|---|---:|---:|---:|---:|"]  # fmt: skip
+        lines += [f"| {n} | `{r['command']}` | {r['step_seconds']:.3f} | {r['peak_allocated_mib']:.1f} | "
+                  f"{r['peak_rss_growth_mib']:.1f} | {r['load']:.1f} |" for n, r in rows.items()]  # fmt: skip
         Path(args.markdown).write_text("\n".join(lines) + "\n")
 
 

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 from bench_ddp import _medians, _paired_ratios, _time_rounds
 from torch import nn
+from torch_baselines import dtensor_tensor_parallel, language_model_stepper
 
 import meshwise
 from meshwise.comm.shm import ShmCommunicator
@@ -51,33 +52,9 @@ TARGETS = {"meshwise/gloo": 1.0, "meshwise/shm": 0.7}  # step time vs dtensor/gl
 MEMORY_TOLERANCE = 0.10  # measured activation bytes within 10 % of the formula
 
 
-def _dtensor(model: GPT, world_size: int) -> GPT:
-    # imported here: a few seconds that only the ranks need
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    mesh = init_device_mesh("cpu", (world_size,))
-    plan: dict[str, object] = {}
-    for i in range(len(model.blocks)):
-        for name in ("attn.q", "attn.k", "attn.v", "mlp.fc"):
-            plan[f"blocks.{i}.{name}"] = ColwiseParallel()
-        for name in ("attn.out", "mlp.proj"):
-            plan[f"blocks.{i}.{name}"] = RowwiseParallel()
-    return parallelize_module(model, mesh, plan)
-
-
-def _stepper(model: nn.Module, loss_fn: Callable, tokens: torch.Tensor) -> Callable[[], None]:
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-
-    def step() -> None:
-        optimizer.zero_grad()
-        loss_fn(model(tokens[:, :-1]), tokens[:, 1:]).backward()
-        optimizer.step()
-
-    return step
-
-
 def _step_times(config: GPTConfig, batch: int, rounds: int, steps: int, warmup: int) -> dict[str, object]:
+    from torch.distributed.device_mesh import init_device_mesh  # a few seconds that only the ranks need
+
     world = meshwise.init("gloo", device="cpu", timeout=300)
     shm = ShmCommunicator.from_process_group(None, timeout=300)
     torch.manual_seed(0)
@@ -85,8 +62,9 @@ def _step_times(config: GPTConfig, batch: int, rounds: int, steps: int, warmup: 
     tokens = torch.randint(
         0, config.vocab, (batch, config.seq_len + 1), generator=torch.Generator().manual_seed(1)
     )
+    tp_mesh = init_device_mesh("cpu", (world.world_size,))
     models: dict[str, tuple[nn.Module, Callable]] = {
-        "dtensor/gloo": (_dtensor(copy.deepcopy(reference), world.world_size), language_model_loss)
+        "dtensor/gloo": (dtensor_tensor_parallel(copy.deepcopy(reference), tp_mesh), language_model_loss)
     }
     for name, comm in (("gloo", world.comm), ("shm", shm)):
         for sp in (False, True):
@@ -96,7 +74,10 @@ def _step_times(config: GPTConfig, batch: int, rounds: int, steps: int, warmup: 
 
             model = tensor_parallel(copy.deepcopy(reference), comm, sequence_parallel=sp)
             models[f"meshwise/{name}{'+sp' if sp else ''}"] = (model, loss)
-    steppers = {name: _stepper(model, loss, tokens) for name, (model, loss) in models.items()}
+    steppers = {
+        name: language_model_stepper(model, torch.optim.AdamW(model.parameters(), lr=1e-3), loss, tokens)
+        for name, (model, loss) in models.items()
+    }
     samples = _time_rounds(steppers, rounds, steps, warmup, dist.barrier)
     with torch.no_grad():
         losses = {

@@ -24,12 +24,12 @@ import argparse
 import json
 import statistics
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch_baselines import fully_shard_blocks, language_model_stepper
 
 import meshwise
 from meshwise.comm.shm import ShmCommunicator
@@ -54,12 +54,8 @@ def _build(name: str, config: str, comms: dict) -> tuple[nn.Module, torch.optim.
     model: nn.Module = _gpt(config)
     if name == "fsdp2/gloo":
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
 
-        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        fully_shard_blocks(model, init_device_mesh("cpu", (dist.get_world_size(),)))
     elif name == "ddp/gloo":
         model = DataParallel(model, comms["gloo"])
     else:
@@ -67,17 +63,6 @@ def _build(name: str, config: str, comms: dict) -> tuple[nn.Module, torch.optim.
         units = list(model.blocks) if stage == 3 else None  # the blocks, as FSDP2 above
         model = shard(model, comms[backend], stage=stage, units=units)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
-
-
-def _stepper(model: nn.Module, optimizer: torch.optim.Optimizer, tokens: torch.Tensor) -> Callable[[], None]:
-    x, y = tokens[:, :-1], tokens[:, 1:]
-
-    def step() -> None:
-        optimizer.zero_grad()
-        language_model_loss(model(x), y).backward()
-        optimizer.step()
-
-    return step
 
 
 def _tokens(config: str, batch: int, seq: int, rank: int) -> torch.Tensor:
@@ -126,7 +111,10 @@ def _two_ranks(config: str, batch: int, seq: int, rounds: int, steps: int, warmu
     comms = {"gloo": world.comm, "shm": ShmCommunicator.from_process_group(None, timeout=600)}
     tokens = _tokens(config, batch, seq, world.rank)
     built = {name: _build(name, config, comms) for name in NAMES}
-    steppers = {name: _stepper(model, opt, tokens) for name, (model, opt) in built.items()}
+    steppers = {
+        name: language_model_stepper(model, opt, language_model_loss, tokens)
+        for name, (model, opt) in built.items()
+    }
     for name in NAMES:
         for _ in range(warmup):
             steppers[name]()
@@ -161,7 +149,7 @@ def _rss_one(name: str, config: str, batch: int, seq: int) -> int:
         comms["shm"] = ShmCommunicator.from_process_group(None, timeout=600)
     before = peak_resident_bytes() or 0
     model, opt = _build(name, config, comms)
-    step = _stepper(model, opt, _tokens(config, batch, seq, world.rank))
+    step = language_model_stepper(model, opt, language_model_loss, _tokens(config, batch, seq, world.rank))
     for _ in range(2):
         step()
     grown = (peak_resident_bytes() or 0) - before

@@ -39,11 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-#: Runs the local experts on tokens grouped by expert: (tokens, rows per local expert) → outputs.
-RunExperts = Callable[[Tensor, list[int]], Tensor]
-#: Between grouping and combining: (tokens grouped by global expert, rows per global expert, run) →
-#: the experts' outputs in the same order. :func:`run_here` is the one-process exchange.
-Exchange = Callable[[Tensor, Tensor, RunExperts], Tensor]
+from meshwise.parallel.protocols import Exchange, RunExperts
 
 
 def check_experts(experts: int, top_k: int, capacity_factor: float | None) -> None:
@@ -163,7 +159,9 @@ class RouterTally:
 
 
 class MixtureOfExperts(nn.Module):
-    """``experts`` copies of an MLP (built by ``make_expert``) behind a top-k router; input (..., hidden)."""
+    """``experts`` copies of an MLP (built by ``make_expert``) behind a top-k router; input (..., hidden).
+
+    Expert parallelism sees it as an :class:`~meshwise.parallel.protocols.ExpertLayer`."""
 
     def __init__(
         self,
@@ -213,6 +211,10 @@ class MixtureOfExperts(nn.Module):
         """Each expert this module holds (ascending global index) on its slice of ``tokens``."""
         pieces = tokens.split(rows)
         return torch.cat([expert(piece) for expert, piece in zip(self.experts.values(), pieces, strict=True)])
+
+    def reset_tally(self) -> None:
+        """Start counting afresh (after a report)."""
+        self.tally = RouterTally.empty(self.num_experts)
 
     def auxiliary_loss(self) -> Tensor:
         """The last forward's coefficient-weighted load-balancing and z-losses."""

@@ -1,11 +1,12 @@
-"""``apply_context_parallel(model, cp_comm)``: make a GPT run on this rank's chunks of every sequence.
+"""``apply_context_parallel(model, cp_comm)``: make a model run on this rank's chunks of every sequence.
 
 In place, on every rank of the cp group (same weights on each; nothing is sharded — context parallelism
 splits activations, not parameters):
 
-- each attention's core becomes :func:`.attention.context_parallel_attention` over ``cp_comm`` (it
-  composes with tensor parallelism, which only changes how many heads reach the core, and with
-  selective recomputation, which re-runs the core — collective included — in backward);
+- each attention's core (every :class:`~meshwise.parallel.protocols.SplitAttention` in the model: our
+  GPT's, or a user's own with the same members) becomes :func:`.attention.context_parallel_attention`
+  over ``cp_comm`` (it composes with tensor parallelism, which only changes how many heads reach the
+  core, and with selective recomputation, which re-runs the core — collective included — in backward);
 - the position table returns the rows of the rank's tokens (:func:`.chunks.local_positions`): the model is
   fed ``split_sequence(tokens, cp, rank)`` and everything between embedding and head is per token.
 
@@ -20,15 +21,15 @@ import torch
 from torch import nn
 
 from meshwise.comm.api import Communicator
-from meshwise.models.gpt import CausalSelfAttention
 from meshwise.parallel.context_parallel.attention import context_parallel_attention
 from meshwise.parallel.context_parallel.chunks import check_context_parallel, local_positions
+from meshwise.parallel.protocols import SplitAttention, split_attentions
 
 
 class ContextParallelCore:
     """An attention's ``core(q, k, v)`` over the cp group, with the attention's dropout."""
 
-    def __init__(self, attention: CausalSelfAttention, comm: Communicator) -> None:
+    def __init__(self, attention: SplitAttention, comm: Communicator) -> None:
         self.attention, self.comm = attention, comm
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -58,16 +59,19 @@ class ContextParallelPositions(nn.Embedding):
         return self.lookup(local_positions(seq, self.comm.world_size, self.comm.rank, positions.device))
 
 
-def apply_context_parallel(model: nn.Module, cp_comm: Communicator) -> nn.Module:
-    """Convert ``model`` (a GPT, a pipeline stage, a tensor-parallel GPT) in place (module docstring)."""
+def apply_context_parallel(model: nn.Module, cp_comm: Communicator, positions: str = "wpe") -> nn.Module:
+    """Convert ``model`` (a GPT, a pipeline stage, a tensor-parallel GPT) in place (module docstring).
+
+    ``positions`` names the model's learned absolute position table (GPT-2's name by default); a model
+    without one there (rotary or no positions) has none to convert."""
     if cp_comm.world_size == 1:
         return model
-    attentions = [m for m in model.modules() if isinstance(m, CausalSelfAttention)]
+    attentions = split_attentions(model)
     if any(isinstance(a.__dict__.get("core"), ContextParallelCore) for a in attentions):
         raise ValueError("this model is already context parallel")
     for attention in attentions:
         attention.core = ContextParallelCore(attention, cp_comm)  # type: ignore[method-assign]
-    wpe = getattr(model, "wpe", None)
-    if isinstance(wpe, nn.Embedding):
-        model.wpe = ContextParallelPositions(wpe, cp_comm)
+    table = getattr(model, positions, None)
+    if isinstance(table, nn.Embedding):
+        setattr(model, positions, ContextParallelPositions(table, cp_comm))
     return model

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from meshwise.comm.api import Communicator
-from meshwise.models.moe import RunExperts
+from meshwise.parallel.protocols import RunExperts
 
 
 def all_to_all_rows(comm: Communicator, tensor: Tensor, send_rows: list[int], recv_rows: list[int]) -> Tensor:

@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from meshwise.comm.api import Communicator, ReduceOp
-from meshwise.models.moe import moe_layers
 from meshwise.parallel.expert_parallel.exchange import AllToAllExchange
+from meshwise.parallel.protocols import expert_layers
 
 
 def check_expert_parallel(experts: int, ep: int) -> None:
@@ -42,12 +42,12 @@ def local_experts(experts: int, ep: int, ep_rank: int) -> range:
 
 
 def apply_expert_parallel(model: nn.Module, ep_comm: Communicator) -> nn.Module:
-    """Keep only this rank's experts in every MoE layer of ``model`` and route through ``ep_comm``.
+    """Keep only this rank's experts in every expert layer of ``model`` and route through ``ep_comm``.
 
     ``model`` must be built identically on every ep rank (same seed): the experts kept are then the
     one-process model's, under the same parameter names. Returns ``model``, changed in place.
     """
-    for layer in moe_layers(model):
+    for layer in expert_layers(model):
         check_expert_parallel(layer.num_experts, ep_comm.world_size)
         mine = {str(e) for e in local_experts(layer.num_experts, ep_comm.world_size, ep_comm.rank)}
         for name in [name for name in layer.experts if name not in mine]:
@@ -61,7 +61,7 @@ def full_expert_state(model: nn.Module, ep_comm: Communicator) -> dict[str, torc
     """Every expert's parameters of every MoE layer of ``model`` under the plain model's names, on every
     rank (collective over ``ep_comm``: each rank broadcasts its block of experts, one tensor per layer)."""
     ep, state = ep_comm.world_size, {}
-    layers = {id(layer) for layer in moe_layers(model)}
+    layers = {id(layer) for layer in expert_layers(model)}
     for prefix, layer in [(n, m) for n, m in model.named_modules() if id(m) in layers]:
         template = next(iter(layer.experts.values()))
         shapes = [(name, p.shape) for name, p in template.named_parameters()]

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from meshwise.comm.api import Communicator, ReduceOp
-from meshwise.models.moe import RouterTally, moe_layers
+from meshwise.parallel.protocols import expert_layers
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ def moe_report(
     over ``comm`` (every data rank calls it) when given. A pipeline stage holds only some layers:
     ``stages`` = (the pp communicator, each local layer's index among all, how many there are) puts
     them in their rows and sums the stages, so every stage reports the whole model."""
-    layers = moe_layers(model)
+    layers = expert_layers(model)
     if not layers:
         return None
     tallies = [layer.tally for layer in layers]
@@ -82,7 +82,7 @@ def moe_report(
         routed, kept = counts[0], counts[1]
         comm.all_reduce(losses, ReduceOp.SUM)
     for layer in layers:
-        layer.tally = RouterTally.empty(layer.num_experts)
+        layer.reset_tally()
     forwards = losses[:, 2].sum().clamp(min=1)
     return MoEReport(
         tokens_min=int(routed.min()),

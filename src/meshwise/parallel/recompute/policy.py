@@ -13,8 +13,10 @@
 The policy is applied to the blocks a rank holds after the model has been parallelized (tensor-parallel
 layers replaced, pipeline stages cut), so it composes with every strategy: it changes how a block's
 forward is run, never which parameters or collectives it has (a recomputed block with expert
-parallelism's all-to-alls runs them again, in the same order on every rank). A block is anything with the
-``run_body``/``body`` pair and an ``attn`` with ``run_core``/``core`` (our GPT's :class:`Block`).
+parallelism's all-to-alls runs them again, in the same order on every rank). A block is any
+:class:`~meshwise.parallel.protocols.RecomputableBlock` (``run_body``/``body``), its attention cores the
+:class:`~meshwise.parallel.protocols.SplitAttention` modules inside it (our GPT's ``Block`` and
+``CausalSelfAttention``; a user's own layers qualify by having the same members).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from functools import partial
 
 from torch import Tensor, nn
 
-from meshwise.models.gpt import Block
+from meshwise.parallel.protocols import RecomputableBlock, recomputable_blocks, split_attentions
 from meshwise.parallel.recompute.region import recomputed
 
 MODES = ("none", "selective", "full")
@@ -50,12 +52,12 @@ def check_recompute(mode: str, layers: int | None, stage_blocks: int | None = No
         )
 
 
-def stage_blocks(model: nn.Module) -> list[Block]:
-    """The transformer blocks under ``model`` in forward order (a whole GPT, a pipeline stage, a wrapper)."""
-    return [module for module in model.modules() if isinstance(module, Block)]
+def stage_blocks(model: nn.Module) -> list[RecomputableBlock]:
+    """The recomputable blocks under ``model`` in forward order (a whole model, a stage, a wrapper)."""
+    return recomputable_blocks(model)
 
 
-def apply_recompute(blocks: Sequence[Block], mode: str, layers: int | None = None) -> None:
+def apply_recompute(blocks: Sequence[RecomputableBlock], mode: str, layers: int | None = None) -> None:
     """Set how each of ``blocks`` (one stage's, in forward order) runs: see the module docstring.
 
     Idempotent and reversible (``mode="none"`` restores plain forwards); parameters are not touched.
@@ -64,7 +66,8 @@ def apply_recompute(blocks: Sequence[Block], mode: str, layers: int | None = Non
     full = len(blocks) if layers is None else layers
     for index, block in enumerate(blocks):
         block.run_body = partial(_recompute_body, block) if mode == "full" and index < full else None
-        block.attn.run_core = _recompute_core if mode == "selective" else None
+        for attention in split_attentions(block):  # type: ignore[arg-type]
+            attention.run_core = _recompute_core if mode == "selective" else None
 
 
 def _recompute_body(block: nn.Module, body: Callable[..., Tensor], x: Tensor) -> Tensor:
