@@ -31,6 +31,7 @@ from meshwise.data.windows import train_batch
 from meshwise.models.gpt import GPT, language_model_loss
 from meshwise.models.moe import moe_layers, with_auxiliary_losses
 from meshwise.parallel.expert_parallel import is_expert_parameter, moe_report
+from meshwise.parallel.tensor_parallel import full_tensors
 from meshwise.runtime.spawn import spawn
 from meshwise.train.gpt import GPTTrainConfig
 from meshwise.train.gpt.loop import GPTTrainer
@@ -85,11 +86,14 @@ def _reference_step(
 
 
 def _held_parameters(trainer: GPTTrainer) -> dict[str, torch.Tensor]:
-    """This rank's parameters under the plain names, whole: gathered over tp when it cuts them (that
-    gather also collects every expert), else the ones the rank holds (its experts, its stage's layers)."""
+    """This rank's parameters under the plain names, whole: gathered over tp when it cuts them (without
+    pp that gather also collects every expert; with pp a stage's own), else the ones the rank holds (its
+    experts, its stage's layers)."""
     runner = trainer.step_runner
-    if trainer.mesh.shape.tp > 1:
+    if trainer.mesh.shape.tp > 1 and trainer.mesh.shape.pp == 1:
         return dict(runner.sampling_model().named_parameters())  # collective over tp and ep
+    if trainer.mesh.shape.tp > 1:
+        return full_tensors(runner.model, trainer.mesh.tp)  # the stage's shards whole (collective over tp)
     return {name: param for name, (param, _) in runner.placements.items()}
 
 
@@ -164,6 +168,7 @@ LAYOUTS: dict[str, tuple[int, dict]] = {
     "pp2": (2, {"ep": 1, "pp": 2, "capacity_factor": 1.0}),
     "pp2 zb": (2, {"ep": 1, "pp": 2, "schedule": "zb", "capacity_factor": 1.0}),
     "dp2·pp2": (4, {"nproc": 4, "ep": 1, "pp": 2}),
+    "tp2·pp2 sp": (4, {"nproc": 4, "ep": 1, "tp": 2, "pp": 2, "sp": True, "capacity_factor": 1.0}),
 }
 
 
@@ -180,7 +185,7 @@ def _check(results: list[dict], experts_per_rank: int, dropping: bool) -> None:
 
 
 #: rows added with the compositions they check, on 4 ranks: slow (the suite's budget on 2 cores)
-SLOW = {"ep2·pp2 zb", "dp2·pp2", "ep2·tp2 sp"}
+SLOW = {"ep2·pp2 zb", "dp2·pp2", "ep2·tp2 sp", "tp2·pp2 sp"}
 
 
 @pytest.mark.parametrize(

@@ -31,6 +31,7 @@ from meshwise.parallel.data_parallel.reducer import GradReducer
 from meshwise.parallel.expert_parallel.placement import is_expert_parameter
 
 NamedParameters = list[tuple[str, nn.Parameter]]
+_DIVIDED = "_meshwise_divided_by_ep"  # set on an expert parameter whose gradient hook divides by ep
 
 
 @dataclass(frozen=True)
@@ -48,15 +49,17 @@ def replica_groups(
     """``named`` split by the ranks each parameter's gradient averages over: all over ``replicas``, or with
     ``experts`` the expert parameters apart, over ``experts.comm``; empty groups are left out.
 
-    With ``experts`` of ``ep`` > 1 this registers on each expert parameter the hook that divides its
-    gradient by ep (see the module docstring) — whether or not a group of one rank reduces anything."""
+    With ``experts`` of ``ep`` > 1 this registers on each expert parameter (once) the hook that divides
+    its gradient by ep (see the module docstring) — whether or not a group of one rank reduces anything."""
     if experts is None:
         return [(list(named), replicas)] if named else []
     dense = [(name, p) for name, p in named if not is_expert_parameter(name)]
     mine = [(name, p) for name, p in named if is_expert_parameter(name)]
     if experts.ep > 1:
         for _, param in mine:
-            param.register_hook(lambda grad, ep=experts.ep: grad / ep)
+            if not getattr(param, _DIVIDED, False):  # once, however many wrappers split the parameter
+                setattr(param, _DIVIDED, True)
+                param.register_hook(lambda grad, ep=experts.ep: grad / ep)
     return [(params, comm) for params, comm in ((dense, replicas), (mine, experts.comm)) if params]
 
 
