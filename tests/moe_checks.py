@@ -19,13 +19,14 @@ import meshwise
 from meshwise.comm.api import Communicator, ReduceOp
 from meshwise.models.gpt import GPT, GPTConfig, language_model_loss
 from meshwise.models.moe import combine, group_by_expert, moe_layers, route, with_auxiliary_losses
+from meshwise.parallel import DataParallel
 from meshwise.parallel.expert_parallel import (
     AllToAllExchange,
+    ExpertDataParallel,
     apply_expert_parallel,
     is_expert_parameter,
     local_experts,
     moe_report,
-    reduce_gradients,
 )
 from meshwise.parallel.optimizer_state import init_optimizer_state
 
@@ -63,6 +64,16 @@ def identity_round_trip(comm: Communicator, experts: int = 8, top_k: int = 2, to
     return errors
 
 
+def _expert_data_parallel(
+    model: torch.nn.Module, data_comm: Communicator, expert_data_comm: Communicator | None, ep: int
+) -> ExpertDataParallel:
+    """``model`` (its experts cut over ep) with dense gradients averaged over ``data_comm`` and expert ones
+    over ``expert_data_comm`` (None: each expert lives on one rank, a group of one)."""
+    experts = expert_data_comm if expert_data_comm is not None else data_comm.split([data_comm.rank])
+    assert experts is not None
+    return ExpertDataParallel(model, data_comm, experts, ep)
+
+
 def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 
@@ -89,6 +100,7 @@ def gpt_parity(
     # eps=1e-8 would become weight differences of up to lr (see tests/tp_checks.py)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, eps=1e-6)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
+    wrapped = _expert_data_parallel(model, data_comm, expert_data_comm, ep_comm.world_size)
     data = torch.Generator().manual_seed(1)
     shards = data_comm.world_size
     diffs = {"loss": 0.0, "grads": 0.0, "weights": 0.0, "aux": 0.0, "counts_equal": True}
@@ -103,9 +115,8 @@ def gpt_parity(
             ref_loss += loss.item() / shards
         mine = tokens.chunk(shards)[data_comm.rank]
         opt.zero_grad()
-        loss = with_auxiliary_losses(language_model_loss(model(mine[:, :-1]), mine[:, 1:]), model)
-        loss.backward()
-        reduce_gradients(model, data_comm, expert_data_comm)
+        loss = with_auxiliary_losses(language_model_loss(wrapped(mine[:, :-1]), mine[:, 1:]), model)
+        loss.backward()  # the reducers average as it ends
         mean_loss = torch.tensor([loss.item()], dtype=torch.float64)
         data_comm.all_reduce(mean_loss, ReduceOp.AVG)
         ref_grads, grads = _grads(reference), _grads(model)
@@ -136,14 +147,14 @@ def skewed_router(ep_comm: Communicator, capacity_factor: float | None) -> dict:
     config = replace(CONFIG, top_k=1, capacity_factor=capacity_factor)
     torch.manual_seed(0)
     model = apply_expert_parallel(GPT(config), ep_comm)
+    wrapped = _expert_data_parallel(model, ep_comm, None, ep_comm.world_size)
     bias = torch.zeros(config.experts)
     bias[0] = 100.0
     for layer in moe_layers(model):
         layer.router.register_forward_hook(lambda _module, _inputs, logits: logits + bias)
     tokens = torch.randint(0, config.vocab, (PER_RANK, config.seq_len + 1), generator=torch.Generator())
-    loss = with_auxiliary_losses(language_model_loss(model(tokens[:, :-1]), tokens[:, 1:]), model)
+    loss = with_auxiliary_losses(language_model_loss(wrapped(tokens[:, :-1]), tokens[:, 1:]), model)
     loss.backward()
-    reduce_gradients(model, ep_comm)
     # experts that got no token still run on an empty slice, so every parameter has a (zero) gradient and
     # data parallelism's reducer sees no unused parameter
     every = all(p.grad is not None for p in model.parameters())
@@ -181,8 +192,10 @@ def _trained_state(model: torch.nn.Module, comm: Communicator, replicated: bool)
     data = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, CONFIG.vocab, (comm.world_size * PER_RANK, CONFIG.seq_len + 1), generator=data)
     mine = tokens.chunk(comm.world_size)[comm.rank]
-    with_auxiliary_losses(language_model_loss(model(mine[:, :-1]), mine[:, 1:]), model).backward()
-    reduce_gradients(model, comm, comm if replicated else None)
+    wrapped = (
+        DataParallel(model, comm) if replicated else _expert_data_parallel(model, comm, None, comm.world_size)
+    )
+    with_auxiliary_losses(language_model_loss(wrapped(mine[:, :-1]), mine[:, 1:]), model).backward()
     optimizer.step()
     model_state, optim_state = get_state_dict(model, optimizer)
     return {"model": model_state, "optim": optim_state, "optimizer": optimizer}

@@ -1,8 +1,13 @@
 """``meshwise train gpt --ep N``: the real trainer on a MoE GPT with its experts spread over ep ranks
-(alone, and composed with dp, tp and pp) equals the same model on one process at every step — the loss,
-every parameter, and the router statistics (tokens per expert, dropped, auxiliary losses) — dropless
-and with a capacity factor; a skewed router trains and reports its imbalance; checkpoints resume across
-ep sizes; bad settings are one line before launch.
+(alone, and composed with dp, tp ± sp and pp under 1F1B and zero-bubble schedules) equals the same model
+on one process at every step — the loss, every parameter, and the router statistics (tokens per expert,
+dropped, auxiliary losses) — dropless and with a capacity factor, and the model ``--sample`` gathers is
+the reference's; a skewed router trains and reports its imbalance; checkpoints resume across ep sizes;
+bad settings are one line before launch.
+
+Under pp every stage's gradients — dense over dp·ep·cp, experts over dp·cp — are averaged by the
+pipeline's stage reducers alone (``replica_groups``; no flat reduction after the step is left), so the
+ep2·pp2 rows are what checks that averaging.
 
 The one-process reference is written here from plain pieces: the whole global batch in micro-batches of
 the ranks' size (a capacity applies per forward pass, so this is the model that drops the same tokens),
@@ -26,6 +31,7 @@ from meshwise.data.windows import train_batch
 from meshwise.models.gpt import GPT, language_model_loss
 from meshwise.models.moe import moe_layers, with_auxiliary_losses
 from meshwise.parallel.expert_parallel import is_expert_parameter, moe_report
+from meshwise.parallel.tensor_parallel import full_tensors
 from meshwise.runtime.spawn import spawn
 from meshwise.train.gpt import GPTTrainConfig
 from meshwise.train.gpt.loop import GPTTrainer
@@ -80,11 +86,14 @@ def _reference_step(
 
 
 def _held_parameters(trainer: GPTTrainer) -> dict[str, torch.Tensor]:
-    """This rank's parameters under the plain names, whole: gathered over tp when it cuts them (that
-    gather also collects every expert), else the ones the rank holds (its experts, its stage's layers)."""
+    """This rank's parameters under the plain names, whole: gathered over tp when it cuts them (without
+    pp that gather also collects every expert; with pp a stage's own), else the ones the rank holds (its
+    experts, its stage's layers)."""
     runner = trainer.step_runner
-    if trainer.mesh.shape.tp > 1:
+    if trainer.mesh.shape.tp > 1 and trainer.mesh.shape.pp == 1:
         return dict(runner.sampling_model().named_parameters())  # collective over tp and ep
+    if trainer.mesh.shape.tp > 1:
+        return full_tensors(runner.model, trainer.mesh.tp)  # the stage's shards whole (collective over tp)
     return {name: param for name, (param, _) in runner.placements.items()}
 
 
@@ -116,9 +125,32 @@ def _compare(text: str, flags: dict) -> dict:
             worst["experts"] = len(
                 {n.split(".experts.")[1].split(".")[0] for n in held if is_expert_parameter(n)}
             )
+        worst |= _sampled(trainer, reference)
         return worst
     finally:
         meshwise.shutdown()
+
+
+def _sampled(trainer: GPTTrainer, reference: GPT) -> dict:
+    """What ``--sample`` generates with (collective: under pp·ep the stages' weights and every expert
+    gathered on the job's rank 0): on rank 0 the plain model — every expert under its plain name — equal
+    to the reference, and the same continuation sampled from both with one seed."""
+    model = trainer.step_runner.sampling_model()
+    if next(model.parameters()).device.type == "meta":
+        return {}
+    plain = dict(reference.named_parameters())
+    ours = dict(model.named_parameters())
+    prompt = torch.zeros(1, 1, dtype=torch.long)
+    texts = [
+        m.eval().generate(prompt, 6, generator=torch.Generator().manual_seed(3)).tolist()
+        for m in (model, reference)
+    ]
+    reference.train()
+    return {
+        "sample_names_equal": set(ours) == set(plain),
+        "sample_params": max((ours[n].detach() - plain[n].detach()).abs().max().item() for n in plain),
+        "sample_equal": texts[0] == texts[1],
+    }
 
 
 #: row name → (ranks, flags of `meshwise train gpt`)
@@ -127,10 +159,16 @@ LAYOUTS: dict[str, tuple[int, dict]] = {
     "ep2 capacity 1.0": (2, {"ep": 2, "capacity_factor": 1.0}),
     "ep2·dp2": (4, {"nproc": 4, "ep": 2, "capacity_factor": 1.0}),
     "ep2·tp2": (4, {"nproc": 4, "ep": 2, "tp": 2}),
+    "ep2·tp2 sp": (4, {"nproc": 4, "ep": 2, "tp": 2, "sp": True, "capacity_factor": 1.0}),
     "ep2·pp2": (4, {"nproc": 4, "ep": 2, "pp": 2, "capacity_factor": 1.0}),
+    "ep2·pp2 zb": (4, {"nproc": 4, "ep": 2, "pp": 2, "schedule": "zb"}),
     # the compositions without ep: experts whole on every tp rank; a stage adding its aux gradient itself
     "tp2": (2, {"ep": 1, "tp": 2}),
+    "tp2 sp": (2, {"ep": 1, "tp": 2, "sp": True, "capacity_factor": 1.0}),
     "pp2": (2, {"ep": 1, "pp": 2, "capacity_factor": 1.0}),
+    "pp2 zb": (2, {"ep": 1, "pp": 2, "schedule": "zb", "capacity_factor": 1.0}),
+    "dp2·pp2": (4, {"nproc": 4, "ep": 1, "pp": 2}),
+    "tp2·pp2 sp": (4, {"nproc": 4, "ep": 1, "tp": 2, "pp": 2, "sp": True, "capacity_factor": 1.0}),
 }
 
 
@@ -141,9 +179,22 @@ def _check(results: list[dict], experts_per_rank: int, dropping: bool) -> None:
         assert result["aux"] < AUX_TOLERANCE and result["counts_equal"], result
         assert (result["dropped"] > 0) == dropping, result  # a capacity of 1.0 drops some, dropless none
         assert result["experts"] in (experts_per_rank, 4), result  # its own block, or gathered over tp
+    sampled = results[0]  # the job's rank 0 holds the model --sample generates with
+    assert sampled["sample_names_equal"] and sampled["sample_equal"], sampled
+    assert sampled["sample_params"] < PARAM_TOLERANCE, sampled
 
 
-@pytest.mark.parametrize(("ranks", "flags"), LAYOUTS.values(), ids=LAYOUTS.keys())
+#: rows added with the compositions they check, on 4 ranks: slow (the suite's budget on 2 cores)
+SLOW = {"ep2·pp2 zb", "dp2·pp2", "ep2·tp2 sp", "tp2·pp2 sp"}
+
+
+@pytest.mark.parametrize(
+    ("ranks", "flags"),
+    [
+        pytest.param(ranks, flags, id=name, marks=[pytest.mark.slow] if name in SLOW else [])
+        for name, (ranks, flags) in LAYOUTS.items()
+    ],
+)
 def test_expert_parallel_layout_trains_as_one_process_does(text: str, ranks: int, flags: dict) -> None:
     results = spawn(_compare, ranks, args=(text, flags | {"nproc": ranks}), timeout=115)
     _check(results, 4 // flags["ep"], "capacity_factor" in flags)
@@ -222,6 +273,7 @@ def test_a_checkpoint_resumes_exactly_across_ep_sizes(text: str, tmp_path, first
         ({"config": "gpt-tiny", "ep": 2}, r"--ep 2 spreads experts over ranks: give the model experts"),
         ({"ep": 0}, "--ep must be at least 1"),
         ({"ep": 2, "zero": 1}, "cannot train with --zero"),
+        ({"ep": 2, "export_hf": "out"}, "cannot train with --export-hf .*GPT-2 weights have no experts"),
         ({"ep": 2, "global_batch": 3, "micro_batch": None}, "not divisible by dp·ep = 2"),
     ],
 )

@@ -22,6 +22,15 @@ row biases
                     tokens are replicated there, so no sum is needed; ``--ep`` spreads the experts)
 ==================  ===================================================================================
 
+Under sequence parallelism a mixture of experts takes the whole sequence: its input shards are gathered
+(:func:`replicate_sequence`) and its output cut back to this rank's shard (:func:`shard_sequence`), so
+every tp rank routes all the tokens of its micro-batch, exactly as without sequence parallelism and as one
+process does — the same capacity per forward pass, the same load-balancing loss (a product of means over
+the tokens, which shards would each compute over their own), the same router counts — and its
+gradients come out whole on every tp rank (no sum over the group: they are left out of the hook below).
+The price is that the experts' work is not divided over tp, which it was not without sequence
+parallelism either.
+
 Parameter names do not change (``blocks.0.attn.q.weight`` is a shard of the same tensor), so the
 shards of a checkpoint map one-to-one onto the full model (:mod:`.shards`).
 
@@ -56,7 +65,12 @@ from meshwise.parallel.tensor_parallel.layers import (
     shard_dim,
     sum_gradient_over,
 )
-from meshwise.parallel.tensor_parallel.regions import copy_to_region, gathered_linears
+from meshwise.parallel.tensor_parallel.regions import (
+    copy_to_region,
+    gathered_linears,
+    replicate_sequence,
+    shard_sequence,
+)
 from meshwise.parallel.tensor_parallel.rng import RankRandomState, ShardDropout, share_cpu_random_state
 from meshwise.parallel.tensor_parallel.vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
@@ -171,13 +185,29 @@ def tensor_parallel(gpt: GPT, tp_comm: Communicator, *, sequence_parallel: bool 
         block.attn = ParallelAttention(block.attn, tp_comm, sp, random)
         if not isinstance(block.mlp, MixtureOfExperts):  # experts stay whole: see the module docstring
             block.mlp = ParallelMLP(block.mlp, tp_comm, sp)
+        elif sp:
+            on_whole_sequence(block.mlp, tp_comm)
         if random is not None and sp:
             block.dropout = ShardDropout(gpt.config.dropout, random)
     if sp:
+        whole = {
+            id(p)
+            for layer in gpt.modules()
+            if isinstance(layer, MixtureOfExperts)
+            for p in layer.parameters()
+        }
         for param in gpt.parameters():
-            if shard_dim(param) is None:
+            if shard_dim(param) is None and id(param) not in whole:
                 sum_gradient_over(param, tp_comm)
     return gpt
+
+
+def on_whole_sequence(layer: nn.Module, tp_comm: Communicator) -> None:
+    """Run ``layer`` on the whole sequence under sequence parallelism (see the module docstring): its
+    input gathered from the shards, its output cut back to this rank's, by forward hooks (so its
+    parameters keep their names)."""
+    layer.register_forward_pre_hook(lambda _layer, args: (replicate_sequence(args[0], tp_comm), *args[1:]))
+    layer.register_forward_hook(lambda _layer, _args, output: shard_sequence(output, tp_comm))
 
 
 def gpt_plan(config: GPTConfig) -> ParallelPlan:

@@ -1,13 +1,18 @@
 """Expert parallelism: the experts of every mixture-of-experts layer spread over an ``ep`` axis.
 
 ``exchange`` moves tokens to their experts' ranks and back with all-to-alls (exact backward);
-``placement`` decides which experts a rank keeps and reduces gradients over the right groups; ``report``
-is the per-step router statistics; ``data_parallel`` averages dense and expert gradients over their own
-replicas in a training loop. The entry point a training step calls is
-:func:`apply_expert_parallel` (model, ep Communicator), then :func:`reduce_gradients` after backward.
+``placement`` decides which experts a rank keeps; ``report`` is the per-step router statistics;
+``data_parallel`` splits the parameters into dense and expert groups (:func:`replica_groups`) whose
+gradients average over their own replicas — :class:`ExpertDataParallel` for a whole model, a pipeline
+stage's reducers for its chunks. The entry point a training step calls is :func:`apply_expert_parallel`
+(model, ep Communicator), then one of those.
 """
 
-from meshwise.parallel.expert_parallel.data_parallel import ExpertDataParallel
+from meshwise.parallel.expert_parallel.data_parallel import (
+    ExpertDataParallel,
+    ExpertReplicas,
+    replica_groups,
+)
 from meshwise.parallel.expert_parallel.exchange import (
     AllToAllExchange,
     ExchangeTimer,
@@ -20,7 +25,6 @@ from meshwise.parallel.expert_parallel.placement import (
     full_expert_state,
     is_expert_parameter,
     local_experts,
-    reduce_gradients,
 )
 from meshwise.parallel.expert_parallel.report import MoEReport, moe_report
 
@@ -28,6 +32,7 @@ __all__ = [
     "AllToAllExchange",
     "ExchangeTimer",
     "ExpertDataParallel",
+    "ExpertReplicas",
     "MoEReport",
     "all_to_all_rows",
     "apply_expert_parallel",
@@ -37,5 +42,5 @@ __all__ = [
     "is_expert_parameter",
     "local_experts",
     "moe_report",
-    "reduce_gradients",
+    "replica_groups",
 ]

@@ -1,14 +1,10 @@
-"""Where expert-parallel parameters live, and how their gradients are reduced.
+"""Where expert-parallel parameters live.
 
 ep ranks are carved from the data-parallel ranks: each of the D data ranks trains on its own shard of
 the batch; within an ep group of ``ep`` ranks the E experts of every MoE layer are split into contiguous
-blocks of E/ep, everything else is replicated. Gradients are then reduced over two groups:
-
-- replicated (dense) parameters: averaged over all D data ranks, as plain data parallelism does;
-- expert parameters: the reverse all-to-all already *summed* into each expert the gradients of every
-  ep rank's tokens, so they are summed over the D/ep ranks holding the same experts and divided by D.
-
-Both give the gradient of the mean loss over the global batch, which is what one process computes.
+blocks of E/ep, everything else is replicated. How their gradients then average — dense ones over all D
+data ranks, experts over the D/ep ranks holding the same ones — is
+:mod:`~meshwise.parallel.expert_parallel.data_parallel`.
 """
 
 from __future__ import annotations
@@ -16,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from meshwise.comm.api import Communicator, ReduceOp
+from meshwise.comm.api import Communicator
 from meshwise.parallel.expert_parallel.exchange import AllToAllExchange
 from meshwise.parallel.protocols import expert_layers
 
@@ -83,31 +79,3 @@ def full_expert_state(model: nn.Module, ep_comm: Communicator) -> dict[str, torc
 def is_expert_parameter(name: str) -> bool:
     """Whether a parameter (by its name in the model) belongs to one expert (and is sharded over ep)."""
     return ".experts." in f".{name}"
-
-
-def reduce_gradients(
-    model: nn.Module, data_comm: Communicator, expert_data_comm: Communicator | None = None
-) -> None:
-    """Turn each rank's gradients of its own shard's mean loss into those of the global batch's mean.
-
-    ``data_comm`` holds all D data ranks (dp·ep); ``expert_data_comm`` the D/ep ranks holding this rank's
-    experts (None when ep = D: each expert lives on one rank). One flat all-reduce per group.
-    """
-    dense, experts = [], []
-    for name, param in model.named_parameters():
-        if param.grad is not None:
-            (experts if is_expert_parameter(name) else dense).append(param.grad)
-    _all_reduce_flat(dense, data_comm, ReduceOp.AVG)
-    if expert_data_comm is not None and expert_data_comm.world_size > 1:
-        _all_reduce_flat(experts, expert_data_comm, ReduceOp.SUM)
-    for grad in experts:
-        grad.div_(data_comm.world_size)
-
-
-def _all_reduce_flat(grads: list[torch.Tensor], comm: Communicator, op: ReduceOp) -> None:
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    comm.all_reduce(flat, op)
-    for grad, reduced in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
-        grad.copy_(reduced.view_as(grad))

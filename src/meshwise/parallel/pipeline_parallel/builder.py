@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from meshwise.comm.api import Communicator
+from meshwise.parallel.expert_parallel import ExpertReplicas
 from meshwise.parallel.pipeline_parallel.executor import PipelineExecutor
 from meshwise.parallel.pipeline_parallel.partition import (
     LayerChunk,
@@ -38,6 +39,7 @@ def build_pipeline(
     micro_batches: int,
     virtual_stages: int = 1,
     dp: Communicator | None = None,
+    experts: ExpertReplicas | None = None,
     loss: Loss | None = None,
     sequence_shards: int = 1,
     layers_per_chunk: Sequence[int] | None = None,
@@ -48,7 +50,9 @@ def build_pipeline(
 
     Every rank passes the same ``model`` (same seed): the chunks are cut from it, so the stages start from
     exactly the weights a one-process run would. Optimise the returned chunks' parameters. ``loss``
-    defaults to the plan's.
+    defaults to the plan's. ``dp`` averages the stages' gradients over their replicas; with experts spread
+    over ep (``dp`` then the dp·ep·cp ranks with the same dense weights) ``experts`` says where the expert
+    parameters' average instead.
 
     A tensor-parallel stage is a model already converted to this rank's shard (``in_place=True``: its
     layers hold a communicator that must not be copied), with the sharded loss; rank ``r`` of a stage's tp
@@ -68,7 +72,9 @@ def build_pipeline(
     local = chunks_of_rank(cut, pp.rank, stages)
     tied = tied_parameters(local) if stages > 1 else ()
     loss = plan.loss if loss is None else loss
-    executor = PipelineExecutor(local, steps, pp, loss, dp=dp, tied=tied, dtype=activation_dtype)
+    executor = PipelineExecutor(
+        local, steps, pp, loss, dp=dp, experts=experts, tied=tied, dtype=activation_dtype
+    )
     return executor, local
 
 

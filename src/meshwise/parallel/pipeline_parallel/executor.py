@@ -11,7 +11,8 @@ the first step; the loss stays a tensor until the step ends (no device synchroni
 
 The loss is computed on the last chunk, scaled by 1/m so that gradients accumulated over the micro-batches
 equal those of the whole batch. With ``dp`` (the stage's data-parallel replicas) each chunk's gradients
-are averaged by DataParallel's bucketed reducer (:mod:`~meshwise.parallel.pipeline_parallel.stage_reducer`):
+are averaged by DataParallel's bucketed reducer (:mod:`~meshwise.parallel.pipeline_parallel.stage_reducer`;
+with ``experts`` the expert parameters by a second one, over the ranks holding the same experts):
 buckets launch during the chunk's last backward (its last weight-gradient pass under a split backward)
 and are awaited once this rank's compute is over. Then the tied embedding/head gradient — averaged on both
 ends: the sum of the averages is the average of the sums — is summed between the ranks holding the two
@@ -38,6 +39,7 @@ import torch
 from torch import nn
 
 from meshwise.comm.api import Communicator, ReduceOp, Work
+from meshwise.parallel.expert_parallel import ExpertReplicas
 from meshwise.parallel.pipeline_parallel.schedules import Instruction, Op, Schedule
 from meshwise.parallel.pipeline_parallel.split_backward import SplitBackward, SplitRecord
 from meshwise.parallel.pipeline_parallel.stage_reducer import StageReducers
@@ -87,7 +89,9 @@ class PipelineExecutor:
     """Executes ``schedule`` for rank ``pp.rank`` holding ``chunks`` (its chunks, in global order).
 
     ``loss_fn(output, target)`` runs on the last chunk. ``dp`` (optional) averages each chunk's gradients
-    across the pipeline replicas in buckets, overlapped with the step's last backward passes. ``tied``
+    across the pipeline replicas in buckets, overlapped with the step's last backward passes; ``experts``
+    (with experts spread over ep, ``dp`` then holding dp·ep·cp) averages the expert parameters' apart,
+    over the ranks that hold the same experts. ``tied``
     are this rank's copies of a weight shared by the first and last chunk on different ranks (see
     :func:`partition.tied_parameters`).
     """
@@ -100,6 +104,7 @@ class PipelineExecutor:
         loss_fn: _LossFn,
         *,
         dp: Communicator | None = None,
+        experts: ExpertReplicas | None = None,
         tied: Sequence[torch.Tensor] = (),
         dtype: torch.dtype = torch.float32,
     ) -> None:
@@ -126,7 +131,9 @@ class PipelineExecutor:
         self._tied_peer = 0 if self.rank == schedule.stages - 1 else schedule.stages - 1
         replicated = dp is not None and dp.world_size > 1
         program = schedule.ranks[self.rank]
-        self._reducers = StageReducers(self.chunks, dp, program) if replicated else None  # type: ignore[arg-type]
+        self._reducers = (
+            StageReducers(self.chunks, dp, program, experts=experts) if replicated else None  # type: ignore[arg-type]
+        )
 
     # ------------------------------------------------------------------ public
     def step(

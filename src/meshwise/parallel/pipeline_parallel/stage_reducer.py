@@ -11,6 +11,12 @@ the rank's compute for the step is over, so no reduction sits between a backward
 input gradient (the pipeline's critical path) and the first chunks' reductions overlap the last ones'
 compute.
 
+A stage whose experts are spread over ``ep`` (:class:`~meshwise.parallel.expert_parallel.ExpertReplicas`)
+has two reducers per chunk, split by :func:`~meshwise.parallel.expert_parallel.replica_groups` as
+:class:`~meshwise.parallel.expert_parallel.ExpertDataParallel` splits a whole model: dense parameters
+over the stage's replicas (dp·ep·cp), expert parameters over the ranks holding the same experts (dp·cp),
+their gradients divided by ep as they are produced.
+
 Every replica of a stage runs the same program, so the reducers launch the same buckets in the same
 order on each. A rank whose step fails launches every bucket it has not (:meth:`StageReducers.abort`)
 before the executor's failure all-reduce over the replicas, so that collective meets its match there.
@@ -25,6 +31,7 @@ from torch import nn
 from meshwise.comm.api import Communicator
 from meshwise.parallel.data_parallel.buckets import MIB, plan_buckets
 from meshwise.parallel.data_parallel.reducer import GradReducer
+from meshwise.parallel.expert_parallel import ExpertReplicas, replica_groups
 from meshwise.parallel.pipeline_parallel.schedules import Instruction, Op
 
 #: Bucket cap (MiB) for a stage's reducer, below DataParallel's 25: a stage holds 1/pp of the model and
@@ -37,7 +44,8 @@ _Key = tuple[Op, int, int]  # (op, chunk, micro-batch): one compute instruction 
 
 
 class StageReducers:
-    """The reducers of a rank's ``chunks`` (chunk id → module) over ``comm`` (the stage's replicas)."""
+    """The reducers of a rank's ``chunks`` (chunk id → module) over ``comm`` (the stage's replicas), the
+    expert parameters apart over ``experts`` when given."""
 
     def __init__(
         self,
@@ -45,20 +53,25 @@ class StageReducers:
         comm: Communicator,
         program: Sequence[Instruction],
         *,
+        experts: ExpertReplicas | None = None,
         bucket_mb: float = STAGE_BUCKET_MB,
         first_bucket_mb: float = 1.0,
     ) -> None:
         self.comm = comm
-        self._reducers: dict[int, GradReducer] = {}
+        self._reducers: dict[int, list[GradReducer]] = {}
+        caps = round(bucket_mb * MIB), round(first_bucket_mb * MIB)
         for c, chunk in chunks.items():
             named = [(n, p) for n, p in chunk.named_parameters() if p.requires_grad]
-            if named:
-                caps = round(bucket_mb * MIB), round(first_bucket_mb * MIB)
-                buckets = plan_buckets([p for _, p in named], *caps)
-                self._reducers[c] = GradReducer(
-                    named, comm, buckets, find_unused_parameters=False, wire_dtype=None,
-                    end_with_backward=False,
-                )  # fmt: skip
+            reducers = [
+                GradReducer(
+                    params, group, plan_buckets([p for _, p in params], *caps),
+                    find_unused_parameters=False, wire_dtype=None, end_with_backward=False,
+                )
+                for params, group in replica_groups(named, comm, experts)
+                if group.world_size > 1
+            ]  # fmt: skip
+            if reducers:
+                self._reducers[c] = reducers
         last: dict[tuple[Op, int], _Key] = {}
         done: dict[int, tuple[int, _Key]] = {}
         for index, ins in enumerate(program):
@@ -73,32 +86,35 @@ class StageReducers:
 
     def before(self, ins: Instruction) -> None:
         """Before a backward / weight-gradient instruction: reduce from its hooks only if it is the last."""
-        reducer = self._reducers.get(ins.chunk)
-        if reducer is not None:
-            reducer.sync = (ins.op, ins.chunk, ins.micro_batch) in self._synchronised
+        synchronised = (ins.op, ins.chunk, ins.micro_batch) in self._synchronised
+        for reducer in self._reducers.get(ins.chunk, ()):
+            reducer.sync = synchronised
 
     def after(self, ins: Instruction) -> None:
         """After one: once a chunk's gradients are all in, launch its buckets that are left — over a
         transport whose collectives run in the background; on one that completes them on the calling
         thread (shm) that would put the whole reduction before this rank's next send: :meth:`wait` does."""
         c = self._done.get((ins.op, ins.chunk, ins.micro_batch))
-        if c is not None and c in self._reducers and self.comm.overlaps_compute:
-            self._reducers[c].flush()
+        for reducer in self._reducers.get(c, ()) if c is not None else ():
+            if reducer.comm.overlaps_compute:
+                reducer.flush()
 
     def wait(self) -> None:
         """Every chunk's averaged gradients in ``.grad`` (launching first whatever is left)."""
-        for c in self._order:
-            self._reducers[c].flush()
-        for c in self._order:
-            self._reducers[c].wait()
+        for reducer in self._in_order():
+            reducer.flush()
+        for reducer in self._in_order():
+            reducer.wait()
 
     def abort(self) -> None:
         """After a failure: launch and wait for what is left, so every replica ran the same collectives."""
-        for c in self._order:
-            reducer = self._reducers[c]
+        for reducer in self._in_order():
             reducer.sync = True
             try:
                 reducer.flush()
                 reducer.wait()
             except Exception:  # the step fails anyway; the collectives are what matter
                 pass
+
+    def _in_order(self) -> list[GradReducer]:
+        return [reducer for c in self._order for reducer in self._reducers[c]]

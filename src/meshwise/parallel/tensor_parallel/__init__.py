@@ -12,7 +12,9 @@ from meshwise.parallel.tensor_parallel.regions import (
     gather_from_sequence,
     gather_last,
     reduce_from_region,
+    replicate_sequence,
     scatter_to_sequence,
+    shard_sequence,
     split_last,
 )
 from meshwise.parallel.tensor_parallel.shards import full_tensors
@@ -32,8 +34,10 @@ __all__ = [
     "gather_last",
     "padded_vocab",
     "reduce_from_region",
+    "replicate_sequence",
     "scatter_to_sequence",
     "shard_dim",
+    "shard_sequence",
     "split_last",
     "vocab_parallel_cross_entropy",
 ]

@@ -1,4 +1,4 @@
-"""The four communication patterns of Megatron-style tensor parallelism, as autograd functions.
+"""The communication patterns of Megatron-style tensor parallelism, as autograd functions.
 
 Each op is a pair of collectives, one in forward and its *conjugate* in backward, because the gradient
 of a collective is its transpose: the gradient of "every rank uses the same x" is "sum the ranks'
@@ -13,6 +13,8 @@ op                          forward                        backward
 ``scatter_to_sequence``     reduce-scatter to sequence     all-gather sequence shards
 ``split_last`` / ``gather_last``  take / gather this       the conjugate gather / take
                             rank's slice of the last dim
+``shard_sequence`` /        take / gather this rank's      the conjugate gather / take
+``replicate_sequence``      slice of the sequence
 ==========================  =============================  ==========================================
 
 Without sequence parallelism a transformer layer enters its parallel region twice
@@ -127,26 +129,26 @@ class _ScatterToSequence(torch.autograd.Function):
         return gather_along(grad, ctx.comm, ctx.dim), None, None
 
 
-class _SplitLast(torch.autograd.Function):
+class _Split(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: Communicator) -> torch.Tensor:
-        ctx.comm = comm
-        return _take(x, comm, -1)
+    def forward(ctx: Any, x: torch.Tensor, comm: Communicator, dim: int) -> torch.Tensor:
+        ctx.comm, ctx.dim = comm, dim
+        return _take(x, comm, dim)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return gather_along(grad, ctx.comm, -1), None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return gather_along(grad, ctx.comm, ctx.dim), None, None
 
 
-class _GatherLast(torch.autograd.Function):
+class _Gather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: Communicator) -> torch.Tensor:
-        ctx.comm = comm
-        return gather_along(x, comm, -1)
+    def forward(ctx: Any, x: torch.Tensor, comm: Communicator, dim: int) -> torch.Tensor:
+        ctx.comm, ctx.dim = comm, dim
+        return gather_along(x, comm, dim)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _take(grad, ctx.comm, -1), None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _take(grad, ctx.comm, ctx.dim), None, None
 
 
 class _GatheredLinears(torch.autograd.Function):
@@ -211,9 +213,20 @@ def scatter_to_sequence(x: torch.Tensor, comm: Communicator, dim: int = 1) -> to
 
 def split_last(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
     """This rank's slice of the last dimension of a replicated tensor (gradient: all-gather)."""
-    return x if comm.world_size == 1 else _SplitLast.apply(x, comm)
+    return x if comm.world_size == 1 else _Split.apply(x, comm, -1)
 
 
 def gather_last(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
     """Concatenate the ranks' slices of the last dimension (gradient: each rank keeps its slice)."""
-    return x if comm.world_size == 1 else _GatherLast.apply(x, comm)
+    return x if comm.world_size == 1 else _Gather.apply(x, comm, -1)
+
+
+def replicate_sequence(x: torch.Tensor, comm: Communicator, dim: int = 1) -> torch.Tensor:
+    """The whole sequence from the ranks' shards, for a computation every rank then runs identically
+    (not a parallel region: its input gradient is the same on every rank, so each keeps its slice)."""
+    return x if comm.world_size == 1 else _Gather.apply(x, comm, dim)
+
+
+def shard_sequence(x: torch.Tensor, comm: Communicator, dim: int = 1) -> torch.Tensor:
+    """This rank's sequence shard of a replicated tensor (gradient: the shards' gradients all-gathered)."""
+    return x if comm.world_size == 1 else _Split.apply(x, comm, dim)

@@ -3,9 +3,10 @@ report.
 
 A MoE GPT trains on one process, data parallel, tensor parallel (experts whole on every tp rank: tp cuts
 attention, whose cost grows with the context; each tp rank then runs the same experts on the same tokens
-rather than exchanging slices of every expert's matmuls) and pipeline parallel (each stage's MoE layers add
-their auxiliary losses' gradient themselves). ``--ep N`` spreads every layer's experts over N of the data
-ranks (:mod:`meshwise.parallel.expert_parallel`, step 2b of the mesh's ``parallelize``). What cannot be
+rather than exchanging slices of every expert's matmuls — under ``--sp`` too: a MoE layer gathers the
+whole sequence) and pipeline parallel with any schedule (each stage's MoE layers add their auxiliary
+losses' gradient themselves). ``--ep N`` spreads every layer's experts over N of the data ranks
+(:mod:`meshwise.parallel.expert_parallel`, step 2b of the mesh's ``parallelize``). What cannot be
 combined yet is refused here, before any rank starts, in one line.
 """
 
@@ -54,17 +55,6 @@ def check_moe_training(config: GPTTrainConfig, default_model: str) -> None:
         (flag, why)
         for flag, on, why in (
             ("--zero", config.zero > 0, "ZeRO does not shard expert parameters over their own replicas yet"),
-            ("--sp", config.sp, "sequence-parallel shards would route and cap their tokens apart"),
-            (
-                "--schedule zb",
-                config.schedule == "zb",
-                "its split backward would re-run the experts' exchange",
-            ),
-            (
-                "--sample",
-                config.sample > 0 and config.pp > 1 and config.ep > 1,
-                "a pipeline's experts are not gathered for generation yet",
-            ),
             ("--init-from", config.init_from is not None, "Hugging Face GPT-2 weights have no experts"),
             ("--export-hf", config.export_hf is not None, "Hugging Face GPT-2 weights have no experts"),
         )

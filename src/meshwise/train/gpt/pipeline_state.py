@@ -32,6 +32,7 @@ from torch import nn
 
 from meshwise.comm.api import Communicator, ReduceOp
 from meshwise.models.gpt import GPT, GPTConfig
+from meshwise.parallel.expert_parallel import full_expert_state
 from meshwise.parallel.tensor_parallel.shards import gather_full, local_shard
 
 #: the plain model's keys of the tied embedding/head matrix; AdamW's state is under the first.
@@ -138,15 +139,19 @@ def gather_plain_model(
     pp: Communicator,
     device: torch.device,
     tp: Communicator | None = None,
+    ep: Communicator | None = None,
     values: Mapping[str, torch.Tensor] | None = None,
 ) -> GPT | None:
-    """Collective over ``pp``: the plain GPT with every stage's weights, on pp rank 0 (None elsewhere).
-    ``values``: what to gather in place of the stage's parameters, under their names — ZeRO's float32
-    masters when the stage computes with float16 copies (fp16), which would otherwise be sent as such.
+    """Collective over ``pp`` (and ``tp``, ``ep`` when given): the plain GPT with every stage's weights, on
+    pp rank 0 of ep rank 0 (None elsewhere). ``values``: what to gather in place of the stage's parameters,
+    under their names — ZeRO's float32 masters when the stage computes with float16 copies (fp16), which
+    would otherwise be sent as such.
 
     Who holds block i is agreed on with one all-reduce; the embeddings are on stage 0 (chunk 0 is always
-    there), the final LayerNorm on the last. Each owner sends its tensors in the plain model's order and
-    stage 0 receives them in that order, so the point-to-point messages always match.
+    there), the final LayerNorm on the last. A tensor-parallel stage gathers its shards whole over ``tp``
+    and a stage whose experts are spread over ``ep`` every expert over ``ep`` first; then one pipeline
+    (ep rank 0's) sends: each owner its tensors in the plain model's order, stage 0 receiving them in that
+    order, so the point-to-point messages always match.
     """
     owners = torch.zeros(config.layers, dtype=torch.int64)
     for index in stage.blocks:
@@ -159,6 +164,10 @@ def gather_plain_model(
         held = {name: gather_full(values[name], p, tp, shapes[name]) for name, p in params.items()}
     else:
         held = {name: values[name] for name in params}
+    if ep is not None and ep.world_size > 1:  # every expert on every ep rank; ep rank 0's pipeline sends
+        held |= full_expert_state(stage, ep)
+        if ep.rank != 0:
+            return None
     model = GPT(config).to(device) if pp.rank == 0 else None
     with torch.device("meta"):
         order = [(name, tuple(p.shape)) for name, p in GPT(config).named_parameters()]  # tied: wte only

@@ -3,7 +3,8 @@
 Each rank keeps only its chunks of the model (cut by :mod:`meshwise.parallel.pipeline_parallel`), and one
 ``forward_backward`` is one pipeline step over the rank's micro-batches with the chosen schedule. The
 executor only schedules (and sums the tied embedding/head gradient); data parallelism over the stage's
-replicas (dp, and cp's ranks) is DataParallel's bucketed reducer on each chunk, launched during the
+replicas (dp, ep and cp's ranks) is DataParallel's bucketed reducer on each chunk — with ``--ep`` a second
+one for the expert parameters, over the ranks holding the same experts (dp, cp) — launched during the
 chunk's last backward (:mod:`~meshwise.parallel.pipeline_parallel.stage_reducer`), or with ``--zero``
 ZeRO's reduce-scatter of
 the stage's accumulated gradients after the step. Gradient clipping takes the norm of the whole model:
@@ -42,7 +43,7 @@ from torch import nn
 from meshwise.comm.mesh import Mesh
 from meshwise.models.gpt import GPT
 from meshwise.models.moe import moe_layers
-from meshwise.parallel.expert_parallel import reduce_gradients
+from meshwise.parallel.expert_parallel import ExpertReplicas
 from meshwise.parallel.pipeline_parallel import theoretical_bubble
 from meshwise.parallel.pipeline_parallel.builder import build_pipeline
 from meshwise.parallel.pipeline_parallel.executor import Event
@@ -107,9 +108,10 @@ class PipelineStep(ParallelStep):
             schedule=config.schedule,
             micro_batches=micro_batches,
             virtual_stages=config.virtual_stages,
-            # gradients averaged over the replicas (dp·cp); ZeRO reduce-scatters each stage's itself;
-            # --ep reduces dense and expert gradients apart
-            dp=None if config.zero or mesh.shape.ep > 1 else mesh.replicas,
+            # gradients averaged over the replicas (dp·ep·cp), experts over theirs (dp·cp); ZeRO
+            # reduce-scatters each stage's itself
+            dp=None if config.zero else mesh.replicas,
+            experts=ExpertReplicas(mesh.expert_replicas, mesh.shape.ep) if mesh.shape.ep > 1 else None,
             loss=self._training_loss,
             sequence_shards=tp if config.sp else 1,
             in_place=True,  # the model is this run's own (and a tp one holds a communicator: no copies)
@@ -160,8 +162,6 @@ class PipelineStep(ParallelStep):
         accumulate = self.zero.no_sync() if self.zero is not None else nullcontext()
         with self.autocast(), accumulate, self.gathered(), self.timed_exchange(self.exchange_timer):
             result = self.executor.step([x for x, _ in micro_batches], [y for _, y in micro_batches])
-        if self.mesh.shape.ep > 1:  # dense gradients over dp·ep, experts over dp (their sums ÷ dp·ep)
-            reduce_gradients(self.model, self.mesh.replicas, self.mesh.expert_replicas)
         if self.zero is not None:  # the stage's gradients, tied copies summed, reduce-scattered over dp
             self.zero.reduce_accumulated()
         if self.profiler is not None:
@@ -192,18 +192,21 @@ class PipelineStep(ParallelStep):
         return self._shape_model
 
     def sampling_model(self) -> GPT:
-        """Collective over the pp group of dp replica 0: its stages' weights gathered into a plain GPT on
-        its first stage (the job's rank 0); the other ranks get the meta-device shape."""
+        """Collective over the pp group of dp replica 0 (and its ep partners, whose experts it gathers):
+        its stages' weights gathered into a plain GPT on its first stage (the job's rank 0); the other
+        ranks get the meta-device shape."""
         if self.zero is not None:  # the updated shards' all-gathers land first
             for group in self.zero.groups:
                 group.wait_gathered()
         with self.gathered():  # ZeRO-3: collective over the replicas, so before replica 0 goes on alone
             # fp16: the float32 masters (collective over the replicas), not the float16 compute copies
             masters = self.zero.state_dict() if self.scaler is not None and self.zero is not None else None
-            if self.mesh.replicas.rank != 0:  # one pipeline gathers: replica 0's (dp = cp = 0)
+            if self.mesh.expert_replicas.rank != 0:  # one pipeline gathers: replica 0's (dp = cp = 0)
                 return self._shape_model
-            config, pp, tp = self._shape_model.config, self.mesh.pp, self.mesh.tp
-            gathered = gather_plain_model(self.model, config, pp, self.device, tp=tp, values=masters)
+            config, pp = self._shape_model.config, self.mesh.pp
+            gathered = gather_plain_model(
+                self.model, config, pp, self.device, tp=self.mesh.tp, ep=self.mesh.ep, values=masters
+            )
         return self._shape_model if gathered is None else gathered
 
     def state_dict(self) -> dict:
