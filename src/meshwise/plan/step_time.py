@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass
 
 from meshwise.comm.algorithms import registry
 from meshwise.comm.cost.formulas import LinkParams
+from meshwise.plan.calls import tensor_parallel_calls
 from meshwise.plan.hardware import Hardware
 from meshwise.plan.layout import Layout
 from meshwise.plan.memory import BUCKET_BYTES, Precision, model_states, rank_parameters
@@ -100,6 +101,24 @@ def predict_seconds(
     return registry.predict_seconds(collective, algo, nbytes, ranks, link, **two_links)
 
 
+def call_seconds(hw: Hardware, collective: str, nbytes: float, ranks: int, inter_node: bool) -> float:
+    """One call: the cost measured for that collective on that many ranks where ``hw`` has one (``cpu``),
+    else the ring formula on the link (GPU presets: NCCL's rings)."""
+    if ranks == 1:
+        return 0.0
+    measured = hw.call_cost(collective, ranks)
+    if measured is not None:
+        return measured.seconds(nbytes)
+    return predict_seconds(collective, "ring", nbytes, ranks, hw.link_params(inter_node))
+
+
+def bucket_calls(nbytes: float, ranks: int, hw: Hardware, collective: str, inter_node: bool) -> float:
+    """``nbytes`` sent as DDP-sized buckets (a small first one, then :data:`BUCKET_BYTES` each): every
+    bucket pays the call's latency, the bytes their bandwidth once."""
+    calls = -(-int(nbytes) // BUCKET_BYTES) + 1
+    return calls * call_seconds(hw, collective, nbytes / calls, ranks, inter_node)
+
+
 def dp_layout(layout: Layout, hw: Hardware) -> tuple[int, bool]:
     """(dp ranks per node, whether the dp group spans nodes): ranks are numbered tp fastest, then dp, then
     pp (Megatron's order), so a node holds per_node/tp consecutive members of each dp group."""
@@ -109,9 +128,12 @@ def dp_layout(layout: Layout, hw: Hardware) -> tuple[int, bool]:
 
 
 def all_reduce_seconds(nbytes: float, ranks: int, hw: Hardware, local: int, spans: bool) -> float:
-    """The cheapest of ring and tree on the dp group's link, and hierarchical when it spans nodes."""
+    """The cheapest of ring and tree on the dp group's link, and hierarchical when it spans nodes; where
+    the all-reduce was measured on this many ranks (``cpu``), DDP's buckets at the measured cost."""
     if ranks == 1:
         return 0.0
+    if hw.call_cost("all_reduce", ranks) is not None:
+        return bucket_calls(nbytes, ranks, hw, "all_reduce", spans)
     link = hw.link_params(spans)
     options = [predict_seconds("all_reduce", algo, nbytes, ranks, link) for algo in ("ring", "tree")]
     if spans and local > 1 and ranks % local == 0:
@@ -141,14 +163,12 @@ def estimate_time(
     gemm = 2 * b * s * h * 4 * h / t
     rate = peak * hw.efficiency.at(gemm)
     compute_mb = hardware_per_token * b * s / (t * p) / rate
-    # tensor parallel: 4 collectives of b·s·h values per layer per micro-batch (6 with full recompute)
-    layers = -(-c.layers // p)
-    collectives = 6 if layout.recompute == "full" else 4
-    tp_link = hw.link_params(t > hw.per_node)
-    activation = b * s * h * precision.value
-    tp_mb = (
-        layers * collectives * predict_seconds("all_reduce", "ring", activation, t, tp_link) if t > 1 else 0.0
+    tp_inter = t > hw.per_node
+    tp_mb = sum(
+        call.count * call_seconds(hw, call.collective, call.nbytes, t, tp_inter)
+        for call in tensor_parallel_calls(model, layout, precision)
     )
+    activation = b * s * h * precision.value
     busy = m * (compute_mb + tp_mb)
     bubble = busy * layout.bubble(global_batch) / (1 - layout.bubble(global_batch))
     p2p = 0.0
@@ -185,17 +205,25 @@ def _data_parallel(
     if dp == 1:
         return 0.0
     local, spans = dp_layout(layout, hw)
-    link = hw.link_params(spans)
     nbytes = precision.value * rank_parameters(model, layout)
-    backward = compute_mb * 2 / 3
+    # a rank's threads filling the host's cores leave none to progress the collective during backward
+    backward = compute_mb * 2 / 3 if hw.overlaps(layout.gpus) else 0.0
+    layers = -(-model.config.layers // layout.pp)
     if layout.zero == 3:
-        gathers = 2 * predict_seconds("all_gather", "ring", nbytes, dp, link)
-        per_mb = gathers + predict_seconds("reduce_scatter", "ring", nbytes, dp, link)
-        first_unit = per_mb / max(1, -(-model.config.layers // layout.pp))
-        return m * max(per_mb - compute_mb, first_unit)
+        # every layer unit's two groups (decayed and not) gathered before its forward and its backward and
+        # reduce-scattered after its backward, the root's two groups once
+        units = 2 * layers + 2
+        per_byte = nbytes / units
+        gathers = (2 * units - 2) * call_seconds(hw, "all_gather", per_byte, dp, spans)
+        per_mb = gathers + units * call_seconds(hw, "reduce_scatter", per_byte, dp, spans)
+        first_unit = per_mb / units
+        hidden = compute_mb if hw.overlaps(layout.gpus) else 0.0
+        return m * max(per_mb - hidden, first_unit)
     if layout.zero:
-        total = predict_seconds("reduce_scatter", "ring", nbytes, dp, link)
-        total += predict_seconds("all_gather", "ring", nbytes, dp, link)  # updated weights, after the step
+        # groups are DDP's buckets split by weight decay: a reduce-scatter each, and an all-gather of the
+        # updated weights after the step
+        total = 2 * bucket_calls(nbytes / 2, dp, hw, "reduce_scatter", spans)
+        total += 2 * bucket_calls(nbytes / 2, dp, hw, "all_gather", spans)
         hidden = min(backward, total / 2)
     else:
         total = all_reduce_seconds(nbytes, dp, hw, local, spans)
