@@ -51,17 +51,12 @@ class TimeEstimate:
     model_flops: float  # per step, all ranks
     hardware_flops: float
     peak: float  # FLOP/s, all ranks
+    context_parallel: float = 0.0  # ring attention's key/value blocks
+    expert_parallel: float = 0.0  # the MoE layers' all-to-alls
 
     @property
     def step(self) -> float:
-        return (
-            self.compute
-            + self.tensor_parallel
-            + self.bubble
-            + self.pipeline_p2p
-            + self.data_parallel
-            + self.optimizer
-        )
+        return sum(self.causes().values())
 
     @property
     def tokens_per_second(self) -> float:
@@ -81,7 +76,16 @@ class TimeEstimate:
     def causes(self) -> dict[str, float]:
         return {
             k: getattr(self, k)
-            for k in ("compute", "tensor_parallel", "bubble", "pipeline_p2p", "data_parallel", "optimizer")
+            for k in (
+                "compute",
+                "tensor_parallel",
+                "context_parallel",
+                "expert_parallel",
+                "bubble",
+                "pipeline_p2p",
+                "data_parallel",
+                "optimizer",
+            )
         }
 
     def to_json(self) -> dict:
@@ -103,13 +107,14 @@ def predict_seconds(
 
 def call_seconds(hw: Hardware, collective: str, nbytes: float, ranks: int, inter_node: bool) -> float:
     """One call: the cost measured for that collective on that many ranks where ``hw`` has one (``cpu``),
-    else the ring formula on the link (GPU presets: NCCL's rings)."""
+    else the ring formula on the link (GPU presets: NCCL's rings; pairwise exchange for all-to-all)."""
     if ranks == 1:
         return 0.0
     measured = hw.call_cost(collective, ranks)
     if measured is not None:
         return measured.seconds(nbytes)
-    return predict_seconds(collective, "ring", nbytes, ranks, hw.link_params(inter_node))
+    algo = "pairwise" if collective == "all_to_all" else "ring"
+    return predict_seconds(collective, algo, nbytes, ranks, hw.link_params(inter_node))
 
 
 def bucket_calls(nbytes: float, ranks: int, hw: Hardware, collective: str, inter_node: bool) -> float:
@@ -160,16 +165,21 @@ def estimate_time(
     tokens = global_batch * s
     hardware_per_token = model.flops_per_token(layout.recompute)
     peak = hw.peak(precision.dtype)
-    gemm = 2 * b * s * h * 4 * h / t
+    cp = layout.cp
+    gemm = 2 * b * s / cp * h * 4 * h / t
     rate = peak * hw.efficiency.at(gemm)
-    compute_mb = hardware_per_token * b * s / (t * p) / rate
+    compute_mb = hardware_per_token * b * s / (t * p * cp) / rate
     tp_inter = t > hw.per_node
     tp_mb = sum(
         call.count * call_seconds(hw, call.collective, call.nbytes, t, tp_inter)
         for call in tensor_parallel_calls(model, layout, precision)
     )
     activation = b * s * h * precision.value
-    busy = m * (compute_mb + tp_mb)
+    cp_mb, ep_mb = (
+        context_parallel_seconds(model, layout, hw, precision),
+        expert_seconds(model, layout, hw, precision),
+    )
+    busy = m * (compute_mb + tp_mb + cp_mb + ep_mb)
     bubble = busy * layout.bubble(global_batch) / (1 - layout.bubble(global_batch))
     p2p = 0.0
     if p > 1:
@@ -194,14 +204,43 @@ def estimate_time(
         model_flops=model.flops_per_token() * tokens,
         hardware_flops=hardware_per_token * tokens,
         peak=peak * layout.gpus,
+        context_parallel=m * cp_mb,
+        expert_parallel=m * ep_mb,
     )
+
+
+def context_parallel_seconds(model: ModelSpec, layout: Layout, hw: Hardware, precision: Precision) -> float:
+    """Ring attention per micro-batch: in each layer's forward every rank passes the key and value
+    blocks of its s/cp tokens round the ring, cp − 1 times; backward passes them again and the blocks'
+    gradients back (2 (cp − 1) more); full recomputation repeats the forward's. Each pass one message
+    of 2·b·(s/cp)·h/t values, sent and received at once (α + β·bytes on the link)."""
+    if layout.cp == 1:
+        return 0.0
+    c = model.config
+    nbytes = 2 * layout.micro_batch * c.seq_len / layout.cp * c.hidden / layout.tp * precision.value
+    link = hw.link_params(layout.gpus > hw.per_node)
+    passes = (layout.cp - 1) * (4 if layout.recompute == "full" else 3)
+    return -(-c.layers // layout.pp) * passes * (link.alpha + link.beta * nbytes)
+
+
+def expert_seconds(model: ModelSpec, layout: Layout, hw: Hardware, precision: Precision) -> float:
+    """The MoE layers' token exchange per micro-batch: dispatch and combine all-to-alls of each rank's
+    b·(s/cp)·k token copies of h values, forward and again in backward (4 per layer; 6 with full
+    recomputation), over the ep ranks at the all-to-all's cost."""
+    c = model.config
+    if layout.ep == 1 or not c.experts:
+        return 0.0
+    nbytes = layout.micro_batch * c.seq_len / layout.cp * c.top_k * c.hidden * precision.value
+    calls = 6 if layout.recompute == "full" else 4
+    one = call_seconds(hw, "all_to_all", nbytes, layout.ep, layout.gpus > hw.per_node)
+    return -(-c.layers // layout.pp) * calls * one
 
 
 def _data_parallel(
     model: ModelSpec, layout: Layout, hw: Hardware, precision: Precision, m: int, compute_mb: float
 ) -> float:
     """Exposed seconds of the dp group's communication per step (see the module docstring)."""
-    dp = layout.dp
+    dp = layout.replicas  # dense gradients are summed over dp, and over ep and cp ranks too
     if dp == 1:
         return 0.0
     local, spans = dp_layout(layout, hw)
