@@ -19,8 +19,9 @@ MOE = CONFIGS["gpt-moe-nano"]  # 6 layers, hidden 384, 8 experts, top-2, seq 256
 
 
 def test_context_parallel_divides_activations_and_prices_the_ring() -> None:
-    """cp 2: each layer keeps half the bytes per rank (s/cp tokens), and its time has (cp − 1) key/value
-    passes forward and 2 (cp − 1) backward per layer and micro-batch on the link."""
+    """cp 2: each layer keeps half the bytes per rank (s/cp tokens), and its time per layer and
+    micro-batch is the attention's all-gather of keys and values forward, the re-gather and the
+    gradients' reduce-scatter backward (the all-gather design of parallel/context_parallel)."""
     config, precision = CONFIGS["gpt-nano"], Precision("bf16")
     one = layer_activations(config, 4, Layout(1, 1, 1), precision, attention="flash")
     two = layer_activations(config, 4, Layout(1, 1, 1, cp=2), precision, attention="flash")
@@ -28,9 +29,10 @@ def test_context_parallel_divides_activations_and_prices_the_ring() -> None:
     hw = hardware("a100-80gb")
     layout = Layout(2, 1, 1, micro_batch=4, cp=2)
     time = estimate_time(ModelSpec.of(config), layout, hw, precision, 64)
-    message = 2 * 4 * config.seq_len / 2 * config.hidden * 2  # K and V of the rank's s/cp tokens, bf16
+    kv = 2 * 4 * config.seq_len * config.hidden * 2  # the sequence's keys and values, bf16, all slots
     link = hw.link_params(False)
-    per_mb = config.layers * 3 * (link.alpha + link.beta * message)
+    gather, scatter = (predict_seconds(op, "ring", kv, 2, link) for op in ("all_gather", "reduce_scatter"))
+    per_mb = config.layers * (2 * gather + scatter)
     assert time.context_parallel == pytest.approx(layout.micro_batches(64) * per_mb)
 
 

@@ -29,7 +29,7 @@ class Layout:
     virtual: int = 1  # model chunks per pipeline rank (interleaved)
     recompute: str = "none"
     sp: bool = False  # sequence parallelism (with tp > 1)
-    cp: int = 1  # context parallelism: each sequence split over cp ranks (ring attention)
+    cp: int = 1  # context parallelism: each sequence split over cp ranks (2·cp chunks)
     ep: int = 1  # expert parallelism: E/ep experts per rank; ep ranks read their own sequences
 
     @property
@@ -104,7 +104,7 @@ def check(layout: Layout, model: GPTConfig, gpus: int, global_batch: int) -> Non
         raise ValueError(f"--seq-len {model.seq_len} is not divisible by --tp {tp} (sequence parallelism)")
     if model.seq_len % (2 * cp):
         raise ValueError(
-            f"--seq-len {model.seq_len} is not divisible by 2·cp = {2 * cp} (ring attention's chunks): "
+            f"--seq-len {model.seq_len} is not divisible by 2·cp = {2 * cp} (context parallelism's chunks): "
             f"choose a multiple of {2 * cp} or another --cp"
         )
     if layout.sp and cp > 1 and (model.seq_len // cp) % tp:

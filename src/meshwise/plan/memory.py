@@ -163,9 +163,10 @@ def layer_activations(
     mask_bytes: int = 0,
 ) -> float:
     """Bytes one layer keeps for backward per micro-batch on one rank (see the module docstring). Under
-    context parallelism a rank holds s/cp of each sequence: every term is its share (ring attention's
-    blocks of the others' keys and values are transient); a mixture of experts keeps each token's MLP
-    activations (fc input, fc output, GELU output: 9·sbh values) once per expert it visits (top-k)."""
+    context parallelism a rank holds s/cp of each sequence: every term is its share (the fused attention
+    keeps only the rank's own keys and values and gathers the others' again in backward); a mixture of
+    experts keeps each token's MLP activations (fc input, fc output, GELU output: 9·sbh values) once per
+    expert it visits (top-k)."""
     s, b, h, a, t = config.seq_len, micro_batch, config.hidden, config.heads, layout.tp
     v, m = precision.value, mask_bytes
     shard = (t if layout.sp else 1) * layout.cp

@@ -51,7 +51,7 @@ class TimeEstimate:
     model_flops: float  # per step, all ranks
     hardware_flops: float
     peak: float  # FLOP/s, all ranks
-    context_parallel: float = 0.0  # ring attention's key/value blocks
+    context_parallel: float = 0.0  # the attention's key/value gathers and their gradients
     expert_parallel: float = 0.0  # the MoE layers' all-to-alls
 
     @property
@@ -210,17 +210,19 @@ def estimate_time(
 
 
 def context_parallel_seconds(model: ModelSpec, layout: Layout, hw: Hardware, precision: Precision) -> float:
-    """Ring attention per micro-batch: in each layer's forward every rank passes the key and value
-    blocks of its s/cp tokens round the ring, cp − 1 times; backward passes them again and the blocks'
-    gradients back (2 (cp − 1) more); full recomputation repeats the forward's. Each pass one message
-    of 2·b·(s/cp)·h/t values, sent and received at once (α + β·bytes on the link)."""
+    """Context-parallel attention per micro-batch, as :mod:`meshwise.parallel.context_parallel.attention`
+    runs it (an all-gather design, not a ring): in each layer's forward one all-gather of the keys and
+    values (2·b·s·h/t values, all slots); in backward the fused kernel gathers them again and the
+    gradients go back by one reduce-scatter; full recomputation repeats the forward's gather."""
     if layout.cp == 1:
         return 0.0
     c = model.config
-    nbytes = 2 * layout.micro_batch * c.seq_len / layout.cp * c.hidden / layout.tp * precision.value
-    link = hw.link_params(layout.gpus > hw.per_node)
-    passes = (layout.cp - 1) * (4 if layout.recompute == "full" else 3)
-    return -(-c.layers // layout.pp) * passes * (link.alpha + link.beta * nbytes)
+    nbytes = 2 * layout.micro_batch * c.seq_len * c.hidden / layout.tp * precision.value
+    inter = layout.gpus > hw.per_node
+    gathers = 3 if layout.recompute == "full" else 2
+    per_layer = gathers * call_seconds(hw, "all_gather", nbytes, layout.cp, inter)
+    per_layer += call_seconds(hw, "reduce_scatter", nbytes, layout.cp, inter)
+    return -(-c.layers // layout.pp) * per_layer
 
 
 def expert_seconds(model: ModelSpec, layout: Layout, hw: Hardware, precision: Precision) -> float:
