@@ -1,26 +1,31 @@
-"""Seconds per optimizer step of a layout, by cause: compute, TP collectives, pipeline bubble and
-point-to-point, data-parallel reduction (what backward does not hide), ZeRO-3 gathers, optimizer.
+"""Seconds per optimizer step of a layout, by cause: compute, TP, CP and EP collectives, pipeline bubble
+and point-to-point, data-parallel reduction (what backward does not hide), ZeRO-3 gathers, optimizer.
 
-- **Compute**: FLOPs per token (6N + attention, recomputation counted: hardware FLOPs) × tokens of the
-  rank's share, over peak × the matmul efficiency at the layer's largest GEMM (b·s × h × 4h/t).
-- **TP**: per layer and micro-batch two all-reduces of b·s·h values forward and two backward (with SP the
-  same bytes as all-gather + reduce-scatter pairs), three forward passes' worth with full recomputation;
-  ring on the intra-node link when tp fits in a node. On the critical path (no overlap).
+- **Compute**: FLOPs per token (6N_active + attention, recomputation counted: hardware FLOPs) × tokens of
+  the rank's share (÷ cp), over peak × the matmul efficiency at the layer's largest GEMM (b·s/cp × h × 4h/t).
+- **TP**: every call the tp group makes per micro-batch (:mod:`meshwise.plan.calls`, counted from the
+  code), each priced alone; on the critical path (no overlap).
+- **CP**: the attention's all-gather of keys and values per layer forward, the re-gather and the
+  gradients' reduce-scatter backward (:func:`context_parallel_seconds`).
+- **EP**: dispatch and combine all-to-alls per MoE layer, forward and backward (:func:`expert_seconds`).
 - **Pipeline**: compute + TP stretched by 1/(1 − bubble), bubble = (p−1)/(v·m + p−1) (the simulator's
   figure), plus one activation (forward) and one gradient (backward) transfer on the critical path per
   micro-batch and chunk, and for the fill and drain.
-- **Data parallel**: the gradients of one rank (b_g·Ψ_rank bytes) reduced over dp with the cost model's
-  cheapest of ring and tree — hierarchical when the dp group spans nodes; ZeRO-1/2 reduce-scatter the
-  gradients and all-gather the updated weights (ring), ZeRO-3 all-gathers weights for forward and
-  backward and reduce-scatters gradients for every micro-batch. Buckets overlap with the last
-  micro-batch's backward (ZeRO-3's gathers with every micro-batch's compute); only the part longer than
-  that, or at least the last bucket, is exposed.
+- **Data parallel**: the gradients of one rank (b_g·Ψ_rank bytes) summed over dp·ep·cp with the cost
+  model's cheapest of ring and tree — hierarchical when the group spans nodes, DDP's buckets call by call
+  where the all-reduce was measured (``cpu``); ZeRO-1/2 reduce-scatter each group and all-gather the
+  updated weights, ZeRO-3 all-gathers each unit's weights for forward and backward and reduce-scatters its
+  gradients every micro-batch. Buckets overlap with the last micro-batch's backward (ZeRO-3's gathers with
+  every micro-batch's compute) where a core is free to progress them (:meth:`Hardware.overlaps`); only
+  the part longer than that, or at least the last bucket, is exposed.
 - **Optimizer**: memory-bound, every byte of state read and written once at the memory bandwidth; or,
   where the hardware measured it (``cpu``: an AdamW step with clipping over one block), that time per
   parameter times the parameters this rank updates (Ψ_rank/dp under ZeRO).
 
-Collective times come from :func:`meshwise.comm.algorithms.registry.predict_seconds` with the link's α, β
-and γ (the device's memory bandwidth reduces): the same formulas ``meshwise bench`` is checked against.
+A call costs what the hardware measured for that collective on that many ranks (``cpu``:
+:mod:`meshwise.plan.gloo_calls`), else :func:`meshwise.comm.algorithms.registry.predict_seconds` with the
+link's α, β and γ (the device's memory bandwidth reduces): the formulas ``meshwise bench`` is checked
+against.
 """
 
 from __future__ import annotations
