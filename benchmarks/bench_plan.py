@@ -5,17 +5,18 @@ A100-80GB: the advisor alone (median of ``--repeat`` calls in this process) and 
 (``python -m meshwise plan --params 1e12 --gpus 3072``, interpreter and torch import included).
 
 **Accuracy.** Each layout of ``LAYOUTS`` (gpt-nano by default, 1–4 ranks: dp, tp, sp, pp with GPipe
-and 1F1B, ZeRO 1–3, micro-batches, selective and full recomputation) is planned with the ``cpu`` preset
-measured once for its number of ranks (at the first layout of that many) and run as a ``meshwise
+and 1F1B, ZeRO 1–3, micro-batches, selective and full recomputation, context parallelism) is planned
+with the ``cpu`` preset measured once per round for its number of ranks and run as a ``meshwise
 train gpt`` trial of ``--steps`` steps (:mod:`meshwise.train.trial`). Reported per layout: predicted vs
 measured step time (median after the first step) and per-rank peak memory (the fullest rank's peak
 allocated bytes during the steps above those before its model was built, which the run measures itself;
 its resident high-water mark above the same point is shown beside it); and over all of them: the mean
 absolute percentage errors, Spearman's rank correlation of the step times and the regret (measured time
-of the predicted-fastest over the fastest measured). Targets (issue 27): each memory error ≤ 10 %, mean
-step-time error ≤ 20 %, rank correlation ≥ 0.8.
+of the predicted-fastest over the fastest measured); with ``--rounds N`` every layout runs N times,
+one pass over all of them per round, and each figure is the median of its rounds. Targets (issue 27):
+each memory error ≤ 10 %, mean step-time error ≤ 20 %, rank correlation ≥ 0.8.
 
-    python benchmarks/bench_plan.py --json benchmarks/results/p27_plan.json
+    python benchmarks/bench_plan.py --rounds 2 --json benchmarks/results/plan_rank.json
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from meshwise.plan.accuracy import mape, regret, spearman
 from meshwise.plan.hardware import measure_cpu
 from meshwise.train.trial import TrialSpec, run_trial
 
-#: (ranks, planner layout): dp, tp (± sp), pp (GPipe, 1F1B), ZeRO 1–3, micro-batches, combinations
+#: (ranks, planner layout): dp, tp (± sp), pp (GPipe, 1F1B), ZeRO 1–3, micro-batches, cp, combinations
 LAYOUTS: list[Layout] = [
     Layout(1, 1, 1, micro_batch=8),
     Layout(1, 1, 1, micro_batch=4),
@@ -54,6 +55,7 @@ LAYOUTS: list[Layout] = [
     Layout(2, 1, 2, micro_batch=2),
     Layout(2, 1, 1, micro_batch=4, recompute="selective"),
     Layout(2, 1, 1, micro_batch=4, recompute="full"),
+    Layout(1, 1, 1, micro_batch=8, cp=2),
 ]
 TARGETS = {"memory_error_each": 0.10, "step_mape": 0.20, "rank_correlation": 0.8}
 
@@ -89,57 +91,61 @@ def speed(repeat: int) -> dict:
     }
 
 
-def accuracy(config: str, steps: int, global_batch: int, seq_len: int, layouts: list[Layout]) -> dict:
+def accuracy(
+    config: str, steps: int, global_batch: int, seq_len: int, layouts: list[Layout], rounds: int = 1
+) -> dict:
+    """Every layout run ``rounds`` times, a round being one pass over all of them (so a busy spell of the
+    host lands on every layout rather than on a few); per layout the median of its rounds' predictions
+    (the ``cpu`` preset re-measured per round and rank count) and of its measured steps."""
     model = ModelSpec.of(gpt_config(config, seq_len=seq_len))
-    rows, machines = [], {}
+    runs: dict[Layout, list[dict]] = {layout: [] for layout in layouts}
     with tempfile.TemporaryDirectory(prefix="bench-plan-") as scratch:
         work = Path(scratch)
-        for layout in layouts:
-            ranks = layout.gpus
-            # one measurement per rank count, so that layouts of as many ranks are ordered by the model
-            # alone (re-measured per layout, a busy host's noise moved equal work 2-5x)
-            if ranks not in machines:
-                machines[ranks] = measure_cpu(ranks, model.config)
-            machine = machines[ranks]
-            problem = Problem(model, machine, Precision("fp32"), global_batch, ranks)
-            candidate = problem.price(layout)
-            spec = TrialSpec(
-                ranks,
-                trial_layout(layout),
-                config=config,
-                steps=steps,
-                global_batch=global_batch,
-                seq_len=seq_len,
-                threads=machine.threads,  # as the preset was measured (see hardware.rank_threads)
-            )
-            result = run_trial(spec, work, timeout=600)
-            row = {
-                "layout": layout.name(),
-                "ranks": ranks,
-                "ok": result.ok,
-                "error": result.error,
-                "predicted_step": candidate.time.step,
-                "predicted_memory": candidate.memory.total,
-            }
-            if result.ok:
-                row |= {
-                    "measured_step": result.step_time,
-                    "step_seconds": list(result.step_seconds),
-                    "measured_memory": result.peak_allocated,
-                    "measured_resident": result.peak_resident,
-                    "setup_allocated": result.setup_allocated,
-                }
-                row["step_error"] = row["predicted_step"] / row["measured_step"] - 1
-                row["memory_error"] = row["predicted_memory"] / row["measured_memory"] - 1
-            print(_line(row), flush=True)
-            rows.append(row)
+        for round_index in range(rounds):
+            # one measurement per rank count and round, so that layouts of as many ranks are ordered by
+            # the model alone (re-measured per layout, a busy host's noise moved equal work 2-5x)
+            machines: dict = {}
+            for layout in layouts:
+                ranks = layout.gpus
+                if ranks not in machines:
+                    machines[ranks] = measure_cpu(ranks, model.config)
+                machine = machines[ranks]
+                candidate = Problem(model, machine, Precision("fp32"), global_batch, ranks).price(layout)
+                spec = TrialSpec(
+                    ranks,
+                    trial_layout(layout),
+                    config=config,
+                    steps=steps,
+                    global_batch=global_batch,
+                    seq_len=seq_len,
+                    threads=machine.threads,  # as the preset was measured (see hardware.rank_threads)
+                )
+                result = run_trial(spec, work, timeout=600)
+                run = {"round": round_index, "ok": result.ok, "error": result.error}
+                run |= {"predicted_step": candidate.time.step, "causes": candidate.time.causes()}
+                run |= {"predicted_memory": candidate.memory.total}
+                if result.ok:
+                    run |= {
+                        "measured_step": result.step_time,
+                        "step_seconds": list(result.step_seconds),
+                        "measured_memory": result.peak_allocated,
+                        "measured_resident": result.peak_resident,
+                        "setup_allocated": result.setup_allocated,
+                    }
+                runs[layout].append(run)
+                print(f"round {round_index + 1}/{rounds} " + _line(layout.name(), run), flush=True)
+    rows = [_summary(layout, runs[layout]) for layout in layouts]
     ran = [r for r in rows if r["ok"]]
     predicted, measured = [r["predicted_step"] for r in ran], [r["measured_step"] for r in ran]
+    print("per layout, median of the rounds:")
+    for row in rows:
+        print("  " + _line(row["layout"], row))
     return {
         "config": config,
         "steps": steps,
         "global_batch": global_batch,
         "seq_len": seq_len,
+        "rounds": rounds,
         "rows": rows,
         "step_mape": mape(predicted, measured),
         "memory_mape": mape([r["predicted_memory"] for r in ran], [r["measured_memory"] for r in ran]),
@@ -149,13 +155,31 @@ def accuracy(config: str, steps: int, global_batch: int, seq_len: int, layouts: 
     }
 
 
-def _line(row: dict) -> str:
+def _summary(layout: Layout, runs: list[dict]) -> dict:
+    """One layout over its rounds: medians of what ran, every round kept."""
+    done = [r for r in runs if r["ok"]]
+    row = {"layout": layout.name(), "ranks": layout.gpus, "ok": bool(done), "rounds": runs}
+    row["error"] = "" if done else runs[-1]["error"]
+    row["predicted_step"] = statistics.median(r["predicted_step"] for r in runs)
+    row["predicted_memory"] = statistics.median(r["predicted_memory"] for r in runs)
+    row["causes"] = {k: statistics.median(r["causes"][k] for r in runs) for k in runs[0]["causes"]}
+    if done:
+        for key in ("measured_step", "measured_memory", "measured_resident", "setup_allocated"):
+            row[key] = statistics.median(r[key] for r in done)
+        row["step_error"] = row["predicted_step"] / row["measured_step"] - 1
+        row["memory_error"] = row["predicted_memory"] / row["measured_memory"] - 1
+    return row
+
+
+def _line(name: str, row: dict) -> str:
     if not row["ok"]:
-        return f"{row['layout']:<30} did not run: {row['error']}"
+        return f"{name:<30} did not run: {row['error']}"
+    step_error = row["predicted_step"] / row["measured_step"] - 1
+    memory_error = row["predicted_memory"] / row["measured_memory"] - 1
     return (
-        f"{row['layout']:<30} step {row['predicted_step']:7.3f} / {row['measured_step']:7.3f} s "
-        f"({100 * row['step_error']:+5.0f} %)   memory {row['predicted_memory'] / 2**20:7.1f} / "
-        f"{row['measured_memory'] / 2**20:7.1f} MiB ({100 * row['memory_error']:+5.1f} %), resident "
+        f"{name:<30} step {row['predicted_step']:7.3f} / {row['measured_step']:7.3f} s "
+        f"({100 * step_error:+5.0f} %)   memory {row['predicted_memory'] / 2**20:7.1f} / "
+        f"{row['measured_memory'] / 2**20:7.1f} MiB ({100 * memory_error:+5.1f} %), resident "
         f"{row['measured_resident'] / 2**20:7.1f}"
     )
 
@@ -167,6 +191,7 @@ def main() -> None:
     parser.add_argument("--global-batch", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=3, help="timings of the planner's speed")
+    parser.add_argument("--rounds", type=int, default=1, help="passes over the layouts (medians taken)")
     parser.add_argument("--limit", type=int, default=len(LAYOUTS), help="run the first N layouts only")
     parser.add_argument("--skip-accuracy", action="store_true")
     parser.add_argument("--json", default=None)
@@ -179,7 +204,8 @@ def main() -> None:
         f"{fast['command_seconds']:.2f} s ({fast['command_cpu_seconds']:.2f} s CPU); best {fast['best']}"
     )
     if not args.skip_accuracy:
-        acc = accuracy(args.config, args.steps, args.global_batch, args.seq_len, LAYOUTS[: args.limit])
+        layouts = LAYOUTS[: args.limit]
+        acc = accuracy(args.config, args.steps, args.global_batch, args.seq_len, layouts, args.rounds)
         results["accuracy"] = acc
         print(
             f"step-time MAPE {100 * acc['step_mape']:.1f} % (target ≤ 20), memory MAPE "

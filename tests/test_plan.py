@@ -198,14 +198,17 @@ def _problem(gpu: str = "a100-80gb", config: str = "gpt2-medium", batch: int = 6
 
 
 def test_communication_terms_are_the_cost_models() -> None:
-    """TP: four ring all-reduces of b·s·h values per layer and micro-batch on NVLink; dp: the cheapest
+    """TP: four ring all-reduces of b·s·h values per layer and micro-batch on NVLink, two more at the ends
+    (embedding, head) and the loss's two of b·s fp32 values, each call priced alone; dp: the cheapest
     of ring and tree within a node, hierarchical (NVLink + InfiniBand) across nodes."""
     problem = _problem()
     hw, c = problem.hardware, problem.model.config
     layout = Layout(dp=8, tp=2, pp=1, micro_batch=2)
     time = estimate_time(problem.model, layout, hw, problem.precision, problem.global_batch)
     message = 2 * c.seq_len * c.hidden * 2
-    per_mb = c.layers * 4 * predict_seconds("all_reduce", "ring", message, 2, hw.link_params(False))
+    link = hw.link_params(False)
+    per_mb = (c.layers * 4 + 2) * predict_seconds("all_reduce", "ring", message, 2, link)
+    per_mb += 2 * predict_seconds("all_reduce", "ring", 2 * c.seq_len * 4, 2, link)
     assert time.tensor_parallel == pytest.approx(layout.micro_batches(64) * per_mb)
     assert dp_layout(layout, hw) == (4, True)  # 8 GPUs per node / tp 2: four dp ranks per node
     nbytes = 1e9
@@ -321,9 +324,12 @@ def test_rank_speedup_is_measured_and_bounded() -> None:
     assert rank_speedup(lambda: a @ a, 1) == 1.0
 
 
-def test_gloo_link_is_measured_here() -> None:
-    """Two gloo endpoints in this process: a latency and a bandwidth a planner can price messages with."""
+def test_gloo_link_is_the_measured_pair() -> None:
+    """Two local ranks' point-to-point link from the 2-endpoint all-reduce (2α + n·β): half its latency,
+    its bandwidth; none without that measurement."""
+    from meshwise.plan.gloo_calls import CallCost
     from meshwise.plan.hardware import gloo_link
 
-    link = gloo_link(runs=3)
-    assert link is not None and 0 < link.latency < 1.0 and 1e7 < link.bandwidth < 1e12, link
+    link = gloo_link((CallCost("all_gather", 2, 1e-3, 1e-9), CallCost("all_reduce", 2, 4e-4, 2e-9)))
+    assert link is not None and link.latency == pytest.approx(2e-4) and link.bandwidth == pytest.approx(5e8)
+    assert gloo_link(()) is None

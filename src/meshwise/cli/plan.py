@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -22,7 +23,9 @@ from meshwise.plan.layout import RECOMPUTE, SCHEDULES, Layout, check
 from meshwise.plan.report import plot, render, to_json
 
 #: fixed-layout flags → Layout fields
-FIXED = ("dp", "tp", "pp", "zero", "micro_batch", "schedule", "recompute")
+FIXED = ("dp", "tp", "pp", "cp", "ep", "zero", "micro_batch", "schedule", "recompute")
+#: the rank axes a layout multiplies into the GPUs
+AXES = ("dp", "tp", "pp", "cp", "ep")
 
 
 def add_parser(subparsers: argparse._SubParsersAction, name: str, help_text: str) -> None:
@@ -36,6 +39,8 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str, help_text: str
     )
     for flag in ("layers", "hidden", "heads", "vocab", "seq-len"):
         model.add_argument(f"--{flag}", type=int, default=None, help=f"the model's {flag}")
+    model.add_argument("--experts", type=int, default=None, help="experts per MLP (mixture of experts)")
+    model.add_argument("--top-k", type=int, default=None, help="experts per token (default 2)")
     train = parser.add_argument_group("training")
     train.add_argument(
         "--global-batch", type=int, default=None, help="sequences per step (default 1024; 8 on cpu)"
@@ -69,6 +74,8 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str, help_text: str
     fixed = parser.add_argument_group("fix part of the layout (searched otherwise)")
     for flag in ("dp", "tp", "pp", "micro-batch"):
         fixed.add_argument(f"--{flag}", type=int, default=None)
+    fixed.add_argument("--cp", type=int, default=None, help="context-parallel size (priced, not searched)")
+    fixed.add_argument("--ep", type=int, default=None, help="expert-parallel size (searched with --experts)")
     fixed.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=None)
     fixed.add_argument("--schedule", choices=SCHEDULES, default=None)
     fixed.add_argument("--recompute", choices=RECOMPUTE, default=None)
@@ -88,6 +95,22 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str, help_text: str
 
 
 def model_spec(args: argparse.Namespace) -> ModelSpec:
+    """The model of the flags, with --experts / --top-k making its MLPs a mixture of experts."""
+    from dataclasses import replace
+
+    spec = _dense_spec(args)
+    if args.experts is None and args.top_k is None:
+        return spec
+    if args.params is not None:
+        raise ValueError("--experts needs a shape (--config or --layers --hidden --heads), not --params")
+    config = spec.config
+    experts = config.experts if args.experts is None else args.experts
+    if not experts:
+        raise ValueError("--top-k needs a mixture of experts: give --experts E")
+    return ModelSpec.of(replace(config, experts=experts, top_k=args.top_k or config.top_k))
+
+
+def _dense_spec(args: argparse.Namespace) -> ModelSpec:
     from meshwise.models.gpt import GPTConfig, gpt_config
 
     sizes = {
@@ -155,22 +178,24 @@ def fixed_of(args: argparse.Namespace, problem: Problem) -> dict[str, object]:
     """The fixed dimensions, checked: a fixed mesh that cannot run the model fails in one line here."""
     fixed = {k: getattr(args, k) for k in FIXED if getattr(args, k) is not None}
     known = 1
-    for k in ("dp", "tp", "pp"):
-        known *= fixed.get(k, 1)
+    for k in AXES:
+        if int(fixed.get(k, 1)) < 1:  # type: ignore[call-overload]
+            raise ValueError(f"--{k} must be at least 1, got {fixed[k]}")
+        known *= int(fixed.get(k, 1))  # type: ignore[call-overload]
     if problem.gpus % known:
-        mesh = " × ".join(f"{k} {fixed[k]}" for k in ("dp", "tp", "pp") if k in fixed)
+        mesh = " × ".join(f"{k} {fixed[k]}" for k in AXES if k in fixed)
         raise ValueError(
             f"{mesh} does not divide --gpus {problem.gpus}: choose sizes whose product divides it"
         )
-    if sum(k in fixed for k in ("dp", "tp", "pp")) >= 2:
+    if {"cp", "ep"} & fixed.keys() or sum(k in fixed for k in ("dp", "tp", "pp")) >= 2:
         check(representative(fixed, problem.gpus), problem.model.config, problem.gpus, problem.global_batch)
     return fixed
 
 
 def representative(fixed: dict[str, object], gpus: int) -> Layout:
     """The simplest layout honouring ``fixed``: the GPUs not fixed go to the first free mesh axis."""
-    sizes = {k: fixed[k] for k in ("dp", "tp", "pp") if k in fixed}
-    rest = gpus // max(1, sizes.get("dp", 1) * sizes.get("tp", 1) * sizes.get("pp", 1))
+    sizes = {k: fixed[k] for k in AXES if k in fixed}
+    rest = gpus // max(1, math.prod(int(v) for v in sizes.values()))  # type: ignore[call-overload]
     for k in ("dp", "tp", "pp"):
         if k not in sizes:
             sizes[k], rest = rest, 1
@@ -178,7 +203,8 @@ def representative(fixed: dict[str, object], gpus: int) -> Layout:
     return Layout(
         int(sizes["dp"]), int(sizes["tp"]), int(sizes["pp"]), int(fixed.get("zero", 0)),
         int(fixed.get("micro_batch", 1)), schedule, 2 if schedule == "interleaved" else 1,
-        str(fixed.get("recompute", "none")), int(sizes["tp"]) > 1,
+        str(fixed.get("recompute", "none")), int(sizes["tp"]) > 1, int(fixed.get("cp", 1)),
+        int(fixed.get("ep", 1)),
     )  # fmt: skip
 
 
@@ -201,7 +227,7 @@ def handler(args: argparse.Namespace) -> int:
             )
             raise ValueError(
                 "no layout of these GPUs satisfies the fixed flags and the model's sizes: "
-                "relax --tp/--pp/--dp/--micro-batch or change --gpus"
+                "relax --tp/--pp/--dp/--cp/--ep/--micro-batch or change --gpus"
             )
     except ValueError as exc:
         print(f"meshwise plan: error: {exc}", file=sys.stderr)

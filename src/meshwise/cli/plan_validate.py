@@ -12,6 +12,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from meshwise.models.gpt import GPTConfig
 from meshwise.plan import Candidate, Layout, Plan
 from meshwise.plan.accuracy import mape, regret, spearman
 from meshwise.train.trial import TrialResult, TrialSpec, run_trial
@@ -43,6 +44,10 @@ def trial_layout(layout: Layout) -> dict[str, int | str | bool]:
         flags["zero"] = layout.zero
     if layout.sp:
         flags["sp"] = True
+    if layout.cp > 1:
+        flags["cp"] = layout.cp
+    if layout.ep > 1:
+        flags["ep"] = layout.ep
     if layout.recompute != "none":
         flags["recompute"] = layout.recompute
     if layout.pp > 1:
@@ -50,6 +55,11 @@ def trial_layout(layout: Layout) -> dict[str, int | str | bool]:
         if layout.virtual > 1:
             flags["virtual_stages"] = layout.virtual
     return flags
+
+
+def model_flags(config: GPTConfig) -> tuple[str, ...]:
+    """The train gpt flags that make the named config the planned model (its mixture of experts)."""
+    return ("--experts", str(config.experts), "--top-k", str(config.top_k)) if config.experts else ()
 
 
 def measure(
@@ -69,6 +79,7 @@ def measure(
             global_batch=problem.global_batch,
             seq_len=problem.model.config.seq_len,
             threads=problem.hardware.threads or None,  # as the cpu preset was measured
+            model_flags=model_flags(problem.model.config),
         )
         print(f"# validate: {candidate.layout.name()} ...", file=sys.stderr, flush=True)
         result = run_trial(spec, workdir)

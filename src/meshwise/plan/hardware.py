@@ -23,6 +23,7 @@ from pathlib import Path
 from meshwise.comm.cost import Calibration
 from meshwise.comm.cost.formulas import LinkParams
 from meshwise.models.gpt import GPTConfig
+from meshwise.plan.gloo_calls import CallCost, measure_calls
 
 GB = 1e9
 GIB = 2**30
@@ -92,6 +93,12 @@ class Hardware:
     #: torch threads per rank the ``cpu`` preset was measured with (0 on GPUs): runs checked against it
     #: (``--validate``) use as many
     threads: int = 0
+    #: cores of the host the ranks share (``cpu``; 0 on GPUs, whose collectives run beside the compute):
+    #: where the ranks' threads fill them, no core is left to progress a collective during backward
+    cores: int = 0
+    #: measured per-call costs per collective and group size (``cpu``, :mod:`meshwise.plan.gloo_calls`):
+    #: when one is here for a call, it prices that call instead of the link's ring formula
+    calls: tuple[CallCost, ...] = ()
     source: str = "datasheet"
 
     def peak(self, dtype: str) -> float:
@@ -101,6 +108,15 @@ class Hardware:
 
     def link_params(self, inter_node: bool) -> LinkParams:
         return (self.inter if inter_node else self.intra).params(self.memory_bandwidth / 3)
+
+    def call_cost(self, collective: str, group: int) -> CallCost | None:
+        """The measured cost of one ``collective`` call on ``group`` ranks, None where none was measured."""
+        return next((c for c in self.calls if c.collective == collective and c.group == group), None)
+
+    def overlaps(self, ranks: int) -> bool:
+        """Whether ``ranks`` ranks leave a core to progress a collective while backward computes: always
+        on a GPU; on a CPU only when their threads do not already fill the cores."""
+        return self.cores == 0 or ranks * max(self.threads, 1) < self.cores
 
 
 def _gpu(
@@ -349,48 +365,14 @@ def rank_speedup(work: Callable[[], object], ranks: int, seconds: float = 0.3) -
     return min(float(ranks), ranks * calls * one / together)
 
 
-def gloo_link(sizes: tuple[int, int] = (2**10, 2**20), runs: int = 5) -> Link | None:
-    """α and β of gloo between two endpoints on this host, measured now: two threads of this process
-    each hold a gloo process group over a file store (loopback TCP, as local ranks talk) and time
-    all-reduces of ``sizes`` float32 elements (median of ``runs``); the two-rank ring, 2α + n·β, fitted
-    through the two points. On a host shared with other jobs this is slower than the built-in
-    calibration, as the ranks will find it. None if gloo cannot start here."""
-    import datetime
-    import tempfile
-    import threading
-
-    import torch
-    import torch.distributed as dist
-
-    seconds: dict[int, dict[int, float]] = {0: {}, 1: {}}
-    with tempfile.TemporaryDirectory(prefix="meshwise-link-") as scratch:
-        path = str(Path(scratch) / "store")
-
-        def endpoint(rank: int) -> None:
-            store = dist.FileStore(path, 2)
-            group = dist.ProcessGroupGloo(store, rank, 2, datetime.timedelta(seconds=30))
-            for n in sizes:
-                tensor = torch.ones(n)
-                group.allreduce([tensor]).wait()  # connect and warm up
-                times = []
-                for _ in range(runs):
-                    started = time.perf_counter()
-                    group.allreduce([tensor]).wait()
-                    times.append(time.perf_counter() - started)
-                seconds[rank][n] = statistics.median(times)
-
-        threads = [threading.Thread(target=endpoint, args=(r,), daemon=True) for r in (0, 1)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(timeout=60)
-        if any(t.is_alive() for t in threads) or any(len(seconds[r]) < len(sizes) for r in (0, 1)):
-            return None
-    small, large = sizes
-    t_small, t_large = (max(seconds[0][n], seconds[1][n]) for n in sizes)
-    beta = max(1e-12, (t_large - t_small) / (4 * (large - small)))
-    alpha = max(1e-7, (t_small - 4 * small * beta) / 2)
-    return Link(bandwidth=1 / beta, latency=alpha)
+def gloo_link(calls: tuple[CallCost, ...]) -> Link | None:
+    """The point-to-point link of two local ranks, from the measured 2-endpoint all-reduce: gloo's
+    two-rank ring is one exchange each way, 2α + n·β, so α is half the call's and β the call's. None
+    where no 2-endpoint all-reduce was measured."""
+    pair = next((c for c in calls if c.collective == "all_reduce" and c.group == 2), None)
+    if pair is None:
+        return None
+    return Link(bandwidth=1 / pair.beta, latency=max(pair.alpha / 2, 1e-7))
 
 
 def rank_threads(ranks: int, cores: int, others: float) -> int:
@@ -407,8 +389,10 @@ def measure_cpu(
 ) -> Hardware:
     """This host as a planner sees it, measured now: the peak is the best fp32 square matmul; the
     efficiency curve comes from forward + backward of one block of ``layer`` (the model being planned)
-    at a few micro-batch sizes, or from the square matmuls without one. Memory from /proc/meminfo, links
-    measured now (:func:`gloo_link`; the built-in calibration where gloo cannot start), every core a
+    at a few micro-batch sizes, or from the square matmuls without one. Memory from /proc/meminfo, every
+    collective's per-call cost on each group size ``ranks`` allows measured now with all ``ranks`` talking
+    at once (:func:`~meshwise.plan.gloo_calls.measure_calls`; the built-in calibration's link for one
+    rank, which sends nothing), every core a
     "GPU" of one node. Measured with the torch threads one of ``ranks`` local ranks gets (the cores
     split among them, as ``spawn`` does: OpenMP threads competing for a core are far slower than one
     each), and scaled by the share of the work a rank gets done beside the others now
@@ -430,8 +414,9 @@ def measure_cpu(
     finally:
         torch.set_num_threads(before)
     peak = max(squares.values())
+    calls = measure_calls(ranks) if ranks > 1 else ()
     native = Calibration.builtin().native
-    link = gloo_link() or Link(bandwidth=1 / native.beta, latency=native.alpha)
+    link = gloo_link(calls) or Link(bandwidth=1 / native.beta, latency=native.alpha)
     return Hardware(
         name=CPU,
         peak_flops={"fp32": peak * share, "bf16": peak * share, "fp16": peak * share},
@@ -444,5 +429,7 @@ def measure_cpu(
         collective_copies=True,  # local ranks talk over gloo
         optimizer_seconds=update,
         threads=threads,
+        cores=cores,
+        calls=calls,
         source="measured",
     )

@@ -136,10 +136,15 @@ class MemoryEstimate:
 
 
 def rank_parameters(model: ModelSpec, layout: Layout) -> float:
-    """Parameters on the fullest rank (first or last pipeline stage) after TP and the pipeline split."""
+    """Parameters on the fullest rank (first or last pipeline stage) after TP and the pipeline split; a
+    mixture of experts' MLP is its router and E/ep whole experts (experts are not split by tp)."""
     c, t = model.config, layout.tp
     h = c.hidden
     per_layer = 12 * h * h / t + 7 * h / t + 6 * h
+    if c.experts:
+        dense_mlp = 8 * h * h + 5 * h
+        router = h * c.experts
+        per_layer += router + c.experts // layout.ep * dense_mlp - (8 * h * h / t + 4 * h / t + h)
     blocks = -(-c.layers // layout.pp) * per_layer
     embedding = model.embedding_parameters / t
     first = blocks + embedding + c.seq_len * h
@@ -157,19 +162,25 @@ def layer_activations(
     attention: str = "math",
     mask_bytes: int = 0,
 ) -> float:
-    """Bytes one layer keeps for backward per micro-batch on one rank (see the module docstring)."""
+    """Bytes one layer keeps for backward per micro-batch on one rank (see the module docstring). Under
+    context parallelism a rank holds s/cp of each sequence: every term is its share (the fused attention
+    keeps only the rank's own keys and values and gathers the others' again in backward); a mixture of
+    experts keeps each token's MLP activations (fc input, fc output, GELU output: 9·sbh values) once per
+    expert it visits (top-k)."""
     s, b, h, a, t = config.seq_len, micro_batch, config.hidden, config.heads, layout.tp
     v, m = precision.value, mask_bytes
-    shard = t if layout.sp else 1
+    shard = (t if layout.sp else 1) * layout.cp
     if layout.recompute == "full":
         return s * b * h * v / shard
     base = layer_activation_bytes(config, b, tp=t, sequence_parallel=layout.sp, value_bytes=v, mask_bytes=m)
     scores = a * s * s * b * (2 * v + m) / t
+    if config.experts:
+        base += (config.top_k - 1) * 9 * s * b * h * v
     if layout.recompute == "selective":
-        return base - scores
+        return (base - scores) / layout.cp
     if attention == "flash":
-        return base - scores + (s * b * h * v + 4 * a * s * b) / t
-    return base
+        return (base - scores + (s * b * h * v + 4 * a * s * b) / t) / layout.cp
+    return base / layout.cp
 
 
 def estimate_memory(
@@ -191,7 +202,7 @@ def estimate_memory(
     )
     embedding_out = (
         c.seq_len * layout.micro_batch * c.hidden * precision.value / (layout.tp if layout.sp else 1)
-    )
+    ) / layout.cp
     in_flight = layout.in_flight(global_batch)
     activations = in_flight * (chunk_layers * per_layer + embedding_out)
     if layout.recompute != "none":  # backward re-runs one layer at a time: its dropped part is back
@@ -200,7 +211,7 @@ def estimate_memory(
             mask_bytes=mask_bytes,
         )  # fmt: skip
         activations += kept - per_layer
-    logits = 2 * 4 * c.seq_len * layout.micro_batch * c.vocab / layout.tp
+    logits = 2 * 4 * c.seq_len * layout.micro_batch * c.vocab / layout.tp / layout.cp
     layer_weights = model.layer_parameters / layout.tp * precision.value
     gather = 2 * layer_weights if z == 3 and dp > 1 else 0.0
     # ZeRO-3: one unit's full gradients before its reduce-scatter; ZeRO-2: its groups are DDP's buckets,

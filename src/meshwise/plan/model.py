@@ -68,6 +68,13 @@ class ModelSpec:
         return cls(GPTConfig(layers, h, heads or a, s, v).validate(), float(parameters))
 
     @property
+    def active_parameters(self) -> float:
+        """Parameters one token uses: all of them for a dense model; the router and top-k of the E experts
+        in a mixture of experts (what its FLOPs are counted with)."""
+        c = self.config
+        return self.parameters * c.num_parameters(active=True) / c.num_parameters()
+
+    @property
     def layer_parameters(self) -> int:
         h = self.config.hidden
         return 12 * h * h + 13 * h
@@ -84,7 +91,7 @@ class ModelSpec:
         (2·N_blocks + 4·l·h·s), selective only the attention products (4·l·h·s)."""
         c = self.config
         attention_forward = 4 * c.layers * c.hidden * c.seq_len
-        model = 6 * (self.parameters - c.seq_len * c.hidden) + 3 * attention_forward
+        model = 6 * (self.active_parameters - c.seq_len * c.hidden) + 3 * attention_forward
         if recompute == "full":
             return model + 2 * c.layers * self.layer_parameters + attention_forward
         if recompute == "selective":

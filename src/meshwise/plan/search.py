@@ -1,6 +1,7 @@
 """The advisor: every layout of the GPUs that can run the model, priced, ranked, and explained.
 
-The search walks dp·tp·pp = GPUs (tp a divisor of the heads, pp of at most the layers), ZeRO 0–3,
+The search walks dp·tp·pp·cp·ep = GPUs (tp a divisor of the heads, pp of at most the layers, ep a divisor
+of a mixture of experts' E, cp as given by ``--cp``), ZeRO 0–3,
 micro-batches (powers of two dividing the per-rank batch), schedules (1F1B, interleaved with two chunks
 per rank, GPipe) and recomputation (none, selective, full); sequence parallelism is on whenever tp > 1
 (same bytes on the wire, 1/t of the replicated activations). Any dimension the user fixed is not
@@ -13,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, fields, replace
 
+from meshwise.models.gpt import GPTConfig
 from meshwise.plan.hardware import GIB, Hardware
 from meshwise.plan.layout import RECOMPUTE, Layout, check
 from meshwise.plan.memory import MemoryEstimate, Precision, estimate_memory
@@ -84,39 +86,54 @@ def _divisors(n: int) -> list[int]:
 def layouts(problem: Problem, fixed: dict[str, object]) -> Iterator[Layout]:
     """Every layout the search considers that ``check`` accepts, ``fixed`` dimensions held."""
     c, gpus, batch = problem.model.config, problem.gpus, problem.global_batch
+    for tp, pp, cp, ep in _axes(c, gpus, fixed):
+        dp = gpus // (tp * pp * cp * ep)
+        if fixed.get("dp", dp) != dp or batch % (dp * ep):
+            continue
+        for layout in _choices(c, batch, fixed, Layout(dp, tp, pp, sp=fixed.get("sp", tp > 1), cp=cp, ep=ep)):
+            try:
+                check(layout, c, gpus, batch)
+            except ValueError:
+                continue
+            yield layout
+
+
+def _axes(c: GPTConfig, gpus: int, fixed: dict[str, object]) -> Iterator[tuple[int, int, int, int]]:
+    """tp (a divisor of the heads), pp (of at most the layers), cp (as given: priced, not searched —
+    splitting sequences pays off only where their activations do not fit, which the memory model says
+    of a given --cp), ep (a divisor of the experts, searched for a mixture of experts)."""
+    cp = int(fixed.get("cp", 1))  # type: ignore[call-overload]
     for tp in [fixed["tp"]] if "tp" in fixed else [d for d in _divisors(c.heads) if gpus % d == 0]:
         for pp in [fixed["pp"]] if "pp" in fixed else [d for d in _divisors(gpus // tp) if d <= c.layers]:
-            dp = gpus // (tp * pp)
-            if fixed.get("dp", dp) != dp or dp * tp * pp != gpus or batch % dp:
+            if gpus % (tp * pp * cp):
                 continue
-            per_rank = batch // dp
-            micro = (
-                [fixed["micro_batch"]]
-                if "micro_batch" in fixed
-                else [
-                    b
-                    for b in (2**i for i in range(7))
-                    if b <= min(per_rank, MAX_MICRO_BATCH) and per_rank % b == 0
-                ]
-            )
-            schedules = [("1f1b", 1)]
-            if pp > 1:
-                schedules = [("1f1b", 1), ("gpipe", 1)] + ([("interleaved", 2)] if c.layers >= 2 * pp else [])
-            if "schedule" in fixed:
-                wanted = fixed["schedule"]
-                schedules = [(wanted, 2 if wanted == "interleaved" else 1)]
-            for zero in [fixed["zero"]] if "zero" in fixed else ([0, 1, 2, 3] if dp > 1 else [0]):
-                for b in micro:
-                    for schedule, v in schedules:
-                        for recompute in [fixed["recompute"]] if "recompute" in fixed else RECOMPUTE:
-                            layout = Layout(
-                                dp, tp, pp, zero, b, schedule, v, recompute, fixed.get("sp", tp > 1)
-                            )
-                            try:
-                                check(layout, c, gpus, batch)
-                            except ValueError:
-                                continue
-                            yield layout
+            rest = gpus // (tp * pp * cp)
+            experts = [d for d in _divisors(rest) if c.experts % d == 0] if c.experts else [1]
+            for ep in [fixed["ep"]] if "ep" in fixed else experts:
+                if rest % ep == 0:
+                    yield tp, pp, cp, ep
+
+
+def _choices(c: GPTConfig, batch: int, fixed: dict[str, object], axes: Layout) -> Iterator[Layout]:
+    """ZeRO stage, micro-batch, schedule and recomputation for the rank axes of ``axes``."""
+    dp, pp = axes.dp, axes.pp
+    per_rank = batch // axes.batch_ranks
+    largest = min(per_rank, MAX_MICRO_BATCH)
+    powers = [b for b in (2**i for i in range(7)) if b <= largest and per_rank % b == 0]
+    micro = [fixed["micro_batch"]] if "micro_batch" in fixed else powers
+    schedules = [("1f1b", 1)]
+    if pp > 1:
+        schedules = [("1f1b", 1), ("gpipe", 1)] + ([("interleaved", 2)] if c.layers >= 2 * pp else [])
+    if "schedule" in fixed:
+        wanted = fixed["schedule"]
+        schedules = [(wanted, 2 if wanted == "interleaved" else 1)]
+    for zero in [fixed["zero"]] if "zero" in fixed else ([0, 1, 2, 3] if dp > 1 else [0]):
+        for b in micro:
+            for schedule, v in schedules:
+                for recompute in [fixed["recompute"]] if "recompute" in fixed else RECOMPUTE:
+                    yield replace(
+                        axes, zero=zero, micro_batch=b, schedule=schedule, virtual=v, recompute=recompute
+                    )
 
 
 @dataclass(frozen=True)

@@ -1,26 +1,31 @@
-"""Seconds per optimizer step of a layout, by cause: compute, TP collectives, pipeline bubble and
-point-to-point, data-parallel reduction (what backward does not hide), ZeRO-3 gathers, optimizer.
+"""Seconds per optimizer step of a layout, by cause: compute, TP, CP and EP collectives, pipeline bubble
+and point-to-point, data-parallel reduction (what backward does not hide), ZeRO-3 gathers, optimizer.
 
-- **Compute**: FLOPs per token (6N + attention, recomputation counted: hardware FLOPs) × tokens of the
-  rank's share, over peak × the matmul efficiency at the layer's largest GEMM (b·s × h × 4h/t).
-- **TP**: per layer and micro-batch two all-reduces of b·s·h values forward and two backward (with SP the
-  same bytes as all-gather + reduce-scatter pairs), three forward passes' worth with full recomputation;
-  ring on the intra-node link when tp fits in a node. On the critical path (no overlap).
+- **Compute**: FLOPs per token (6N_active + attention, recomputation counted: hardware FLOPs) × tokens of
+  the rank's share (÷ cp), over peak × the matmul efficiency at the layer's largest GEMM (b·s/cp × h × 4h/t).
+- **TP**: every call the tp group makes per micro-batch (:mod:`meshwise.plan.calls`, counted from the
+  code), each priced alone; on the critical path (no overlap).
+- **CP**: the attention's all-gather of keys and values per layer forward, the re-gather and the
+  gradients' reduce-scatter backward (:func:`context_parallel_seconds`).
+- **EP**: dispatch and combine all-to-alls per MoE layer, forward and backward (:func:`expert_seconds`).
 - **Pipeline**: compute + TP stretched by 1/(1 − bubble), bubble = (p−1)/(v·m + p−1) (the simulator's
   figure), plus one activation (forward) and one gradient (backward) transfer on the critical path per
   micro-batch and chunk, and for the fill and drain.
-- **Data parallel**: the gradients of one rank (b_g·Ψ_rank bytes) reduced over dp with the cost model's
-  cheapest of ring and tree — hierarchical when the dp group spans nodes; ZeRO-1/2 reduce-scatter the
-  gradients and all-gather the updated weights (ring), ZeRO-3 all-gathers weights for forward and
-  backward and reduce-scatters gradients for every micro-batch. Buckets overlap with the last
-  micro-batch's backward (ZeRO-3's gathers with every micro-batch's compute); only the part longer than
-  that, or at least the last bucket, is exposed.
+- **Data parallel**: the gradients of one rank (b_g·Ψ_rank bytes) summed over dp·ep·cp with the cost
+  model's cheapest of ring and tree — hierarchical when the group spans nodes, DDP's buckets call by call
+  where the all-reduce was measured (``cpu``); ZeRO-1/2 reduce-scatter each group and all-gather the
+  updated weights, ZeRO-3 all-gathers each unit's weights for forward and backward and reduce-scatters its
+  gradients every micro-batch. Buckets overlap with the last micro-batch's backward (ZeRO-3's gathers with
+  every micro-batch's compute) where a core is free to progress them (:meth:`Hardware.overlaps`); only
+  the part longer than that, or at least the last bucket, is exposed.
 - **Optimizer**: memory-bound, every byte of state read and written once at the memory bandwidth; or,
   where the hardware measured it (``cpu``: an AdamW step with clipping over one block), that time per
   parameter times the parameters this rank updates (Ψ_rank/dp under ZeRO).
 
-Collective times come from :func:`meshwise.comm.algorithms.registry.predict_seconds` with the link's α, β
-and γ (the device's memory bandwidth reduces): the same formulas ``meshwise bench`` is checked against.
+A call costs what the hardware measured for that collective on that many ranks (``cpu``:
+:mod:`meshwise.plan.gloo_calls`), else :func:`meshwise.comm.algorithms.registry.predict_seconds` with the
+link's α, β and γ (the device's memory bandwidth reduces): the formulas ``meshwise bench`` is checked
+against.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from dataclasses import asdict, dataclass
 
 from meshwise.comm.algorithms import registry
 from meshwise.comm.cost.formulas import LinkParams
+from meshwise.plan.calls import tensor_parallel_calls
 from meshwise.plan.hardware import Hardware
 from meshwise.plan.layout import Layout
 from meshwise.plan.memory import BUCKET_BYTES, Precision, model_states, rank_parameters
@@ -50,17 +56,12 @@ class TimeEstimate:
     model_flops: float  # per step, all ranks
     hardware_flops: float
     peak: float  # FLOP/s, all ranks
+    context_parallel: float = 0.0  # the attention's key/value gathers and their gradients
+    expert_parallel: float = 0.0  # the MoE layers' all-to-alls
 
     @property
     def step(self) -> float:
-        return (
-            self.compute
-            + self.tensor_parallel
-            + self.bubble
-            + self.pipeline_p2p
-            + self.data_parallel
-            + self.optimizer
-        )
+        return sum(self.causes().values())
 
     @property
     def tokens_per_second(self) -> float:
@@ -80,7 +81,16 @@ class TimeEstimate:
     def causes(self) -> dict[str, float]:
         return {
             k: getattr(self, k)
-            for k in ("compute", "tensor_parallel", "bubble", "pipeline_p2p", "data_parallel", "optimizer")
+            for k in (
+                "compute",
+                "tensor_parallel",
+                "context_parallel",
+                "expert_parallel",
+                "bubble",
+                "pipeline_p2p",
+                "data_parallel",
+                "optimizer",
+            )
         }
 
     def to_json(self) -> dict:
@@ -100,6 +110,25 @@ def predict_seconds(
     return registry.predict_seconds(collective, algo, nbytes, ranks, link, **two_links)
 
 
+def call_seconds(hw: Hardware, collective: str, nbytes: float, ranks: int, inter_node: bool) -> float:
+    """One call: the cost measured for that collective on that many ranks where ``hw`` has one (``cpu``),
+    else the ring formula on the link (GPU presets: NCCL's rings; pairwise exchange for all-to-all)."""
+    if ranks == 1:
+        return 0.0
+    measured = hw.call_cost(collective, ranks)
+    if measured is not None:
+        return measured.seconds(nbytes)
+    algo = "pairwise" if collective == "all_to_all" else "ring"
+    return predict_seconds(collective, algo, nbytes, ranks, hw.link_params(inter_node))
+
+
+def bucket_calls(nbytes: float, ranks: int, hw: Hardware, collective: str, inter_node: bool) -> float:
+    """``nbytes`` sent as DDP-sized buckets (a small first one, then :data:`BUCKET_BYTES` each): every
+    bucket pays the call's latency, the bytes their bandwidth once."""
+    calls = -(-int(nbytes) // BUCKET_BYTES) + 1
+    return calls * call_seconds(hw, collective, nbytes / calls, ranks, inter_node)
+
+
 def dp_layout(layout: Layout, hw: Hardware) -> tuple[int, bool]:
     """(dp ranks per node, whether the dp group spans nodes): ranks are numbered tp fastest, then dp, then
     pp (Megatron's order), so a node holds per_node/tp consecutive members of each dp group."""
@@ -109,9 +138,12 @@ def dp_layout(layout: Layout, hw: Hardware) -> tuple[int, bool]:
 
 
 def all_reduce_seconds(nbytes: float, ranks: int, hw: Hardware, local: int, spans: bool) -> float:
-    """The cheapest of ring and tree on the dp group's link, and hierarchical when it spans nodes."""
+    """The cheapest of ring and tree on the dp group's link, and hierarchical when it spans nodes; where
+    the all-reduce was measured on this many ranks (``cpu``), DDP's buckets at the measured cost."""
     if ranks == 1:
         return 0.0
+    if hw.call_cost("all_reduce", ranks) is not None:
+        return bucket_calls(nbytes, ranks, hw, "all_reduce", spans)
     link = hw.link_params(spans)
     options = [predict_seconds("all_reduce", algo, nbytes, ranks, link) for algo in ("ring", "tree")]
     if spans and local > 1 and ranks % local == 0:
@@ -138,18 +170,21 @@ def estimate_time(
     tokens = global_batch * s
     hardware_per_token = model.flops_per_token(layout.recompute)
     peak = hw.peak(precision.dtype)
-    gemm = 2 * b * s * h * 4 * h / t
+    cp = layout.cp
+    gemm = 2 * b * s / cp * h * 4 * h / t
     rate = peak * hw.efficiency.at(gemm)
-    compute_mb = hardware_per_token * b * s / (t * p) / rate
-    # tensor parallel: 4 collectives of b·s·h values per layer per micro-batch (6 with full recompute)
-    layers = -(-c.layers // p)
-    collectives = 6 if layout.recompute == "full" else 4
-    tp_link = hw.link_params(t > hw.per_node)
-    activation = b * s * h * precision.value
-    tp_mb = (
-        layers * collectives * predict_seconds("all_reduce", "ring", activation, t, tp_link) if t > 1 else 0.0
+    compute_mb = hardware_per_token * b * s / (t * p * cp) / rate
+    tp_inter = t > hw.per_node
+    tp_mb = sum(
+        call.count * call_seconds(hw, call.collective, call.nbytes, t, tp_inter)
+        for call in tensor_parallel_calls(model, layout, precision)
     )
-    busy = m * (compute_mb + tp_mb)
+    activation = b * s * h * precision.value
+    cp_mb, ep_mb = (
+        context_parallel_seconds(model, layout, hw, precision),
+        expert_seconds(model, layout, hw, precision),
+    )
+    busy = m * (compute_mb + tp_mb + cp_mb + ep_mb)
     bubble = busy * layout.bubble(global_batch) / (1 - layout.bubble(global_batch))
     p2p = 0.0
     if p > 1:
@@ -174,28 +209,67 @@ def estimate_time(
         model_flops=model.flops_per_token() * tokens,
         hardware_flops=hardware_per_token * tokens,
         peak=peak * layout.gpus,
+        context_parallel=m * cp_mb,
+        expert_parallel=m * ep_mb,
     )
+
+
+def context_parallel_seconds(model: ModelSpec, layout: Layout, hw: Hardware, precision: Precision) -> float:
+    """Context-parallel attention per micro-batch, as :mod:`meshwise.parallel.context_parallel.attention`
+    runs it (an all-gather design, not a ring): in each layer's forward one all-gather of the keys and
+    values (2·b·s·h/t values, all slots); in backward the fused kernel gathers them again and the
+    gradients go back by one reduce-scatter; full recomputation repeats the forward's gather."""
+    if layout.cp == 1:
+        return 0.0
+    c = model.config
+    nbytes = 2 * layout.micro_batch * c.seq_len * c.hidden / layout.tp * precision.value
+    inter = layout.gpus > hw.per_node
+    gathers = 3 if layout.recompute == "full" else 2
+    per_layer = gathers * call_seconds(hw, "all_gather", nbytes, layout.cp, inter)
+    per_layer += call_seconds(hw, "reduce_scatter", nbytes, layout.cp, inter)
+    return -(-c.layers // layout.pp) * per_layer
+
+
+def expert_seconds(model: ModelSpec, layout: Layout, hw: Hardware, precision: Precision) -> float:
+    """The MoE layers' token exchange per micro-batch: dispatch and combine all-to-alls of each rank's
+    b·(s/cp)·k token copies of h values, forward and again in backward (4 per layer; 6 with full
+    recomputation), over the ep ranks at the all-to-all's cost."""
+    c = model.config
+    if layout.ep == 1 or not c.experts:
+        return 0.0
+    nbytes = layout.micro_batch * c.seq_len / layout.cp * c.top_k * c.hidden * precision.value
+    calls = 6 if layout.recompute == "full" else 4
+    one = call_seconds(hw, "all_to_all", nbytes, layout.ep, layout.gpus > hw.per_node)
+    return -(-c.layers // layout.pp) * calls * one
 
 
 def _data_parallel(
     model: ModelSpec, layout: Layout, hw: Hardware, precision: Precision, m: int, compute_mb: float
 ) -> float:
     """Exposed seconds of the dp group's communication per step (see the module docstring)."""
-    dp = layout.dp
+    dp = layout.replicas  # dense gradients are summed over dp, and over ep and cp ranks too
     if dp == 1:
         return 0.0
     local, spans = dp_layout(layout, hw)
-    link = hw.link_params(spans)
     nbytes = precision.value * rank_parameters(model, layout)
-    backward = compute_mb * 2 / 3
+    # a rank's threads filling the host's cores leave none to progress the collective during backward
+    backward = compute_mb * 2 / 3 if hw.overlaps(layout.gpus) else 0.0
+    layers = -(-model.config.layers // layout.pp)
     if layout.zero == 3:
-        gathers = 2 * predict_seconds("all_gather", "ring", nbytes, dp, link)
-        per_mb = gathers + predict_seconds("reduce_scatter", "ring", nbytes, dp, link)
-        first_unit = per_mb / max(1, -(-model.config.layers // layout.pp))
-        return m * max(per_mb - compute_mb, first_unit)
+        # every layer unit's two groups (decayed and not) gathered before its forward and its backward and
+        # reduce-scattered after its backward, the root's two groups once
+        units = 2 * layers + 2
+        per_byte = nbytes / units
+        gathers = (2 * units - 2) * call_seconds(hw, "all_gather", per_byte, dp, spans)
+        per_mb = gathers + units * call_seconds(hw, "reduce_scatter", per_byte, dp, spans)
+        first_unit = per_mb / units
+        hidden = compute_mb if hw.overlaps(layout.gpus) else 0.0
+        return m * max(per_mb - hidden, first_unit)
     if layout.zero:
-        total = predict_seconds("reduce_scatter", "ring", nbytes, dp, link)
-        total += predict_seconds("all_gather", "ring", nbytes, dp, link)  # updated weights, after the step
+        # groups are DDP's buckets split by weight decay: a reduce-scatter each, and an all-gather of the
+        # updated weights after the step
+        total = 2 * bucket_calls(nbytes / 2, dp, hw, "reduce_scatter", spans)
+        total += 2 * bucket_calls(nbytes / 2, dp, hw, "all_gather", spans)
         hidden = min(backward, total / 2)
     else:
         total = all_reduce_seconds(nbytes, dp, hw, local, spans)

@@ -28,6 +28,8 @@ LAYOUT_FLAGS = {
     "dp": "--dp",
     "tp": "--tp",
     "pp": "--pp",
+    "cp": "--cp",
+    "ep": "--ep",
     "zero": "--zero",
     "micro_batch": "--micro-batch",
     "micro_batches": "--micro-batches",

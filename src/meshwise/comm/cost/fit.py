@@ -114,3 +114,40 @@ def _best_subset(
             if best is None or err < best[0] - _TIE:
                 best = (err, x)
     return best
+
+
+#: the largest size must take at least this many times the smallest's time, or β is noise
+IDENTIFIABLE = 1.5
+
+
+def fit_call_cost(sizes: Sequence[float], seconds: Sequence[float]) -> tuple[float, float]:
+    """(α, β) of one collective call on a fixed group, ``seconds ≈ α + β·bytes``, from measured sizes.
+
+    The planner prices each call it counts with the link measured *for that collective on that many
+    endpoints*, so the per-call form is all it needs (the algorithm gloo runs inside is what was timed).
+    Least squares on relative residuals (a 64 KiB call weighs as much as a 32 MiB one), non-negative: an
+    unconstrained negative α is refitted as β alone. β is never clamped: where the sizes do not tell it
+    from noise (the largest call not :data:`IDENTIFIABLE` × slower than the smallest) or the fit gives
+    β ≤ 0, this raises ValueError saying so — a silent clamp is what priced gradients at ~0 before.
+    """
+    if len(sizes) != len(seconds) or len(sizes) < 2:
+        raise ValueError(f"fitting α and β needs at least 2 (size, seconds) pairs, got {len(sizes)}")
+    n = np.asarray(sizes, dtype=np.float64)
+    t = np.asarray(seconds, dtype=np.float64)
+    if np.any(t <= 0) or np.any(n < 0):
+        raise ValueError("every measured call needs a positive time and a non-negative size")
+    smallest, largest = int(np.argmin(n)), int(np.argmax(n))
+    if t[largest] < IDENTIFIABLE * t[smallest]:
+        raise ValueError(
+            f"β is not identifiable: {n[largest]:.0f} bytes took {t[largest]:.3g} s, under {IDENTIFIABLE}× "
+            f"the {t[smallest]:.3g} s of {n[smallest]:.0f} bytes; measure larger sizes"
+        )
+    rows = np.column_stack([np.ones_like(n), n]) / t[:, None]
+    scale = rows.max(axis=0)
+    (alpha, beta), *_ = np.linalg.lstsq(rows / scale, np.ones_like(t), rcond=None)
+    alpha, beta = alpha / scale[0], beta / scale[1]
+    if alpha < 0:
+        alpha, beta = 0.0, float(np.sum(n / t) / np.sum((n / t) ** 2))  # relative least squares, β alone
+    if beta <= 0:
+        raise ValueError(f"the fit gives β = {beta:.3g} s/byte: the times do not grow with the size")
+    return float(alpha), float(beta)
