@@ -5,8 +5,9 @@ A MoE GPT trains on one process, data parallel, tensor parallel (experts whole o
 attention, whose cost grows with the context; each tp rank then runs the same experts on the same tokens
 rather than exchanging slices of every expert's matmuls) and pipeline parallel (each stage's MoE layers add
 their auxiliary losses' gradient themselves). ``--ep N`` spreads every layer's experts over N of the data
-ranks (:mod:`meshwise.parallel.expert_parallel`, step 2b of the mesh's ``parallelize``). What cannot be
-combined yet is refused here, before any rank starts, in one line.
+ranks (:mod:`meshwise.parallel.expert_parallel`, step 2b of the mesh's ``parallelize``); ``--zero`` then
+shards the dense weights over their replicas and the experts over theirs (``train/gpt/zero_step.py``).
+What cannot be combined yet is refused here, before any rank starts, in one line.
 """
 
 from __future__ import annotations
@@ -53,7 +54,11 @@ def check_moe_training(config: GPTTrainConfig, default_model: str) -> None:
     blocked = [
         (flag, why)
         for flag, on, why in (
-            ("--zero", config.zero > 0, "ZeRO does not shard expert parameters over their own replicas yet"),
+            (
+                "--zero",
+                config.zero > 0 and config.pp > 1,
+                "with --pp: ZeRO on pipeline stages does not shard experts over their own replicas yet",
+            ),
             ("--sp", config.sp, "sequence-parallel shards would route and cap their tokens apart"),
             (
                 "--schedule zb",
