@@ -211,21 +211,25 @@ def test_ep2_dp2_equals_one_process() -> None:
 
 
 @pytest.mark.slow
-def test_bench_moe_script_writes_both_layouts(tmp_path) -> None:
-    """benchmarks/bench_moe.py still runs (not timed here): both layouts through the trainer, ep2 holding
-    half the experts and reporting its dispatch + combine share."""
+def test_bench_moe_script_writes_every_layout(tmp_path) -> None:
+    """benchmarks/bench_moe.py still runs (not timed here): every layout through the trainer, ep2 holding
+    half the experts and reporting its dispatch + combine share, ZeRO-3 on it holding less again."""
     out = tmp_path / "moe.json"
     script = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_moe.py"
     args = ["--hidden", "32", "--seq-len", "8", "--batch", "2", "--backend", "gloo", "--rounds", "1"]
+    args += ["--layouts", "dp2,ep2,zero3-ep2"]
     done = subprocess.run(
         [sys.executable, str(script), *args, "--steps", "2", "--json", str(out)],
         capture_output=True, text=True, timeout=110,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     rows = {row["layout"]: row for row in json.loads(out.read_text())["rows"]}
-    assert set(rows) == {"dp2", "ep2"} and all(row["tokens_per_second"] > 0 for row in rows.values())
-    assert rows["ep2"]["state_bytes_per_rank"] < rows["dp2"]["state_bytes_per_rank"]
+    assert set(rows) == {"dp2", "ep2", "zero3-ep2"}
+    assert all(row["tokens_per_second"] > 0 for row in rows.values())
+    state = {name: row["state_bytes_per_rank"] for name, row in rows.items()}
+    assert state["zero3-ep2"] < state["ep2"] < state["dp2"]
     assert 0 < rows["ep2"]["exchange_share"] < 1 and rows["dp2"]["exchange_share"] is None
+    assert 0 < rows["zero3-ep2"]["exchange_share"] < 1
 
 
 def test_checkpoints_resume_across_ep_sizes(tmp_path) -> None:

@@ -86,11 +86,11 @@ def _reference_step(
 
 
 def _held_parameters(trainer: GPTTrainer) -> dict[str, torch.Tensor]:
-    """This rank's parameters under the plain names, whole: gathered over tp when it cuts them (without
-    pp that gather also collects every expert; with pp a stage's own), else the ones the rank holds (its
-    experts, its stage's layers)."""
+    """This rank's parameters under the plain names, whole: gathered over tp when it cuts them without pp,
+    or over the replicas when ZeRO shards them (those gathers also collect every expert); with pp and tp a
+    stage's own shards whole; else the ones the rank holds (its experts, its stage's layers)."""
     runner = trainer.step_runner
-    if trainer.mesh.shape.tp > 1 and trainer.mesh.shape.pp == 1:
+    if trainer.config.zero or (trainer.mesh.shape.tp > 1 and trainer.mesh.shape.pp == 1):
         return dict(runner.sampling_model().named_parameters())  # collective over tp and ep
     if trainer.mesh.shape.tp > 1:
         return full_tensors(runner.model, trainer.mesh.tp)  # the stage's shards whole (collective over tp)
@@ -126,6 +126,14 @@ def _compare(text: str, flags: dict) -> dict:
                 {n.split(".experts.")[1].split(".")[0] for n in held if is_expert_parameter(n)}
             )
         worst |= _sampled(trainer, reference)
+        worst["local experts"] = len(moe_layers(trainer.step_runner.model)[0].experts)
+        if config.zero:  # the ranks each kind of flat group is sharded over; the memory report
+            zero = trainer.step_runner.model
+            worst["shard ranks"] = {
+                ("experts" if of else "dense"): group.comm.world_size
+                for group, of in zip(zero.groups, zero.replica_of, strict=True)
+            }
+            worst["memory"] = trainer.step_runner.summary_lines()
         return worst
     finally:
         meshwise.shutdown()
@@ -179,6 +187,7 @@ def _check(results: list[dict], experts_per_rank: int, dropping: bool) -> None:
         assert result["aux"] < AUX_TOLERANCE and result["counts_equal"], result
         assert (result["dropped"] > 0) == dropping, result  # a capacity of 1.0 drops some, dropless none
         assert result["experts"] in (experts_per_rank, 4), result  # its own block, or gathered over tp
+        assert result["local experts"] == experts_per_rank, result
     sampled = results[0]  # the job's rank 0 holds the model --sample generates with
     assert sampled["sample_names_equal"] and sampled["sample_equal"], sampled
     assert sampled["sample_params"] < PARAM_TOLERANCE, sampled
@@ -272,7 +281,7 @@ def test_a_checkpoint_resumes_exactly_across_ep_sizes(text: str, tmp_path, first
         ({"ep": 2, "capacity_factor": 0.0}, "--capacity-factor must be a positive number"),
         ({"config": "gpt-tiny", "ep": 2}, r"--ep 2 spreads experts over ranks: give the model experts"),
         ({"ep": 0}, "--ep must be at least 1"),
-        ({"ep": 2, "zero": 1}, "cannot train with --zero"),
+        ({"nproc": 4, "ep": 2, "pp": 2, "zero": 1}, "cannot train with --zero yet \\(with --pp"),
         ({"ep": 2, "export_hf": "out"}, "cannot train with --export-hf .*GPT-2 weights have no experts"),
         ({"ep": 2, "global_batch": 3, "micro_batch": None}, "not divisible by dp·ep = 2"),
     ],

@@ -104,19 +104,25 @@ class DataParallel(nn.Module):
 
 def broadcast_module_state(module: nn.Module, comm: Communicator, root: int = 0) -> None:
     """Overwrite every rank's parameters and buffers with ``root``'s: one broadcast per dtype/device."""
-    if comm.world_size == 1:
+    broadcast_tensors([*module.parameters(), *module.buffers()], comm, root)
+
+
+def broadcast_tensors(tensors: list[torch.Tensor], comm: Communicator, root: int = 0) -> None:
+    """Overwrite every rank's ``tensors`` (the same list, shape for shape, on every rank) with
+    ``root``'s: one flat broadcast per dtype/device."""
+    if comm.world_size == 1 or not tensors:
         return
     groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = defaultdict(list)
-    for tensor in [*module.parameters(), *module.buffers()]:
+    for tensor in tensors:
         groups[(tensor.dtype, tensor.device)].append(tensor)
     with torch.no_grad():
-        for (dtype, _), tensors in groups.items():
+        for (dtype, _), members in groups.items():
             if dtype not in SUPPORTED_DTYPES:  # e.g. bool or uint8 buffers travel widened
                 dtype = torch.float64 if dtype.is_floating_point else torch.int64
-            flat = torch.cat([t.detach().reshape(-1).to(dtype) for t in tensors])
+            flat = torch.cat([t.detach().reshape(-1).to(dtype) for t in members])
             comm.broadcast(flat, root)
             offset = 0
-            for tensor in tensors:
+            for tensor in members:
                 tensor.copy_(flat[offset : offset + tensor.numel()].view(tensor.shape))
                 offset += tensor.numel()
 

@@ -49,7 +49,8 @@ class Tracker:
 
 
 class FlatGroup:
-    """A group of parameters flattened, padded and sharded over ``comm``."""
+    """A group of parameters flattened, padded and sharded over ``comm`` (the ranks that replicate them;
+    see :mod:`~meshwise.parallel.zero.replicas`)."""
 
     def __init__(
         self,
@@ -61,6 +62,7 @@ class FlatGroup:
         grad_dtype: torch.dtype,
         persistent: bool,
         tracker: Tracker,
+        grad_scale: float = 1.0,
     ) -> None:
         self.name = name
         self.params = list(params)
@@ -69,6 +71,7 @@ class FlatGroup:
         self.trainable = self.params[0].requires_grad
         self.persistent = persistent
         self.grad_dtype = grad_dtype
+        self.grad_scale = grad_scale  # its replica group's factor on every local gradient (1/ep: experts)
         self.tracker = tracker
         master_dtype, device = self.params[0].dtype, self.params[0].device
         flat = torch.zeros(self.layout.padded_numel, dtype=master_dtype, device=device)
@@ -169,9 +172,11 @@ class FlatGroup:
         return self.flat_grad
 
     def accumulate(self, index: int, grad: torch.Tensor) -> None:
-        """Add one parameter's local gradient into the unsharded gradient buffer."""
+        """Add one parameter's local gradient, times the group's scale, into the unsharded buffer."""
         offset = self.layout.offsets[index]
-        self.unsharded_gradient()[offset : offset + grad.numel()].add_(grad.reshape(-1))
+        self.unsharded_gradient()[offset : offset + grad.numel()].add_(
+            grad.reshape(-1), alpha=self.grad_scale
+        )
 
     def launch_reduce(self) -> None:
         """Start averaging the unsharded gradient over the ranks into this rank's slice."""

@@ -16,7 +16,9 @@ stage      parameters                   gradients               optimizer state
 i.e. 16Ψ, 4Ψ + KΨ/N, 2Ψ + (2+K)Ψ/N and (4+K)Ψ/N. Full-precision Adam is the analogous 4 + 4 + 8 (the
 float32 parameter is its own master copy, so K = 8). The report matches the table *exactly* once Ψ/N is
 read as the elements a rank really holds — Σ⌈Ψ_g/N⌉ over flat groups g — and Ψ as N times that (the
-padded flat vectors): padding adds fewer than N elements per group, a rounding the paper ignores.
+padded flat vectors): padding adds fewer than N elements per group, a rounding the paper ignores. A model
+with replica groups (an expert-parallel model's experts, sharded over their own N) is the sum of the
+table over its groups, each with its own Ψ and N.
 
 Optimizer state counts the tensors an optimizer keeps per element (Adam's moments, SGD's momentum) and a
 separate master copy; scalar state such as Adam's step counter is not per-element and is left out, as
@@ -137,17 +139,21 @@ def rank_lines(
         group = model.groups[0]
         param_bytes = group.full.element_size()
         grad_bytes = torch.empty((), dtype=group.grad_dtype).element_size()
-        p, g, o = zero_formula(
-            model.stage,
-            report.shard_numel,
-            report.world_size,
-            param_bytes=param_bytes,
-            grad_bytes=grad_bytes,
-            k=k,
-        )
+        p = g = o = 0
+        worlds = []
+        for index, replicas in enumerate(model.replica_groups):  # each sharded over its own N
+            held = [grp for grp, of in zip(model.groups, model.replica_of, strict=True) if of == index]
+            if held or index == 0:
+                n = replicas.comm.world_size
+                shard_numel = sum(grp.layout.shard_numel for grp in held)
+                parts = zero_formula(
+                    model.stage, shard_numel, n, param_bytes=param_bytes, grad_bytes=grad_bytes, k=k
+                )
+                p, g, o = p + parts[0], g + parts[1], o + parts[2]
+                worlds.append(f"N = {n}" if index == 0 else f"{replicas.name} N = {n}")
         lines.append(
             f"formula: parameters {format_bytes(p)}, gradients {format_bytes(g)}, optimizer state "
             f"{format_bytes(o)} (total {format_bytes(p + g + o)}; stage {model.stage}, "
-            f"{param_bytes}+{grad_bytes}+{k} bytes per parameter, N = {report.world_size})"
+            f"{param_bytes}+{grad_bytes}+{k} bytes per parameter, {', '.join(worlds)})"
         )
     return lines

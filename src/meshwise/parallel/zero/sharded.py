@@ -15,9 +15,14 @@ the step and, just after it, pushes the updated shard to the compute copies (sta
 stage 3 gathers it when the unit next runs). An optimizer that still holds the original, unsharded
 parameters is refused at its first step, before it changes anything.
 
+Parameters replicated over other ranks than ``comm`` — an expert-parallel model's experts — are named by
+``replica_groups`` (:mod:`~meshwise.parallel.zero.replicas`): their flat groups are sharded, reduced and
+gathered over their own ranks, with their own gradient scale.
+
 ``state_dict()``/``load_state_dict()`` speak the plain model's full state dict (collective: every rank
-calls them); a sharded state dict under the plain model's names, which DCP writes and reshards shard
-by shard, is :mod:`meshwise.parallel.zero.state_dict`'s.
+calls them; a replica group's parameters are this rank's, gathered over its replicas); a sharded state
+dict under the plain model's names, which DCP writes and reshards shard by shard, is
+:mod:`meshwise.parallel.zero.state_dict`'s.
 """
 
 from __future__ import annotations
@@ -33,11 +38,12 @@ from torch import nn
 
 from meshwise.comm.api import Communicator, ReduceOp
 from meshwise.parallel.data_parallel.buckets import MIB
-from meshwise.parallel.data_parallel.data import broadcast_module_state
+from meshwise.parallel.data_parallel.data import broadcast_tensors
 from meshwise.parallel.zero.flat import FlatGroup, Tracker
 from meshwise.parallel.zero.grads import GradientSync
 from meshwise.parallel.zero.memory import MemoryReport, measure
 from meshwise.parallel.zero.precision import MixedPrecision
+from meshwise.parallel.zero.replicas import ReplicaGroup, replica_index
 from meshwise.parallel.zero.schedule import UnitSchedule
 from meshwise.parallel.zero.stepping import ORIGINAL, OWNER
 from meshwise.parallel.zero.units import ROOT, SeparateBy, default_units, plan_buckets_as_groups, plan_stage3
@@ -60,6 +66,7 @@ class ShardedModel(nn.Module):
         bucket_mb: float,
         first_bucket_mb: float,
         separate_by: SeparateBy | None = None,
+        replica_groups: Sequence[ReplicaGroup] = (),
     ) -> None:
         super().__init__()
         named = dict(module.named_parameters())
@@ -69,22 +76,41 @@ class ShardedModel(nn.Module):
         self.stage = stage
         self.precision = mixed_precision
         self.tracker = Tracker()
+        #: index 0: the model's own replicas (``comm``, every parameter no other group owns)
+        self.replica_groups = [ReplicaGroup("model", comm, lambda _name, _param: True), *replica_groups]
+
+        def separate(name: str, param: nn.Parameter) -> tuple[int, Any]:
+            """Never one flat group over two replica groups (nor two of the caller's kinds)."""
+            mine = separate_by(name, param) if separate_by is not None else None
+            return replica_index(replica_groups, name, param), mine
+
         if stage == 3:
             chosen = list(units) if units is not None else default_units(module)
-            plans = plan_stage3(module, chosen, separate_by)
+            plans = plan_stage3(module, chosen, separate)
         else:
             bucket, first = round(bucket_mb * MIB), round(first_bucket_mb * MIB)
-            plans = plan_buckets_as_groups(module, bucket, first, separate_by)
-        broadcast_module_state(module, comm)  # every rank starts from rank 0's weights
+            plans = plan_buckets_as_groups(module, bucket, first, separate)
+        # every rank starts from its replica group's first rank's weights (buffers: the model's)
+        members: list[list[torch.Tensor]] = [[] for _ in self.replica_groups]
+        for name, param in named.items():
+            members[replica_index(replica_groups, name, param)].append(param)
+        members[0] += list(module.buffers())
+        for replicas, tensors in zip(self.replica_groups, members, strict=True):
+            broadcast_tensors(tensors, replicas.comm)
         self.groups: list[FlatGroup] = []
+        #: each flat group's replica group (an index into :attr:`replica_groups`)
+        self.replica_of = [
+            replica_index(replica_groups, plan.names[0], named[plan.names[0]]) for plan in plans
+        ]
         for index, plan in enumerate(plans):
             params = [named[name] for name in plan.names]
             first = params[0]
+            replicas = self.replica_groups[self.replica_of[index]]
             compute = mixed_precision.param_dtype if mixed_precision else first.dtype
             grad = mixed_precision.gradient_dtype if mixed_precision else first.dtype
             group = FlatGroup(
-                f"shard{index}", params, comm, compute_dtype=compute, grad_dtype=grad,
-                persistent=stage < 3, tracker=self.tracker,
+                f"shard{index}", params, replicas.comm, compute_dtype=compute, grad_dtype=grad,
+                persistent=stage < 3, tracker=self.tracker, grad_scale=replicas.grad_scale,
             )  # fmt: skip
             group.allocate_gradients(keep_full=stage == 1)
             setattr(group.master, OWNER, (weakref.ref(self), index))
@@ -157,6 +183,7 @@ class ShardedModel(nn.Module):
         root's (no unit's forward hook waits for it) are awaited here, each unit's by its forward hook, so
         they overlap the first forwards. Stages 1/2 keep their parameters gathered anyway."""
         if self.schedule is None:
+            self.wait_gathered()  # the all-gathers of the last step's update land first
             yield
             return
         self.schedule.holding = True
@@ -168,6 +195,12 @@ class ShardedModel(nn.Module):
         finally:
             self.schedule.holding = False
             self.schedule.free_all()
+
+    def wait_gathered(self) -> None:
+        """Wait for every all-gather in flight: inside :meth:`gathered`, before reading the parameters
+        without a forward (whose hooks would wait unit by unit)."""
+        for group in self.groups:
+            group.wait_gathered()
 
     def _unit_done(self, unit: int) -> None:
         if self.schedule is not None and unit != ROOT:
@@ -215,7 +248,9 @@ class ShardedModel(nn.Module):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale every gradient shard so the norm of the whole (unsharded) gradient is at most
         ``max_norm``, exactly as ``torch.nn.utils.clip_grad_norm_`` on the plain model; returns that norm.
-        ``max_norm=math.inf`` only measures."""
+        ``max_norm=math.inf`` only measures. One reduction over ``comm`` counts every element once, the
+        replica groups' too (their ranks and ``comm``'s others hold disjoint parts: see
+        :mod:`~meshwise.parallel.zero.replicas`)."""
         if norm_type not in (2.0, math.inf):
             raise ValueError(f"norm_type must be 2.0 or math.inf, got {norm_type}")
         pending = self.gradient_shards()
@@ -265,9 +300,9 @@ class ShardedModel(nn.Module):
 
     @torch.no_grad()
     def full_flat(self, group: FlatGroup) -> torch.Tensor:
-        """The group's whole flat vector in the master dtype, gathered from every rank's master shard."""
+        """The group's whole flat vector in the master dtype, gathered from its replicas' master shards."""
         out = torch.empty(group.layout.padded_numel, dtype=group.master.dtype, device=group.device)
-        self.comm.all_gather(out, group.master.detach().contiguous())
+        group.comm.all_gather(out, group.master.detach().contiguous())
         return out
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
@@ -310,7 +345,7 @@ class ShardedModel(nn.Module):
     @torch.no_grad()
     def load_flat(self, group: FlatGroup, flat: torch.Tensor) -> None:
         """Set a group's parameters from its whole flat vector (present on every rank)."""
-        start, end = group.layout.shard_range(self.comm.rank)
+        start, end = group.layout.shard_range(group.comm.rank)
         group.wait_gathered()
         group.master.copy_(flat[start:end])
         if group.persistent:
@@ -331,6 +366,7 @@ def shard(
     bucket_mb: float = 25.0,
     first_bucket_mb: float = 1.0,
     separate_by: SeparateBy | None = None,
+    replica_groups: Sequence[ReplicaGroup] = (),
 ) -> ShardedModel:
     """Shard ``model`` over ``comm`` (default: the world's; pass a mesh axis such as ``mesh.dp``).
 
@@ -341,7 +377,9 @@ def shard(
     ``bucket_mb``/``first_bucket_mb``: stages 1/2 group sizes (DataParallel's buckets). Every argument
     is checked before any communication. ``separate_by(name, param)``: a key; parameters with different
     keys get different flat groups, so an optimizer param group can hold exactly one kind (weight decay
-    on matrices only, say — see :meth:`ShardedModel.parameters_where`).
+    on matrices only, say — see :meth:`ShardedModel.parameters_where`). ``replica_groups``: parameters
+    replicated over other ranks than ``comm`` (an expert-parallel model's experts: see
+    :class:`~meshwise.parallel.zero.replicas.ReplicaGroup`), sharded over their own ranks.
     """
     if isinstance(stage, bool) or stage not in (1, 2, 3):
         raise ValueError(
@@ -363,6 +401,7 @@ def shard(
         model, comm if comm is not None else current_world().comm, stage=stage,
         mixed_precision=precision, units=units, reshard_after_forward=reshard_after_forward,
         prefetch=prefetch, bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb, separate_by=separate_by,
+        replica_groups=replica_groups,
     )  # fmt: skip
 
 

@@ -52,6 +52,10 @@ def zero_state_dict(
     state (a pipeline's head copy keeps AdamW's state under the tied embedding's name).
     :func:`load_zero_state_dict` expects this dict back, filled by ``dcp.load``."""
     init_optimizer_state(optimizer)
+    # that step's refresh started all-gathers (stages 1/2) whose input is this rank's slot of the full
+    # buffer — the master shard dcp.load writes into: they must land first, or one landing after the load
+    # puts the pre-load values back into the slot
+    zero.wait_gathered()
     state: dict[str, dict[str, Any]] = {}
     params: dict[int, Any] = {}
     for group, names in zip(zero.groups, zero.param_names, strict=True):

@@ -206,6 +206,9 @@ def strategy_line(strategy: dict[str, Any]) -> str:
     parts = [f"ZeRO-{strategy['zero']} over {replicas}" if strategy["zero"] else f"dp {strategy['dp']}"]
     if strategy.get("ep", 1) > 1:  # ep ranks are among the data ranks counted in dp
         parts.append(f"experts over ep {strategy['ep']} of them")
+        if strategy["zero"]:  # ZeRO shards an expert over the ranks that hold it: dp/ep (× cp)
+            held = strategy["dp"] // strategy["ep"]
+            parts[-1] += f", each ZeRO-sharded over dp {held}{f' × cp {cp}' if cp > 1 else ''}"
     if strategy["tp"] > 1:
         parts.append(f"tp {strategy['tp']}{' with sequence parallelism' if strategy['sp'] else ''}")
     if cp > 1:

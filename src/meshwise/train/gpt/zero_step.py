@@ -18,6 +18,17 @@ seam's contract asks of a sharded strategy, and how it is met here:
   number of ranks; but each tensor is a ``DTensor`` of the rectangles of this rank's flat range,
   so every rank writes and reads only its own elements (never a whole tensor, never padding);
 - ``full_model()`` gathers a plain GPT (collective: every rank calls it; ``--sample`` uses rank 0's).
+
+With ``--ep`` (a mixture of experts whose experts are spread over ep ranks) two kinds of weights are
+replicated over different ranks: the dense ones over ``mesh.replicas`` (dp·ep·cp), a rank's E/ep experts
+only over ``mesh.expert_replicas`` (dp·cp). ZeRO shards each kind over its own ranks
+(:func:`expert_replicas`, a :class:`~meshwise.parallel.zero.replicas.ReplicaGroup`): expert flat groups
+reduce-scatter and all-gather over dp·cp, their averaged gradient divided by ep (as
+:class:`~meshwise.parallel.expert_parallel.ExpertDataParallel` does), the optimizer steps on each kind's
+shards, the global norm counts every expert once (an expert shard is divided over dp·cp and ep), and the
+checkpoint holds each expert under its plain name (its global index) in the pieces of its dp·cp ranks, so
+it resumes as plain ``--ep``, another stage, or one process. Not yet with ``--pp``: the pipeline's
+stage ZeRO shards over one group (refused before launch).
 """
 
 from __future__ import annotations
@@ -31,20 +42,26 @@ from torch import nn
 
 from meshwise.comm.mesh import GROUPINGS, Mesh
 from meshwise.models.gpt import GPT
+from meshwise.models.moe import with_auxiliary_losses
+from meshwise.parallel.expert_parallel import is_expert_parameter
 from meshwise.parallel.placement import Placement, clip_gradients_
 from meshwise.parallel.tensor_parallel import shard_dim
 from meshwise.parallel.tensor_parallel.shards import gather_full
 from meshwise.parallel.zero import LossScaler, shard
 from meshwise.parallel.zero.memory import rank_lines
+from meshwise.parallel.zero.replicas import ReplicaGroup
 from meshwise.parallel.zero.sharded import ShardedModel
 from meshwise.parallel.zero.state_dict import Slices, load_zero_state_dict, zero_state_dict
 from meshwise.train.gpt.config import GPTTrainConfig
 from meshwise.train.gpt.optimizer import adamw, decays
-from meshwise.train.gpt.parallelize import Batch, LayerSharded, ParallelStep
+from meshwise.train.gpt.parallelize import Batch, LayerSharded, ParallelStep, gather_expert_model
 
 #: The axes ZeRO shards over: ``mesh.replicas``, the ranks holding the same weights (dp, and cp whose
 #: ranks see other tokens of the same sequences).
 REPLICAS = frozenset(GROUPINGS["replicas"])
+#: The axes an expert's flat shards are divided over: ZeRO's (``mesh.expert_replicas``, dp·cp) and ep,
+#: whose ranks hold other experts.
+EXPERT_SHARDS = frozenset(GROUPINGS["expert_replicas"]) | {"ep"}
 #: --dtype → shard()'s mixed precision (float32 master shards in every case).
 PRECISION = {"fp32": None, "bf16": "bf16", "fp16": "fp16"}
 
@@ -73,7 +90,8 @@ class ZeroStep(ParallelStep):
         model = sharded.model
         super().__init__(config, mesh, next(model.parameters()).device)
         self.config, self.plan, self.tp = model.config, sharded.plan, sharded.tp
-        self.sharded_loss = sharded.loss
+        self.sharded_loss, self.exchange_timer = sharded.loss, sharded.exchange_timer
+        self.ep = mesh.ep.world_size
         self.model = shard(
             model,
             mesh.replicas,
@@ -81,25 +99,28 @@ class ZeroStep(ParallelStep):
             mixed_precision=PRECISION[config.dtype],
             separate_by=tensor_parallel_key,
             units=self.plan.layer_modules(model) if config.zero == 3 else None,
+            replica_groups=expert_replicas(mesh),
         )
         with torch.device("meta"):  # the plain model's shapes, for tensor-parallel checkpoints
             self._plain_shapes = {n: t.shape for n, t in GPT(self.config).state_dict().items()}
         self._shard_placements = [
-            Placement(group.name, divided=REPLICAS | {"tp"} if tp_sharded else REPLICAS)
-            for group in self.model.groups
-            for tp_sharded in [shard_dim(group.params[0]) is not None]
+            Placement(group.name, divided=shard_axes(group.params[0], expert=replicas > 0))
+            for group, replicas in zip(self.model.groups, self.model.replica_of, strict=True)
         ]
         decayed = self.model.parameters_where(decays)
         self.optimizer = adamw(decayed, self.model.parameters_where(lambda n, p: not decays(n, p)), config)
         self.scaler = LossScaler(mesh.job) if config.dtype == "fp16" else None  # every rank skips together
 
     def _loss(self, inputs: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-        return self.sharded_loss(self.model(inputs), targets, reduction)
+        loss = self.sharded_loss(self.model(inputs), targets, reduction)
+        # a MoE model's load-balancing and z-losses join the training gradient (not evaluation's sums)
+        return with_auxiliary_losses(loss, self.model) if reduction == "mean" else loss
 
     def forward_backward(self, micro_batches: Sequence[Batch]) -> float:
-        return self.accumulate_gradients(
-            micro_batches, self._loss, self.scaler.scale_loss if self.scaler else None
-        )
+        with self.timed_exchange(self.exchange_timer):
+            return self.accumulate_gradients(
+                micro_batches, self._loss, self.scaler.scale_loss if self.scaler else None
+            )
 
     def clip_grad_norm(self, max_norm: float) -> float:
         if skipped_for_overflow(self.scaler, self.model):
@@ -112,7 +133,12 @@ class ZeroStep(ParallelStep):
         return self._loss(inputs, targets, reduction="sum")
 
     def full_model(self) -> GPT:
-        """The plain GPT (collective: gathered over dp by ZeRO, then over tp)."""
+        """The plain GPT (collective: gathered over dp by ZeRO, then over tp; under ``--ep`` the compute
+        copies gathered over the replicas, tp and ep — the master weights themselves in fp32)."""
+        if self.ep > 1:
+            with self.model.gathered():
+                self.model.wait_gathered()
+                return gather_expert_model(self.model.module, self.tp, self.mesh.ep)
         full = GPT(self.config).to(self.device)
         state = self.model.state_dict()
         if self.tp.world_size > 1:
@@ -176,3 +202,21 @@ def zero_slices(mesh: Mesh, plain_shapes: dict[str, torch.Size]) -> Callable[[st
         return Slices(mine=tp_rank, whole=tuple(plain_shapes[name]), dim=dim)
 
     return slices_of
+
+
+def shard_axes(param: nn.Parameter, expert: bool) -> frozenset[str]:
+    """The mesh axes a flat group's shard of ``param``'s kind is divided over: its replicas (ZeRO's
+    shard; for experts, also ep, whose ranks hold other experts) and tp for tensor-parallel shards."""
+    axes = EXPERT_SHARDS if expert else REPLICAS
+    return axes | {"tp"} if shard_dim(param) is not None else axes
+
+
+def expert_replicas(mesh: Mesh) -> tuple[ReplicaGroup, ...]:
+    """Under ``--ep``: the experts, replicated over ``mesh.expert_replicas`` (dp·cp) only, their
+    gradients there averaged and divided by ep (the combine's backward all-to-all already summed the ep
+    ranks' tokens into each expert: see :mod:`~meshwise.parallel.expert_parallel.data_parallel`)."""
+    ep = mesh.ep.world_size
+    if ep == 1:
+        return ()
+    owns = lambda name, _param: is_expert_parameter(name)  # noqa: E731
+    return (ReplicaGroup("experts", mesh.expert_replicas, owns, grad_scale=1 / ep),)
