@@ -7,7 +7,8 @@ rather than exchanging slices of every expert's matmuls — under ``--sp`` too: 
 whole sequence) and pipeline parallel with any schedule (each stage's MoE layers add their auxiliary
 losses' gradient themselves). ``--ep N`` spreads every layer's experts over N of the data ranks
 (:mod:`meshwise.parallel.expert_parallel`, step 2b of the mesh's ``parallelize``); ``--zero`` then
-shards the dense weights over their replicas and the experts over theirs (``train/gpt/zero_step.py``).
+shards the dense weights over their replicas and the experts over theirs (``train/gpt/zero_step.py``,
+on each pipeline stage ``pipeline_step.stage_zero``).
 What cannot be combined yet is refused here, before any rank starts, in one line.
 """
 
@@ -55,11 +56,6 @@ def check_moe_training(config: GPTTrainConfig, default_model: str) -> None:
     blocked = [
         (flag, why)
         for flag, on, why in (
-            (
-                "--zero",
-                config.zero > 0 and config.pp > 1,
-                "with --pp: ZeRO on pipeline stages does not shard experts over their own replicas yet",
-            ),
             ("--init-from", config.init_from is not None, "Hugging Face GPT-2 weights have no experts"),
             ("--export-hf", config.export_hf is not None, "Hugging Face GPT-2 weights have no experts"),
         )

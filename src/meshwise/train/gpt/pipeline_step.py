@@ -50,7 +50,6 @@ from meshwise.parallel.pipeline_parallel.executor import Event
 from meshwise.parallel.pipeline_parallel.partition import LayerChunk
 from meshwise.parallel.pipeline_parallel.timeline import COMPUTE_OPS, draw, gather_events
 from meshwise.parallel.placement import Placement, clip_gradients_
-from meshwise.parallel.tensor_parallel import shard_dim
 from meshwise.parallel.zero import LossScaler, shard
 from meshwise.parallel.zero.sharded import ShardedModel
 from meshwise.train.gpt.config import GPTTrainConfig
@@ -64,9 +63,10 @@ from meshwise.train.gpt.pipeline_state import (
     stage_state_dict,
 )
 from meshwise.train.gpt.zero_step import (
-    REPLICAS,
+    expert_replicas,
     load_zero_state_dict,
     loss_scale_lines,
+    shard_axes,
     skipped_for_overflow,
     tensor_parallel_key,
     zero_slices,
@@ -258,13 +258,22 @@ def stage_zero(
     units = list(stage.blocks.values()) if config.zero == 3 else None
     precision = "fp16" if config.dtype == "fp16" else None  # bf16 autocasts over float32 stages
     zero = shard(
-        stage, mesh.replicas, stage=config.zero, mixed_precision=precision, separate_by=key, units=units
+        stage,
+        mesh.replicas,
+        stage=config.zero,
+        mixed_precision=precision,
+        separate_by=key,
+        units=units,
+        replica_groups=expert_replicas(mesh),  # --ep: the stage's experts over their own replicas
     )
     rest = zero.parameters_where(lambda n, p: not decays(n, p))
     optimizer = adamw(zero.parameters_where(decays), rest, config)
-    placements = []
-    for group, names in zip(zero.groups, zero.param_names, strict=True):
-        tp_sharded = shard_dim(group.params[0]) is not None
-        divided = REPLICAS | ({"pp", "tp"} if tp_sharded else {"pp"})
-        placements.append(Placement(group.name, divided=divided, tied_to=copies.get(names[0])))
+    placements = [
+        Placement(
+            group.name,
+            divided=shard_axes(group.params[0], expert=replicas > 0) | {"pp"},
+            tied_to=copies.get(names[0]),
+        )
+        for group, names, replicas in zip(zero.groups, zero.param_names, zero.replica_of, strict=True)
+    ]
     return zero, optimizer, placements
