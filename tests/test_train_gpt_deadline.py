@@ -108,8 +108,10 @@ def test_under_meshwise_run_the_hung_rank_is_named_by_the_flight_report(text, tm
     err = done.stderr
     assert done.returncode == 124, err
     assert "the job passed its --timeout 30 s deadline" in err
-    # rank 1 dumped its records at its deadline, before it exited: the report names where it is
-    assert re.search(r"\n  rank 0 waits in all_reduce\(float32\[\d+\], avg\) #\d+", err), err
+    # rank 1 dumped its records at its deadline, before it exited: the report names where it is. Rank 0
+    # is named in the all_reduce either way: waiting there (its own deadline came first) or failed in it
+    # (rank 1's exit at its deadline, a few ms earlier, closed the connection under it)
+    assert re.search(r"\n  rank 0 (waits|failed) in all_reduce\(float32\[\d+\], avg\) #\d+", err), err
     never = r"\n  rank 1 never entered collective #\d+: .*; it is now at inject\.py:\d+ in stuck"
     assert re.search(never, err), err
     assert "sent no records" not in err
