@@ -204,8 +204,8 @@ def _tp_group(world, shm) -> tuple[dict[str, Callable], Callable[[], None]]:
 def _pp_group(schedule: str) -> Callable:
     def group(world, shm) -> tuple[dict[str, Callable], Callable[[], None]]:
         import torch
-        import torch.distributed as dist
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+        from torch_baselines import pipeline_stepper
 
         from meshwise.models.gpt import GPT, GPTConfig, language_model_loss
         from meshwise.parallel.pipeline_parallel import chunk_parameters
@@ -234,15 +234,7 @@ def _pp_group(schedule: str) -> Callable:
         theirs_opt = torch.optim.SGD(chunk_parameters(local), lr=0.01)
         tied = tied_parameters(local)
 
-        def theirs() -> None:
-            theirs_opt.zero_grad()
-            if rank == 0:
-                pipe.step(x)
-            else:
-                pipe.step(target=y, losses=[])
-            for weight in tied:  # torch's schedule leaves the tied copies apart; we train the same model
-                dist.all_reduce(weight.grad)
-            theirs_opt.step()
+        theirs = pipeline_stepper(pipe, theirs_opt, tied, rank == 0, x, y)
 
         return {"torch/gloo": theirs, "meshwise/gloo": ours}, executor.close
 

@@ -52,6 +52,7 @@ from torch.distributed.pipelining import (
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
 )
+from torch_baselines import pipeline_stepper
 
 import meshwise
 from meshwise.comm.api import ReduceOp
@@ -173,16 +174,11 @@ def _contenders(
     opt = torch.optim.SGD(chunk_parameters(local), lr=0.01)
     tied = tied_parameters(local)
 
+    torch_step = pipeline_stepper(pipe, opt, tied, rank == 0, x, y)
+
     def theirs() -> list:
         timeline.events = []
-        opt.zero_grad()
-        if rank == 0:
-            pipe.step(x)
-        else:
-            pipe.step(target=y, losses=[])
-        for weight in tied:  # torch's schedule leaves the tied copies apart; we train the same model
-            dist.all_reduce(weight.grad)  # type: ignore[arg-type]
-        opt.step()
+        torch_step()
         return timeline.events
 
     # torch's GPipe and 1F1B run each rank's F and B in the order of ours, so our schedule replays them;

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 
@@ -59,5 +60,25 @@ def language_model_stepper(
         loss.backward()
         optimizer.step()
         return loss.item()
+
+    return step
+
+
+def pipeline_stepper(
+    pipe, optimizer: torch.optim.Optimizer, tied: list[nn.Parameter], first: bool, x, y
+) -> Callable[[], None]:
+    """One step of torch's pipelining schedule ``pipe`` on this rank: the first stage feeds ``x``, the
+    last scores ``y``; the tied copies' gradients are summed across the stages (torch's schedule leaves
+    them apart; ours trains the same model) before the update."""
+
+    def step() -> None:
+        optimizer.zero_grad()
+        if first:
+            pipe.step(x)
+        else:
+            pipe.step(target=y, losses=[])
+        for weight in tied:
+            dist.all_reduce(weight.grad)
+        optimizer.step()
 
     return step
