@@ -14,7 +14,9 @@ from meshwise.cli import summary, train_gpt
 from meshwise.cli.training_failure import run_training_command
 from meshwise.train import WORKLOADS, TrainConfig, run_training
 from meshwise.train.checkpoint import resume_requested
-from meshwise.train.config import ZERO_STAGES
+from meshwise.train.sections import ZERO_STAGES
+
+_DEFAULTS = TrainConfig.flag_defaults()
 
 
 def add_parser(subparsers: argparse._SubParsersAction, name: str, help_text: str) -> None:
@@ -27,61 +29,88 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str, help_text: str
 
 def add_workload_parser(models: argparse._SubParsersAction, model: str, blurb: str) -> None:
     parser = models.add_parser(model, help=blurb, description=f"{summary(__doc__)}\n\n{blurb}")
-    parser.add_argument("-np", "--nproc", dest="np", type=int, default=None, help="local ranks to start")
-    parser.add_argument("--epochs", type=int, default=None, help="total epochs (default: per model)")
-    parser.add_argument("--batch-size", type=int, default=None, help="samples per rank per step")
+    d = _DEFAULTS
     parser.add_argument(
-        "--lr", type=float, default=None, help="learning rate for one rank (default: per model)"
+        "-np", "--nproc", dest="nproc", type=int, default=d["nproc"], help="local ranks to start"
+    )
+    parser.add_argument("--epochs", type=int, default=d["epochs"], help="total epochs (default: per model)")
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=d["batch_size"],
+        help="samples per rank per step (default: per model)",
+    )
+    parser.add_argument(
+        "--lr", type=float, default=d["lr"], help="learning rate for one rank (default: per model)"
     )
     parser.add_argument(
         "--no-lr-scaling",
         dest="lr_scaling",
         action="store_false",
+        default=d["lr_scaling"],
         help="keep --lr as is instead of multiplying it by the number of ranks",
     )
     parser.add_argument(
         "--zero",
         type=int,
         choices=ZERO_STAGES,
-        default=TrainConfig.zero,
+        default=d["zero"],
         help="ZeRO stage: 0 replicas (DataParallel), 1/2/3 shard optimizer state / + gradients / "
-        "+ parameters (default 0)",
+        "+ parameters (default %(default)s)",
     )
     # the spelling before --zero: refused in one line that names the new flag (see handler)
     parser.add_argument("--strategy", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--seed", type=int, default=0, help="initial weights and shuffling (default 0)")
-    parser.add_argument("--backend", default="auto", help="communicator backend (auto, gloo, nccl, shm, mpi)")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if present")
     parser.add_argument(
-        "--data", dest="data_dir", default=None, help="cnn only: a directory with MNIST IDX files"
+        "--seed", type=int, default=d["seed"], help="initial weights and shuffling (default %(default)s)"
+    )
+    parser.add_argument(
+        "--backend",
+        default=d["backend"],
+        help="communicator backend: auto, gloo, nccl, shm, mpi (default %(default)s)",
+    )
+    parser.add_argument(
+        "--device", choices=("cpu", "cuda"), default=d["device"], help="default: cuda if present"
+    )
+    parser.add_argument(
+        "--data", dest="data_dir", default=d["data_dir"], help="cnn only: a directory with MNIST IDX files"
     )
     parser.add_argument(
         "--checkpoint",
-        default=None,
+        default=d["checkpoint"],
         metavar="DIR",
         help="checkpoint every epoch into DIR (run.json + step-N/, torch.distributed.checkpoint; resumes on "
         "any number of ranks and any --zero)",
     )
     parser.add_argument(
-        "--resume", action="store_true", help="continue the run checkpointed in --checkpoint DIR"
+        "--resume",
+        action="store_true",
+        default=d["resume"],
+        help="continue the run checkpointed in --checkpoint DIR",
     )
-    parser.add_argument("--json", default=None, metavar="FILE", help="write the run's metrics as JSON")
+    parser.add_argument("--json", default=d["json"], metavar="FILE", help="write the run's metrics as JSON")
     parser.add_argument(
         "--profile",
         action="store_true",
+        default=d["profile"],
         help="time each step (data, forward, backward, exposed/hidden communication, optimizer) and print "
         "the breakdown with a verdict",
     )
     parser.add_argument(
-        "--trace", default=None, metavar="FILE", help="also write a Chrome/Perfetto trace (implies --profile)"
+        "--trace",
+        default=d["trace"],
+        metavar="FILE",
+        help="also write a Chrome/Perfetto trace (implies --profile)",
     )
     parser.add_argument(
-        "--debug", action="store_true", help="check every collective across ranks before it runs"
+        "--debug",
+        action="store_true",
+        default=d["debug"],
+        help="check every collective across ranks before it runs",
     )
     parser.add_argument(
         "--timeout",
         type=float,
-        default=None,
+        default=d["timeout"],
         help="a deadline for the whole job in seconds, exit 124 when passed (default: none; a hung "
         "collective is reported after 300 s whatever this says)",
     )
@@ -94,23 +123,7 @@ def handler(args: argparse.Namespace) -> int:
         print(f"meshwise train: error: --strategy is gone; ZeRO is --zero N (0|1|2|3), e.g. --zero {stage}",
               file=sys.stderr)  # fmt: skip
         return 2
-    config = TrainConfig(
-        model=args.model,
-        nproc=args.np,
-        epochs=args.epochs,
-        batch_size=args.batch_size,
-        lr=args.lr,
-        lr_scaling=args.lr_scaling,
-        seed=args.seed,
-        backend=args.backend,
-        device=args.device,
-        checkpoint=args.checkpoint,
-        resume=resume_requested(args.checkpoint, args.resume),
-        data_dir=args.data_dir,
-        timeout=args.timeout,
-        zero=args.zero,
-        profile=args.profile,
-        trace=args.trace,
-        debug=args.debug,
-    )
+    flags = {k: v for k, v in vars(args).items() if k in _DEFAULTS}
+    resume = resume_requested(args.checkpoint, args.resume)
+    config = TrainConfig.from_flags(model=args.model, **(flags | {"resume": resume}))
     return run_training_command("train", args, lambda: run_training(config))

@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import fields
 
 from meshwise.cli.training_failure import run_training_command
 from meshwise.models.gpt import CONFIGS
 from meshwise.parallel.pipeline_parallel.schedules import SCHEDULES
 from meshwise.train.gpt import GPTTrainConfig, run_gpt_training
 from meshwise.train.gpt.schedule import LR_SCHEDULES
+from meshwise.train.sections import ZERO_STAGES
 
-_DEFAULTS = {f.name: f.default for f in fields(GPTTrainConfig)}
+_DEFAULTS = GPTTrainConfig.flag_defaults()
 
 
 def add_parser(models: argparse._SubParsersAction) -> None:
@@ -36,16 +36,21 @@ def add_parser(models: argparse._SubParsersAction) -> None:
         "--nproc-per-node",
         dest="nproc",
         type=int,
-        default=None,
+        default=d["nproc"],
         help="local ranks to start (default: 1, or the ranks a launcher started)",
     )
     ranks.add_argument(
-        "--dp", type=int, default=None, help="data-parallel size (default: ranks / (tp·pp·cp·ep))"
+        "--dp", type=int, default=d["dp"], help="data-parallel size (default: ranks / (tp·pp·cp·ep))"
     )
     ranks.add_argument(
-        "--tp", type=int, default=1, help="tensor-parallel size, divides the heads (default 1)"
+        "--tp",
+        type=int,
+        default=d["tp"],
+        help="tensor-parallel size, divides the heads (default %(default)s)",
     )
-    ranks.add_argument("--pp", type=int, default=1, help="pipeline-parallel size: stages (default 1)")
+    ranks.add_argument(
+        "--pp", type=int, default=d["pp"], help="pipeline-parallel size: stages (default %(default)s)"
+    )
     ranks.add_argument(
         "--cp",
         type=int,
@@ -55,58 +60,77 @@ def add_parser(models: argparse._SubParsersAction) -> None:
     ranks.add_argument(
         "--zero",
         type=int,
-        default=0,
-        choices=(0, 1, 2, 3),
-        help="ZeRO stage over the dp ranks: 1 optimizer state, 2 +gradients, 3 +parameters (default 0: off)",
+        default=d["zero"],
+        choices=ZERO_STAGES,
+        help="ZeRO stage over the dp ranks: 1 optimizer state, 2 +gradients, 3 +parameters (default "
+        "%(default)s: off)",
     )
-    ranks.add_argument("--sp", action="store_true", help="sequence parallelism, with --tp (default off)")
     ranks.add_argument(
-        "--backend", default="auto", help="communicator backend: auto, gloo, nccl, shm, mpi (default auto)"
+        "--sp", action="store_true", default=d["sp"], help="sequence parallelism, with --tp (default off)"
     )
-    ranks.add_argument("--device", choices=("cpu", "cuda"), default=None, help="(default: cuda if present)")
+    ranks.add_argument(
+        "--backend",
+        default=d["backend"],
+        help="communicator backend: auto, gloo, nccl, shm, mpi (default %(default)s)",
+    )
+    ranks.add_argument(
+        "--device", choices=("cpu", "cuda"), default=d["device"], help="(default: cuda if present)"
+    )
     model = parser.add_argument_group("model")
     model.add_argument(
         "--config",
-        default=None,
+        default=d["config"],
         help=f"named size: {', '.join(CONFIGS)} (default gpt-nano, or the --init-from checkpoint's)",
     )
     model.add_argument(
         "--init-from",
-        default=None,
+        default=d["init_from"],
         metavar="PATH",
         help="start from Hugging Face GPT-2 weights: model.safetensors, pytorch_model.bin or their folder "
         "(its config.json gives the architecture); --resume wins over it (default: none)",
     )
     for flag in ("layers", "hidden", "heads", "vocab"):
         model.add_argument(
-            f"--{flag}", type=int, default=None, help=f"override the config's {flag} (default: the config's)"
+            f"--{flag}",
+            type=int,
+            default=d[flag],
+            help=f"override the config's {flag} (default: the config's)",
         )
     model.add_argument(
         "--seq-len",
         type=int,
-        default=None,
+        default=d["seq_len"],
         help="training context (default: the config's, at most 128 on a CPU)",
     )
     experts = parser.add_argument_group("mixture of experts")
     experts.add_argument(
-        "--experts", type=int, default=None, help="experts per MLP, 0 = dense (default: the config's)"
+        "--experts", type=int, default=d["experts"], help="experts per MLP, 0 = dense (default: the config's)"
     )
-    experts.add_argument("--top-k", type=int, default=None, help="experts per token (default 2)")
+    experts.add_argument("--top-k", type=int, default=d["top_k"], help="experts per token (default 2)")
     experts.add_argument(
         "--ep",
         type=int,
-        default=1,
+        default=d["ep"],
         help="expert-parallel size: each rank holds E/ep experts, tokens travel by all-to-all; ep ranks "
-        "are carved from the data-parallel ranks (default 1)",
+        "are carved from the data-parallel ranks (default %(default)s)",
     )
     experts.add_argument(
-        "--capacity-factor", type=float, default=None, help="cap per expert ⌈c·T·k/E⌉ (default dropless)"
+        "--capacity-factor",
+        type=float,
+        default=d["capacity_factor"],
+        help="cap per expert ⌈c·T·k/E⌉ (default dropless)",
     )
     experts.add_argument(
-        "--aux-loss-coef", type=float, default=None, help="load-balancing loss coefficient (default 0.01)"
+        "--aux-loss-coef",
+        type=float,
+        default=d["aux_loss_coef"],
+        help="load-balancing loss coefficient (default 0.01)",
     )
     experts.add_argument(
-        "--z-loss-coef", type=float, default=None, help="router z-loss coefficient (default 0.001)"
+        "--z-loss-coef",
+        type=float,
+        default=d["z_loss_coef"],
+        help="router z-loss coefficient (default 0.001)",
     )
     run = parser.add_argument_group("optimisation")
     run.add_argument("--steps", type=int, default=d["steps"], help="optimizer steps (default %(default)s)")
@@ -120,7 +144,7 @@ def add_parser(models: argparse._SubParsersAction) -> None:
         "--micro-batch-size",
         dest="micro_batch",
         type=int,
-        default=None,
+        default=d["micro_batch"],
         metavar="SIZE",
         help="SIZE of a micro-batch: sequences per rank per forward, accumulated (default: the whole "
         "per-rank batch; under --pp, that batch in up to 4·pp micro-batches)",
@@ -128,7 +152,7 @@ def add_parser(models: argparse._SubParsersAction) -> None:
     run.add_argument(
         "--micro-batches",
         type=int,
-        default=None,
+        default=d["micro_batches"],
         metavar="COUNT",
         help="NUMBER of micro-batches per rank per step, instead of --micro-batch-size (default: see it)",
     )
@@ -142,7 +166,7 @@ def add_parser(models: argparse._SubParsersAction) -> None:
     run.add_argument(
         "--recompute-layers",
         type=int,
-        default=None,
+        default=d["recompute_layers"],
         metavar="K",
         help="with --recompute full: only the first K blocks of each pipeline stage (default: every block)",
     )
@@ -157,10 +181,16 @@ def add_parser(models: argparse._SubParsersAction) -> None:
         "halves, 1F1B's memory) (default %(default)s)",
     )
     pipe.add_argument(
-        "--virtual-stages", type=int, default=1, help="chunks per rank, --schedule interleaved (default 1)"
+        "--virtual-stages",
+        type=int,
+        default=d["virtual_stages"],
+        help="chunks per rank, --schedule interleaved (default %(default)s)",
     )
     pipe.add_argument(
-        "--timeline", default=None, metavar="FILE", help="diagram of the last step, PNG (default: none)"
+        "--timeline",
+        default=d["timeline"],
+        metavar="FILE",
+        help="diagram of the last step, PNG (default: none)",
     )
     run.add_argument("--lr", type=float, default=d["lr"], help="peak learning rate (default %(default)s)")
     run.add_argument(
@@ -203,22 +233,25 @@ def add_parser(models: argparse._SubParsersAction) -> None:
         default=d["dtype"],
         help="compute precision; fp16 with --zero (default %(default)s)",
     )
-    run.add_argument("--seed", type=int, default=0, help="initial weights and data order (default 0)")
+    run.add_argument(
+        "--seed", type=int, default=d["seed"], help="initial weights and data order (default %(default)s)"
+    )
     run.add_argument(
         "--compile",
         action="store_true",
+        default=d["compile"],
         help="torch.compile each transformer block; on a CPU this needs a C++ compiler (gcc or clang)",
     )
     io = parser.add_argument_group("data, evaluation, output")
     io.add_argument(
         "--data",
-        default=None,
+        default=d["data"],
         metavar="PATH",
         help="text file (read as bytes), or uint16 .bin token file (default: this Python's standard library)",
     )
     io.add_argument(
         "--tokenizer",
-        default=None,
+        default=d["tokenizer"],
         metavar="PATH",
         help="tokenizer.json (or its folder) to tokenize a text --data with, cached beside it as .bin, and "
         "to decode --sample; local files only (default: the --init-from folder's, else bytes)",
@@ -230,12 +263,15 @@ def add_parser(models: argparse._SubParsersAction) -> None:
         "--eval-windows", type=int, default=d["eval_windows"], help="validation windows (default %(default)s)"
     )
     io.add_argument(
-        "--checkpoint", default=None, metavar="DIR", help="DCP checkpoint at every validation (default: none)"
+        "--checkpoint",
+        default=d["checkpoint"],
+        metavar="DIR",
+        help="DCP checkpoint at every validation (default: none)",
     )
     io.add_argument(
         "--checkpoint-every",
         type=int,
-        default=None,
+        default=d["checkpoint_every"],
         metavar="N",
         help="checkpoint every N steps and at the end instead (default: at every validation)",
     )
@@ -246,39 +282,51 @@ def add_parser(models: argparse._SubParsersAction) -> None:
         metavar="K",
         help="latest checkpoints kept (default %(default)s)",
     )
-    io.add_argument("--resume", action="store_true", help="continue the run checkpointed in --checkpoint DIR")
+    io.add_argument(
+        "--resume",
+        action="store_true",
+        default=d["resume"],
+        help="continue the run checkpointed in --checkpoint DIR",
+    )
     io.add_argument(
         "--export-hf",
-        default=None,
+        default=d["export_hf"],
         metavar="DIR",
         help="write the trained weights as Hugging Face GPT-2 (default: none)",
     )
     io.add_argument(
-        "--sample", type=int, default=0, metavar="N", help="print N generated tokens at the end (default 0)"
+        "--sample",
+        type=int,
+        default=d["sample"],
+        metavar="N",
+        help="print N generated tokens at the end (default %(default)s)",
     )
     io.add_argument(
-        "--comm-stats", action="store_true", help="count calls and bytes of every collective per mesh axis"
+        "--comm-stats",
+        action="store_true",
+        default=d["comm_stats"],
+        help="count calls and bytes of every collective per mesh axis",
     )
     io.add_argument(
-        "--json", default=None, metavar="FILE", help="write the run's metrics as JSON (default: none)"
+        "--json", default=d["json"], metavar="FILE", help="write the run's metrics as JSON (default: none)"
     )
     io.add_argument(
         "--log-every",
         type=int,
-        default=None,
+        default=d["log_every"],
         metavar="N",
         help="also print a progress line every N steps, terminal or not (default: at evaluations only)",
     )
     io.add_argument(
         "--tensorboard",
-        default=None,
+        default=d["tensorboard"],
         metavar="DIR",
         help="TensorBoard event files of the reported steps in DIR, needs meshwise[tensorboard] "
         "(default: none)",
     )
     io.add_argument(
         "--metrics",
-        default=None,
+        default=d["metrics"],
         metavar="FILE",
         help="append one JSON line per reported step to FILE as the run goes (default: none)",
     )
@@ -286,26 +334,27 @@ def add_parser(models: argparse._SubParsersAction) -> None:
     measure.add_argument(
         "--profile",
         action="store_true",
+        default=d["profile"],
         help="time each step (data, forward, backward, exposed/hidden communication, optimizer, pipeline "
         "bubble) and print the breakdown with a verdict",
     )
     measure.add_argument(
         "--trace",
-        default=None,
+        default=d["trace"],
         metavar="FILE",
         help="Chrome/Perfetto trace of every rank's steps: phases, communication and, with --pp, the "
         "pipeline instructions; implies --profile (default: none)",
     )
     measure.add_argument(
         "--torch-profile",
-        default=None,
+        default=d["torch_profile"],
         metavar="DIR",
         help="torch.profiler's operators (and CUDA kernels) of a few steps, DIR/rank{R}.json (default: none)",
     )
     io.add_argument(
         "--timeout",
         type=float,
-        default=None,
+        default=d["timeout"],
         metavar="SECONDS",
         help="a deadline for the whole job in seconds, exit 124 when passed (default: none; a hung "
         "collective is reported after 300 s whatever this says)",
@@ -326,6 +375,5 @@ def handler(args: argparse.Namespace) -> int:
         from meshwise.cli.train_auto import run_auto
 
         return run_auto(args, handler)
-    names = {f.name for f in fields(GPTTrainConfig)}
-    config = GPTTrainConfig(**{k: v for k, v in vars(args).items() if k in names})
+    config = GPTTrainConfig.from_flags(**{k: v for k, v in vars(args).items() if k in _DEFAULTS})
     return run_training_command("train gpt", args, lambda: run_gpt_training(config))

@@ -1,46 +1,70 @@
-"""A training run's settings, checked completely before any rank starts."""
+"""``meshwise train mlp|deep-mlp|cnn`` settings: plain data in sections, checked for consistency by
+:meth:`TrainConfig.validate` without touching a file or the environment (:mod:`meshwise.train.resolve`
+reads those, once, before any rank starts)."""
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
-import torch
-
-from meshwise.comm.factory import check_backend_here
-from meshwise.data.mnist import find_mnist_files
-from meshwise.runtime.timeouts import wait_timeout
-from meshwise.train.checkpoint import check_writable, checkpoint_directory, read_train_run, run_file, step_dir
-from meshwise.train.checkpoint_check import check_dcp_checkpoint
+from meshwise.train.sections import (
+    MeshSection,
+    OutputSection,
+    ProfileSection,
+    check_positive_lr,
+    check_seed,
+    flag_defaults,
+    from_flags,
+)
 from meshwise.train.workloads import WORKLOADS, Workload
 
-#: ``--zero`` stages: 0 is plain data parallelism (DataParallel), 1/2/3 shard optimizer state / + gradients
-#: / + parameters (meshwise.parallel.zero), as ``train gpt --zero`` spells them.
-ZERO_STAGES = (0, 1, 2, 3)
+
+@dataclass(frozen=True)
+class SGDSection:
+    """The workload's optimizer; ``lr`` None: the workload's default."""
+
+    lr: float | None = None  # for one rank
+    lr_scaling: bool = True  # multiply lr by the number of ranks
+
+
+@dataclass(frozen=True)
+class WorkloadDataSection:
+    """The samples and their order; None: the workload's default (see :data:`WORKLOADS`)."""
+
+    data_dir: str | None = None  # cnn only: a directory with MNIST IDX files
+    epochs: int | None = None
+    batch_size: int | None = None  # samples per rank per step
+    seed: int = 0  # initial weights and shuffling
+
+
+@dataclass(frozen=True)
+class DebugProfileSection(ProfileSection):
+    """The shared measurements, and the collective checks only these workloads offer."""
+
+    debug: bool = False  # check every collective across ranks (meshwise.init(debug=True))
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """Everything a rank needs to train; ``None`` for epochs, batch size or lr means the workload's
-    default (see :data:`~meshwise.train.workloads.WORKLOADS`)."""
+    """Everything a rank needs to train a workload. Build it with :meth:`from_flags`."""
 
     model: str
-    nproc: int | None = None
-    epochs: int | None = None
-    batch_size: int | None = None
-    lr: float | None = None
-    lr_scaling: bool = True
-    seed: int = 0
-    backend: str = "auto"
-    device: str | None = None
-    checkpoint: str | None = None
-    resume: bool = False
-    data_dir: str | None = None
-    timeout: float | None = None  # a deadline for the whole job (None: none); waits time out anyway
-    profile: bool = False  # time each step's phases and print the breakdown with a verdict
-    trace: str | None = None  # write a Chrome/Perfetto trace of the profiled steps (implies profile)
-    debug: bool = False  # check every collective across ranks (meshwise.init(debug=True))
-    zero: int = 0  # ZeRO stage; 0: DataParallel
+    mesh: MeshSection = field(default_factory=MeshSection)
+    optimizer: SGDSection = field(default_factory=SGDSection)
+    data: WorkloadDataSection = field(default_factory=WorkloadDataSection)
+    output: OutputSection = field(default_factory=OutputSection)
+    profile: DebugProfileSection = field(default_factory=DebugProfileSection)
+
+    @classmethod
+    def from_flags(cls, **flags: Any) -> TrainConfig:
+        """The config of these flags by argparse dest (``model="mlp", zero=1``): the one mapping from
+        ``meshwise train MODEL``'s flat flags to sections, used by the CLI and the tests."""
+        return from_flags(cls, flags)
+
+    @classmethod
+    def flag_defaults(cls) -> dict[str, Any]:
+        """Each flag's default by dest: the parser's defaults."""
+        return flag_defaults(cls)
 
     @property
     def workload(self) -> Workload:
@@ -48,73 +72,31 @@ class TrainConfig:
 
     @property
     def total_epochs(self) -> int:
-        return self.epochs if self.epochs is not None else self.workload.epochs
+        return self.data.epochs if self.data.epochs is not None else self.workload.epochs
 
     @property
     def per_rank_batch(self) -> int:
-        return self.batch_size if self.batch_size is not None else self.workload.batch_size
+        return self.data.batch_size if self.data.batch_size is not None else self.workload.batch_size
 
     @property
     def base_lr(self) -> float:
-        return self.lr if self.lr is not None else self.workload.lr
-
-    @property
-    def comm_timeout(self) -> float:
-        """Each wait's bound; ``timeout`` bounds the whole job."""
-        return wait_timeout(self.timeout)
+        return self.optimizer.lr if self.optimizer.lr is not None else self.workload.lr
 
     def validate(self) -> TrainConfig:
-        """Raise ValueError (FileNotFoundError for missing paths) saying what to change; return self."""
+        """Raise ValueError saying what to change; return self. Pure: no file, no environment."""
         if self.model not in WORKLOADS:
             raise ValueError(f"unknown model {self.model!r}; choose one of {', '.join(WORKLOADS)}")
-        if self.nproc is not None and self.nproc < 1:
-            raise ValueError(f"-np must be at least 1, got {self.nproc}")
+        self.mesh.check()
         if self.total_epochs < 1:
             raise ValueError(f"--epochs must be at least 1, got {self.total_epochs}")
         if self.per_rank_batch < 1:
             raise ValueError(
                 f"--batch-size must be a positive number of samples per rank, got {self.per_rank_batch}"
             )
-        if not (math.isfinite(self.base_lr) and self.base_lr > 0):
-            raise ValueError(f"--lr must be a positive number, got {self.base_lr}")
-        if not 0 <= self.seed < 2**63:
-            raise ValueError(f"--seed must be in 0 .. 2**63-1, got {self.seed}")
-        if self.timeout is not None and self.timeout <= 0:
-            raise ValueError(f"--timeout must be positive seconds, got {self.timeout}")
-        check_backend_here(self.backend, device=self.device, command=f"train {self.model}")
-        if self.zero not in ZERO_STAGES:
-            raise ValueError(f"--zero must be 0, 1, 2 or 3 (the ZeRO stage), got {self.zero}")
-        if self.device == "cuda" and not torch.cuda.is_available():
-            raise ValueError("--device cuda was asked for but CUDA is not available here; use --device cpu")
-        if self.data_dir is not None:
-            if not self.workload.accepts_data_dir:
-                raise ValueError(f"model {self.model!r} trains on synthetic data; --data is only for cnn")
-            find_mnist_files(self.data_dir)  # the four files exist, before any rank starts
-        self._check_checkpoint()
+        check_positive_lr(self.base_lr)
+        check_seed(self.data.seed)
+        if self.data.data_dir is not None and not self.workload.accepts_data_dir:
+            raise ValueError(f"model {self.model!r} trains on synthetic data; --data is only for cnn")
+        if self.output.resume and self.output.checkpoint is None:
+            raise ValueError("--resume needs --checkpoint DIR: the directory of the run to continue")
         return self
-
-    def _check_checkpoint(self) -> None:
-        """A new run must not overwrite a checkpoint; a resumed one must find an intact checkpoint of this
-        model with epochs left. Any world size and any ``--zero`` stage resumes it (DCP reshards)."""
-        directory = checkpoint_directory(self.checkpoint, self.resume)
-        if directory is None:
-            return
-        path = run_file(directory)
-        if not self.resume:
-            if path.exists():
-                raise ValueError(
-                    f"{path} already exists; pass --resume to continue that run, "
-                    "or choose another --checkpoint"
-                )
-            check_writable(directory)
-            return
-        run = read_train_run(directory)
-        if run["model"] != self.model:
-            raise ValueError(f"{path} holds a {run['model']!r} run, not {self.model!r}")
-        if run["epoch"] >= self.total_epochs:
-            raise ValueError(
-                f"{path} has already completed {run['epoch']} of --epochs {self.total_epochs}; "
-                "pass a larger --epochs to train further"
-            )
-        check_dcp_checkpoint(step_dir(directory, run["step"]))  # intact, read without building tensors
-        check_writable(directory)

@@ -50,8 +50,9 @@ def train_rank_main(config: TrainConfig) -> TrainResult | TrainingError | None:
     A :class:`TrainingError` is returned, not raised, by every rank (they all reach it together: it is
     decided on reduced values), so that whoever started the job prints one sentence, not a traceback.
     """
-    debug = config.debug or None  # None: as `meshwise run --debug` says
-    world = init(config.backend, device=config.device, timeout=config.comm_timeout, debug=debug)
+    debug = config.profile.debug or None  # None: as `meshwise run --debug` says
+    mesh = config.mesh
+    world = init(mesh.backend, device=mesh.device, timeout=mesh.comm_timeout, debug=debug)
     return train_on_rank(world, lambda: Trainer(world, config).run())
 
 
@@ -61,13 +62,13 @@ class Trainer:
     def __init__(self, world: World, config: TrainConfig) -> None:
         self.world, self.config = world, config
         workload = config.workload
-        self.splits: Splits = workload.load_data(config.data_dir)
-        torch.manual_seed(config.seed)
+        self.splits: Splits = workload.load_data(config.data.data_dir)
+        torch.manual_seed(config.data.seed)
         model = workload.build_model(self.splits).to(world.device)
         self.parameters = sum(p.numel() for p in model.parameters())
-        self.lr = config.base_lr * (world.world_size if config.lr_scaling else 1)
+        self.lr = config.base_lr * (world.world_size if config.optimizer.lr_scaling else 1)
         self.sampler = DistributedSampler(
-            len(self.splits.train), world.world_size, world.rank, seed=config.seed
+            len(self.splits.train), world.world_size, world.rank, seed=config.data.seed
         )
         self.val_indices = DistributedSampler(
             len(self.splits.val), world.world_size, world.rank, shuffle=False, remainder="uneven"
@@ -79,16 +80,16 @@ class Trainer:
         self.kept_epoch = 0  # the epoch of the checkpoint on disk: what a failure leaves behind
         self.step = 0  # optimizer steps taken, over every run of this checkpoint (names its directory)
         self.model: DataParallel | ShardedModel
-        if config.zero:  # the optimizer must see the shards: built after sharding
-            self.model = shard(model, world.comm, stage=config.zero)
+        if config.mesh.zero:  # the optimizer must see the shards: built after sharding
+            self.model = shard(model, world.comm, stage=config.mesh.zero)
             self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.lr)
         else:
             self.optimizer = torch.optim.AdamW(model.parameters(), lr=self.lr)
             self.model = DataParallel(model, world.comm)
-        if config.resume:
+        if config.output.resume:
             self._restore()
         self.console = Console(soft_wrap=True)
-        profiling = config.profile or config.trace is not None
+        profiling = config.profile.profiling
         recorder = getattr(world.comm, "recorder", None)
         self.profiler = StepProfiler(recorder, synchronize=world.device) if profiling else None
 
@@ -116,11 +117,11 @@ class Trainer:
 
     def _restore(self) -> None:
         """Model and optimizer (any layout's checkpoint), sampler, generator, epoch, step and history."""
-        assert self.config.checkpoint is not None
-        run = checkpoint.read_train_run(self.config.checkpoint)  # before any rank reads a tensor
-        check_dataset(run.get("dataset"), self.splits.name, str(run_file(self.config.checkpoint)))
+        assert self.config.output.checkpoint is not None
+        run = checkpoint.read_train_run(self.config.output.checkpoint)  # before any rank reads a tensor
+        check_dataset(run.get("dataset"), self.splits.name, str(run_file(self.config.output.checkpoint)))
         state = self.state_dict()
-        checkpoint.load(self.config.checkpoint, state, TRAIN_FORMAT, "training ")
+        checkpoint.load(self.config.output.checkpoint, state, TRAIN_FORMAT, "training ")
         self.load_state_dict(state)
         self.sampler.load_state_dict(run["sampler"])
         torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(run["rng"])), dtype=torch.uint8))
@@ -137,7 +138,7 @@ class Trainer:
             "batch_size": self.config.per_rank_batch,
             "base_lr": self.config.base_lr,
             "lr": self.lr,
-            "seed": self.config.seed,
+            "seed": self.config.data.seed,
             "epochs": self.config.total_epochs,
         }
 
@@ -153,14 +154,14 @@ class Trainer:
         its share of the replicated tensors), then rank 0 points run.json at it. Every rank learns
         whether that worked (one tiny all-reduce), so a failure stops the whole job at once, in one
         sentence naming what is left on disk, instead of leaving peers waiting."""
-        assert self.config.checkpoint is not None
+        assert self.config.output.checkpoint is not None
         finite = all(bool(torch.isfinite(p).all()) for p in self.model.parameters())
         if not self._everywhere(finite):
             raise TrainingError(f"the weights became non-finite in epoch {epoch}; not saved, {self._kept()}")
         error: str | None = None
         try:
             path = checkpoint.save(
-                self.config.checkpoint,
+                self.config.output.checkpoint,
                 self.step,
                 self.state_dict(),
                 self._run_record(epoch),
@@ -187,7 +188,7 @@ class Trainer:
         """A failed write as one sentence naming what is left on disk."""
         if isinstance(exc, CheckpointException):  # DCP gathers every rank's error with its traceback
             exc = next((cause for cause, _trace in exc.failures.values()), exc)
-        where = self.config.checkpoint
+        where = self.config.output.checkpoint
         if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
             return f"no space left on device for the checkpoint in {where}; {self._kept()}"
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
@@ -199,7 +200,7 @@ class Trainer:
             "model": self.config.model,
             "dataset": self.splits.name,
             "epoch": epoch,
-            "zero": self.config.zero,
+            "zero": self.config.mesh.zero,
             "sampler": self.sampler.state_dict(),
             "rng": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode("ascii"),
             "run": self._run_settings(),
@@ -267,12 +268,12 @@ class Trainer:
         """Rank 0's breakdown (and the trace of every rank, gathered on the control plane)."""
         if self.profiler is None or not self.profiler.steps:
             return None
-        if self.config.trace is not None:
+        if self.config.profile.trace is not None:
             events = self.profiler.events(self.world.rank)
             gathered: list = [None] * self.world.world_size if self.world.is_main else []
             dist.gather_object(events, gathered if self.world.is_main else None, dst=0)
             if self.world.is_main:
-                write_trace(self.config.trace, [e for rank_events in gathered for e in rank_events])
+                write_trace(self.config.profile.trace, [e for rank_events in gathered for e in rank_events])
         per_step = self.profiler.parts()
         return Breakdown.of(per_step).to_json() | {"total_step_seconds": sum(p["step"] for p in per_step)}
 
@@ -308,14 +309,14 @@ class Trainer:
             bad = t_loss if not math.isfinite(t_loss) else v_loss
             step, where = diverged_on([int(s) for s in totals[6:].tolist()])
             first = f", first{where} at step {step} of {self.steps_per_epoch}" if step else ""
-            saved = "" if self.config.checkpoint is None else f" (not saved: {self._kept()})"
+            saved = "" if self.config.output.checkpoint is None else f" (not saved: {self._kept()})"
             raise TrainingError(
                 f"training diverged: the loss became {bad} in epoch {epoch + 1}{first} at lr {self.lr:g}"
                 f"{saved}; lower --lr"
             )
         stats = EpochStats(epoch + 1, t_loss / t_n, t_ok / t_n, v_loss / v_n, v_ok / v_n, int(t_n), seconds)
         self.history.append(stats)
-        if self.config.checkpoint is not None:
+        if self.config.output.checkpoint is not None:
             self._checkpoint(epoch + 1)
         return stats
 
@@ -370,7 +371,7 @@ class Trainer:
             history=tuple(self.history),
             wall_seconds=time.perf_counter() - started,
             checkpoint=self.checkpoint,
-            zero=self.config.zero,
+            zero=self.config.mesh.zero,
             memory=self._memory_lines(),
             profile=self._profile_result(),
         )

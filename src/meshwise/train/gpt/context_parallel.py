@@ -16,17 +16,18 @@ import torch
 from meshwise.comm.mesh import Mesh
 from meshwise.models.gpt import GPT
 from meshwise.parallel.context_parallel import check_context_parallel, split_sequence
-from meshwise.train.gpt.config import GPTTrainConfig
+from meshwise.train.gpt.resolve import GPTRun
 
 
-def check_context_parallel_config(config: GPTTrainConfig) -> None:
+def check_context_parallel_config(run: GPTRun) -> None:
     """One clear ``ValueError`` for a --cp this run cannot use: a sequence that does not cut into 2·cp
     equal chunks, one longer than the position table, or a mixture of experts (not composed with cp yet).
     Everything else composes: dp, ZeRO 1–3, tp ± sp, pp, recomputation, bf16/fp16, dropout, --compile."""
-    if config.cp == 1:
+    cp = run.config.mesh.cp
+    if cp == 1:
         return
-    check_context_parallel(config.train_seq_len, config.cp, config.model_config.seq_len)
-    if config.model_config.experts:
+    check_context_parallel(run.seq_len, cp, run.model_config.seq_len)
+    if run.model_config.experts:
         # the load-balancing loss of a rank's tokens is not the sequence's: the router's statistics would
         # have to be summed over the cp group first (Megatron sums them over tp·cp)
         raise ValueError("--experts with --cp is not built yet: drop --cp or --experts")

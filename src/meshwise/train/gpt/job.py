@@ -10,17 +10,19 @@ from meshwise.train.errors import TrainingError
 from meshwise.train.gpt.config import GPTTrainConfig
 from meshwise.train.gpt.loop import train_gpt_rank_main
 from meshwise.train.gpt.report import GPTResult
+from meshwise.train.gpt.resolve import resolve
 
 
 def run_gpt_training(config: GPTTrainConfig) -> GPTResult | None:
-    """Validate ``config`` (building the default corpus if needed), train, return rank 0's result.
+    """Resolve ``config`` here (validating it, building the default corpus if needed), train, return rank
+    0's result.
 
     Raises :class:`TrainingError` when the run had to stop (every rank raises it; rank 0's copy says so).
     """
-    config.validate()
-    with job_deadline(config.timeout):  # the spawned ranks have none of their own: see job_deadline
+    run = resolve(config)
+    with job_deadline(config.mesh.timeout):  # the spawned ranks have none of their own: see job_deadline
         outcome = run_on_ranks(
-            train_gpt_rank_main, (config,), nproc=config.nproc, default=1, deadline=math.inf
+            train_gpt_rank_main, (run,), nproc=config.mesh.nproc, default=1, deadline=math.inf
         )
     if isinstance(outcome, TrainingError):
         raise outcome

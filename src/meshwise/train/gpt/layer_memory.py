@@ -22,7 +22,7 @@ from torch import nn
 from meshwise.models.gpt import Block
 from meshwise.parallel.recompute import SavedBytes, saved_bytes
 from meshwise.parallel.recompute.formulas import attention_keeps_scores, layer_saved_bytes
-from meshwise.train.gpt.config import GPTTrainConfig
+from meshwise.train.gpt.resolve import GPTRun
 from meshwise.world import World
 
 
@@ -36,8 +36,8 @@ def block_mode(block: Block) -> str:
 class LayerMemory:
     """Records one step's saves per block of ``model`` (this rank's) and reports them against the formula."""
 
-    def __init__(self, model: nn.Module, config: GPTTrainConfig) -> None:
-        self.config = config
+    def __init__(self, model: nn.Module, run: GPTRun) -> None:
+        self.run = run
         self.blocks = {
             name.rsplit("blocks.", 1)[-1]: module
             for name, module in model.named_modules()
@@ -62,13 +62,13 @@ class LayerMemory:
 
     def rows(self) -> list[dict[str, Any]]:
         """This rank's blocks: measured bytes per micro-batch and the formula's, with what fed them."""
-        model = self.config.model_config
+        model = self.run.model_config
         dropout = model.dropout > 0
         measured = self.measurement.bytes_per_call()
-        value = torch.tensor([], dtype=self.config.torch_dtype).element_size()
+        value = torch.tensor([], dtype=self.run.config.model.torch_dtype).element_size()
         mask = saved_bytes(nn.Dropout(0.5), torch.ones(64, requires_grad=True)) // 64 if dropout else 1
         scores = attention_keeps_scores(model.dropout)
-        tp, sp = self.config.tp, self.config.sp
+        tp, sp = self.run.config.mesh.tp, self.run.config.mesh.sp
         rows = []
         for name, block in self.blocks.items():
             if name not in self.measurement.shapes:

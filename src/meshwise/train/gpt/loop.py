@@ -32,7 +32,6 @@ from meshwise.runtime.cores import available_cores
 from meshwise.train import random_state
 from meshwise.train.errors import TrainingError, diverged_on, train_on_rank
 from meshwise.train.gpt import checkpoint
-from meshwise.train.gpt.config import GPTTrainConfig
 from meshwise.train.gpt.context_parallel import local_tokens
 from meshwise.train.gpt.init_from import export, load_weights
 from meshwise.train.gpt.moe import moe_banner, router_report
@@ -41,6 +40,7 @@ from meshwise.train.gpt.peak import peak_flops, shared_cores_peak, thread_hint
 from meshwise.train.gpt.peak_memory import MEASURED_STEPS, PeakMemory
 from meshwise.train.gpt.profiling import GPTProfiling
 from meshwise.train.gpt.report import GPTResult, StepStats, step_line
+from meshwise.train.gpt.resolve import GPTRun
 from meshwise.train.gpt.schedule import lr_at
 from meshwise.train.gpt.start_notes import start_notes
 from meshwise.train.gpt.step_log import StepLog, checkpoint_due
@@ -49,36 +49,40 @@ from meshwise.world import World, init
 SAMPLE_PROMPT = "\ndef "
 
 
-def train_gpt_rank_main(config: GPTTrainConfig) -> GPTResult | TrainingError | None:
-    """Join the job on the config's mesh, train, leave; rank 0 returns the result (the others None)."""
-    shape = config.mesh_shape(config.world_size())
-    world = init(config.backend, device=config.device, timeout=config.comm_timeout, mesh=shape)
-    return train_on_rank(world, lambda: GPTTrainer(world, config).run())
+def train_gpt_rank_main(run: GPTRun) -> GPTResult | TrainingError | None:
+    """Join the job on the run's mesh, train, leave; rank 0 returns the result (the others None)."""
+    mesh = run.config.mesh
+    world = init(mesh.backend, device=mesh.device, timeout=mesh.comm_timeout, mesh=run.shape)
+    return train_on_rank(world, lambda: GPTTrainer(world, run).run())
 
 
 class GPTTrainer:
     """One rank's share of a GPT training run."""
 
-    def __init__(self, world: World, config: GPTTrainConfig) -> None:
-        self.world, self.config = world, config
-        self.mesh = world.mesh.map_axes(CountingCommunicator) if config.comm_stats else world.mesh
+    def __init__(self, world: World, run: GPTRun) -> None:
+        config = run.config
+        self.world, self.resolved, self.config = world, run, config
+        self.mesh = world.mesh.map_axes(CountingCommunicator) if config.profile.comm_stats else world.mesh
         self.dp, self.dp_rank = self.mesh.shape.batch_size, self.mesh.batch_index  # the batch axes
-        self.splits = config.load_data()
-        self.model_config = config.model_config
-        self.seq_len = config.train_seq_len
+        self.splits = run.load_data()
+        self.model_config = run.model_config
+        self.seq_len = run.seq_len
         self.micro_batch = config.per_rank_micro_batch(self.dp)
         # from here: the bytes a plan predicts (see peak_memory)
         self.memory = PeakMemory(
             replace(self.model_config, seq_len=self.seq_len), self.micro_batch, world.device
         )
-        torch.manual_seed(config.seed)
+        torch.manual_seed(config.data.seed)
         model = GPT(self.model_config).to(world.device)
-        if config.init_from is not None and not config.resume:  # a resumed run continues its own weights
-            load_weights(model, config.init_from)
-        if config.compile:  # per block and in place: parameter names, and so checkpoints, stay as they are
+        init_from = config.model.init_from
+        if init_from is not None and not config.output.resume:  # a resumed run continues its own weights
+            load_weights(model, init_from)
+        if (
+            config.model.compile
+        ):  # per block and in place: parameter names, and so checkpoints, stay as they are
             for block in model.blocks:
                 block.compile()
-        self.step_runner = parallelize(model, self.mesh, config)
+        self.step_runner = parallelize(model, self.mesh, run)
         del model  # this rank's shard lives on in the step runner
         self.memory.training_starts()
         self.history: list[StepStats] = []
@@ -90,44 +94,51 @@ class GPTTrainer:
         # a resume's random streams, set when its first step starts (nothing before it may draw them away)
         self._resumed_random: Callable[[], None] | None = None
         self.random_note: str | None = None  # a resume that cannot continue the streams says so
-        if config.resume:
+        if config.output.resume:
             self._restore()
         self.console = Console(soft_wrap=True)
-        self.profiling = GPTProfiling(world, config, self.step_runner, config.steps - self.first_step)
+        steps = config.optimizer.steps
+        self.profiling = GPTProfiling(world, run, self.step_runner, steps - self.first_step)
         self.step_log = StepLog(
             is_main=world.is_main,
-            steps=config.steps,
-            log_every=config.log_every,
-            metrics=config.metrics,
-            tensorboard=config.tensorboard,
+            steps=steps,
+            log_every=config.output.log_every,
+            metrics=config.output.metrics,
+            tensorboard=config.output.tensorboard,
         )
 
     # ------------------------------------------------------------------ checkpoints
     def _run_record(self, step: int) -> dict:
-        run = {key: getattr(self.config, key) for key in ("global_batch", "seed", "steps", "config")}
+        config = self.config
+        run = {
+            "global_batch": config.data.global_batch,
+            "seed": config.data.seed,
+            "steps": config.optimizer.steps,
+            "config": config.model.config,
+        }
         return {
             "model": asdict(self.model_config),
             "run": run | {"train_seq_len": self.seq_len},
             "world_size": self.world.world_size,
             "mesh": self.mesh.shape.sizes,
-            "data": checkpoint.data_position(self.config.seed, self.config.global_batch, self.seq_len, step),
+            "data": checkpoint.data_position(config.data.seed, config.data.global_batch, self.seq_len, step),
             "initial_val_loss": self.initial_val_loss,
             "history": [asdict(s) for s in self.history],
         }
 
     def save_checkpoint(self, step: int) -> None:
         """Collective: write the DCP checkpoint of ``step`` steps completed."""
-        assert self.config.checkpoint is not None
+        assert self.config.output.checkpoint is not None
         state = self.step_runner.state_dict()
         state["rng"] = {self._rank_key: random_state.capture([self.step_runner.model], self.world.device)}
         path = checkpoint.save(
-            self.config.checkpoint,
+            self.config.output.checkpoint,
             step,
             state,
             self._run_record(step),
             is_main=self.world.is_main,
             barrier=self.world.comm.barrier,
-            keep=self.config.keep,
+            keep=self.config.output.keep,
         )
         self.checkpoint_path = str(path)
 
@@ -136,14 +147,15 @@ class GPTTrainer:
         return random_state.rank_key(self.mesh.coordinates)
 
     def _restore(self) -> None:
-        assert self.config.checkpoint is not None
+        directory = self.config.output.checkpoint
+        assert directory is not None
         state = self.step_runner.state_dict()
-        run = checkpoint.read_run(self.config.checkpoint)
+        run = checkpoint.read_run(directory)
         models, device = [self.step_runner.model], self.world.device
         same_layout = run.get("mesh") == self.mesh.shape.sizes
         if same_layout:  # this rank's own streams, filled in place by the load
             state["rng"] = {self._rank_key: random_state.capture(models, device)}
-        run = checkpoint.load(self.config.checkpoint, state)
+        run = checkpoint.load(directory, state)
         self.saved_run = run
         self.step_runner.load_state_dict(state)
         self.first_step = checkpoint.next_step(run)
@@ -153,7 +165,7 @@ class GPTTrainer:
             streams = state["rng"][self._rank_key]
             self._resumed_random = lambda: random_state.restore(streams, models, device)
             return
-        coordinates, seed, step = self.mesh.coordinates, self.config.seed, self.first_step
+        coordinates, seed, step = self.mesh.coordinates, self.config.data.seed, self.first_step
         self._resumed_random = lambda: random_state.rederive(seed, step, coordinates, models)
         if self.model_config.dropout:
             why = (
@@ -171,8 +183,9 @@ class GPTTrainer:
     def micro_batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """This dp rank's micro-batches of 0-based ``step`` (its slice of the same global batch), under
         --cp this rank's chunks of each sequence."""
+        data = self.config.data
         inputs, targets = train_batch(
-            self.splits, self.seq_len, self.config.global_batch, self.config.seed, step, self.dp_rank, self.dp
+            self.splits, self.seq_len, data.global_batch, data.seed, step, self.dp_rank, self.dp
         )
         inputs, targets = local_tokens(inputs, self.mesh), local_tokens(targets, self.mesh)
         device = self.world.device
@@ -183,17 +196,17 @@ class GPTTrainer:
 
     def train_step(self, step: int) -> StepStats:
         """One optimizer step (0-based ``step``); the returned loss is the global batch's mean."""
-        config, runner, profiling = self.config, self.step_runner, self.profiling
+        optimizer, runner, profiling = self.config.optimizer, self.step_runner, self.profiling
         if self._resumed_random is not None:
             self._resumed_random()
             self._resumed_random = None
         lr = lr_at(
             step,
-            lr=config.lr,
-            min_lr=config.min_lr,
-            warmup=config.warmup_steps,
-            steps=config.steps,
-            shape=config.lr_schedule,
+            lr=optimizer.lr,
+            min_lr=optimizer.min_lr,
+            warmup=optimizer.warmup_steps,
+            steps=optimizer.steps,
+            shape=optimizer.lr_schedule,
         )
         with profiling.step():
             started = time.perf_counter()
@@ -206,7 +219,7 @@ class GPTTrainer:
             with profiling.phase("forward_backward"):
                 local = runner.forward_backward(batches)
             with profiling.phase("optimizer"):
-                norm = runner.clip_grad_norm(config.grad_clip)
+                norm = runner.clip_grad_norm(optimizer.grad_clip)
                 runner.optimizer.step()
             loss = torch.tensor([local], dtype=torch.float64)
             # over the ranks reading other sequences and (cp) other tokens of them: equal token counts
@@ -214,7 +227,9 @@ class GPTTrainer:
             seconds = time.perf_counter() - started
         if not math.isfinite(loss.item()):  # the same on every rank: the loss is known everywhere
             self._diverged(step, local, loss.item())
-        return StepStats(step + 1, loss.item(), lr, norm, seconds, config.global_batch * self.seq_len)
+        return StepStats(
+            step + 1, loss.item(), lr, norm, seconds, self.config.data.global_batch * self.seq_len
+        )
 
     def _diverged(self, step: int, local: float, loss: float) -> None:
         """Stop every rank with one sentence naming the ranks whose own loss was non-finite."""
@@ -223,8 +238,8 @@ class GPTTrainer:
         self.world.comm.all_reduce(flags, ReduceOp.SUM)
         _, where = diverged_on([int(f) for f in flags.tolist()])
         raise TrainingError(
-            f"training diverged: the loss became {loss} at step {step + 1}{where} (lr {self.config.lr:g}); "
-            "lower --lr"
+            f"training diverged: the loss became {loss} at step {step + 1}{where} "
+            f"(lr {self.config.optimizer.lr:g}); lower --lr"
         )
 
     @torch.no_grad()
@@ -235,7 +250,7 @@ class GPTTrainer:
         self.step_runner.model.eval()
         totals = torch.zeros(2, dtype=torch.float64)
         for inputs, targets, counted in lockstep_val_batches(
-            self.splits, self.seq_len, self.config.eval_windows, self.micro_batch, self.dp_rank, self.dp
+            self.splits, self.seq_len, self.config.data.eval_windows, self.micro_batch, self.dp_rank, self.dp
         ):
             inputs, targets = local_tokens(inputs, self.mesh), local_tokens(targets, self.mesh)
             loss = self.step_runner.eval_loss_sum(inputs.to(self.world.device), targets.to(self.world.device))
@@ -252,16 +267,13 @@ class GPTTrainer:
         if not self.world.is_main:
             return None
         model.eval()
-        tokenizer = (
-            ByteTokenizer()
-            if self.config.tokenizer_path is None
-            else FileTokenizer(self.config.tokenizer_path)
-        )
+        path = self.resolved.tokenizer
+        tokenizer = ByteTokenizer() if path is None else FileTokenizer(path)
         prompt = torch.tensor(tokenizer.encode(SAMPLE_PROMPT).astype("int64"), device=self.world.device)
-        generator = torch.Generator(device=self.world.device).manual_seed(self.config.seed)
+        generator = torch.Generator(device=self.world.device).manual_seed(self.config.data.seed)
         out = model.generate(prompt[None], tokens, temperature=0.8, top_k=40, generator=generator)[0].tolist()
         model.train()
-        decodable = self.model_config.vocab <= 256 or self.config.tokenizer_path is not None
+        decodable = self.model_config.vocab <= 256 or path is not None
         return tokenizer.decode(out) if decodable else " ".join(map(str, out))
 
     def export_hf(self, directory: str) -> str | None:
@@ -274,7 +286,7 @@ class GPTTrainer:
     def _peak(self) -> tuple[float, str]:
         """All ranks' peak FLOP/s, measured at the same moment (ranks may share cores)."""
         self.world.comm.barrier()
-        mine, source = peak_flops(self.world.device, self.config.torch_dtype)
+        mine, source = peak_flops(self.world.device, self.config.model.torch_dtype)
         total = torch.tensor([mine], dtype=torch.float64)
         self.world.comm.all_reduce(total, ReduceOp.SUM)
         if source == "measured":  # CPU ranks may share this host's cores: see shared_cores_peak
@@ -306,16 +318,16 @@ class GPTTrainer:
                 f"meshwise train gpt: {config.model_name} ({parameters:,} parameters) on {self.splits.name} "
                 f"({len(self.splits.train):,} training tokens), {world.world_size} rank"
                 f"{'s' if world.world_size > 1 else ''} × {world.device} over {world.backend}, "
-                f"global batch {config.global_batch} × {self.seq_len}"
+                f"global batch {config.data.global_batch} × {self.seq_len}"
             )
             if (experts := moe_banner(self.model_config)) is not None:
                 self.console.print(experts)
-            notes = [*start_notes(config, self.model_config.vocab, self.saved_run), *self.peak_notes]
+            notes = [*start_notes(self.resolved, self.model_config.vocab, self.saved_run), *self.peak_notes]
             for note in [*notes, *([self.random_note] if self.random_note else [])]:
                 self.console.print(f"note: {note}")
         if self.first_step == 0:
             self.initial_val_loss = self.evaluate()
-        started = time.perf_counter()
+        started, steps = time.perf_counter(), config.optimizer.steps
         with Progress(
             TextColumn("{task.description}"),
             BarColumn(),
@@ -326,13 +338,13 @@ class GPTTrainer:
             transient=True,
             disable=not (world.is_main and self.console.is_terminal),
         ) as progress:
-            task = progress.add_task("train", total=config.steps, completed=self.first_step, status="")
-            for step in range(self.first_step, config.steps):
+            task = progress.add_task("train", total=steps, completed=self.first_step, status="")
+            for step in range(self.first_step, steps):
                 stats = self.train_step(step)
                 if step + 1 - self.first_step == MEASURED_STEPS:
                     self.memory.stop()  # the peak is in; the sampler need not run on
-                last = step + 1 == config.steps
-                if (step + 1) % config.eval_every == 0 or last:
+                last = step + 1 == steps
+                if (step + 1) % config.data.eval_every == 0 or last:
                     stats = replace(stats, val_loss=self.evaluate())
                 self.history.append(stats)
                 mfu = stats.tokens_per_second * flops / peak
@@ -343,7 +355,7 @@ class GPTTrainer:
                 if stats.val_loss is not None:
                     router = router_report(self.step_runner.model, self.mesh, self.model_config.layers)
                     if world.is_main:
-                        progress.console.print(step_line(stats, config.steps, mfu))
+                        progress.console.print(step_line(stats, steps, mfu))
                         if router is not None:
                             progress.console.print(f"  {router.line()}")
                 if checkpoint_due(config, step + 1, evaluated=stats.val_loss is not None):
@@ -351,8 +363,9 @@ class GPTTrainer:
         self.step_log.close()
         peak_memory = self._peak_memory()
         self.step_runner.finish()
-        text = self.sample(config.sample) if config.sample else None
-        exported = self.export_hf(config.export_hf) if config.export_hf is not None else None
+        output = config.output
+        text = self.sample(output.sample) if output.sample else None
+        exported = self.export_hf(output.export_hf) if output.export_hf is not None else None
         notes = tuple(self.step_runner.summary_lines())
         return GPTResult(
             model=config.model_name,
@@ -362,12 +375,12 @@ class GPTTrainer:
             mesh=self.mesh.shape.describe(),
             backend=world.backend,
             device=str(world.device),
-            dtype=config.dtype,
-            global_batch=config.global_batch,
+            dtype=config.model.dtype,
+            global_batch=config.data.global_batch,
             micro_batch=self.micro_batch,
             accumulation=config.accumulation(self.dp),
             seq_len=self.seq_len,
-            steps=config.steps,
+            steps=steps,
             first_step=self.first_step,
             initial_val_loss=self.initial_val_loss,
             history=tuple(self.history),
@@ -388,20 +401,20 @@ class GPTTrainer:
                 "pp": self.mesh.shape.pp,
                 "cp": self.mesh.shape.cp,
                 "ep": self.mesh.shape.ep,
-                "zero": config.zero,
-                "sp": config.sp,
-                "schedule": config.schedule if self.mesh.shape.pp > 1 else None,
-                "virtual_stages": config.virtual_stages,
+                "zero": config.mesh.zero,
+                "sp": config.mesh.sp,
+                "schedule": config.mesh.schedule if self.mesh.shape.pp > 1 else None,
+                "virtual_stages": config.mesh.virtual_stages,
                 "micro_batches": config.accumulation(self.dp),
                 "micro_batch_size": self.micro_batch,
             },
             outputs={
                 flag: path
                 for flag, path in (
-                    ("Trace", config.trace),
-                    ("Timeline", config.timeline),
-                    ("Torch profile", config.torch_profile),
-                    ("Metrics", config.metrics),
+                    ("Trace", config.profile.trace),
+                    ("Timeline", config.profile.timeline),
+                    ("Torch profile", config.profile.torch_profile),
+                    ("Metrics", config.output.metrics),
                 )
                 if path is not None
             },
@@ -416,6 +429,6 @@ class GPTTrainer:
         return {k: None if v < 0 else int(v) for k, v in zip(keys, values.tolist(), strict=True)}
 
     def _comm_stats(self) -> dict[str, dict[str, dict[str, float]]] | None:
-        if not self.config.comm_stats:
+        if not self.config.profile.comm_stats:
             return None
         return {axis: self.mesh[axis].stats.as_dict() for axis in AXES if getattr(self.mesh.shape, axis) > 1}

@@ -27,37 +27,43 @@ from meshwise.parallel.expert_parallel import MoEReport, check_expert_parallel, 
 
 if TYPE_CHECKING:
     from meshwise.train.gpt.config import GPTTrainConfig
+    from meshwise.train.gpt.sections import ModelSection
 
 #: a MoE layer's block in the plain model's (and a pipeline stage's) names: ``blocks.5.mlp``
 BLOCK = re.compile(r"(?:^|\.)blocks\.(\d+)\.")
-#: GPTTrainConfig fields that override the model config's mixture of experts (None: the config's own)
+#: ModelSection fields that override the model config's mixture of experts (None: the config's own)
 MOE_FIELDS = ("experts", "top_k", "capacity_factor", "aux_loss_coef", "z_loss_coef")
 
 
-def moe_overrides(config: GPTTrainConfig) -> dict[str, int | float | None]:
-    return {field: getattr(config, field) for field in MOE_FIELDS}
+def moe_overrides(model: ModelSection) -> dict[str, int | float | None]:
+    return {field: getattr(model, field) for field in MOE_FIELDS}
 
 
 def check_moe_training(config: GPTTrainConfig, default_model: str) -> None:
     """One clear error for MoE flags this path cannot train; the model's own checks (top-k ≤ E,
     capacity factor > 0) run when the config is built."""
-    named = CONFIGS.get(config.config or default_model)
-    experts = config.experts if config.experts is not None else (named.experts if named else 0)
-    check_expert_parallel(experts or 0, config.ep)  # --ep ≥ 1, experts to spread, E divisible by ep
-    given = [f"--{field.replace('_', '-')}" for field in MOE_FIELDS[1:] if getattr(config, field) is not None]
+    model = config.model
+    named = CONFIGS.get(model.config or default_model)
+    experts = model.experts if model.experts is not None else (named.experts if named else 0)
+    check_expert_parallel(experts or 0, config.mesh.ep)  # --ep ≥ 1, experts to spread, E divisible by ep
+    given = [f"--{field.replace('_', '-')}" for field in MOE_FIELDS[1:] if getattr(model, field) is not None]
     if not experts:
         if given:
             raise ValueError(f"{' '.join(given)} configure a mixture of experts: add --experts E (e.g. 4)")
         return
     for flag in ("aux_loss_coef", "z_loss_coef"):
-        value = getattr(config, flag)
+        value = getattr(model, flag)
         if value is not None and not (math.isfinite(value) and value >= 0):
             raise ValueError(f"--{flag.replace('_', '-')} must be a number ≥ 0, got {value}")
     blocked = [
         (flag, why)
         for flag, on, why in (
-            ("--init-from", config.init_from is not None, "Hugging Face GPT-2 weights have no experts"),
-            ("--export-hf", config.export_hf is not None, "Hugging Face GPT-2 weights have no experts"),
+            ("--init-from", model.init_from is not None, "Hugging Face GPT-2 weights have no experts"),
+            (
+                "--export-hf",
+                config.output.export_hf is not None,
+                "Hugging Face GPT-2 weights have no experts",
+            ),
         )
         if on
     ]

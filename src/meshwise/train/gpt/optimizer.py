@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from meshwise.train.gpt.config import GPTTrainConfig
+from meshwise.train.gpt.sections import OptimizerSection
 
 
 def decays(_name: str, param: nn.Parameter) -> bool:
@@ -15,7 +15,9 @@ def decays(_name: str, param: nn.Parameter) -> bool:
     return param.dim() >= 2
 
 
-def adamw(decayed: list[nn.Parameter], rest: list[nn.Parameter], config: GPTTrainConfig) -> torch.optim.AdamW:
+def adamw(
+    decayed: list[nn.Parameter], rest: list[nn.Parameter], config: OptimizerSection
+) -> torch.optim.AdamW:
     """AdamW as GPT-2 is trained — by default betas (0.9, 0.95) (--beta1/--beta2/--eps), decay on
     ``decayed`` only — over any parameters (whole ones, tensor-parallel shards, or ZeRO's flat master
     shards of one kind)."""
@@ -23,7 +25,7 @@ def adamw(decayed: list[nn.Parameter], rest: list[nn.Parameter], config: GPTTrai
     return torch.optim.AdamW(groups, lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps)
 
 
-def build_optimizer(model: nn.Module, config: GPTTrainConfig) -> torch.optim.AdamW:
+def build_optimizer(model: nn.Module, config: OptimizerSection) -> torch.optim.AdamW:
     """:func:`adamw` over ``model``'s trainable parameters, grouped by :func:`decays`."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     return adamw([p for n, p in named if decays(n, p)], [p for n, p in named if not decays(n, p)], config)

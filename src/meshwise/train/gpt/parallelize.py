@@ -58,6 +58,7 @@ from meshwise.train.gpt.config import GPTTrainConfig
 from meshwise.train.gpt.context_parallel import check_context_parallel_config, plain_copy
 from meshwise.train.gpt.optimizer import build_optimizer
 from meshwise.train.gpt.recompute import recompute_step
+from meshwise.train.gpt.resolve import GPTRun
 from meshwise.train.profile import StepProfiler
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -78,7 +79,7 @@ class ParallelStep(ABC):
 
     def __init__(self, config: GPTTrainConfig, mesh: Mesh, device: torch.device) -> None:
         self.device = device
-        self.dtype = config.torch_dtype
+        self.dtype = config.model.torch_dtype
         self.mesh = mesh
         self.placements = {}
         self.exchange_seconds = []
@@ -189,7 +190,7 @@ def shard_layers(model: GPT, mesh: Mesh, config: GPTTrainConfig) -> LayerSharded
     if mesh.tp.world_size > 1:
         assert plan.tensor_parallel is not None  # check_supported refused it otherwise
         tensor_parallel = plan.tensor_parallel
-        tensor_parallel.convert(model, mesh.tp, config.sp)
+        tensor_parallel.convert(model, mesh.tp, config.mesh.sp)
 
         def loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
             return tensor_parallel.loss(logits.float(), targets, mesh.tp, reduction)
@@ -200,7 +201,7 @@ def shard_layers(model: GPT, mesh: Mesh, config: GPTTrainConfig) -> LayerSharded
     timer = None
     if mesh.ep.world_size > 1:  # 2b. experts: this rank keeps E/ep of each MoE layer's, tokens all-to-all
         apply_expert_parallel(model, mesh.ep)
-        timer = ExchangeTimer() if config.profiling else None
+        timer = ExchangeTimer() if config.profile.profiling else None
         for layer in moe_layers(model):
             layer.exchange.timer = timer  # type: ignore[attr-defined]
     return LayerSharded(model, plan, mesh.tp, loss, timer)
@@ -233,7 +234,7 @@ class DataParallelStep(ParallelStep):
                 self._shape_model = GPT(self.local.config)
         else:
             self.model = DataParallel(self.local, mesh.replicas)
-        self.optimizer = build_optimizer(self.local, config)
+        self.optimizer = build_optimizer(self.local, config.optimizer)
         self.place(self.local.named_parameters())
 
     def forward_backward(self, micro_batches: Sequence[Batch]) -> float:
@@ -306,14 +307,15 @@ def gather_expert_model(local: GPT, tp: Communicator, ep: Communicator) -> GPT:
     return full
 
 
-def check_supported(config: GPTTrainConfig) -> None:
+def check_supported(run: GPTRun) -> None:
     """A clear error, before any rank starts, for a composition that cannot be built (or is not yet)."""
-    if config.sp and config.tp < 2:
+    mesh = run.config.mesh
+    if mesh.sp and mesh.tp < 2:
         raise ValueError("--sp splits the sequence across the tensor-parallel ranks: add --tp 2 or more")
-    config.mesh_shape(config.world_size())  # the degree checks: sizes that divide the ranks
-    check_context_parallel_config(config)
-    local_seq = config.train_seq_len // config.cp  # what tensor (± sequence) parallelism sees of it
-    gpt_plan(config.model_config).check_tensor_parallel(config.tp, config.sp, local_seq)
+    run.config.mesh_shape(run.world_size)  # the degree checks: sizes that divide the ranks
+    check_context_parallel_config(run)
+    local_seq = run.seq_len // mesh.cp  # what tensor (± sequence) parallelism sees of it
+    gpt_plan(run.model_config).check_tensor_parallel(mesh.tp, mesh.sp, local_seq)
 
 
 def step_class(config: GPTTrainConfig) -> type[ParallelStep]:
@@ -321,12 +323,12 @@ def step_class(config: GPTTrainConfig) -> type[ParallelStep]:
     from meshwise.train.gpt.pipeline_step import PipelineStep  # the steps subclass ParallelStep (above)
     from meshwise.train.gpt.zero_step import ZeroStep
 
-    if config.pp > 1:
+    if config.mesh.pp > 1:
         return PipelineStep
-    return ZeroStep if config.zero else DataParallelStep
+    return ZeroStep if config.mesh.zero else DataParallelStep
 
 
-def parallelize(model: GPT, mesh: Mesh, config: GPTTrainConfig) -> ParallelStep:
+def parallelize(model: GPT, mesh: Mesh, run: GPTRun) -> ParallelStep:
     """This rank's :class:`ParallelStep` for ``model`` (built identically on every rank, converted in
     place) over ``mesh``.
 
@@ -347,7 +349,8 @@ def parallelize(model: GPT, mesh: Mesh, config: GPTTrainConfig) -> ParallelStep:
     So ZeRO shards tensor-parallel shards, never the reverse (Megatron's distributed optimizer; FSDP2
     over DTensor TP).
     """
-    check_supported(config)
+    check_supported(run)
+    config = run.config
     step = step_class(config)(shard_layers(model, mesh, config), mesh, config)
-    recompute_step(step.model, config)  # 4. --recompute: on the blocks this rank runs, whatever cut them
+    recompute_step(step.model, config.mesh)  # 4. --recompute: on the blocks this rank runs, whatever cut them
     return step

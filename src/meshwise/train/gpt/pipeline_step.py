@@ -99,21 +99,22 @@ class PipelineStep(ParallelStep):
         model, plan, tp = sharded.model, sharded.plan, mesh.tp.world_size
         super().__init__(config, mesh, next(model.parameters()).device)
         self.mesh, self.config, self.sharded_loss = mesh, config, sharded.loss
-        self.scaler = LossScaler(mesh.job) if config.dtype == "fp16" else None  # every rank skips together
+        # every rank skips together
+        self.scaler = LossScaler(mesh.job) if config.model.dtype == "fp16" else None
         micro_batches = config.accumulation(mesh.shape.batch_size)  # dp·ep: ep ranks are data ranks
         self.executor, self.chunks = build_pipeline(
             model,
             plan,
             mesh.pp,
-            schedule=config.schedule,
+            schedule=config.mesh.schedule,
             micro_batches=micro_batches,
-            virtual_stages=config.virtual_stages,
+            virtual_stages=config.mesh.virtual_stages,
             # gradients averaged over the replicas (dp·ep·cp), experts over theirs (dp·cp); ZeRO
             # reduce-scatters each stage's itself
-            dp=None if config.zero else mesh.replicas,
+            dp=None if config.mesh.zero else mesh.replicas,
             experts=ExpertReplicas(mesh.expert_replicas, mesh.shape.ep) if mesh.shape.ep > 1 else None,
             loss=self._training_loss,
-            sequence_shards=tp if config.sp else 1,
+            sequence_shards=tp if config.mesh.sp else 1,
             in_place=True,  # the model is this run's own (and a tp one holds a communicator: no copies)
             activation_dtype=torch.float16 if self.scaler is not None else torch.float32,
         )
@@ -126,21 +127,25 @@ class PipelineStep(ParallelStep):
         held = dict(self.model.named_parameters())
         copies = {b: a for a, b in plan.tied if b in held and a not in held}  # the last stage's head copy
         self.zero: ShardedModel | None = None
-        if config.zero:  # step 5 on each stage: ZeRO-1/2/3 of the stage's (tp) parameters over dp
+        if config.mesh.zero:  # step 5 on each stage: ZeRO-1/2/3 of the stage's (tp) parameters over dp
             tied = {name for pair in plan.tied for name in pair}
             self.zero, self.optimizer, self._shard_placements = stage_zero(
                 self.model, mesh, config, copies, tied
             )
             self.executor.gradient_of = self.zero.unsharded_gradient  # the tied sum, before the reduce
         else:
-            self.optimizer = build_optimizer(self.model, config)
+            self.optimizer = build_optimizer(self.model, config.optimizer)
             self.place(held.items(), divided={"pp"}, tied=copies)
         self._last_events: list[Event] = []
-        self._theory = theoretical_bubble(mesh.shape.pp, micro_batches, config.virtual_stages)
-        self._title = f"{config.schedule} pp={mesh.shape.pp} m={micro_batches} v={config.virtual_stages}"
+        self._theory = theoretical_bubble(mesh.shape.pp, micro_batches, config.mesh.virtual_stages)
+        self._title = (
+            f"{config.mesh.schedule} pp={mesh.shape.pp} m={micro_batches} v={config.mesh.virtual_stages}"
+        )
         with torch.device("meta"):  # the whole model's shape, for parameter counts, without its memory
             self._shape_model = GPT(model.config)
-            self._group_names = group_names(self._shape_model, build_optimizer(self._shape_model, config))
+            self._group_names = group_names(
+                self._shape_model, build_optimizer(self._shape_model, config.optimizer)
+            )
 
     def _training_loss(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The last stage's loss, multiplied by the loss scale under fp16."""
@@ -233,12 +238,12 @@ class PipelineStep(ParallelStep):
 
     def finish(self) -> None:
         """``--timeline``: the last step's diagram, drawn once (drawing is slower than a small step)."""
-        if self.config.timeline is None or not self._last_events:
+        if self.config.profile.timeline is None or not self._last_events:
             return
         gathered = gather_events(self.mesh.pp, self._last_events)
         if gathered is None or self.mesh.replicas.rank != 0:
             return
-        draw(gathered, self.config.timeline, title=self._title, theory=self._theory)
+        draw(gathered, self.config.profile.timeline, title=self._title, theory=self._theory)
 
 
 def stage_zero(
@@ -255,19 +260,19 @@ def stage_zero(
     def key(name: str, param: nn.Parameter) -> tuple[bool, bool, bool]:
         return (*tensor_parallel_key(name, param), name in tied)
 
-    units = list(stage.blocks.values()) if config.zero == 3 else None
-    precision = "fp16" if config.dtype == "fp16" else None  # bf16 autocasts over float32 stages
+    units = list(stage.blocks.values()) if config.mesh.zero == 3 else None
+    precision = "fp16" if config.model.dtype == "fp16" else None  # bf16 autocasts over float32 stages
     zero = shard(
         stage,
         mesh.replicas,
-        stage=config.zero,
+        stage=config.mesh.zero,
         mixed_precision=precision,
         separate_by=key,
         units=units,
         replica_groups=expert_replicas(mesh),  # --ep: the stage's experts over their own replicas
     )
     rest = zero.parameters_where(lambda n, p: not decays(n, p))
-    optimizer = adamw(zero.parameters_where(decays), rest, config)
+    optimizer = adamw(zero.parameters_where(decays), rest, config.optimizer)
     placements = [
         Placement(
             group.name,

@@ -20,27 +20,28 @@ import torch.distributed as dist
 
 from meshwise.comm.api import ReduceOp
 from meshwise.comm.mesh import AXES
-from meshwise.train.gpt.config import GPTTrainConfig
 from meshwise.train.gpt.layer_memory import LayerMemory
 from meshwise.train.gpt.moe import expert_exchange
 from meshwise.train.gpt.parallelize import ParallelStep
+from meshwise.train.gpt.resolve import GPTRun
 from meshwise.train.profile import Breakdown, StepProfiler, recorders_of, write_trace
 from meshwise.train.torch_profile import TorchProfile
 from meshwise.world import World
 
 
 class GPTProfiling:
-    """What ``config`` asks to be measured of ``runner``'s steps; a no-op when nothing is."""
+    """What the run's profile section asks to be measured of ``runner``'s steps; a no-op when nothing is."""
 
-    def __init__(self, world: World, config: GPTTrainConfig, runner: ParallelStep, steps: int) -> None:
-        self.world, self.config, self.runner = world, config, runner
+    def __init__(self, world: World, run: GPTRun, runner: ParallelStep, steps: int) -> None:
+        self.world, self.profile, self.runner = world, run.config.profile, runner
+        config = self.profile
         self.profiler: StepProfiler | None = None
         if config.profiling:
             # the mesh's own communicators: a --comm-stats view would hide their recorders
             comms = [world.comm, *(world.mesh[axis] for axis in AXES)]
             self.profiler = StepProfiler(recorders_of(comms), synchronize=world.device)
         runner.profiler = self.profiler
-        self.memory = LayerMemory(runner.model, config) if config.profiling else None
+        self.memory = LayerMemory(runner.model, run) if config.profiling else None
         self.torch: TorchProfile | None = None
         if config.torch_profile is not None and steps > 0:
             self.torch = TorchProfile(config.torch_profile, world.rank, steps, world.device)
@@ -67,8 +68,8 @@ class GPTProfiling:
         if self.profiler is None or not self.profiler.steps:
             return None
         self.profiler.share_windows(self.world.mesh.pp)
-        if self.config.trace is not None:
-            self._write_trace(self.config.trace)
+        if self.profile.trace is not None:
+            self._write_trace(self.profile.trace)
         per_step = self.profiler.parts()
         result = Breakdown.of(per_step).to_json() | {"total_step_seconds": sum(p["step"] for p in per_step)}
         if self.memory is not None:

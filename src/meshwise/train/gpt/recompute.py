@@ -12,26 +12,29 @@ from meshwise.models.gpt import GPT
 from meshwise.models.gpt_plan import gpt_plan
 from meshwise.parallel.pipeline_parallel.partition import balanced_split, block_weights
 from meshwise.parallel.recompute import apply_recompute, check_recompute, stage_blocks
-from meshwise.train.gpt.config import GPTTrainConfig
+from meshwise.train.gpt.resolve import GPTRun
+from meshwise.train.gpt.sections import GPTMeshSection
 
 
-def fewest_stage_blocks(config: GPTTrainConfig) -> int:
+def fewest_stage_blocks(run: GPTRun) -> int:
     """The fewest blocks any pipeline rank runs (all of them without --pp), as the pipeline will cut them."""
-    if config.pp == 1:
-        return config.model_config.layers
+    mesh, model = run.config.mesh, run.model_config
+    if mesh.pp == 1:
+        return model.layers
     with torch.device("meta"):
-        blocks, embed, head = block_weights(GPT(config.model_config), gpt_plan(config.model_config))
-    sizes = balanced_split(blocks, config.pp * config.virtual_stages, first_extra=embed, last_extra=head)
-    return min(sum(sizes[rank :: config.pp]) for rank in range(config.pp))
+        blocks, embed, head = block_weights(GPT(model), gpt_plan(model))
+    sizes = balanced_split(blocks, mesh.pp * mesh.virtual_stages, first_extra=embed, last_extra=head)
+    return min(sum(sizes[rank :: mesh.pp]) for rank in range(mesh.pp))
 
 
-def check_recompute_config(config: GPTTrainConfig) -> None:
+def check_recompute_config(run: GPTRun) -> None:
     """One clear ``ValueError`` for --recompute flags that cannot be applied."""
-    stage = fewest_stage_blocks(config) if config.recompute_layers is not None else None
-    check_recompute(config.recompute, config.recompute_layers, stage)
+    mesh = run.config.mesh
+    stage = fewest_stage_blocks(run) if mesh.recompute_layers is not None else None
+    check_recompute(mesh.recompute, mesh.recompute_layers, stage)
 
 
-def recompute_step(model: torch.nn.Module, config: GPTTrainConfig) -> None:
-    """Apply the config's recomputation to the blocks of ``model`` (a rank's model, wrapped or not)."""
-    if config.recompute != "none":
-        apply_recompute(stage_blocks(model), config.recompute, config.recompute_layers)
+def recompute_step(model: torch.nn.Module, mesh: GPTMeshSection) -> None:
+    """Apply the mesh section's recomputation to the blocks of ``model`` (a rank's model, wrapped or not)."""
+    if mesh.recompute != "none":
+        apply_recompute(stage_blocks(model), mesh.recompute, mesh.recompute_layers)

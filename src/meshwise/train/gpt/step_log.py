@@ -64,11 +64,12 @@ class StepLog:
 def checkpoint_due(config: GPTTrainConfig, step: int, *, evaluated: bool) -> bool:
     """Is a checkpoint written after 1-based ``step``? At every evaluation by default; with
     ``--checkpoint-every N`` every N-th step and the last one instead, whatever the evaluations do."""
-    if config.checkpoint is None:
+    every = config.output.checkpoint_every
+    if config.output.checkpoint is None:
         return False
-    if config.checkpoint_every is None:
+    if every is None:
         return evaluated
-    return step % config.checkpoint_every == 0 or step == config.steps
+    return step % every == 0 or step == config.optimizer.steps
 
 
 def check_tensorboard() -> None:

@@ -95,10 +95,10 @@ class ZeroStep(ParallelStep):
         self.model = shard(
             model,
             mesh.replicas,
-            stage=config.zero,
-            mixed_precision=PRECISION[config.dtype],
+            stage=config.mesh.zero,
+            mixed_precision=PRECISION[config.model.dtype],
             separate_by=tensor_parallel_key,
-            units=self.plan.layer_modules(model) if config.zero == 3 else None,
+            units=self.plan.layer_modules(model) if config.mesh.zero == 3 else None,
             replica_groups=expert_replicas(mesh),
         )
         with torch.device("meta"):  # the plain model's shapes, for tensor-parallel checkpoints
@@ -108,8 +108,11 @@ class ZeroStep(ParallelStep):
             for group, replicas in zip(self.model.groups, self.model.replica_of, strict=True)
         ]
         decayed = self.model.parameters_where(decays)
-        self.optimizer = adamw(decayed, self.model.parameters_where(lambda n, p: not decays(n, p)), config)
-        self.scaler = LossScaler(mesh.job) if config.dtype == "fp16" else None  # every rank skips together
+        self.optimizer = adamw(
+            decayed, self.model.parameters_where(lambda n, p: not decays(n, p)), config.optimizer
+        )
+        # every rank skips together
+        self.scaler = LossScaler(mesh.job) if config.model.dtype == "fp16" else None
 
     def _loss(self, inputs: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
         loss = self.sharded_loss(self.model(inputs), targets, reduction)

@@ -1,0 +1,121 @@
+"""The settings sections both ``meshwise train`` commands share, and the one mapping from flat flags to
+sections.
+
+A training config is plain data: frozen sections of flag values, no file or environment reads (those
+happen once, in each command's resolve step). Every field is named after its flag's argparse ``dest``, so
+the command line, the tests and ``from_flags`` all spell a setting one way, and every parser default is
+read from these fields (:func:`flag_defaults`), never written twice.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import MISSING, dataclass, fields, is_dataclass
+from typing import Any, TypeVar, get_type_hints
+
+from meshwise.runtime.timeouts import wait_timeout
+
+#: ``--zero`` stages: 0 is plain data parallelism, 1/2/3 shard optimizer state / + gradients / + parameters
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+@dataclass(frozen=True)
+class MeshSection:
+    """Where the ranks run: how many, over which communicator and device, with which ZeRO stage."""
+
+    nproc: int | None = None  # local ranks to start; None: 1, or the ranks a launcher started
+    backend: str = "auto"
+    device: str | None = None  # None: cuda if present
+    zero: int = 0  # ZeRO stage over the data-parallel ranks; 0: off
+    timeout: float | None = None  # a deadline for the whole job (None: none); waits time out anyway
+
+    @property
+    def comm_timeout(self) -> float:
+        """Each wait's bound; ``timeout`` bounds the whole job."""
+        return wait_timeout(self.timeout)
+
+    def check(self) -> None:
+        if self.nproc is not None and self.nproc < 1:
+            raise ValueError(f"-np must be at least 1, got {self.nproc}")
+        if self.timeout is not None and self.timeout <= 0:
+            raise ValueError(f"--timeout must be positive seconds, got {self.timeout}")
+        if self.zero not in ZERO_STAGES:
+            raise ValueError(f"--zero must be 0, 1, 2 or 3 (the ZeRO stage), got {self.zero}")
+
+
+@dataclass(frozen=True)
+class OutputSection:
+    """What the run leaves behind: its checkpoint directory and the metrics file."""
+
+    checkpoint: str | None = None  # DCP checkpoint directory
+    resume: bool = False  # continue the run checkpointed in ``checkpoint``
+    json: str | None = None  # the run's metrics as one JSON file, written by the command
+
+
+@dataclass(frozen=True)
+class ProfileSection:
+    """What the run measures about itself."""
+
+    profile: bool = False  # time each step's phases, print the breakdown and a verdict
+    trace: str | None = None  # Chrome/Perfetto trace of the profiled steps (implies profile)
+
+    @property
+    def profiling(self) -> bool:
+        return self.profile or self.trace is not None
+
+
+def check_seed(seed: int) -> None:
+    if not 0 <= seed < 2**63:
+        raise ValueError(f"--seed must be in 0 .. 2**63-1, got {seed}")
+
+
+def check_positive_lr(lr: float) -> None:
+    if not (math.isfinite(lr) and lr > 0):
+        raise ValueError(f"--lr must be a positive number, got {lr}")
+
+
+Config = TypeVar("Config")
+
+
+def sections_of(config_type: type) -> dict[str, type]:
+    """The config's section fields and their classes (its other fields are its own settings)."""
+    hints = get_type_hints(config_type)
+    return {f.name: hints[f.name] for f in fields(config_type) if is_dataclass(hints[f.name])}
+
+
+def flag_defaults(config_type: type) -> dict[str, Any]:
+    """Every flag's default, by argparse dest: what the parsers use, read from the section fields."""
+    return {
+        f.name: f.default
+        for section in sections_of(config_type).values()
+        for f in fields(section)
+        if f.default is not MISSING
+    }
+
+
+def from_flags(config_type: type[Config], flags: dict[str, Any]) -> Config:
+    """``config_type`` built from flat flag values (argparse dests): each goes to the section that has a
+    field of its name, the rest to the config's own fields; a name no section has is a TypeError."""
+    sections = sections_of(config_type)
+    owner = {f.name: name for name, section in sections.items() for f in fields(section)}
+    grouped: dict[str, dict[str, Any]] = {name: {} for name in sections}
+    own: dict[str, Any] = {}
+    for key, value in flags.items():
+        if key in owner:
+            grouped[owner[key]][key] = value
+        else:
+            own[key] = value  # the config's own fields; an unknown name fails in its constructor
+    built = {name: sections[name](**values) for name, values in grouped.items()}
+    return config_type(**own, **built)
+
+
+def to_flags(config: Any) -> dict[str, Any]:
+    """The inverse of :func:`from_flags`: every setting by its flag's dest."""
+    flat: dict[str, Any] = {}
+    for f in fields(config):
+        value = getattr(config, f.name)
+        if f.name in sections_of(type(config)):
+            flat |= {g.name: getattr(value, g.name) for g in fields(value)}
+        else:
+            flat[f.name] = value
+    return flat
