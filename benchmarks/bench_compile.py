@@ -23,7 +23,7 @@ from meshwise.train.gpt import GPTTrainConfig, run_gpt_training
 
 def one_run(ranks: int, compiled: bool, steps: int, skip: int) -> dict:
     data = Path(sysconfig.get_paths()["stdlib"]) / "argparse.py"
-    config = GPTTrainConfig(
+    config = GPTTrainConfig.from_flags(
         nproc=ranks, config="gpt-nano", data=str(data), steps=steps, global_batch=8, seq_len=128,
         eval_every=steps, eval_windows=8, backend="gloo", compile=compiled,
     )  # fmt: skip

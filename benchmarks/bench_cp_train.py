@@ -46,6 +46,7 @@ from meshwise.parallel.recompute import MODES, SavedBytes, apply_recompute, stag
 from meshwise.runtime.spawn import spawn
 from meshwise.train.gpt import GPTTrainConfig
 from meshwise.train.gpt.loop import GPTTrainer
+from meshwise.train.gpt.resolve import model_config, resolve
 from meshwise.world import World
 
 MODEL = {"config": "gpt2", "layers": 4, "hidden": 256, "heads": 4, "vocab": 256}
@@ -54,7 +55,7 @@ GRID = 32  # sequence lengths searched: multiples of this (of 2·cp for every cp
 
 
 def _config(data: str, nproc: int, seq: int, batch: int, **flags: int | str) -> GPTTrainConfig:
-    return GPTTrainConfig(
+    return GPTTrainConfig.from_flags(
         nproc=nproc,
         data=data,
         seq_len=seq,
@@ -70,7 +71,7 @@ def _config(data: str, nproc: int, seq: int, batch: int, **flags: int | str) -> 
 def _trainer(world: World, config: GPTTrainConfig) -> tuple[GPTTrainer, Mesh]:
     """A trainer on the config's mesh over the world's ranks (collective: every rank builds it)."""
     mesh = Mesh(world.comm, config.mesh_shape(world.world_size))
-    return GPTTrainer(replace(world, mesh=mesh), config), mesh
+    return GPTTrainer(replace(world, mesh=mesh), resolve(config)), mesh
 
 
 def _measured_step(trainer: GPTTrainer, step: int, mode: str) -> dict[str, float]:
@@ -188,7 +189,7 @@ def main() -> None:
         data = str(Path(scratch) / "argparse.txt")
         Path(data).write_bytes((Path(sysconfig.get_paths()["stdlib"]) / "argparse.py").read_bytes())
         two = spawn(_two_ranks, 2, args=(data, args.half, args.batch, args.rounds), timeout=3600)[0]
-        top = GPTTrainConfig(**MODEL).model_config.seq_len
+        top = model_config(GPTTrainConfig.from_flags(**MODEL)).seq_len
         four = spawn(_four_ranks, 4, args=(data, args.budget_mib * 2**20, top), timeout=3600)[0]
     seq, tokens = 2 * args.half, 2 * args.batch * args.half
     memory = two["memory"]

@@ -124,10 +124,10 @@ def _one_process(name: str, batch: int, seq: int, rounds: int, steps: int, warmu
     x, y = _batch(config, batch, seq, 0)
     with torch.no_grad():
         agree = (ours(x) - plain(x)).abs().max().item()
-    train = GPTTrainConfig(config=name)
+    train = GPTTrainConfig.from_flags(config=name)
     steppers = {
-        "plain": _stepper(plain, build_optimizer(plain, train), x, y),
-        "ours": _stepper(ours, build_optimizer(ours, train), x, y),
+        "plain": _stepper(plain, build_optimizer(plain, train.optimizer), x, y),
+        "ours": _stepper(ours, build_optimizer(ours, train.optimizer), x, y),
     }
     samples = _time_rounds(steppers, rounds, steps, warmup, lambda: None)
     return {"samples": samples, "max_logit_difference": agree, "threads": torch.get_num_threads()}
@@ -136,7 +136,7 @@ def _one_process(name: str, batch: int, seq: int, rounds: int, steps: int, warmu
 def _two_ranks(name: str, batch: int, seq: int, rounds: int, steps: int, warmup: int) -> dict:
     world = meshwise.init("shm", timeout=300, mesh=MeshShape(dp=2))
     config = gpt_config(name)
-    train = GPTTrainConfig(config=name)
+    train = GPTTrainConfig.from_flags(config=name)
     x, y = _batch(config, batch, seq, world.rank)
     models = {}
     for label in LABELS:

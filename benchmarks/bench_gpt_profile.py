@@ -59,7 +59,7 @@ def _config(data: str, steps: int, profile: bool, **overrides) -> GPTTrainConfig
         "nproc": 2,
         "profile": profile,
     }
-    return GPTTrainConfig(**(settings | overrides))
+    return GPTTrainConfig.from_flags(**(settings | overrides))
 
 
 def _median_step(result) -> float:

@@ -42,7 +42,7 @@ def write_seconds(writes: int, directory: Path) -> float:
 def step_seconds(steps: int, directory: Path) -> float:
     """Median step of a short gpt-nano run on one rank (the trainer's own per-step timing)."""
     data = Path(sysconfig.get_paths()["stdlib"]) / "argparse.py"
-    config = GPTTrainConfig(
+    config = GPTTrainConfig.from_flags(
         config="gpt-nano", data=str(data), steps=steps, global_batch=8, seq_len=128, eval_every=steps,
         eval_windows=8, backend="gloo", metrics=str(directory / "run.jsonl"), log_every=1,
     )  # fmt: skip

@@ -46,7 +46,7 @@ def _slowest(comm, seconds: float) -> float:
 def _runner(name: str, meshes: dict[str, Mesh], config_name: str, batch: int) -> ParallelStep:
     """The GPT loop's step runner for layout ``name``: a step is 4 micro-batches of ``batch`` sequences."""
     micro_batches = 4 // meshes[name].shape.dp  # a global batch of 4 micro-batches
-    config = GPTTrainConfig(
+    config = GPTTrainConfig.from_flags(
         config=config_name,
         nproc=2,
         pp=LAYOUTS[name].pp,

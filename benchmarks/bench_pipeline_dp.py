@@ -41,7 +41,7 @@ def _one(data: str, model: str, steps: int, micro_batches: int, schedule: str, e
     """In a child process: one profiled run of whichever meshwise the PYTHONPATH holds."""
     from meshwise.train.gpt import GPTTrainConfig, run_gpt_training
 
-    config = GPTTrainConfig(
+    config = GPTTrainConfig.from_flags(
         config=model, data=data, seq_len=64, global_batch=8 * micro_batches // 2, steps=steps, warmup=1,
         eval_every=steps, eval_windows=2, backend="gloo", nproc=4, pp=2, micro_batches=micro_batches,
         schedule=schedule, profile=True, ep=ep,

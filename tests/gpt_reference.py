@@ -13,6 +13,7 @@ from meshwise.data.windows import train_batch
 from meshwise.models.gpt import GPT, language_model_loss
 from meshwise.train.gpt import GPTTrainConfig
 from meshwise.train.gpt.loop import GPTTrainer
+from meshwise.train.gpt.resolve import resolve
 from meshwise.train.gpt.schedule import lr_at
 
 
@@ -26,11 +27,17 @@ def reference_step(
 ) -> tuple[float, float]:
     """Step ``step`` of the one-process run on the whole global batch, accumulated over micro-batches of
     ``micro_batch`` sequences (None: one pass); returns the mean micro-batch loss and the gradient norm."""
-    lr = lr_at(step, lr=config.lr, min_lr=config.min_lr, warmup=config.warmup_steps, steps=config.steps)
+    lr = lr_at(
+        step,
+        lr=config.optimizer.lr,
+        min_lr=config.optimizer.min_lr,
+        warmup=config.optimizer.warmup_steps,
+        steps=config.optimizer.steps,
+    )
     for group in optimizer.param_groups:
         group["lr"] = lr
     optimizer.zero_grad()
-    inputs, targets = train_batch(trainer.splits, 32, config.global_batch, config.seed, step, 0, 1)
+    inputs, targets = train_batch(trainer.splits, 32, config.data.global_batch, config.data.seed, step, 0, 1)
     size = micro_batch or len(inputs)
     micro = list(zip(inputs.split(size), targets.split(size), strict=True))
     losses = []
@@ -38,7 +45,7 @@ def reference_step(
         loss = language_model_loss(reference(x), y)
         (loss / len(micro)).backward()
         losses.append(loss.item())
-    norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), config.grad_clip)
+    norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), config.optimizer.grad_clip)
     optimizer.step()
     return sum(losses) / len(losses), float(norm)
 
@@ -48,7 +55,7 @@ RESUME_AT, RESUME_STEPS = 2, 4
 
 
 def resume_run(config: GPTTrainConfig) -> dict:
-    """On a spawned rank: ``config``'s run to RESUME_STEPS (from its checkpoint when ``config.resume``,
+    """On a spawned rank: ``config``'s run to RESUME_STEPS (from its checkpoint when ``config.output.resume``,
     saving one after RESUME_AT otherwise); its losses by step, the plain model's parameters (None on a
     rank that holds no gathered model), the rank's training tokens by step (``batches``: the data position
     a resume continues from) and the note a resume printed about its random streams."""
@@ -58,7 +65,7 @@ def resume_run(config: GPTTrainConfig) -> dict:
 
     world = meshwise.init("gloo", timeout=90, mesh=config.mesh_shape(int(os.environ["WORLD_SIZE"])))
     try:
-        trainer = GPTTrainer(world, config)
+        trainer = GPTTrainer(world, resolve(config))
         batches, read = {}, trainer.micro_batches
 
         def recorded(step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -69,7 +76,7 @@ def resume_run(config: GPTTrainConfig) -> dict:
         losses = {}
         for step in range(trainer.first_step, RESUME_STEPS):
             losses[step] = trainer.train_step(step).loss
-            if step + 1 == RESUME_AT and not config.resume:
+            if step + 1 == RESUME_AT and not config.output.resume:
                 trainer.save_checkpoint(RESUME_AT)
         model = trainer.step_runner.sampling_model()
         held = next(model.parameters()).device.type != "meta"

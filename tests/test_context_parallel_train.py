@@ -17,8 +17,6 @@ only, the loss of one chunk) is off by a whole update or more — the loss by fa
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -30,6 +28,7 @@ from meshwise.runtime.spawn import spawn
 from meshwise.train.gpt import GPTTrainConfig
 from meshwise.train.gpt.loop import GPTTrainer
 from meshwise.train.gpt.parallelize import build_optimizer
+from meshwise.train.gpt.resolve import resolve
 
 STEPS = 3
 LOSS_TOLERANCE = 2e-5
@@ -64,17 +63,18 @@ def _config(text: str, **flags) -> GPTTrainConfig:
         "lr": 1e-3,
         "backend": "gloo",
     }
-    return GPTTrainConfig(**(settings | flags))
+    return GPTTrainConfig.from_flags(**(settings | flags))
 
 
 def _compare(text: str, flags: dict) -> dict[str, float]:
-    config = _config(text, **flags).validate()
-    world = meshwise.init("gloo", timeout=90, mesh=config.mesh_shape(int(os.environ["WORLD_SIZE"])))
+    run = resolve(_config(text, **flags))
+    config = run.config
+    world = meshwise.init("gloo", timeout=90, mesh=run.shape)
     try:
-        trainer = GPTTrainer(world, config)
-        torch.manual_seed(config.seed)
-        reference = GPT(config.model_config)
-        optimizer = build_optimizer(reference, config)
+        trainer = GPTTrainer(world, run)
+        torch.manual_seed(config.data.seed)
+        reference = GPT(trainer.model_config)
+        optimizer = build_optimizer(reference, config.optimizer)
         worst = {"loss": 0.0, "params": 0.0, "compared": 0.0, "val": 0.0}
         for step in range(STEPS):
             stats = trainer.train_step(step)
@@ -105,7 +105,7 @@ def _plain_validation(trainer: GPTTrainer, model: GPT) -> float:
     total, count = 0.0, 0
     with torch.no_grad():
         for inputs, targets, counted in lockstep_val_batches(
-            trainer.splits, trainer.seq_len, trainer.config.eval_windows, trainer.micro_batch, 0, 1
+            trainer.splits, trainer.seq_len, trainer.config.data.eval_windows, trainer.micro_batch, 0, 1
         ):
             if counted:
                 logits = model(inputs)

@@ -21,6 +21,7 @@ from gpt_reference import RESUME_AT, RESUME_STEPS, resume_run
 from meshwise.runtime.spawn import spawn
 from meshwise.train.gpt import GPTTrainConfig
 from meshwise.train.gpt.checkpoint import next_step, read_run
+from meshwise.train.gpt.resolve import resolve
 from meshwise.train.random_state import capture, derived_seed, rank_key, rederive, restore
 
 
@@ -36,7 +37,7 @@ def _config(data: str, **flags) -> GPTTrainConfig:
         "dropout": 0.1,
         "backend": "gloo",
     }
-    return GPTTrainConfig(**(settings | flags))
+    return GPTTrainConfig.from_flags(**(settings | flags))
 
 
 def _train(data: str, directory: str, flags: dict, resume: bool) -> dict:
@@ -142,7 +143,7 @@ def _replicated_after_steps(data: str) -> list[dict[str, list]]:
     try:
         found = []
         for desynchronised in (False, True):
-            trainer = GPTTrainer(world, config)
+            trainer = GPTTrainer(world, resolve(config))
             if desynchronised and world.rank == 1:
                 torch.rand(1)
             for step in range(3):

@@ -22,7 +22,9 @@ def test_a_compiled_run_matches_the_plain_one(text):
         "config": "gpt-tiny", "layers": 1, "data": text, "seq_len": 16, "global_batch": 2, "eval_windows": 2,
         "steps": 2, "backend": "gloo",
     }  # fmt: skip
-    plain, compiled = (run_gpt_training(GPTTrainConfig(**settings, compile=c)) for c in (False, True))
+    plain, compiled = (
+        run_gpt_training(GPTTrainConfig.from_flags(**settings, compile=c)) for c in (False, True)
+    )
     assert plain is not None and compiled is not None
     # the same kernels up to fusion: inductor may reorder fp32 sums inside a fused kernel
     for a, b in zip(plain.history, compiled.history, strict=True):

@@ -19,6 +19,7 @@ from meshwise.cli import main
 from meshwise.data.windows import train_batch, val_batches
 from meshwise.models.gpt import language_model_loss
 from meshwise.train.gpt import GPTTrainConfig
+from meshwise.train.gpt.resolve import resolve
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("transformers") is None,
@@ -48,7 +49,7 @@ def _hf_losses(directory: Path, text: str) -> tuple[float, float]:
     from transformers import GPT2LMHeadModel
 
     model = GPT2LMHeadModel.from_pretrained(directory).eval()
-    splits = GPTTrainConfig(data=text, seq_len=SEQ).load_data()
+    splits = resolve(GPTTrainConfig.from_flags(data=text, seq_len=SEQ)).load_data()
     x, y = train_batch(splits, SEQ, BATCH, 0, 0, 0, 1)
     total = count = 0.0
     with torch.no_grad():
@@ -147,7 +148,12 @@ def test_bad_init_and_export_settings_are_one_clear_error_before_any_rank_starts
     base = {"init_from": str(hf_dir), "data": text, "seq_len": SEQ, "global_batch": BATCH, "backend": "gloo"}
     for overrides, match in cases:
         with pytest.raises((ValueError, FileNotFoundError), match=match):
-            GPTTrainConfig(**(base | overrides)).validate()
+            resolve(GPTTrainConfig.from_flags(**(base | overrides)))
     # what is accepted: the heads given by flag without config.json, a matching --config, a missing folder
-    assert GPTTrainConfig(**(base | {"init_from": str(bare), "heads": 4})).validate().model_config.heads == 4
-    assert GPTTrainConfig(**(base | {"heads": 4, "export_hf": str(tmp_path / "new" / "dir")})).validate()
+    assert (
+        resolve(GPTTrainConfig.from_flags(**(base | {"init_from": str(bare), "heads": 4}))).model_config.heads
+        == 4
+    )
+    assert resolve(
+        GPTTrainConfig.from_flags(**(base | {"heads": 4, "export_hf": str(tmp_path / "new" / "dir")}))
+    )

@@ -28,6 +28,7 @@ from meshwise.runtime.spawn import spawn
 from meshwise.train.gpt import GPTTrainConfig
 from meshwise.train.gpt.loop import GPTTrainer
 from meshwise.train.gpt.parallelize import build_optimizer
+from meshwise.train.gpt.resolve import resolve
 
 STEPS = 3
 LOSS_TOLERANCE = 2e-5
@@ -66,17 +67,17 @@ def _config(text: str, **flags) -> GPTTrainConfig:
         "lr": 1e-3,
         "backend": "gloo",
     }
-    return GPTTrainConfig(**(settings | flags))
+    return GPTTrainConfig.from_flags(**(settings | flags))
 
 
 def _compare(text: str, flags: dict) -> dict[str, float]:
     config = _config(text, **flags)
     world = meshwise.init("gloo", timeout=90, mesh=config.mesh_shape(int(os.environ["WORLD_SIZE"])))
     try:
-        trainer = GPTTrainer(world, config)
-        torch.manual_seed(config.seed)
-        reference = GPT(config.model_config)
-        optimizer = build_optimizer(reference, config)
+        trainer = GPTTrainer(world, resolve(config))
+        torch.manual_seed(config.data.seed)
+        reference = GPT(trainer.model_config)
+        optimizer = build_optimizer(reference, config.optimizer)
         worst = {"loss": 0.0, "params": 0.0, "compared": 0.0}
         for step in range(STEPS):
             stats = trainer.train_step(step)
@@ -154,9 +155,11 @@ def test_a_checkpoint_is_read_by_torch_alone_into_a_plain_gpt(text: str, tmp_pat
     dcp_to_torch_save(f"{root}/ckpt/step-{RESUME_AT:06d}", f"{root}/plain.pt")
     state = torch.load(f"{root}/plain.pt", weights_only=True)
     config = _config(text)
-    model = GPT(config.model_config)
+    run_here = resolve(config)
+    model = GPT(run_here.model_config)
     model.load_state_dict(state["model"])
-    inputs, targets = train_batch(config.load_data(), 32, config.global_batch, config.seed, RESUME_AT, 0, 1)
+    data = config.data
+    inputs, targets = train_batch(run_here.load_data(), 32, data.global_batch, data.seed, RESUME_AT, 0, 1)
     with torch.no_grad():  # the loaded weights give the loss the run computed next from the checkpoint
         loss = language_model_loss(model(inputs), targets).item()
     assert loss == pytest.approx(run["losses"][RESUME_AT], abs=LOSS_TOLERANCE)

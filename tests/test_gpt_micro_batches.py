@@ -6,6 +6,7 @@ import pytest
 
 from meshwise.train.gpt import GPTTrainConfig
 from meshwise.train.gpt.config import default_pipeline_micro_batches
+from meshwise.train.gpt.resolve import resolve
 
 
 @pytest.mark.parametrize(
@@ -25,15 +26,19 @@ def test_default_pipeline_micro_batches(per_rank: int, pp: int, schedule: str, e
 
 
 def test_a_pipeline_splits_its_batch_and_data_parallelism_does_not() -> None:
-    assert GPTTrainConfig(pp=2, global_batch=8).accumulation(dp=1) == 8
-    assert GPTTrainConfig(pp=2, global_batch=16).accumulation(dp=2) == 8
-    assert GPTTrainConfig(global_batch=8).accumulation(dp=2) == 1  # no pipeline: no accumulation by default
+    assert GPTTrainConfig.from_flags(pp=2, global_batch=8).accumulation(dp=1) == 8
+    assert GPTTrainConfig.from_flags(pp=2, global_batch=16).accumulation(dp=2) == 8
+    assert (
+        GPTTrainConfig.from_flags(global_batch=8).accumulation(dp=2) == 1
+    )  # no pipeline: no accumulation by default
     # what the user asks for wins
-    assert GPTTrainConfig(pp=2, global_batch=8, micro_batches=2).accumulation(dp=1) == 2
-    assert GPTTrainConfig(pp=2, global_batch=8, micro_batch=4).accumulation(dp=1) == 2
+    assert GPTTrainConfig.from_flags(pp=2, global_batch=8, micro_batches=2).accumulation(dp=1) == 2
+    assert GPTTrainConfig.from_flags(pp=2, global_batch=8, micro_batch=4).accumulation(dp=1) == 2
 
 
 def test_interleaved_without_a_fitting_default_is_refused_with_the_fix() -> None:
-    config = GPTTrainConfig(nproc=3, pp=3, global_batch=8, schedule="interleaved", virtual_stages=2, layers=6)
+    config = GPTTrainConfig.from_flags(
+        nproc=3, pp=3, global_batch=8, schedule="interleaved", virtual_stages=2, layers=6
+    )
     with pytest.raises(ValueError, match="multiple of --pp 3"):
-        config.validate()
+        resolve(config)

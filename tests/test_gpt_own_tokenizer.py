@@ -13,6 +13,7 @@ import pytest
 
 from meshwise.cli import main
 from meshwise.train.gpt import GPTTrainConfig
+from meshwise.train.gpt.resolve import tokenizer_path
 
 tokenizers = pytest.importorskip("tokenizers", reason="pip install -e '.[test]' installs tokenizers")
 
@@ -68,7 +69,11 @@ def test_text_is_tokenized_with_the_local_tokenizer_cached_and_sampled_with_it(
 
 def test_an_init_from_folder_with_a_tokenizer_json_brings_it(tmp_path, tokenizer_json):
     (tmp_path / "tokenizer.json").write_bytes(tokenizer_json.read_bytes())
-    assert GPTTrainConfig(init_from=str(tmp_path)).tokenizer_path == str(tmp_path)
-    assert GPTTrainConfig(init_from=str(tmp_path / "model.safetensors")).tokenizer_path == str(tmp_path)
+
+    def found(init_from: Path) -> str | None:
+        return tokenizer_path(GPTTrainConfig.from_flags(init_from=str(init_from)))
+
+    assert found(tmp_path) == str(tmp_path)
+    assert found(tmp_path / "model.safetensors") == str(tmp_path)
     (tmp_path / "bare").mkdir()
-    assert GPTTrainConfig(init_from=str(tmp_path / "bare")).tokenizer_path is None
+    assert found(tmp_path / "bare") is None

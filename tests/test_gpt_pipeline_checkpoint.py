@@ -24,6 +24,7 @@ from meshwise.runtime.spawn import spawn
 from meshwise.train.checkpoint_check import DamagedCheckpointError
 from meshwise.train.gpt import GPTTrainConfig
 from meshwise.train.gpt.loop import GPTTrainer
+from meshwise.train.gpt.resolve import resolve
 from test_gpt_pipeline_train import _tiny as tiny_run
 
 STEPS, INTERRUPT = 6, 3
@@ -37,7 +38,7 @@ def _tiny(text: str, **overrides) -> GPTTrainConfig:
 
 def _interrupted(world, config: GPTTrainConfig) -> None:
     """Train to the interruption, write the checkpoint, die."""
-    trainer = GPTTrainer(world, config)
+    trainer = GPTTrainer(world, resolve(config))
     for step in range(INTERRUPT):
         trainer.history.append(trainer.train_step(step))
     trainer.save_checkpoint(INTERRUPT)
@@ -46,7 +47,7 @@ def _interrupted(world, config: GPTTrainConfig) -> None:
 def _rest(world, config: GPTTrainConfig, sample: int = 0) -> tuple[list[float], str | None, int]:
     """Resume ``config``'s checkpoint: the losses of the remaining steps, a sample taken right after
     loading (before any step), and the step it resumed at."""
-    trainer = GPTTrainer(world, replace(config, resume=True))
+    trainer = GPTTrainer(world, resolve(config.with_flags(resume=True)))
     text = trainer.sample(sample) if sample else None
     return [trainer.train_step(step).loss for step in range(INTERRUPT, STEPS)], text, trainer.first_step
 
@@ -57,22 +58,22 @@ def _checks(data: str, root: str) -> dict[str, object]:
         dp_world = world  # init's default mesh: every rank on dp
         pp_world = replace(world, mesh=Mesh(world.comm, MeshShape(pp=2)))
         pp, dp = _tiny(data, pp=2), _tiny(data)
-        straight = GPTTrainer(pp_world, pp)
+        straight = GPTTrainer(pp_world, resolve(pp))
         expected = [straight.train_step(step).loss for step in range(STEPS)]
-        straight_dp = GPTTrainer(dp_world, dp)
+        straight_dp = GPTTrainer(dp_world, resolve(dp))
         expected_dp = [straight_dp.train_step(step).loss for step in range(STEPS)]
 
-        from_pp = replace(pp, checkpoint=f"{root}/pp")
+        from_pp = pp.with_flags(checkpoint=f"{root}/pp")
         _interrupted(pp_world, from_pp)
-        keys = sorted(GPTTrainer(pp_world, pp).step_runner.state_dict()["model"])
+        keys = sorted(GPTTrainer(pp_world, resolve(pp)).step_runner.state_dict()["model"])
         pp_rest, pp_text, first = _rest(pp_world, from_pp, sample=24)
-        gpipe_rest, _, _ = _rest(pp_world, replace(from_pp, schedule="gpipe"))
-        interleaved_rest, _, _ = _rest(pp_world, replace(from_pp, schedule="interleaved", virtual_stages=2))
-        dp_rest, dp_text, _ = _rest(dp_world, replace(dp, checkpoint=f"{root}/pp"), sample=24)
+        gpipe_rest, _, _ = _rest(pp_world, from_pp.with_flags(schedule="gpipe"))
+        interleaved_rest, _, _ = _rest(pp_world, from_pp.with_flags(schedule="interleaved", virtual_stages=2))
+        dp_rest, dp_text, _ = _rest(dp_world, dp.with_flags(checkpoint=f"{root}/pp"), sample=24)
 
-        from_dp = replace(dp, checkpoint=f"{root}/dp")
+        from_dp = dp.with_flags(checkpoint=f"{root}/dp")
         _interrupted(dp_world, from_dp)
-        dp_to_pp_rest, _, _ = _rest(pp_world, replace(pp, checkpoint=f"{root}/dp"))
+        dp_to_pp_rest, _, _ = _rest(pp_world, pp.with_flags(checkpoint=f"{root}/dp"))
         return {
             "first step": first,
             "pp → pp exact": pp_rest == expected[INTERRUPT:],
@@ -148,4 +149,4 @@ def test_a_checkpoint_of_another_model_is_refused_and_left_alone(text: str, tmp_
     assert "already exists; pass --resume" in capsys.readouterr().err
     assert {path: path.read_bytes() for path in directory.rglob("*") if path.is_file()} == before
     with pytest.raises(DamagedCheckpointError, match=r"\.metadata is unreadable"):  # past the model check
-        _tiny(text, pp=2, layers=2, checkpoint=str(directory), resume=True).validate()
+        resolve(_tiny(text, pp=2, layers=2, checkpoint=str(directory), resume=True))

@@ -14,6 +14,7 @@ import torch
 
 from meshwise.train.gpt import GPTTrainConfig, run_gpt_training
 from meshwise.train.gpt.report import GPTResult
+from meshwise.train.gpt.resolve import resolve
 
 
 def _tiny(text: str, **overrides) -> GPTTrainConfig:
@@ -31,7 +32,7 @@ def _tiny(text: str, **overrides) -> GPTTrainConfig:
         "backend": "gloo",
         "nproc": 1,
     }
-    return GPTTrainConfig(**(settings | overrides))
+    return GPTTrainConfig.from_flags(**(settings | overrides))
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +110,7 @@ def test_pipeline_times_data_parallel_checkpoints_and_samples(
 )
 def test_bad_pipeline_flags_are_refused_before_launch(text: str, overrides: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        _tiny(text, **overrides).validate()
+        resolve(_tiny(text, **overrides))
 
 
 def test_pipeline_times_tensor_parallel_training_matches_one_process(text: str, reference: GPTResult) -> None:
@@ -130,15 +131,22 @@ def test_pipeline_times_tensor_parallel_checkpoints_samples_and_exports(text: st
     mixed_dir, plain_dir = tmp_path / "mixed", tmp_path / "plain"
     mixed = run_gpt_training(
         _tiny(
-            text, nproc=4, pp=2, tp=2, sp=True, checkpoint=str(mixed_dir), sample=12,
+            text,
+            nproc=4,
+            pp=2,
+            tp=2,
+            sp=True,
+            checkpoint=str(mixed_dir),
+            sample=12,
             export_hf=str(tmp_path / "mixed_hf"),
         )
     )
     plain = run_gpt_training(_tiny(text, checkpoint=str(plain_dir), export_hf=str(tmp_path / "plain_hf")))
     assert mixed is not None and plain is not None
     assert mixed.sample is not None and len(mixed.sample) >= 12
-    exported, expected = load_file(tmp_path / "mixed_hf" / "model.safetensors"), load_file(
-        tmp_path / "plain_hf" / "model.safetensors"
+    exported, expected = (
+        load_file(tmp_path / "mixed_hf" / "model.safetensors"),
+        load_file(tmp_path / "plain_hf" / "model.safetensors"),
     )
     assert exported.keys() == expected.keys()
     for key, tensor in expected.items():  # AdamW's 1/√v amplifies the shards' summation order: --tp alone

@@ -19,6 +19,7 @@ from meshwise.cli import main
 from meshwise.parallel.pipeline_parallel.executor import Event
 from meshwise.parallel.pipeline_parallel.timeline import measured_bubble
 from meshwise.train.gpt import GPTTrainConfig, run_gpt_training
+from meshwise.train.gpt.resolve import resolve
 from meshwise.train.profile import StepProfiler, _Op, _Step, overlapping_complete_events
 from meshwise.train.torch_profile import profile_schedule
 
@@ -37,7 +38,7 @@ def _tiny(text: str, **overrides) -> GPTTrainConfig:
         "nproc": 2,
         "profile": True,
     }
-    return GPTTrainConfig(**(settings | overrides))
+    return GPTTrainConfig.from_flags(**(settings | overrides))
 
 
 # ---------------------------------------------------------------- accounting rules, no processes
@@ -150,10 +151,10 @@ def test_pipeline_bubble_matches_the_timeline_and_sets_the_verdict(text: str, tm
 
 
 def test_trace_needs_no_pipeline_and_bad_profile_paths_fail_first(text: str, tmp_path, capsys) -> None:
-    _tiny(text, trace=str(tmp_path / "t.json")).validate()  # --trace no longer asks for --pp
+    resolve(_tiny(text, trace=str(tmp_path / "t.json")))  # --trace no longer asks for --pp
     (tmp_path / "file").write_text("")
     with pytest.raises(ValueError, match=r"--torch-profile .* is a file; give a directory"):
-        _tiny(text, torch_profile=str(tmp_path / "file")).validate()
+        resolve(_tiny(text, torch_profile=str(tmp_path / "file")))
     assert main(["train", "gpt", "--trace", str(tmp_path / "missing" / "t.json")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "does not exist; create it" in err[0]

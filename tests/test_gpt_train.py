@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import sysconfig
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +33,7 @@ from meshwise.train.checkpoint_check import DamagedCheckpointError
 from meshwise.train.gpt import GPTTrainConfig
 from meshwise.train.gpt.loop import GPTTrainer
 from meshwise.train.gpt.parallelize import build_optimizer
+from meshwise.train.gpt.resolve import resolve
 
 STEPS = 4
 
@@ -60,7 +60,7 @@ def _tiny(text: str, **overrides) -> GPTTrainConfig:
         "lr": 1e-3,
         "backend": "gloo",
     }
-    return GPTTrainConfig(**(settings | overrides))
+    return GPTTrainConfig.from_flags(**(settings | overrides))
 
 
 # ---------------------------------------------------------------------------------------------- parity
@@ -68,10 +68,10 @@ def _parity(data: str, overrides: dict) -> dict[str, float]:
     config = _tiny(data, **overrides)
     world = meshwise.init("gloo", timeout=60, mesh=config.mesh_shape(int(os.environ["WORLD_SIZE"])))
     try:
-        trainer = GPTTrainer(world, config)
-        torch.manual_seed(config.seed)
-        reference = GPT(config.model_config)
-        optimizer = build_optimizer(reference, config)
+        trainer = GPTTrainer(world, resolve(config))
+        torch.manual_seed(config.data.seed)
+        reference = GPT(trainer.model_config)
+        optimizer = build_optimizer(reference, config.optimizer)
         worst = {"loss": 0.0, "params": 0.0, "micro-batches": trainer.config.accumulation(trainer.dp)}
         for step in range(STEPS):
             stats = trainer.train_step(step)
@@ -108,21 +108,21 @@ def _resume(data: str, root: str) -> dict[str, object]:
     world = meshwise.init("gloo", timeout=60)
     try:
         small = {"steps": 6, "eval_every": 3, "global_batch": 4, "micro_batch": None}
-        straight = GPTTrainer(world, _tiny(data, **small))
+        straight = GPTTrainer(world, resolve(_tiny(data, **small)))
         expected = [straight.train_step(step).loss for step in range(6)]
         config = _tiny(data, **small, checkpoint=root)
-        interrupted = GPTTrainer(world, config)
+        interrupted = GPTTrainer(world, resolve(config))
         for step in range(3):
             interrupted.history.append(interrupted.train_step(step))
         interrupted.save_checkpoint(3)  # the job dies after this checkpoint
         del interrupted
-        resumed = GPTTrainer(world, replace(config, resume=True))
+        resumed = GPTTrainer(world, resolve(config.with_flags(resume=True)))
         losses = [resumed.train_step(step).loss for step in range(3, 6)]
         ours, theirs = (
             straight.step_runner.full_model().state_dict(),
             resumed.step_runner.full_model().state_dict(),
         )
-        bf16 = GPTTrainer(world, _tiny(data, **small, dtype="bf16"))
+        bf16 = GPTTrainer(world, resolve(_tiny(data, **small, dtype="bf16")))
         bf16_losses = [bf16.train_step(step).loss for step in range(3)]
         return {
             "mesh": (world.mesh.shape, world.mesh.dp.world_size, world.mesh.tp.world_size),
@@ -233,9 +233,9 @@ def _bad_cases(text: str, tmp: Path) -> list[tuple[dict, str]]:
 def test_every_bad_setting_is_one_clear_error_before_any_rank_starts(text: str, tmp_path) -> None:
     for overrides, match in _bad_cases(text, tmp_path):
         with pytest.raises((ValueError, FileNotFoundError), match=match):
-            _tiny(text, **overrides).validate()
+            resolve(_tiny(text, **overrides))
     with pytest.raises(FileNotFoundError, match="nothing to resume"):
-        _tiny(text, checkpoint=str(tmp_path), resume=True).validate()
+        resolve(_tiny(text, checkpoint=str(tmp_path), resume=True))
 
 
 def test_resume_refuses_a_different_run(text: str, tmp_path) -> None:
@@ -248,15 +248,15 @@ def test_resume_refuses_a_different_run(text: str, tmp_path) -> None:
     (tmp_path / "step-000003").mkdir()
     (tmp_path / "run.json").write_text(json.dumps(run))
     with pytest.raises(ValueError, match="already exists; pass --resume"):
-        _tiny(text, checkpoint=str(tmp_path)).validate()
+        resolve(_tiny(text, checkpoint=str(tmp_path)))
     with pytest.raises(ValueError, match="holds a run of"):
-        _tiny(text, checkpoint=str(tmp_path), resume=True).validate()
+        resolve(_tiny(text, checkpoint=str(tmp_path), resume=True))
     with pytest.raises(DamagedCheckpointError, match=r"\.metadata is missing"):  # past the run checks
-        _tiny(text, checkpoint=str(tmp_path), resume=True, layers=2).validate()
+        resolve(_tiny(text, checkpoint=str(tmp_path), resume=True, layers=2))
     with pytest.raises(ValueError, match="trained with global_batch 12, not 6"):
-        _tiny(
-            text, checkpoint=str(tmp_path), resume=True, layers=2, global_batch=6, micro_batch=None
-        ).validate()
+        resolve(
+            _tiny(text, checkpoint=str(tmp_path), resume=True, layers=2, global_batch=6, micro_batch=None)
+        )
 
 
 def test_the_command_line_prints_one_error_line(capsys) -> None:

@@ -24,6 +24,7 @@ from meshwise.runtime.spawn import spawn
 from meshwise.train.gpt import GPTTrainConfig
 from meshwise.train.gpt.loop import GPTTrainer
 from meshwise.train.gpt.parallelize import build_optimizer
+from meshwise.train.gpt.resolve import resolve
 from test_gpt_train import _tiny as _dp_tiny
 from test_gpt_train import text  # noqa: F401  (the module-scoped data fixture)
 
@@ -43,17 +44,17 @@ def _parity(data: str) -> dict[int, dict[str, float]]:
         found = {}
         for stage in (1, 2, 3):
             config = _tiny(data, zero=stage)
-            trainer = GPTTrainer(world, config)
-            torch.manual_seed(config.seed)
-            reference = GPT(config.model_config)
-            optimizer = build_optimizer(reference, config)
+            trainer = GPTTrainer(world, resolve(config))
+            torch.manual_seed(config.data.seed)
+            reference = GPT(trainer.model_config)
+            optimizer = build_optimizer(reference, config.optimizer)
             worst = {"loss": 0.0, "params": 0.0, "norm": 0.0}
             for step in range(STEPS):
                 stats = trainer.train_step(step)
                 expected, norm = reference_step(reference, optimizer, trainer, config, step)
                 worst["loss"] = max(worst["loss"], abs(stats.loss - expected))
                 worst["norm"] = max(worst["norm"], abs(stats.grad_norm - norm) / norm)
-                worst["clipped"] = worst.get("clipped", False) or norm > config.grad_clip
+                worst["clipped"] = worst.get("clipped", False) or norm > config.optimizer.grad_clip
                 ours = trainer.step_runner.full_model()
                 pairs = zip(ours.parameters(), reference.parameters(), strict=True)
                 worst["params"] = max(worst["params"], *((p - q).abs().max().item() for p, q in pairs))
@@ -90,22 +91,22 @@ def _save_then_resume_on_two(data: str, root: str) -> dict[str, object]:
     """ZeRO-3 and plain dp each write a checkpoint after 3 steps; ZeRO-1 and dp resume the ZeRO-3 one."""
     world = meshwise.init("gloo", timeout=60)
     try:
-        straight = GPTTrainer(world, _tiny(data, zero=3, **RESUME))
+        straight = GPTTrainer(world, resolve(_tiny(data, zero=3, **RESUME)))
         expected = _train(straight, range(6))
         for name, zero in (("zero3", 3), ("dp", 0)):
-            writer = GPTTrainer(world, _tiny(data, zero=zero, checkpoint=f"{root}/{name}", **RESUME))
+            writer = GPTTrainer(world, resolve(_tiny(data, zero=zero, checkpoint=f"{root}/{name}", **RESUME)))
             writer.history = [writer.train_step(step) for step in range(3)]
             writer.save_checkpoint(3)
             if zero == 3:
                 found_local = _local_elements(writer.step_runner.state_dict())
                 shards = 3 * sum(group.layout.shard_numel for group in writer.step_runner.model.groups)
         found: dict[str, object] = {"expected": expected, "local": found_local, "shards": shards}
-        bf16 = GPTTrainer(world, _tiny(data, zero=3, dtype="bf16", **RESUME))
+        bf16 = GPTTrainer(world, resolve(_tiny(data, zero=3, dtype="bf16", **RESUME)))
         found["bf16 losses"] = _train(bf16, range(3))
         found["bf16 compute"] = {str(g.full.dtype) for g in bf16.step_runner.model.groups}
         for zero in (3, 1, 0):
             config = _tiny(data, zero=zero, checkpoint=f"{root}/zero3", resume=True, **RESUME)
-            resumed = GPTTrainer(world, config)
+            resumed = GPTTrainer(world, resolve(config))
             found[f"zero{zero} from zero3"] = (resumed.first_step, _train(resumed, range(3, 6)))
             found[f"zero{zero} params"] = (_flat(resumed) - _flat(straight)).abs().max().item()
         return found
@@ -131,7 +132,7 @@ def _resume_on_one(data: str, root: str) -> dict[str, object]:
         found: dict[str, object] = {}
         for name in ("zero3", "dp"):
             config = _tiny(data, zero=2, checkpoint=f"{root}/{name}", resume=True, **RESUME)
-            resumed = GPTTrainer(world, config)
+            resumed = GPTTrainer(world, resolve(config))
             found[f"zero2 from {name}"] = (resumed.first_step, _train(resumed, range(3, 6)))
         return found
     finally:
@@ -200,13 +201,13 @@ def test_the_command_line_trains_fp16_zero3_prints_memory_and_resumes_as_zero1(t
 )
 def test_zero_bad_input_is_one_clear_error_before_any_rank_starts(text: str, overrides, match) -> None:  # noqa: F811
     with pytest.raises(ValueError, match=match):
-        _tiny(text, **overrides).validate()
+        resolve(_tiny(text, **overrides))
 
 
 def test_zero_on_one_rank_and_fp16_with_zero_are_valid(text: str) -> None:  # noqa: F811
-    _tiny(text, zero=2, nproc=1).validate()
-    _tiny(text, zero=1, dtype="fp16", nproc=2).validate()
-    _tiny(text, zero=3, tp=2, sp=True, nproc=4).validate()  # ZeRO over tensor-parallel shards
-    _tiny(text, zero=2, pp=2, nproc=4).validate()  # ZeRO-2 on each pipeline stage
-    _tiny(text, zero=3, pp=2, nproc=4, dtype="bf16").validate()  # ZeRO-3 × pp, in bf16
-    _tiny(text, zero=1, pp=2, nproc=2, dtype="fp16").validate()  # fp16 × pp: loss scaled on the last stage
+    resolve(_tiny(text, zero=2, nproc=1))
+    resolve(_tiny(text, zero=1, dtype="fp16", nproc=2))
+    resolve(_tiny(text, zero=3, tp=2, sp=True, nproc=4))  # ZeRO over tensor-parallel shards
+    resolve(_tiny(text, zero=2, pp=2, nproc=4))  # ZeRO-2 on each pipeline stage
+    resolve(_tiny(text, zero=3, pp=2, nproc=4, dtype="bf16"))  # ZeRO-3 × pp, in bf16
+    resolve(_tiny(text, zero=1, pp=2, nproc=2, dtype="fp16"))  # fp16 × pp: loss scaled on the last stage

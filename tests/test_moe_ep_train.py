@@ -37,6 +37,7 @@ from meshwise.train.gpt import GPTTrainConfig
 from meshwise.train.gpt.loop import GPTTrainer
 from meshwise.train.gpt.moe import router_report
 from meshwise.train.gpt.parallelize import build_optimizer
+from meshwise.train.gpt.resolve import resolve
 from meshwise.train.gpt.schedule import lr_at
 
 STEPS = 3
@@ -61,7 +62,7 @@ def _config(text: str, **flags) -> GPTTrainConfig:
         "lr": 1e-3,
         "backend": "gloo",
     }
-    return GPTTrainConfig(**(settings | flags))
+    return GPTTrainConfig.from_flags(**(settings | flags))
 
 
 def _reference_step(
@@ -69,18 +70,24 @@ def _reference_step(
 ) -> float:
     """One step of the one-process MoE GPT on the whole global batch; returns the mean micro-batch loss."""
     config = trainer.config
-    lr = lr_at(step, lr=config.lr, min_lr=config.min_lr, warmup=config.warmup_steps, steps=config.steps)
+    lr = lr_at(
+        step,
+        lr=config.optimizer.lr,
+        min_lr=config.optimizer.min_lr,
+        warmup=config.optimizer.warmup_steps,
+        steps=config.optimizer.steps,
+    )
     for group in optimizer.param_groups:
         group["lr"] = lr
     optimizer.zero_grad()
-    inputs, targets = train_batch(trainer.splits, SEQ, config.global_batch, config.seed, step, 0, 1)
+    inputs, targets = train_batch(trainer.splits, SEQ, config.data.global_batch, config.data.seed, step, 0, 1)
     micro = list(zip(inputs.split(MICRO), targets.split(MICRO), strict=True))
     losses = []
     for x, y in micro:
         loss = with_auxiliary_losses(language_model_loss(reference(x), y), reference)
         (loss / len(micro)).backward()
         losses.append(loss.item())
-    torch.nn.utils.clip_grad_norm_(reference.parameters(), config.grad_clip)
+    torch.nn.utils.clip_grad_norm_(reference.parameters(), config.optimizer.grad_clip)
     optimizer.step()
     return sum(losses) / len(losses)
 
@@ -90,9 +97,11 @@ def _held_parameters(trainer: GPTTrainer) -> dict[str, torch.Tensor]:
     or over the replicas when ZeRO shards them (those gathers also collect every expert); with pp and tp a
     stage's own shards whole; else the ones the rank holds (its experts, its stage's layers)."""
     runner = trainer.step_runner
-    if trainer.mesh.shape.pp == 1 and (trainer.config.zero or trainer.mesh.shape.tp > 1):
+    if trainer.mesh.shape.pp == 1 and (trainer.config.mesh.zero or trainer.mesh.shape.tp > 1):
         return dict(runner.sampling_model().named_parameters())  # collective over tp and ep
-    if trainer.config.zero:  # a stage's ZeRO: its parameters whole (ZeRO-3: collective over the replicas)
+    if (
+        trainer.config.mesh.zero
+    ):  # a stage's ZeRO: its parameters whole (ZeRO-3: collective over the replicas)
         with runner.zero.gathered():
             runner.zero.wait_gathered()
             return {name: p.detach().clone() for name, p in runner.model.named_parameters()}
@@ -105,16 +114,16 @@ def _compare(text: str, flags: dict) -> dict:
     config = _config(text, **flags)
     world = meshwise.init("gloo", timeout=90, mesh=config.mesh_shape(int(os.environ["WORLD_SIZE"])))
     try:
-        trainer = GPTTrainer(world, config)
-        torch.manual_seed(config.seed)
-        reference = GPT(config.model_config)
-        optimizer = build_optimizer(reference, config)
+        trainer = GPTTrainer(world, resolve(config))
+        torch.manual_seed(config.data.seed)
+        reference = GPT(trainer.model_config)
+        optimizer = build_optimizer(reference, config.optimizer)
         worst = {"loss": 0.0, "params": 0.0, "aux": 0.0, "counts_equal": True, "experts": 0}
         for step in range(STEPS):
             stats = trainer.train_step(step)
             loss = _reference_step(reference, optimizer, trainer, step)
             worst["loss"] = max(worst["loss"], abs(stats.loss - loss))
-            ours = router_report(trainer.step_runner.model, trainer.mesh, config.model_config.layers)
+            ours = router_report(trainer.step_runner.model, trainer.mesh, trainer.model_config.layers)
             theirs = moe_report(reference)
             assert ours is not None and theirs is not None
             mine, ref = asdict(ours), asdict(theirs)
@@ -131,14 +140,14 @@ def _compare(text: str, flags: dict) -> dict:
             )
         worst |= _sampled(trainer, reference)
         worst["local experts"] = len(moe_layers(trainer.step_runner.model)[0].experts)
-        if config.zero:  # the ranks each kind of flat group is sharded over; the memory report
+        if config.mesh.zero:  # the ranks each kind of flat group is sharded over; the memory report
             runner = trainer.step_runner
-            zero = runner.zero if config.pp > 1 else runner.model  # a stage's ZeRO, or the model's
+            zero = runner.zero if config.mesh.pp > 1 else runner.model  # a stage's ZeRO, or the model's
             worst["shard ranks"] = {
                 ("experts" if of else "dense"): group.comm.world_size
                 for group, of in zip(zero.groups, zero.replica_of, strict=True)
             }
-            if config.pp == 1:
+            if config.mesh.pp == 1:
                 worst["memory"] = runner.summary_lines()
         return worst
     finally:
@@ -228,13 +237,13 @@ def _skewed(text: str, capacity_factor: float | None) -> dict:
     config = _config(text, ep=2, capacity_factor=capacity_factor)
     world = meshwise.init("gloo", timeout=90, mesh=config.mesh_shape(2))
     try:
-        trainer = GPTTrainer(world, config)
+        trainer = GPTTrainer(world, resolve(config))
         bias = torch.zeros(4)
         bias[0] = 100.0
         for layer in moe_layers(trainer.step_runner.model):
             layer.router.register_forward_hook(lambda _module, _inputs, logits: logits + bias)
         losses = [trainer.train_step(step).loss for step in range(2)]
-        report = router_report(trainer.step_runner.model, trainer.mesh, config.model_config.layers)
+        report = router_report(trainer.step_runner.model, trainer.mesh, trainer.model_config.layers)
         assert report is not None
         return {"losses": losses, "report": asdict(report), "imbalance": report.imbalance}
     finally:
@@ -293,7 +302,7 @@ def test_a_checkpoint_resumes_exactly_across_ep_sizes(text: str, tmp_path, first
 )
 def test_bad_expert_parallel_setting_is_one_clear_error(text: str, overrides: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        _config(text, **overrides).validate()
+        resolve(_config(text, **overrides))
 
 
 def test_bad_ep_from_the_command_line_exits_2_before_launch(text: str, capsys) -> None:

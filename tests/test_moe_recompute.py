@@ -25,6 +25,7 @@ from meshwise.runtime.spawn import spawn
 from meshwise.train.gpt import GPTTrainConfig
 from meshwise.train.gpt.loop import GPTTrainer
 from meshwise.train.gpt.moe import router_report
+from meshwise.train.gpt.resolve import resolve
 
 STEPS = 3
 MODES = ("none", "full", "selective")
@@ -37,18 +38,18 @@ def _run_modes(text: str, flags: dict) -> dict[str, dict]:
     runs: dict[str, dict] = {}
     world = None
     for mode in MODES:
-        config = GPTTrainConfig(
+        config = GPTTrainConfig.from_flags(
             nproc=ranks, config="gpt-moe-tiny", layers=2, data=text, seq_len=16, global_batch=8,
             micro_batch=2, steps=20, warmup=1, lr=1e-3, capacity_factor=1.0, recompute=mode,
             backend="gloo", **flags,
         )  # fmt: skip
         if world is None:
             world = meshwise.init("gloo", timeout=90, mesh=config.mesh_shape(ranks))
-        trainer = GPTTrainer(world, config)
+        trainer = GPTTrainer(world, resolve(config))
         run: dict[str, list] = {"losses": [], "reports": [], "params": []}
         for step in range(STEPS):
             run["losses"].append(trainer.train_step(step).loss)
-            report = router_report(trainer.step_runner.model, trainer.mesh, config.model_config.layers)
+            report = router_report(trainer.step_runner.model, trainer.mesh, trainer.model_config.layers)
             assert report is not None
             run["reports"].append(asdict(report))
             held = trainer.step_runner.placements.items()

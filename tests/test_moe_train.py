@@ -11,6 +11,7 @@ import pytest
 
 from meshwise.cli import main
 from meshwise.train.gpt import GPTTrainConfig
+from meshwise.train.gpt.resolve import resolve
 
 
 def _argv(text: str, ranks: int, json_path: str) -> list[str]:
@@ -58,4 +59,4 @@ def test_data_parallel_moe_matches_one_process_and_reports_the_router(text: str,
 def test_bad_moe_setting_is_one_clear_error(text: str, overrides: dict, message: str) -> None:
     settings = {"config": "gpt-tiny", "data": text, "seq_len": 16, "steps": 2}
     with pytest.raises(ValueError, match=message):
-        GPTTrainConfig(**(settings | overrides)).validate()
+        resolve(GPTTrainConfig.from_flags(**(settings | overrides)))

@@ -23,6 +23,7 @@ import meshwise
 from meshwise.runtime.spawn import spawn
 from meshwise.train.gpt import GPTTrainConfig
 from meshwise.train.gpt.loop import GPTTrainer
+from meshwise.train.gpt.resolve import resolve
 
 STEPS = 3
 LOSS_TOLERANCE = 2e-4
@@ -41,10 +42,10 @@ def _run(text: str, flags: dict) -> dict:
         "lr": 1e-3,
         "backend": "gloo",
     }
-    config = GPTTrainConfig(**(settings | flags))
+    config = GPTTrainConfig.from_flags(**(settings | flags))
     world = meshwise.init("gloo", timeout=90, mesh=config.mesh_shape(int(os.environ["WORLD_SIZE"])))
     try:
-        trainer = GPTTrainer(world, config)
+        trainer = GPTTrainer(world, resolve(config))
         losses = [trainer.train_step(step).loss for step in range(STEPS)]
         model = trainer.step_runner.sampling_model()  # collective
         held = next(model.parameters()).device.type != "meta"

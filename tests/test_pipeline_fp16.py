@@ -30,6 +30,7 @@ import meshwise
 from meshwise.runtime.spawn import spawn
 from meshwise.train.gpt import GPTTrainConfig
 from meshwise.train.gpt.loop import GPTTrainer
+from meshwise.train.gpt.resolve import resolve
 
 STEPS = 8
 FORCED_SCALE = 2.0**20  # the first 4 steps of gpt-tiny overflow in float16 and back off to 2^16
@@ -54,14 +55,14 @@ def _run(data: str, flags: dict) -> dict[str, dict]:
         "dtype": "fp16",
         "backend": "gloo",
     }
-    config = GPTTrainConfig(**(settings | flags))
+    config = GPTTrainConfig.from_flags(**(settings | flags))
     world = meshwise.init("gloo", timeout=90, mesh=config.mesh_shape(int(os.environ["WORLD_SIZE"])))
     try:
         found = {}
         for name, scale in (("default", None), ("forced", FORCED_SCALE)):
-            if config.dtype != "fp16" and scale is not None:
+            if config.model.dtype != "fp16" and scale is not None:
                 continue
-            trainer = GPTTrainer(world, config)
+            trainer = GPTTrainer(world, resolve(config))
             scaler = getattr(trainer.step_runner, "scaler", None)
             if scale is not None:
                 scaler.scale = scale

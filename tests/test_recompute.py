@@ -23,6 +23,7 @@ from meshwise.parallel.recompute.formulas import attention_keeps_scores, layer_s
 from meshwise.runtime.spawn import spawn
 from meshwise.train.gpt import GPTTrainConfig
 from meshwise.train.gpt.parallelize import parallelize
+from meshwise.train.gpt.resolve import resolve
 
 MODES = ("none", "selective", "full")
 CONFIG = replace(gpt_config("gpt-tiny"), dropout=0.1)
@@ -168,8 +169,9 @@ STRATEGIES = {
 
 def _strategy_rank(flags: dict) -> dict[str, float]:
     """Every mode's loss, gradients, norm and updated weights on this rank, against mode none's."""
-    config = GPTTrainConfig(config="gpt-tiny", global_batch=4, seq_len=32, **flags)
-    shape = config.mesh_shape(config.world_size())
+    config = GPTTrainConfig.from_flags(config="gpt-tiny", global_batch=4, seq_len=32, **flags)
+    run = resolve(config)
+    shape = run.shape
     world = meshwise.init("gloo", timeout=60, mesh=shape)
     try:
         dp, dp_rank = shape.dp, world.mesh.coordinates["dp"]
@@ -181,7 +183,9 @@ def _strategy_rank(flags: dict) -> dict[str, float]:
         for mode in MODES:
             torch.manual_seed(0)
             step = parallelize(
-                GPT(replace(config.model_config, dropout=0.1)), world.mesh, replace(config, recompute=mode)
+                GPT(replace(run.model_config, dropout=0.1)),
+                world.mesh,
+                resolve(config.with_flags(recompute=mode)),
             )
             assert all(b.run_body is not None for b in stage_blocks(step.model)) == (mode == "full")
             torch.manual_seed(7)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import sysconfig
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -16,25 +15,26 @@ from meshwise.comm.mesh import MeshShape
 from meshwise.runtime.spawn import spawn
 from meshwise.train.gpt import GPTTrainConfig
 from meshwise.train.gpt.loop import GPTTrainer
+from meshwise.train.gpt.resolve import resolve
 
 DATA = str(Path(sysconfig.get_paths()["stdlib"]) / "argparse.py")
 
 
 def _resume(root: str) -> dict[str, object]:
-    config = GPTTrainConfig(
+    config = GPTTrainConfig.from_flags(
         config="gpt-tiny", data=DATA, seq_len=32, global_batch=4, steps=6, eval_every=3, warmup=1,
         lr=1e-3, backend="gloo", tp=2, sp=True,
     )  # fmt: skip
     world = meshwise.init("gloo", timeout=60, mesh=MeshShape(tp=2))
     try:
-        straight = GPTTrainer(world, config)
+        straight = GPTTrainer(world, resolve(config))
         expected = [straight.train_step(step).loss for step in range(6)]
-        interrupted = GPTTrainer(world, replace(config, checkpoint=root))
+        interrupted = GPTTrainer(world, resolve(config.with_flags(checkpoint=root)))
         for step in range(3):
             interrupted.history.append(interrupted.train_step(step))
         interrupted.save_checkpoint(3)  # the job dies after this checkpoint
         del interrupted
-        resumed = GPTTrainer(world, replace(config, checkpoint=root, resume=True))
+        resumed = GPTTrainer(world, resolve(config.with_flags(checkpoint=root, resume=True)))
         losses = [resumed.train_step(step).loss for step in range(3, 6)]
         ours = straight.step_runner.full_model().state_dict()  # collective: every rank calls it
         theirs = resumed.step_runner.full_model().state_dict()

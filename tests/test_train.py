@@ -17,6 +17,7 @@ from meshwise.runtime.spawn import spawn
 from meshwise.scale.runner import WALL_TIME_LINE
 from meshwise.train import WORKLOADS, TrainConfig, checkpoint
 from meshwise.train.loop import Trainer
+from meshwise.train.resolve import resolve
 from test_data import write_mnist
 
 
@@ -40,19 +41,19 @@ from test_data import write_mnist
 )
 def test_bad_settings_are_refused_before_any_rank_starts(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        TrainConfig(**{"model": "cnn", **kwargs}).validate()
+        resolve(TrainConfig.from_flags(**{"model": "cnn", **kwargs}))
 
 
 def test_missing_paths_are_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        TrainConfig("cnn", checkpoint=str(tmp_path / "nope"), resume=True).validate()
+        resolve(TrainConfig.from_flags("cnn", checkpoint=str(tmp_path / "nope"), resume=True))
     with pytest.raises(FileNotFoundError, match="no checkpoint at"):
-        TrainConfig("cnn", checkpoint=str(tmp_path), resume=True).validate()
+        resolve(TrainConfig.from_flags("cnn", checkpoint=str(tmp_path), resume=True))
     with pytest.raises(FileNotFoundError, match="train-images-idx3-ubyte"):
-        TrainConfig("cnn", data_dir=str(tmp_path)).validate()
+        resolve(TrainConfig.from_flags("cnn", data_dir=str(tmp_path)))
     (tmp_path / "file").write_text("x")
     with pytest.raises(ValueError, match="is a file"):
-        TrainConfig("cnn", checkpoint=str(tmp_path / "file")).validate()
+        resolve(TrainConfig.from_flags("cnn", checkpoint=str(tmp_path / "file")))
 
 
 def _run_json(directory: Path, **fields: object) -> None:
@@ -66,14 +67,14 @@ def _run_json(directory: Path, **fields: object) -> None:
 def test_checkpoints_are_checked_against_the_run_that_resumes_them(tmp_path):
     _run_json(tmp_path)
     with pytest.raises(ValueError, match="already exists; pass --resume"):
-        TrainConfig("mlp", checkpoint=str(tmp_path)).validate()
+        resolve(TrainConfig.from_flags("mlp", checkpoint=str(tmp_path)))
     with pytest.raises(ValueError, match="holds a 'mlp' run, not 'cnn'"):
-        TrainConfig("cnn", checkpoint=str(tmp_path), resume=True).validate()
+        resolve(TrainConfig.from_flags("cnn", checkpoint=str(tmp_path), resume=True))
     with pytest.raises(ValueError, match="already completed 3 of --epochs 3"):
-        TrainConfig("mlp", epochs=3, checkpoint=str(tmp_path), resume=True).validate()
+        resolve(TrainConfig.from_flags("mlp", epochs=3, checkpoint=str(tmp_path), resume=True))
     # past those checks, the tensors it names are checked to be intact (here: there are none)
     with pytest.raises(ValueError, match=r"step-000005/\.metadata is missing"):
-        TrainConfig("mlp", epochs=4, checkpoint=str(tmp_path), resume=True).validate()
+        resolve(TrainConfig.from_flags("mlp", epochs=4, checkpoint=str(tmp_path), resume=True))
     (tmp_path / "run.json").write_bytes(b"not a checkpoint")
     with pytest.raises(ValueError, match="is not readable JSON"):
         checkpoint.read_train_run(tmp_path)
@@ -81,7 +82,7 @@ def test_checkpoints_are_checked_against_the_run_that_resumes_them(tmp_path):
 
 def test_cnn_workload_sizes_itself_for_mnist_files(tmp_path):
     write_mnist(tmp_path, images=6)
-    TrainConfig("cnn", data_dir=str(tmp_path)).validate()
+    resolve(TrainConfig.from_flags("cnn", data_dir=str(tmp_path)))
     workload = WORKLOADS["cnn"]
     splits = workload.load_data(str(tmp_path))
     model = workload.build_model(splits)
@@ -112,7 +113,9 @@ def _resume(root: str) -> dict[str, object]:
     world = meshwise.init("gloo", timeout=60)
 
     def config(name: str, resume: bool = False) -> TrainConfig:
-        return TrainConfig("mlp", epochs=2, checkpoint=f"{root}/{name}", resume=resume, backend="gloo")
+        return TrainConfig.from_flags(
+            "mlp", epochs=2, checkpoint=f"{root}/{name}", resume=resume, backend="gloo"
+        )
 
     straight = Trainer(world, config("straight"))
     straight.run()

@@ -26,9 +26,9 @@ from meshwise.train.gpt import GPTTrainConfig
 def test_training_has_no_job_deadline_by_default_but_keeps_the_hang_timeout():
     args = build_parser("train").parse_args(["train", "gpt"])
     assert args.timeout is None
-    config = GPTTrainConfig(timeout=args.timeout)
-    assert config.comm_timeout == DEFAULT_TIMEOUT_S  # a dead peer is still named within minutes
-    assert GPTTrainConfig(timeout=30.0).comm_timeout == 30.0
+    config = GPTTrainConfig.from_flags(timeout=args.timeout)
+    assert config.mesh.comm_timeout == DEFAULT_TIMEOUT_S  # a dead peer is still named within minutes
+    assert GPTTrainConfig.from_flags(timeout=30.0).comm_timeout == 30.0
 
 
 @pytest.mark.parametrize("ranks", ["1", "2"])

@@ -14,6 +14,7 @@ from gpt_cli import gpt_argv
 from meshwise.cli import main
 from meshwise.runtime.spawn import spawn
 from meshwise.train.gpt import GPTTrainConfig
+from meshwise.train.gpt.resolve import resolve
 from meshwise.train.gpt.schedule import lr_at
 from meshwise.train.gpt.step_log import checkpoint_due
 
@@ -44,9 +45,9 @@ def test_every_schedule_warms_up_alike_then_takes_its_shape():
 
 
 def test_checkpoints_follow_checkpoint_every_instead_of_the_evaluations():
-    default = GPTTrainConfig(checkpoint="c", steps=10)
+    default = GPTTrainConfig.from_flags(checkpoint="c", steps=10)
     assert [s for s in range(1, 11) if checkpoint_due(default, s, evaluated=s % 5 == 0)] == [5, 10]
-    every = GPTTrainConfig(checkpoint="c", steps=10, checkpoint_every=3)
+    every = GPTTrainConfig.from_flags(checkpoint="c", steps=10, checkpoint_every=3)
     assert [s for s in range(1, 11) if checkpoint_due(every, s, evaluated=s % 5 == 0)] == [3, 6, 9, 10]
 
 
@@ -70,11 +71,11 @@ def test_bad_values_are_one_line_before_launch(text, capsys, flags, message):
 def _optimizer_settings(text: str) -> tuple[list, list, float]:
     from meshwise.train.gpt.loop import GPTTrainer
 
-    config = GPTTrainConfig(config="gpt-tiny", data=text, seq_len=32, global_batch=4, beta1=0.8, beta2=0.99,
-                            eps=1e-6, dropout=0.25, backend="gloo")  # fmt: skip
+    config = GPTTrainConfig.from_flags(config="gpt-tiny", data=text, seq_len=32, global_batch=4, beta1=0.8,
+                                       beta2=0.99, eps=1e-6, dropout=0.25, backend="gloo")  # fmt: skip
     world = meshwise.init("gloo", timeout=60, mesh=config.mesh_shape(int(os.environ["WORLD_SIZE"])))
     try:
-        trainer = GPTTrainer(world, config)
+        trainer = GPTTrainer(world, resolve(config))
         groups = trainer.step_runner.optimizer.param_groups
         return (
             [g["betas"] for g in groups],

@@ -60,11 +60,11 @@ def test_the_bubble_advice_names_only_schedules_the_run_does_not_use():
 
 def test_a_resume_with_more_steps_notes_the_replanned_schedule():
     saved = {"step": 4, "run": {"steps": 4}}
-    note = schedule_note(GPTTrainConfig(steps=8, warmup=1), saved)
+    note = schedule_note(GPTTrainConfig.from_flags(steps=8, warmup=1).optimizer, saved)
     assert note is not None and "--steps 8 differs from the checkpoint's 4" in note and "re-planned" in note
     assert "steps 5 on" in note
-    assert schedule_note(GPTTrainConfig(steps=4), saved) is None
-    assert schedule_note(GPTTrainConfig(steps=8), None) is None
+    assert schedule_note(GPTTrainConfig.from_flags(steps=4).optimizer, saved) is None
+    assert schedule_note(GPTTrainConfig.from_flags(steps=8).optimizer, None) is None
 
 
 def test_the_peak_of_ranks_sharing_cores_is_capped_at_the_cores():

@@ -105,7 +105,7 @@ def _nan_on_rank_1(config: TrainConfig):
 
 
 def test_every_rank_returns_the_divergence_naming_rank_1_and_its_step():
-    config = TrainConfig(model="mlp", nproc=2, epochs=1, backend="gloo", timeout=100)
+    config = TrainConfig.from_flags(model="mlp", nproc=2, epochs=1, backend="gloo", timeout=100)
     outcomes = spawn(_nan_on_rank_1, 2, (config,), timeout=100)
     assert all(isinstance(o, TrainingError) and o.exit_code == 1 for o in outcomes)
     assert [o.rank for o in outcomes] == [0, 1]  # only rank 0's copy is printed under a launcher

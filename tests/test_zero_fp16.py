@@ -31,6 +31,7 @@ from meshwise.parallel.zero import LossScaler, MixedPrecision, shard
 from meshwise.runtime.spawn import spawn
 from meshwise.train.gpt.loop import GPTTrainer
 from meshwise.train.gpt.parallelize import build_optimizer
+from meshwise.train.gpt.resolve import resolve
 from meshwise.train.gpt.schedule import lr_at
 from test_gpt_zero import _tiny, text  # noqa: F401  (the module-scoped data fixture)
 
@@ -43,23 +44,27 @@ def _fp16_parity(data: str) -> dict[tuple[int, float], dict[str, float]]:
         found = {}
         for stage, clip in ((1, 0.0), (2, 0.0), (3, 0.0), (3, 0.5)):
             config = _tiny(data, zero=stage, dtype="fp16", global_batch=4, micro_batch=None, grad_clip=clip)
-            trainer = GPTTrainer(world, config)
-            torch.manual_seed(config.seed)
-            master = GPT(config.model_config)
-            compute = GPT(config.model_config).half()
-            optimizer = build_optimizer(master, config)
+            trainer = GPTTrainer(world, resolve(config))
+            torch.manual_seed(config.data.seed)
+            master = GPT(trainer.model_config)
+            compute = GPT(trainer.model_config).half()
+            optimizer = build_optimizer(master, config.optimizer)
             scaler = torch.amp.GradScaler("cpu")
             worst = {"loss": 0.0, "params": 0.0, "scale": 0.0}
             for step in range(STEPS):
                 stats = trainer.train_step(step)
                 for group in optimizer.param_groups:
                     group["lr"] = lr_at(
-                        step, lr=config.lr, min_lr=config.min_lr, warmup=config.warmup_steps, steps=50
+                        step,
+                        lr=config.optimizer.lr,
+                        min_lr=config.optimizer.min_lr,
+                        warmup=config.optimizer.warmup_steps,
+                        steps=50,
                     )
                 with torch.no_grad():
                     for p, q in zip(master.parameters(), compute.parameters(), strict=True):
                         q.copy_(p)
-                inputs, targets = train_batch(trainer.splits, 32, 4, config.seed, step, 0, 1)
+                inputs, targets = train_batch(trainer.splits, 32, 4, config.data.seed, step, 0, 1)
                 losses, grads = [], []
                 for x, y in zip(inputs.split(2), targets.split(2), strict=True):  # rank 0's, rank 1's
                     compute.zero_grad(set_to_none=True)

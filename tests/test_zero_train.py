@@ -26,6 +26,7 @@ from meshwise.models import SmallCNN
 from meshwise.runtime.spawn import spawn
 from meshwise.train import TrainConfig, run_training
 from meshwise.train.loop import Trainer
+from meshwise.train.resolve import resolve
 from test_data import write_mnist
 
 SAMPLES = 240  # train and validation images of the synthetic MNIST files: 4 steps of 60 per epoch
@@ -47,20 +48,20 @@ def test_zero_is_spelled_as_in_train_gpt(capsys):
         "meshwise train: error: --strategy is gone; ZeRO is --zero N (0|1|2|3), e.g. --zero 3\n"
     )
     with pytest.raises(ValueError, match=r"--zero must be 0, 1, 2 or 3 \(the ZeRO stage\), got 4"):
-        TrainConfig("mlp", zero=4).validate()
+        resolve(TrainConfig.from_flags("mlp", zero=4))
 
 
 @pytest.mark.slow
 def test_zero3_trains_like_ddp_and_reports_memory_per_rank(capsys):
     settings = {"model": "mlp", "nproc": 2, "epochs": 2, "backend": "gloo", "timeout": 100}
-    ddp = run_training(TrainConfig(**settings))
+    ddp = run_training(TrainConfig.from_flags(**settings))
     code, out, _ = _cli(capsys, "mlp", "-np", "2", "--epochs", "2", "--backend", "gloo", "--zero", "3")
     assert code == 0
     assert (
         "Strategy            = ZeRO-3 (sharded data parallel, --zero 3)" in out
         and "rank 1: parameters" in out
     )
-    zero = run_training(TrainConfig(**settings, zero=1))
+    zero = run_training(TrainConfig.from_flags(**settings, zero=1))
     assert zero.memory and zero.parameters == ddp.parameters
     for a, b in zip(ddp.history, zero.history, strict=True):
         assert a.train_loss == pytest.approx(b.train_loss, abs=1e-6)
@@ -72,7 +73,7 @@ def _train(data: str, directory: str, zero: int, resume: bool, epochs: list[int]
     """On each spawned rank: the cnn on ``data`` for ``epochs`` (0-based) of 2, checkpointing into
     ``directory``; a run that stops after epoch 0 is a job that died there, after its checkpoint."""
     with joined("gloo", timeout=60) as world:
-        config = TrainConfig(
+        config = TrainConfig.from_flags(
             "cnn", epochs=2, batch_size=GLOBAL_BATCH // world.world_size, lr_scaling=False, data_dir=data,
             checkpoint=directory, resume=resume, backend="gloo", zero=zero,
         )  # fmt: skip

@@ -125,5 +125,5 @@ def handler(args: argparse.Namespace) -> int:
         return 2
     flags = {k: v for k, v in vars(args).items() if k in _DEFAULTS}
     resume = resume_requested(args.checkpoint, args.resume)
-    config = TrainConfig.from_flags(model=args.model, **(flags | {"resume": resume}))
+    config = TrainConfig.from_flags(args.model, **(flags | {"resume": resume}))
     return run_training_command("train", args, lambda: run_training(config))

@@ -257,6 +257,12 @@ def add_parser(models: argparse._SubParsersAction) -> None:
         "to decode --sample; local files only (default: the --init-from folder's, else bytes)",
     )
     io.add_argument(
+        "--cache-dir",
+        default=d["cache_dir"],
+        metavar="DIR",
+        help="where the default corpus is built once and cached (default: meshwise's cache directory)",
+    )
+    io.add_argument(
         "--eval-every", type=int, default=d["eval_every"], help="validate every N steps (default %(default)s)"
     )
     io.add_argument(

@@ -56,10 +56,10 @@ class TrainConfig:
     profile: DebugProfileSection = field(default_factory=DebugProfileSection)
 
     @classmethod
-    def from_flags(cls, **flags: Any) -> TrainConfig:
-        """The config of these flags by argparse dest (``model="mlp", zero=1``): the one mapping from
-        ``meshwise train MODEL``'s flat flags to sections, used by the CLI and the tests."""
-        return from_flags(cls, flags)
+    def from_flags(cls, model: str, **flags: Any) -> TrainConfig:
+        """The config of ``meshwise train MODEL`` with these flags by argparse dest (``"mlp", zero=1``):
+        the one mapping from its flat flags to sections, used by the CLI and the tests."""
+        return from_flags(cls, {"model": model, **flags})
 
     @classmethod
     def flag_defaults(cls) -> dict[str, Any]:
