@@ -41,6 +41,7 @@ from meshwise.models.gpt import GPT, GPTConfig, gpt_config, language_model_loss
 from meshwise.runtime.spawn import spawn
 from meshwise.train.gpt import GPTTrainConfig
 from meshwise.train.gpt.parallelize import build_optimizer, parallelize
+from meshwise.train.gpt.resolve import resolve
 
 TARGETS = {"one process: ours / plain torch.nn": 1.02, "2 ranks: ours on shm / torch DDP on gloo": 0.80}
 #: the 2-rank configurations, timed in the same rounds
@@ -142,10 +143,11 @@ def _two_ranks(name: str, batch: int, seq: int, rounds: int, steps: int, warmup:
     for label in LABELS:
         torch.manual_seed(0)
         models[label] = GPT(config)
-    runner = parallelize(models["ours/shm"], world.mesh, train)
+    run = resolve(train)
+    runner = parallelize(models["ours/shm"], world.mesh, run)
     # A/B of the reducer's choice: the same DataParallel launching each bucket as soon as it is complete
     # (as over gloo), although the shm all-reduce blocks backward until the peer arrives
-    eager = parallelize(models["ours/shm, mid-backward"], world.mesh, train)
+    eager = parallelize(models["ours/shm, mid-backward"], world.mesh, run)
     eager.model._reducer._launch_during_backward = True
     wrapped = {
         "torch DDP/gloo": DistributedDataParallel(models["torch DDP/gloo"]),

@@ -28,7 +28,7 @@ from meshwise.runtime.memory import peak_resident_bytes
 from meshwise.runtime.spawn import spawn
 from meshwise.train.gpt import GPTTrainConfig
 from meshwise.train.gpt.loop import GPTTrainer
-from meshwise.train.gpt.resolve import resolve
+from meshwise.train.gpt.resolve import GPTRun, resolve
 
 #: layout → the flags of `meshwise train gpt -np 4`
 LAYOUTS: dict[str, dict] = {  # gpt-nano has 6 heads: tp splits them 2 (or 3) ways, never 4
@@ -61,12 +61,12 @@ def _flags(flags: dict) -> str:
     return " ".join(words)
 
 
-def _run(config: GPTTrainConfig) -> dict:
-    world = meshwise.init("gloo", timeout=600, mesh=config.mesh_shape(int(os.environ["WORLD_SIZE"])))
+def _run(run: GPTRun) -> dict:
+    world = meshwise.init("gloo", timeout=600, mesh=run.shape)
     try:
         before = peak_resident_bytes() or 0
-        trainer = GPTTrainer(world, resolve(config))
-        seconds = [trainer.train_step(step).seconds for step in range(config.optimizer.steps)]
+        trainer = GPTTrainer(world, run)
+        seconds = [trainer.train_step(step).seconds for step in range(run.config.optimizer.steps)]
         allocated = trainer.memory.stop()["allocated"]  # this rank's, above torch's own
         return {"seconds": seconds, "peak_rss_growth": (peak_resident_bytes() or 0) - before,
                 "peak_allocated": allocated}  # fmt: skip
@@ -87,8 +87,8 @@ def main() -> None:
         flags = LAYOUTS[name]
         settings = {"config": "gpt-nano", "data": data, "seq_len": 128, "global_batch": 8,
                     "steps": args.steps, "warmup": 1, "backend": "gloo", "nproc": 4}  # fmt: skip
-        config = resolve(GPTTrainConfig.from_flags(**(settings | flags)))
-        results = spawn(_run, config.mesh.nproc or 4, args=(config,), timeout=1200)
+        run = resolve(GPTTrainConfig.from_flags(**(settings | flags)))
+        results = spawn(_run, run.world_size, args=(run,), timeout=1200)
         rows[name] = {
             "command": f"meshwise train gpt {_flags({'nproc': 4} | flags)} --seq-len 128 --global-batch 8",
             "step_seconds": statistics.median(results[0]["seconds"][1:]),

@@ -33,6 +33,7 @@ from meshwise.models.gpt import CONFIGS, GPT
 from meshwise.runtime.spawn import spawn
 from meshwise.train.gpt import GPTTrainConfig, checkpoint
 from meshwise.train.gpt.parallelize import ParallelStep, parallelize
+from meshwise.train.gpt.resolve import resolve
 
 LAYOUTS = {"dp": MeshShape(dp=2), "pp": MeshShape(pp=2)}
 
@@ -54,7 +55,7 @@ def _runner(name: str, meshes: dict[str, Mesh], config_name: str, batch: int) ->
         micro_batches=micro_batches,
     )
     torch.manual_seed(0)
-    return parallelize(GPT(CONFIGS[config_name]), meshes[name], config)
+    return parallelize(GPT(CONFIGS[config_name]), meshes[name], resolve(config))
 
 
 def _tensors(runner: ParallelStep) -> dict[str, torch.Tensor]:
