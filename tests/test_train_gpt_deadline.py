@@ -28,7 +28,7 @@ def test_training_has_no_job_deadline_by_default_but_keeps_the_hang_timeout():
     assert args.timeout is None
     config = GPTTrainConfig.from_flags(timeout=args.timeout)
     assert config.mesh.comm_timeout == DEFAULT_TIMEOUT_S  # a dead peer is still named within minutes
-    assert GPTTrainConfig.from_flags(timeout=30.0).comm_timeout == 30.0
+    assert GPTTrainConfig.from_flags(timeout=30.0).mesh.comm_timeout == 30.0
 
 
 @pytest.mark.parametrize("ranks", ["1", "2"])
