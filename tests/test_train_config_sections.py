@@ -8,6 +8,7 @@ import argparse
 import builtins
 import os
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from meshwise.cli import build_parser
 from meshwise.train import WORKLOADS, TrainConfig
 from meshwise.train.gpt import GPTTrainConfig
 from meshwise.train.gpt.resolve import resolve
+from meshwise.train.sections import sections_of
 
 #: parser dests that steer the command rather than the run (argparse's own, --auto, the retired --strategy)
 NOT_SETTINGS = {"help", "func", "command", "model", "auto", "strategy"}
@@ -49,6 +51,12 @@ def test_every_parser_default_is_the_dataclass_default(model: str) -> None:
 def test_zero_is_one_flag_in_both_commands(model: str) -> None:
     parser = _subparser(build_parser("train"), "train", model)
     assert vars(parser.parse_args(["--zero", "2"]))["zero"] == 2
+
+
+@pytest.mark.parametrize("config", [GPTTrainConfig, TrainConfig])
+def test_no_two_sections_share_a_flag(config: type) -> None:
+    names = [f.name for section in sections_of(config).values() for f in fields(section)]
+    assert len(names) == len(set(names)) == len(config.flag_defaults())
 
 
 def test_from_flags_is_the_one_mapping_to_sections() -> None:
