@@ -26,10 +26,14 @@ def _model_busbw(run: RunResult, rows: Sequence[Row], calibration: Calibration) 
     link = world.native if run.algorithm == "native" else world.intra
     factor = bus_factor(run.collective, run.world_size)
     try:
-        seconds = [predict_seconds(run.collective, run.algorithm, r.size, run.world_size, link) for r in rows]
+        seconds = [
+            predict_seconds(run.collective, run.algorithm, r.size, run.world_size, link) for r in rows
+        ]
     except (KeyError, ValueError):  # sendrecv, auto, hierarchical: no single-link formula
         return None
-    return [r.size / s / 1e9 * factor if s > 0 else float("nan") for r, s in zip(rows, seconds, strict=True)]
+    return [
+        r.size / s / 1e9 * factor if s > 0 else float("nan") for r, s in zip(rows, seconds, strict=True)
+    ]
 
 
 def plot_runs(

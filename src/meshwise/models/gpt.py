@@ -268,15 +268,8 @@ class GPT(nn.Module):
         return self.logits(x)
 
     @torch.no_grad()
-    def generate(
-        self,
-        tokens: torch.Tensor,
-        new_tokens: int,
-        *,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        generator: torch.Generator | None = None,
-    ) -> torch.Tensor:
+    def generate(self, tokens: torch.Tensor, new_tokens: int, *, temperature: float = 1.0,
+                 top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
         """Sample ``new_tokens`` continuations of (batch, seq) prompts, cropping to the context window."""
         for _ in range(new_tokens):
             window = tokens[:, -self.config.seq_len :]
