@@ -13,8 +13,10 @@ What a ParallelStep must guarantee, so the loop and its tests stay valid for eve
   *global* batch — the dp ranks' micro-batches together — and returns this rank's mean micro-batch loss;
 - ``clip_grad_norm(max_norm)`` clips by the norm of the *whole* model's gradient (a sharded strategy
   reduces the squares of its shards) and returns that norm;
-- ``state_dict()`` / ``load_state_dict()`` give model and optimizer state keyed by the plain model's
-  parameter names (DCP reshards between layouts by those names);
+- ``held()`` describes what the rank holds as pieces of the plain model's tensors (by default from the
+  :attr:`~ParallelStep.placements`; ZeRO gives its flat rectangles), from which ``state_dict()`` /
+  ``load_state_dict()`` — written once, here — give model and optimizer state keyed by the plain model's
+  names, each rank's own pieces only (DCP reshards between layouts by those names);
 - ``full_model()`` on rank 0 returns a module whose ``generate`` works (for ``--sample``), unless
   ``sampling_model()`` is overridden (a strategy whose full model would be costly to assemble early).
 
@@ -34,7 +36,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from meshwise.comm.api import Communicator
 from meshwise.comm.mesh import Mesh
@@ -52,8 +53,9 @@ from meshwise.parallel.expert_parallel import (
 )
 from meshwise.parallel.placement import Placement, clip_gradients_, place
 from meshwise.parallel.plan import ParallelPlan
+from meshwise.parallel.state_dict import Held, PlainLayout, finish_load, held_parameters, sharded_state_dict
 from meshwise.parallel.tensor_parallel import full_tensors
-from meshwise.train.gpt import tensor_parallel_state
+from meshwise.parallel.zero import LossScaler
 from meshwise.train.gpt.config import GPTTrainConfig
 from meshwise.train.gpt.context_parallel import check_context_parallel_config, plain_copy
 from meshwise.train.gpt.optimizer import build_optimizer
@@ -69,6 +71,10 @@ class ParallelStep(ABC):
     model: nn.Module  # what this rank holds and runs forward on
     optimizer: torch.optim.Optimizer
     profiler: StepProfiler | None = None  # set by the loop under --profile
+    scaler: LossScaler | None = None  # fp16's loss scaler (its state joins the checkpoint)
+    #: the plain model's names, shapes and optimizer groups: what checkpoints are keyed by (set by
+    #: :func:`parallelize`, from the model before any strategy cut it)
+    plain: PlainLayout
 
     #: this rank's parameters under the plain model's names, with where each lies on the mesh; a strategy
     #: that keeps them (not ZeRO's flat shards) sets it, and :meth:`clip_grad_norm` needs nothing else
@@ -155,17 +161,23 @@ class ParallelStep(ABC):
         """Strategy-specific lines for the run's summary (collective: every rank calls it at the end)."""
         return []
 
+    def held(self) -> list[Held]:
+        """What this rank's optimizer steps, as pieces of the plain model's tensors: each parameter of
+        :attr:`placements` whole, or its tensor-parallel slice (a sharded strategy gives its own)."""
+        return held_parameters(self.placements.values(), self.plain, self.mesh.coordinates["tp"])
+
     def state_dict(self) -> dict[str, Any]:
-        model, optim = get_state_dict(self.full_model(), self.optimizer)
-        return {"model": model, "optim": optim}
+        """Model and AdamW state under the plain model's names, views of this rank's own pieces
+        (:func:`~meshwise.parallel.state_dict.sharded_state_dict`), and fp16's loss scale."""
+        module = getattr(self.model, "module", self.model)  # inside a DataParallel / ZeRO wrapper
+        state = sharded_state_dict(self.held(), self.optimizer, module, self.plain)
+        return state | ({"scaler": self.scaler.state_dict()} if self.scaler is not None else {})
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        set_state_dict(
-            self.full_model(),
-            self.optimizer,
-            model_state_dict=state["model"],
-            optim_state_dict=state["optim"],
-        )
+        """Finish a ``dcp.load`` into :meth:`state_dict`'s views (of a checkpoint of any layout)."""
+        finish_load(self.held())
+        if self.scaler is not None:
+            self.scaler.load_state_dict(state["scaler"])
 
 
 @dataclass(frozen=True)
@@ -258,34 +270,16 @@ class DataParallelStep(ParallelStep):
             return self._shape_model
         if self.sharded.tp.world_size == 1:
             return self.local
-        return tensor_parallel_state.full_model(self.local, self.sharded.tp)
+        return gather_model(self.local, self.sharded.tp)
 
     def sampling_model(self) -> GPT:
         """Under ``--ep``, the plain GPT on every rank: tp shards and every rank's experts gathered
         (collective over tp and ep); under ``--cp`` a plain copy (the model's own attention is collective
         over its cp group)."""
         if self.ep > 1:
-            return gather_expert_model(self.local, self.sharded.tp, self.mesh.ep)
+            return gather_model(self.local, self.sharded.tp, self.mesh.ep)
         full = self.full_model()
         return plain_copy(full) if full is self.local and self.mesh.cp.world_size > 1 else full
-
-    def state_dict(self) -> dict[str, Any]:
-        """Model and AdamW state under the plain model's names; under ``--ep`` each rank's experts only,
-        which DCP writes once per name, so the checkpoint holds every expert."""
-        if self.sharded.tp.world_size == 1:
-            model, optim = get_state_dict(self.local, self.optimizer)
-            return {"model": model, "optim": optim}
-        return tensor_parallel_state.tensor_parallel_state_dict(self.local, self.optimizer, self.sharded.tp)
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if self.sharded.tp.world_size == 1:
-            set_state_dict(
-                self.local, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
-            )
-        else:
-            tensor_parallel_state.load_tensor_parallel_state_dict(
-                self.local, self.optimizer, state, self.sharded.tp
-            )
 
 
 @contextmanager
@@ -297,10 +291,13 @@ def _exchange_step(timer: ExchangeTimer, steps: list[dict[str, float]]) -> Itera
         steps.append({part: timer.seconds[part] - before[part] for part in before})
 
 
-def gather_expert_model(local: GPT, tp: Communicator, ep: Communicator) -> GPT:
-    """The plain GPT from this rank's tp shard and ep experts, on every rank (collective over tp, ep)."""
+@torch.no_grad()
+def gather_model(local: GPT, tp: Communicator, ep: Communicator | None = None) -> GPT:
+    """The plain GPT from this rank's tp shard (and, given ``ep``, every ep rank's experts), on every rank
+    (collective over tp, and ep)."""
     state = local.state_dict() if tp.world_size == 1 else full_tensors(local, tp)
-    state |= full_expert_state(local, ep)
+    if ep is not None:
+        state |= full_expert_state(local, ep)
     full = GPT(local.config).to(next(local.parameters()).device)
     full.load_state_dict(state, strict=False)  # the tied head is wte
     return full
@@ -348,6 +345,10 @@ def parallelize(model: GPT, mesh: Mesh, config: GPTTrainConfig) -> ParallelStep:
     over DTensor TP).
     """
     check_supported(config)
+    with torch.device("meta"):  # the plain model's names and groups, before the strategies cut it
+        shape = GPT(model.config)
+        plain = PlainLayout.of(shape, build_optimizer(shape, config))
     step = step_class(config)(shard_layers(model, mesh, config), mesh, config)
+    step.plain = plain
     recompute_step(step.model, config)  # 4. --recompute: on the blocks this rank runs, whatever cut them
     return step
