@@ -2,7 +2,8 @@
 (stage 2, flat groups of other sizes) and on 1 (stage 1), and read it into the plain model with torch alone.
 
 Each rank writes only its shards (:func:`~meshwise.parallel.zero.state_dict.zero_held` describes them to
-:func:`~meshwise.parallel.state_dict.sharded_state_dict`, whose tensors are views of them); loading asks for the ranges the new layout needs. The model is float64, so runs over
+:func:`~meshwise.parallel.state_dict.sharded_state_dict`, whose tensors are views of them); loading asks
+for the ranges the new layout needs. The model is float64, so runs over
 different world sizes differ only by reduction order (≈1e-16) and "the same losses" can be checked tightly.
 """
 
@@ -19,8 +20,8 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import meshwise
 from meshwise.models.gpt import GPT, GPTConfig, language_model_loss
-from meshwise.parallel.zero import shard
 from meshwise.parallel.state_dict import finish_load, sharded_state_dict
+from meshwise.parallel.zero import shard
 from meshwise.parallel.zero.state_dict import zero_held, zero_layout
 from meshwise.runtime.spawn import spawn
 

@@ -29,11 +29,18 @@ parameter is up to ``2·N − 1`` rectangles, which no DTensor placement describ
 protocol defers to its local tensor, and ``LocalShardsWrapper`` holds several rectangles with their
 offsets. DCP writes exactly these chunks as plain tensor chunks, which ``dcp_to_torch_save`` reads with
 torch alone (no deprecated ``ShardedTensor``).
+
+The same descriptions reassemble the plain model (:func:`gather_plain`, for ``--sample``,
+``--export-hf`` and parity checks): every rank writes the chunks it *counts* (its Held's
+:meth:`~meshwise.parallel.placement.Placement.counted_at`: the first replica along every axis the tensor
+is replicated over, never a tied copy) into zeros, and one all-reduce over the job sums them. Each element
+is written by exactly one rank, so the sum is exact; whatever the layout (tp, pp stages, ep experts, ZeRO
+ranges, any mix), no strategy gathers its own way.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +52,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 
+from meshwise.comm.api import Communicator, ReduceOp
 from meshwise.parallel.optimizer_state import init_optimizer_state
 from meshwise.parallel.placement import Placement
 
@@ -66,11 +74,13 @@ class Part:
 @dataclass(frozen=True)
 class Held:
     """A tensor the optimizer steps (a parameter, or ZeRO's flat master shard) and the plain tensors it
-    holds parts of; ``loaded`` runs after a ``dcp.load`` wrote into it (ZeRO: refresh compute copies)."""
+    holds parts of; ``loaded`` runs after a ``dcp.load`` wrote into it (ZeRO: refresh compute copies);
+    ``placement``: how it lies on the mesh, which says whether this rank counts it (:func:`gather_plain`)."""
 
     tensor: torch.Tensor
     parts: tuple[Part, ...]
     loaded: Callable[[], None] | None = None
+    placement: Placement | None = None
 
 
 @dataclass(frozen=True)
@@ -133,7 +143,8 @@ def held_parameters(
         def cut(tensor: torch.Tensor, p: Placement = placement, s: torch.Size = shape) -> list[Chunk]:
             return plain_chunks([(tensor, (0,) * tensor.dim())], tensor.shape, p, s, tp_rank)
 
-        held.append(Held(param, (Part(placement.name, cut, divided=placement.tp_dim is not None),)))
+        part = Part(placement.name, cut, divided=placement.tp_dim is not None)
+        held.append(Held(param, (part,), placement=placement))
     return held
 
 
@@ -175,6 +186,33 @@ def finish_load(held: Sequence[Held]) -> None:
     for entry in held:
         if entry.loaded is not None:
             entry.loaded()
+
+
+@torch.no_grad()
+def gather_plain(
+    held: Sequence[Held], plain: PlainLayout, coordinates: Mapping[str, int], job: Communicator
+) -> dict[str, torch.Tensor]:
+    """Collective over ``job`` (every rank of the mesh): the plain model's parameters, whole, on every
+    rank, keyed like its state dict (tied keys share a tensor; buffers are not parameters: a fresh plain
+    model's own). Each rank writes the chunks of the Held it counts into zeros (float32, on the held
+    tensors' device) and one all-reduce sums them."""
+    keys = [name for names in plain.group_names for name in names]  # every parameter, once
+    sizes = [plain.shapes[key].numel() for key in keys]
+    device = held[0].tensor.device if held else torch.device("cpu")
+    flat = torch.zeros(sum(sizes), dtype=torch.float32, device=device)
+    whole = {key: piece.view(plain.shapes[key]) for key, piece in zip(keys, flat.split(sizes), strict=True)}
+    for entry in held:
+        if entry.placement is not None and not entry.placement.counted_at(coordinates):
+            continue
+        for part in entry.parts:
+            target = whole[plain.canonical[part.name]]
+            for view, offsets in part.cut(entry.tensor.detach()):
+                box = target
+                for dim, (start, size) in enumerate(zip(offsets, view.shape, strict=True)):
+                    box = box.narrow(dim, start, size)
+                box.copy_(view)
+    job.all_reduce(flat, ReduceOp.SUM)
+    return {key: whole[plain.canonical[key]] for key in plain.shapes if plain.canonical[key] in whole}
 
 
 def _per_element(value: Any, held: torch.Tensor) -> bool:

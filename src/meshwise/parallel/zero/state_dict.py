@@ -13,7 +13,7 @@ Model-agnostic: used by ``train mlp|cnn|deep-mlp --zero N`` and ``train gpt --ze
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from functools import partial
 
 import torch
@@ -30,10 +30,12 @@ def zero_held(
     plain: PlainLayout | None = None,
     placements: Mapping[str, Placement] | None = None,
     tp_rank: int = 0,
+    group_placements: Sequence[Placement] | None = None,
 ) -> list[Held]:
     """Every flat group of ``zero`` as the rectangles of its range of each parameter. ``plain``: the plain
     model's shapes (default: the local parameters' own); ``placements``: by local name (default: each
-    parameter whole, as without tensor parallelism); ``tp_rank``: this rank's tp coordinate."""
+    parameter whole, as without tensor parallelism); ``tp_rank``: this rank's tp coordinate;
+    ``group_placements``: each flat group's (its shard's axes, for a gather's counting)."""
     # a step's refresh started all-gathers (stages 1/2) whose input is this rank's slot of the full
     # buffer — the master shard a load writes into: they must land first, or one landing after the load
     # puts the pre-load values back into the slot
@@ -46,7 +48,8 @@ def zero_held(
             shape = plain.shapes[name] if plain is not None else param.shape
             cut = partial(_rectangles, group, index, placement, tuple(shape), tp_rank)
             parts.append(Part(name, cut, divided=True))
-        held.append(Held(group.master, tuple(parts), loaded=group.refresh))
+        where = group_placements[len(held)] if group_placements is not None else None
+        held.append(Held(group.master, tuple(parts), loaded=group.refresh, placement=where))
     return held
 
 

@@ -17,7 +17,7 @@ seam's contract asks of a sharded strategy, and how it is met here:
   fed with the rectangles of this rank's flat ranges (:meth:`ZeroStep.held`): the plain model's names and
   shapes, so a run resumes under any stage, as plain data parallelism, or on another number of ranks,
   while every rank writes and reads only its own elements (never a whole tensor, never padding);
-- ``full_model()`` gathers a plain GPT (collective: every rank calls it; ``--sample`` uses rank 0's).
+- ``full_model()`` is the seam's gather of the same rectangles (collective: every rank calls it).
 
 With ``--ep`` (a mixture of experts whose experts are spread over ep ranks) two kinds of weights are
 replicated over different ranks: the dense ones over ``mesh.replicas`` (dp·ep·cp), a rank's E/ep experts
@@ -40,13 +40,11 @@ import torch
 from torch import nn
 
 from meshwise.comm.mesh import GROUPINGS, Mesh
-from meshwise.models.gpt import GPT
 from meshwise.models.moe import with_auxiliary_losses
 from meshwise.parallel.expert_parallel import is_expert_parameter
 from meshwise.parallel.placement import Placement, clip_gradients_, place
 from meshwise.parallel.state_dict import Held
 from meshwise.parallel.tensor_parallel import shard_dim
-from meshwise.parallel.tensor_parallel.shards import gather_full
 from meshwise.parallel.zero import LossScaler, shard
 from meshwise.parallel.zero.memory import rank_lines
 from meshwise.parallel.zero.replicas import ReplicaGroup
@@ -54,7 +52,7 @@ from meshwise.parallel.zero.sharded import ShardedModel
 from meshwise.parallel.zero.state_dict import zero_held
 from meshwise.train.gpt.config import GPTTrainConfig
 from meshwise.train.gpt.optimizer import adamw, decays
-from meshwise.train.gpt.parallelize import Batch, LayerSharded, ParallelStep, gather_model
+from meshwise.train.gpt.parallelize import Batch, LayerSharded, ParallelStep
 
 #: The axes ZeRO shards over: ``mesh.replicas``, the ranks holding the same weights (dp, and cp whose
 #: ranks see other tokens of the same sequences).
@@ -130,22 +128,6 @@ class ZeroStep(ParallelStep):
     def eval_loss_sum(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return self._loss(inputs, targets, reduction="sum")
 
-    def full_model(self) -> GPT:
-        """The plain GPT (collective: gathered over dp by ZeRO, then over tp; under ``--ep`` the compute
-        copies gathered over the replicas, tp and ep — the master weights themselves in fp32)."""
-        if self.ep > 1:
-            with self.model.gathered():
-                self.model.wait_gathered()
-                return gather_model(self.model.module, self.tp, self.mesh.ep)
-        full = GPT(self.config).to(self.device)
-        state = self.model.state_dict()
-        if self.tp.world_size > 1:
-            params = self.model.module.state_dict(keep_vars=True)
-            shapes = full.state_dict()
-            state = {key: gather_full(state[key], params[key], self.tp, shapes[key].shape) for key in state}
-        full.load_state_dict(state)
-        return full
-
     def summary_lines(self) -> list[str]:
         """The per-rank memory report beside the ZeRO formula, and (fp16) the loss scale."""
         mixed = self.model.precision is not None
@@ -156,7 +138,9 @@ class ZeroStep(ParallelStep):
     def held(self) -> list[Held]:
         """The rectangles of this rank's flat ranges, tp shards placed at this tp rank's slice."""
         placements = place(self.model.module.named_parameters())  # each parameter's tp cut
-        return zero_held(self.model, self.plain, placements, self.mesh.coordinates["tp"])
+        return zero_held(
+            self.model, self.plain, placements, self.mesh.coordinates["tp"], self._shard_placements
+        )
 
 
 def skipped_for_overflow(scaler: LossScaler | None, model: ShardedModel) -> bool:
