@@ -134,6 +134,8 @@ RESUMES = {
     "tp2 → zero1·pp2·tp2": ({"nproc": 2, "tp": 2}, {"zero": 1, "pp": 2, "tp": 2}),
     "zero3·pp2 → dp2": ({"zero": 3, "pp": 2}, {"nproc": 2}),
     "dp2 → zero3·pp2": ({"nproc": 2}, {"zero": 3, "pp": 2}),
+    "tp2·pp2 → tp4": ({"tp": 2, "pp": 2}, {"tp": 4}),
+    "tp4 → zero3·tp2": ({"tp": 4}, {"zero": 3, "tp": 2}),
 }
 
 
@@ -164,3 +166,29 @@ def test_a_checkpoint_is_read_by_torch_alone_into_a_plain_gpt(text: str, tmp_pat
         loss = language_model_loss(model(inputs), targets).item()
     assert loss == pytest.approx(run["losses"][RESUME_AT], abs=LOSS_TOLERANCE)
     assert set(state["optim"]["state"]) == {n for n, _ in model.named_parameters()}
+
+
+def test_a_tensor_parallel_checkpoint_holds_each_ranks_own_slice_only(text: str, tmp_path) -> None:
+    """--tp 2: each rank writes its own shard of a tp-sharded weight and of its AdamW moments — chunks of
+    the local shard's size at that rank's offset, in that rank's file — never a whole tensor gathered
+    over tp; a replicated weight is written once, whole. Every tensor's chunks tile it exactly."""
+    import torch.distributed.checkpoint as dcp
+
+    root = str(tmp_path)
+    spawn(_train, 2, args=(text, root, {"nproc": 2, "tp": 2}, False), timeout=110)
+    metadata = dcp.FileSystemReader(f"{root}/ckpt/step-{RESUME_AT:06d}").read_metadata()
+    files = {(index.fqn, index.offset): item.relative_path for index, item in metadata.storage_data.items()}
+
+    def chunks(key: str) -> list[tuple[tuple[int, ...], tuple[int, ...], str]]:
+        found = metadata.state_dict_metadata[key].chunks
+        return sorted((tuple(c.offsets), tuple(c.sizes), files[key, c.offsets]) for c in found)
+
+    for key in ("model.blocks.0.mlp.fc.weight", "optim.state.blocks.0.mlp.fc.weight.exp_avg"):
+        (first, size, file0), (second, size1, file1) = chunks(key)  # column-parallel: rows cut in two
+        assert size == size1 == (128, 64) and first == (0, 0) and second == (128, 0), chunks(key)
+        assert file0 != file1  # each rank its own
+    ((offset, size, _),) = chunks("model.blocks.0.ln1.weight")  # replicated over tp: once, whole
+    assert offset == (0,) and size == (64,)
+    for key, entry in metadata.state_dict_metadata.items():
+        if hasattr(entry, "chunks") and entry.size.numel() > 0:
+            assert sum(c.sizes.numel() for c in entry.chunks) == entry.size.numel(), key

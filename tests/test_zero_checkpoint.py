@@ -1,8 +1,9 @@
 """ZeRO's state dict under the plain model's names, through DCP: save on 4 ranks (stage 3), continue on 2
 (stage 2, flat groups of other sizes) and on 1 (stage 1), and read it into the plain model with torch alone.
 
-Each rank writes only its shards (:func:`~meshwise.parallel.zero.state_dict.zero_state_dict`'s tensors
-are views of them); loading asks for the ranges the new layout needs. The model is float64, so runs over
+Each rank writes only its shards (:func:`~meshwise.parallel.zero.state_dict.zero_held` describes them to
+:func:`~meshwise.parallel.state_dict.sharded_state_dict`, whose tensors are views of them); loading asks
+for the ranges the new layout needs. The model is float64, so runs over
 different world sizes differ only by reduction order (≈1e-16) and "the same losses" can be checked tightly.
 """
 
@@ -19,8 +20,9 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import meshwise
 from meshwise.models.gpt import GPT, GPTConfig, language_model_loss
+from meshwise.parallel.state_dict import finish_load, sharded_state_dict
 from meshwise.parallel.zero import shard
-from meshwise.parallel.zero.state_dict import load_zero_state_dict, zero_state_dict
+from meshwise.parallel.zero.state_dict import zero_held, zero_layout
 from meshwise.runtime.spawn import spawn
 
 CONFIG = GPTConfig(layers=2, hidden=16, heads=2, seq_len=8, vocab=29)
@@ -51,6 +53,11 @@ def _step(model, optimizer, comm, step: int) -> float:
     return total.item()
 
 
+def zero_state_dict(model, optimizer) -> dict:
+    """The checkpoint state of a ZeRO model not cut by any other strategy."""
+    return sharded_state_dict(zero_held(model), optimizer, model.module, zero_layout(model, optimizer))
+
+
 def _first_run(directory: str) -> list[float]:
     """4 ranks, stage 3: train, checkpoint after SAVED_AT steps, keep going to TOTAL (uninterrupted)."""
     comm = meshwise.init("gloo", timeout=60).comm
@@ -71,7 +78,7 @@ def _resume(directory: str, stage: int) -> list[float]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     state = zero_state_dict(model, optimizer)
     dcp.load(state, checkpoint_id=os.path.join(directory, "ckpt"))
-    load_zero_state_dict(model, optimizer, state)
+    finish_load(zero_held(model))
     losses = [_step(model, optimizer, comm, s) for s in range(SAVED_AT, TOTAL)]
     meshwise.shutdown()
     return losses
@@ -117,7 +124,7 @@ def _save_and_load_warning_free(directory: str) -> dict[str, object]:
                 optimizer.state[group.master]["exp_avg"].zero_()
             loaded = zero_state_dict(model, optimizer)
             dcp.load(loaded, checkpoint_id=directory)
-            load_zero_state_dict(model, optimizer, loaded)
+            finish_load(zero_held(model))
         restored = all(  # every element but the padding, which is never written
             torch.equal(g.master[p], master[p])
             and torch.equal(optimizer.state[g.master]["exp_avg"][p], moment[p])

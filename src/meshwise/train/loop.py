@@ -24,14 +24,15 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from meshwise.comm.api import ReduceOp
 from meshwise.data import DistributedSampler, Splits
 from meshwise.parallel import DataParallel
+from meshwise.parallel.placement import Placement
+from meshwise.parallel.state_dict import Held, PlainLayout, finish_load, held_parameters, sharded_state_dict
 from meshwise.parallel.zero import ShardedModel, shard
 from meshwise.parallel.zero.memory import rank_lines
-from meshwise.parallel.zero.state_dict import load_zero_state_dict, zero_state_dict
+from meshwise.parallel.zero.state_dict import zero_held, zero_layout
 from meshwise.train import checkpoint
 from meshwise.train.checkpoint import TRAIN_FORMAT, run_file
 from meshwise.train.config import TrainConfig
@@ -94,26 +95,23 @@ class Trainer:
         self.profiler = StepProfiler(recorder, synchronize=world.device) if profiling else None
 
     # ------------------------------------------------------------------ checkpoints
-    def state_dict(self) -> dict[str, Any]:
-        """Model and optimizer state under the plain model's names — ``{"model": ..., "optim": ...}`` as
-        torch's ``get_state_dict`` gives it — for every stage: ZeRO's tensors are views of this rank's
-        shards (DCP writes and reads only those), DataParallel's the replicas (DCP writes each once)."""
+    def _held(self) -> list[Held]:
+        """ZeRO's flat rectangles, or DataParallel's whole replicas (DCP writes each once)."""
         if isinstance(self.model, ShardedModel):
-            return zero_state_dict(self.model, self.optimizer)
-        model, optim = get_state_dict(self.model.module, self.optimizer)
-        return {"model": model, "optim": optim}
+            return zero_held(self.model)
+        plain = PlainLayout.of(self.model.module)
+        placed = ((p, Placement(n)) for n, p in self.model.module.named_parameters())
+        return held_parameters(placed, plain, tp_rank=0)
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Finish a load into :meth:`state_dict`'s dict (filled in place by ``dcp.load``)."""
+    def state_dict(self) -> dict[str, Any]:
+        """Model and optimizer state under the plain model's names (``{"model": ..., "optim": ...}``), for
+        every stage views of what this rank holds (:mod:`meshwise.parallel.state_dict`): DCP writes and
+        reads only those."""
         if isinstance(self.model, ShardedModel):
-            load_zero_state_dict(self.model, self.optimizer, state)
+            plain = zero_layout(self.model, self.optimizer)
         else:
-            set_state_dict(
-                self.model.module,
-                self.optimizer,
-                model_state_dict=state["model"],
-                optim_state_dict=state["optim"],
-            )
+            plain = PlainLayout.of(self.model.module, self.optimizer)
+        return sharded_state_dict(self._held(), self.optimizer, self.model.module, plain)
 
     def _restore(self) -> None:
         """Model and optimizer (any layout's checkpoint), sampler, generator, epoch, step and history."""
@@ -122,7 +120,7 @@ class Trainer:
         check_dataset(run.get("dataset"), self.splits.name, str(run_file(self.config.output.checkpoint)))
         state = self.state_dict()
         checkpoint.load(self.config.output.checkpoint, state, TRAIN_FORMAT, "training ")
-        self.load_state_dict(state)
+        finish_load(self._held())  # dcp.load wrote every tensor in place
         self.sampler.load_state_dict(run["sampler"])
         torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(run["rng"])), dtype=torch.uint8))
         self.first_epoch = self.kept_epoch = int(run["epoch"])

@@ -22,7 +22,6 @@ from meshwise.parallel.expert_parallel.exchange import (
 from meshwise.parallel.expert_parallel.placement import (
     apply_expert_parallel,
     check_expert_parallel,
-    full_expert_state,
     is_expert_parameter,
     local_experts,
 )
@@ -38,7 +37,6 @@ __all__ = [
     "apply_expert_parallel",
     "check_expert_parallel",
     "exchange_rows",
-    "full_expert_state",
     "is_expert_parameter",
     "local_experts",
     "moe_report",

@@ -9,7 +9,6 @@ data ranks, experts over the D/ep ranks holding the same ones — is
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from meshwise.comm.api import Communicator
@@ -50,30 +49,6 @@ def apply_expert_parallel(model: nn.Module, ep_comm: Communicator) -> nn.Module:
             del layer.experts[name]
         layer.exchange = AllToAllExchange(ep_comm, layer.num_experts)
     return model
-
-
-@torch.no_grad()
-def full_expert_state(model: nn.Module, ep_comm: Communicator) -> dict[str, torch.Tensor]:
-    """Every expert's parameters of every MoE layer of ``model`` under the plain model's names, on every
-    rank (collective over ``ep_comm``: each rank broadcasts its block of experts, one tensor per layer)."""
-    ep, state = ep_comm.world_size, {}
-    layers = {id(layer) for layer in expert_layers(model)}
-    for prefix, layer in [(n, m) for n, m in model.named_modules() if id(m) in layers]:
-        template = next(iter(layer.experts.values()))
-        shapes = [(name, p.shape) for name, p in template.named_parameters()]
-        size = sum(shape.numel() for _, shape in shapes)
-        for owner in range(ep):
-            held = local_experts(layer.num_experts, ep, owner)
-            if owner == ep_comm.rank:
-                flat = torch.cat([p.reshape(-1) for e in held for p in layer.experts[str(e)].parameters()])
-            else:
-                flat = next(template.parameters()).new_empty(len(held) * size)
-            ep_comm.broadcast(flat, owner)
-            pieces = iter(flat.split([shape.numel() for _ in held for _, shape in shapes]))
-            for e in held:
-                for name, shape in shapes:
-                    state[f"{prefix}.experts.{e}.{name}".lstrip(".")] = next(pieces).view(shape).clone()
-    return state
 
 
 def is_expert_parameter(name: str) -> bool:

@@ -13,10 +13,13 @@ What a ParallelStep must guarantee, so the loop and its tests stay valid for eve
   *global* batch — the dp ranks' micro-batches together — and returns this rank's mean micro-batch loss;
 - ``clip_grad_norm(max_norm)`` clips by the norm of the *whole* model's gradient (a sharded strategy
   reduces the squares of its shards) and returns that norm;
-- ``state_dict()`` / ``load_state_dict()`` give model and optimizer state keyed by the plain model's
-  parameter names (DCP reshards between layouts by those names);
-- ``full_model()`` on rank 0 returns a module whose ``generate`` works (for ``--sample``), unless
-  ``sampling_model()`` is overridden (a strategy whose full model would be costly to assemble early).
+- ``held()`` describes what the rank holds as pieces of the plain model's tensors (by default from the
+  :attr:`~ParallelStep.placements`; ZeRO gives its flat rectangles), from which ``state_dict()`` /
+  ``load_state_dict()`` — written once, here — give model and optimizer state keyed by the plain model's
+  names, each rank's own pieces only (DCP reshards between layouts by those names);
+- ``full_model()`` returns the plain GPT (for ``--sample``, ``--export-hf`` and parity checks), reassembled
+  from the same descriptions as the checkpoint (collective over the job: every rank calls it and gets it),
+  or the rank's own model where it holds it whole; ``sampling_model()`` is what generation runs on.
 
 Under ``--profile`` the loop sets ``profiler`` and times the whole ``forward_backward`` as one phase, so
 a new strategy is profiled from its first day (communication carved out by the flight recorders); it
@@ -34,11 +37,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from meshwise.comm.api import Communicator
 from meshwise.comm.mesh import Mesh
-from meshwise.models.gpt import GPT, language_model_loss
+from meshwise.models.gpt import GPT, GPTConfig, language_model_loss
 from meshwise.models.gpt_plan import gpt_plan
 from meshwise.models.moe import moe_layers, with_auxiliary_losses
 from meshwise.parallel import DataParallel
@@ -47,13 +49,19 @@ from meshwise.parallel.expert_parallel import (
     ExchangeTimer,
     ExpertDataParallel,
     apply_expert_parallel,
-    full_expert_state,
     is_expert_parameter,
 )
 from meshwise.parallel.placement import Placement, clip_gradients_, place
 from meshwise.parallel.plan import ParallelPlan
-from meshwise.parallel.tensor_parallel import full_tensors
-from meshwise.train.gpt import tensor_parallel_state
+from meshwise.parallel.state_dict import (
+    Held,
+    PlainLayout,
+    finish_load,
+    gather_plain,
+    held_parameters,
+    sharded_state_dict,
+)
+from meshwise.parallel.zero import LossScaler
 from meshwise.train.gpt.config import GPTTrainConfig
 from meshwise.train.gpt.context_parallel import check_context_parallel_config, plain_copy
 from meshwise.train.gpt.optimizer import build_optimizer
@@ -70,6 +78,11 @@ class ParallelStep(ABC):
     model: nn.Module  # what this rank holds and runs forward on
     optimizer: torch.optim.Optimizer
     profiler: StepProfiler | None = None  # set by the loop under --profile
+    scaler: LossScaler | None = None  # fp16's loss scaler (its state joins the checkpoint)
+    #: the plain model's names, shapes and optimizer groups: what checkpoints are keyed by, and its config
+    #: (set by :func:`parallelize`, from the model before any strategy cut it)
+    plain: PlainLayout
+    plain_config: GPTConfig
 
     #: this rank's parameters under the plain model's names, with where each lies on the mesh; a strategy
     #: that keeps them (not ZeRO's flat shards) sets it, and :meth:`clip_grad_norm` needs nothing else
@@ -145,8 +158,12 @@ class ParallelStep(ABC):
     @abstractmethod
     def eval_loss_sum(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor: ...
 
-    @abstractmethod
-    def full_model(self) -> GPT: ...
+    def full_model(self) -> GPT:
+        """The plain GPT from every rank's pieces (:meth:`held`), on every rank: collective over the job
+        (:func:`~meshwise.parallel.state_dict.gather_plain`; ZeRO's float32 masters, not compute copies)."""
+        full = GPT(self.plain_config).to(self.device)
+        full.load_state_dict(gather_plain(self.held(), self.plain, self.mesh.coordinates, self.mesh.job))
+        return full
 
     def sampling_model(self) -> GPT:
         """The model ``--sample`` generates with on rank 0; every rank calls it (it may be collective)."""
@@ -156,17 +173,23 @@ class ParallelStep(ABC):
         """Strategy-specific lines for the run's summary (collective: every rank calls it at the end)."""
         return []
 
+    def held(self) -> list[Held]:
+        """What this rank's optimizer steps, as pieces of the plain model's tensors: each parameter of
+        :attr:`placements` whole, or its tensor-parallel slice (a sharded strategy gives its own)."""
+        return held_parameters(self.placements.values(), self.plain, self.mesh.coordinates["tp"])
+
     def state_dict(self) -> dict[str, Any]:
-        model, optim = get_state_dict(self.full_model(), self.optimizer)
-        return {"model": model, "optim": optim}
+        """Model and AdamW state under the plain model's names, views of this rank's own pieces
+        (:func:`~meshwise.parallel.state_dict.sharded_state_dict`), and fp16's loss scale."""
+        module = getattr(self.model, "module", self.model)  # inside a DataParallel / ZeRO wrapper
+        state = sharded_state_dict(self.held(), self.optimizer, module, self.plain)
+        return state | ({"scaler": self.scaler.state_dict()} if self.scaler is not None else {})
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        set_state_dict(
-            self.full_model(),
-            self.optimizer,
-            model_state_dict=state["model"],
-            optim_state_dict=state["optim"],
-        )
+        """Finish a ``dcp.load`` into :meth:`state_dict`'s views (of a checkpoint of any layout)."""
+        finish_load(self.held())
+        if self.scaler is not None:
+            self.scaler.load_state_dict(state["scaler"])
 
 
 @dataclass(frozen=True)
@@ -230,8 +253,6 @@ class DataParallelStep(ParallelStep):
         self.ep = mesh.ep.world_size
         if self.ep > 1:
             self.model = ExpertDataParallel(self.local, mesh.replicas, mesh.expert_replicas, self.ep)
-            with torch.device("meta"):  # the whole model's shape, for parameter counts
-                self._shape_model = GPT(self.local.config)
         else:
             self.model = DataParallel(self.local, mesh.replicas)
         self.optimizer = build_optimizer(self.local, config.optimizer)
@@ -253,40 +274,15 @@ class DataParallelStep(ParallelStep):
         return self._loss(inputs, targets, reduction="sum")
 
     def full_model(self) -> GPT:
-        """The plain GPT: this rank's own, or reassembled from the tp shards (collective over tp); under
-        ``--ep`` its shape on the meta device (the experts are gathered by :meth:`sampling_model`)."""
-        if self.ep > 1:
-            return self._shape_model
-        if self.sharded.tp.world_size == 1:
+        """This rank's own GPT where it holds it whole, else gathered (collective: see the base)."""
+        if self.sharded.tp.world_size == 1 and self.ep == 1:
             return self.local
-        return tensor_parallel_state.full_model(self.local, self.sharded.tp)
+        return super().full_model()
 
     def sampling_model(self) -> GPT:
-        """Under ``--ep``, the plain GPT on every rank: tp shards and every rank's experts gathered
-        (collective over tp and ep); under ``--cp`` a plain copy (the model's own attention is collective
-        over its cp group)."""
-        if self.ep > 1:
-            return gather_expert_model(self.local, self.sharded.tp, self.mesh.ep)
+        """Under ``--cp`` a plain copy (the model's own attention is collective over its cp group)."""
         full = self.full_model()
         return plain_copy(full) if full is self.local and self.mesh.cp.world_size > 1 else full
-
-    def state_dict(self) -> dict[str, Any]:
-        """Model and AdamW state under the plain model's names; under ``--ep`` each rank's experts only,
-        which DCP writes once per name, so the checkpoint holds every expert."""
-        if self.sharded.tp.world_size == 1:
-            model, optim = get_state_dict(self.local, self.optimizer)
-            return {"model": model, "optim": optim}
-        return tensor_parallel_state.tensor_parallel_state_dict(self.local, self.optimizer, self.sharded.tp)
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if self.sharded.tp.world_size == 1:
-            set_state_dict(
-                self.local, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
-            )
-        else:
-            tensor_parallel_state.load_tensor_parallel_state_dict(
-                self.local, self.optimizer, state, self.sharded.tp
-            )
 
 
 @contextmanager
@@ -296,15 +292,6 @@ def _exchange_step(timer: ExchangeTimer, steps: list[dict[str, float]]) -> Itera
         yield
     finally:
         steps.append({part: timer.seconds[part] - before[part] for part in before})
-
-
-def gather_expert_model(local: GPT, tp: Communicator, ep: Communicator) -> GPT:
-    """The plain GPT from this rank's tp shard and ep experts, on every rank (collective over tp, ep)."""
-    state = local.state_dict() if tp.world_size == 1 else full_tensors(local, tp)
-    state |= full_expert_state(local, ep)
-    full = GPT(local.config).to(next(local.parameters()).device)
-    full.load_state_dict(state, strict=False)  # the tied head is wte
-    return full
 
 
 def check_supported(run: GPTRun) -> None:
@@ -351,6 +338,10 @@ def parallelize(model: GPT, mesh: Mesh, run: GPTRun) -> ParallelStep:
     """
     check_supported(run)
     config = run.config
+    with torch.device("meta"):  # the plain model's names and groups, before the strategies cut it
+        shape = GPT(model.config)
+        plain = PlainLayout.of(shape, build_optimizer(shape, config.optimizer))
     step = step_class(config)(shard_layers(model, mesh, config), mesh, config)
+    step.plain, step.plain_config = plain, model.config
     recompute_step(step.model, config.mesh)  # 4. --recompute: on the blocks this rank runs, whatever cut them
     return step

@@ -10,7 +10,9 @@ ZeRO's reduce-scatter of
 the stage's accumulated gradients after the step. Gradient clipping takes the norm of the whole model:
 squares summed over this rank's parameters (the tied matrix counted once, on the first stage) and over the
 pp group — dp replicas hold equal gradients after the average.
-Checkpoints and ``--sample`` are in :mod:`meshwise.train.gpt.pipeline_state`.
+Checkpoints are the seam's one writer: a stage holds its own names only (the head copy writes the tied
+embedding's keys, which DCP writes once), and with ``--zero`` its flat rectangles (:meth:`PipelineStep.held`).
+``--sample`` gathers the stages through the seam's generic gather of the same descriptions.
 
 ``--dtype fp16`` (with ``--zero``) computes as one fp16 ZeRO process does: each stage's ZeRO keeps
 float16 compute copies of its float32 master shards (no autocast: LayerNorm and softmax run in float16
@@ -41,7 +43,6 @@ import torch
 from torch import nn
 
 from meshwise.comm.mesh import Mesh
-from meshwise.models.gpt import GPT
 from meshwise.models.moe import moe_layers
 from meshwise.parallel.expert_parallel import ExpertReplicas
 from meshwise.parallel.pipeline_parallel import theoretical_bubble
@@ -49,28 +50,20 @@ from meshwise.parallel.pipeline_parallel.builder import build_pipeline
 from meshwise.parallel.pipeline_parallel.executor import Event
 from meshwise.parallel.pipeline_parallel.partition import LayerChunk
 from meshwise.parallel.pipeline_parallel.timeline import COMPUTE_OPS, draw, gather_events
-from meshwise.parallel.placement import Placement, clip_gradients_
+from meshwise.parallel.placement import Placement, clip_gradients_, place
+from meshwise.parallel.state_dict import Held
 from meshwise.parallel.zero import LossScaler, shard
 from meshwise.parallel.zero.sharded import ShardedModel
+from meshwise.parallel.zero.state_dict import zero_held
 from meshwise.train.gpt.config import GPTTrainConfig
 from meshwise.train.gpt.optimizer import adamw, decays
 from meshwise.train.gpt.parallelize import Batch, LayerSharded, ParallelStep, build_optimizer
-from meshwise.train.gpt.pipeline_state import (
-    gather_plain_model,
-    group_names,
-    load_stage_state_dict,
-    optimizer_key,
-    stage_state_dict,
-)
 from meshwise.train.gpt.zero_step import (
     expert_replicas,
-    load_zero_state_dict,
     loss_scale_lines,
     shard_axes,
     skipped_for_overflow,
     tensor_parallel_key,
-    zero_slices,
-    zero_state_dict,
 )
 
 
@@ -141,11 +134,6 @@ class PipelineStep(ParallelStep):
         self._title = (
             f"{config.mesh.schedule} pp={mesh.shape.pp} m={micro_batches} v={config.mesh.virtual_stages}"
         )
-        with torch.device("meta"):  # the whole model's shape, for parameter counts, without its memory
-            self._shape_model = GPT(model.config)
-            self._group_names = group_names(
-                self._shape_model, build_optimizer(self._shape_model, config.optimizer)
-            )
 
     def _training_loss(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The last stage's loss, multiplied by the loss scale under fp16."""
@@ -192,45 +180,14 @@ class PipelineStep(ParallelStep):
         with self.autocast(), self.gathered():
             return torch.tensor(self.executor.forward_only(inputs, targets, loss_sum), dtype=torch.float64)
 
-    def full_model(self) -> GPT:
-        """The model's shape on the meta device: parameter counts work, weights live in the stages."""
-        return self._shape_model
-
-    def sampling_model(self) -> GPT:
-        """Collective over the pp group of dp replica 0 (and its ep partners, whose experts it gathers):
-        its stages' weights gathered into a plain GPT on its first stage (the job's rank 0); the other
-        ranks get the meta-device shape."""
-        if self.zero is not None:  # the updated shards' all-gathers land first
-            for group in self.zero.groups:
-                group.wait_gathered()
-        with self.gathered():  # ZeRO-3: collective over the replicas, so before replica 0 goes on alone
-            # fp16: the float32 masters (collective over the replicas), not the float16 compute copies
-            masters = self.zero.state_dict() if self.scaler is not None and self.zero is not None else None
-            if self.mesh.expert_replicas.rank != 0:  # one pipeline gathers: replica 0's (dp = cp = 0)
-                return self._shape_model
-            config, pp = self._shape_model.config, self.mesh.pp
-            gathered = gather_plain_model(
-                self.model, config, pp, self.device, tp=self.mesh.tp, ep=self.mesh.ep, values=masters
-            )
-        return self._shape_model if gathered is None else gathered
-
-    def state_dict(self) -> dict:
-        if self.zero is not None:  # each (dp, tp) rank of each stage writes its flat range
-            shapes = {name: t.shape for name, t in self._shape_model.state_dict().items()}
-            slices = zero_slices(self.mesh, shapes)
-            state = zero_state_dict(self.zero, self.optimizer, slices, self._group_names, optimizer_key)
-            return state | ({"scaler": self.scaler.state_dict()} if self.scaler is not None else {})
-        return stage_state_dict(
-            self.model, self.optimizer, self._group_names, tp=self.mesh.tp, config=self._shape_model.config
-        )
-
-    def load_state_dict(self, state: dict) -> None:
-        if self.zero is not None:
-            load_zero_state_dict(self.zero, self.optimizer, state, optimizer_key)
-            if self.scaler is not None:
-                self.scaler.load_state_dict(state["scaler"])
-        else:
-            load_stage_state_dict(self.model, self.optimizer, state, tp=self.mesh.tp)
+    def held(self) -> list[Held]:
+        """The stage's parameters (from the placements), or with ``--zero`` the rectangles of its flat
+        ranges: each (dp, tp) rank of each stage writes its own."""
+        if self.zero is None:
+            return super().held()
+        placements = place(self.model.named_parameters())  # each parameter's tp cut
+        tp_rank = self.mesh.coordinates["tp"]
+        return zero_held(self.zero, self.plain, placements, tp_rank, self._shard_placements)
 
     def summary_lines(self) -> list[str]:
         """fp16: the loss scale and the steps skipped."""

@@ -13,11 +13,11 @@ seam's contract asks of a sharded strategy, and how it is met here:
   ``--dtype fp16`` does the same in float16 with a :class:`~meshwise.parallel.zero.LossScaler`: the loss
   is scaled before backward, the shards unscaled in float32 before clipping, and a step whose gradient
   overflowed on any rank is skipped on every rank (the loop's ``optimizer.step()`` then finds no gradient);
-- checkpoints use the plain model's names and shapes, model and AdamW state alike — the layout of a
-  data-parallel checkpoint — so a run resumes under any stage, as plain data parallelism, or on another
-  number of ranks; but each tensor is a ``DTensor`` of the rectangles of this rank's flat range,
-  so every rank writes and reads only its own elements (never a whole tensor, never padding);
-- ``full_model()`` gathers a plain GPT (collective: every rank calls it; ``--sample`` uses rank 0's).
+- checkpoints are the seam's one writer (:meth:`~meshwise.train.gpt.parallelize.ParallelStep.state_dict`)
+  fed with the rectangles of this rank's flat ranges (:meth:`ZeroStep.held`): the plain model's names and
+  shapes, so a run resumes under any stage, as plain data parallelism, or on another number of ranks,
+  while every rank writes and reads only its own elements (never a whole tensor, never padding);
+- ``full_model()`` is the seam's gather of the same rectangles (collective: every rank calls it).
 
 With ``--ep`` (a mixture of experts whose experts are spread over ep ranks) two kinds of weights are
 replicated over different ranks: the dense ones over ``mesh.replicas`` (dp·ep·cp), a rank's E/ep experts
@@ -34,27 +34,25 @@ stage ZeRO shards over one group (refused before launch).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
 from meshwise.comm.mesh import GROUPINGS, Mesh
-from meshwise.models.gpt import GPT
 from meshwise.models.moe import with_auxiliary_losses
 from meshwise.parallel.expert_parallel import is_expert_parameter
-from meshwise.parallel.placement import Placement, clip_gradients_
+from meshwise.parallel.placement import Placement, clip_gradients_, place
+from meshwise.parallel.state_dict import Held
 from meshwise.parallel.tensor_parallel import shard_dim
-from meshwise.parallel.tensor_parallel.shards import gather_full
 from meshwise.parallel.zero import LossScaler, shard
 from meshwise.parallel.zero.memory import rank_lines
 from meshwise.parallel.zero.replicas import ReplicaGroup
 from meshwise.parallel.zero.sharded import ShardedModel
-from meshwise.parallel.zero.state_dict import Slices, load_zero_state_dict, zero_state_dict
+from meshwise.parallel.zero.state_dict import zero_held
 from meshwise.train.gpt.config import GPTTrainConfig
 from meshwise.train.gpt.optimizer import adamw, decays
-from meshwise.train.gpt.parallelize import Batch, LayerSharded, ParallelStep, gather_expert_model
+from meshwise.train.gpt.parallelize import Batch, LayerSharded, ParallelStep
 
 #: The axes ZeRO shards over: ``mesh.replicas``, the ranks holding the same weights (dp, and cp whose
 #: ranks see other tokens of the same sequences).
@@ -101,8 +99,6 @@ class ZeroStep(ParallelStep):
             units=self.plan.layer_modules(model) if config.mesh.zero == 3 else None,
             replica_groups=expert_replicas(mesh),
         )
-        with torch.device("meta"):  # the plain model's shapes, for tensor-parallel checkpoints
-            self._plain_shapes = {n: t.shape for n, t in GPT(self.config).state_dict().items()}
         self._shard_placements = [
             Placement(group.name, divided=shard_axes(group.params[0], expert=replicas > 0))
             for group, replicas in zip(self.model.groups, self.model.replica_of, strict=True)
@@ -135,22 +131,6 @@ class ZeroStep(ParallelStep):
     def eval_loss_sum(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return self._loss(inputs, targets, reduction="sum")
 
-    def full_model(self) -> GPT:
-        """The plain GPT (collective: gathered over dp by ZeRO, then over tp; under ``--ep`` the compute
-        copies gathered over the replicas, tp and ep — the master weights themselves in fp32)."""
-        if self.ep > 1:
-            with self.model.gathered():
-                self.model.wait_gathered()
-                return gather_expert_model(self.model.module, self.tp, self.mesh.ep)
-        full = GPT(self.config).to(self.device)
-        state = self.model.state_dict()
-        if self.tp.world_size > 1:
-            params = self.model.module.state_dict(keep_vars=True)
-            shapes = full.state_dict()
-            state = {key: gather_full(state[key], params[key], self.tp, shapes[key].shape) for key in state}
-        full.load_state_dict(state)
-        return full
-
     def summary_lines(self) -> list[str]:
         """The per-rank memory report beside the ZeRO formula, and (fp16) the loss scale."""
         mixed = self.model.precision is not None
@@ -158,20 +138,12 @@ class ZeroStep(ParallelStep):
         lines += [f"  {line}" for line in rank_lines(self.model, self.optimizer, k=8 + 4 * mixed)]
         return lines + loss_scale_lines(self.scaler)
 
-    # ------------------------------------------------------------------ checkpoints
-    def state_dict(self) -> dict[str, Any]:
-        names = {id(g.master): n for g, n in zip(self.model.groups, self.model.param_names, strict=True)}
-        groups = [[n for m in group["params"] for n in names[id(m)]] for group in self.optimizer.param_groups]
-        slices = zero_slices(self.mesh, self._plain_shapes)
-        result = zero_state_dict(self.model, self.optimizer, slices, groups)
-        if self.scaler is not None:
-            result["scaler"] = self.scaler.state_dict()
-        return result
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        load_zero_state_dict(self.model, self.optimizer, state)
-        if self.scaler is not None:
-            self.scaler.load_state_dict(state["scaler"])
+    def held(self) -> list[Held]:
+        """The rectangles of this rank's flat ranges, tp shards placed at this tp rank's slice."""
+        placements = place(self.model.module.named_parameters())  # each parameter's tp cut
+        return zero_held(
+            self.model, self.plain, placements, self.mesh.coordinates["tp"], self._shard_placements
+        )
 
 
 def skipped_for_overflow(scaler: LossScaler | None, model: ShardedModel) -> bool:
@@ -191,20 +163,6 @@ def loss_scale_lines(scaler: LossScaler | None) -> list[str]:
         return []
     skipped = f"{scaler.skipped} step{'s' if scaler.skipped != 1 else ''} skipped for inf/nan gradients"
     return [f"Loss scale          = {scaler.scale:g} (fp16; {skipped})"]
-
-
-def zero_slices(mesh: Mesh, plain_shapes: dict[str, torch.Size]) -> Callable[[str, torch.Tensor], Slices]:
-    """Where a parameter's flat shards lie in the plain parameter: a tp shard is this tp rank's slice of
-    the plain parameter (of ``plain_shapes[name]``); anything else is the plain parameter itself."""
-    tp_rank = mesh.coordinates["tp"]
-
-    def slices_of(name: str, param: torch.Tensor) -> Slices:
-        dim = shard_dim(param)
-        if dim is None:
-            return Slices()
-        return Slices(mine=tp_rank, whole=tuple(plain_shapes[name]), dim=dim)
-
-    return slices_of
 
 
 def shard_axes(param: nn.Parameter, expert: bool) -> frozenset[str]:
