@@ -1,7 +1,7 @@
 """Random streams and data position in GPT checkpoints: with ``--dropout`` a run resumed on the layout
 that wrote its checkpoint equals the uninterrupted run exactly — the same batches, the same masks, the
-same losses and weights bit for bit (same ops on the same numbers: no tolerance) — on one process, dp2 and
-tp2 (whose attention dropout draws from each rank's own stream, saved too). Under tp the replicated
+same losses and weights bit for bit (same ops on the same numbers: no tolerance) — on one process, dp2,
+pp2 and tp2 (whose attention dropout draws from each rank's own stream, saved too). Under tp the replicated
 activations' masks are equal on every tp rank, or replicated weights would drift apart (tested, with a
 desynchronised control).
 
@@ -52,7 +52,12 @@ def _assert_same_run(a: dict, b: dict) -> None:
         assert torch.equal(torch.from_numpy(b["params"][name]), torch.from_numpy(value)), name
 
 
-LAYOUTS = {"one process": {"nproc": 1}, "dp2": {"nproc": 2}, "tp2": {"nproc": 2, "tp": 2}}
+LAYOUTS = {
+    "one process": {"nproc": 1},
+    "dp2": {"nproc": 2},
+    "tp2": {"nproc": 2, "tp": 2},
+    "pp2": {"nproc": 2, "pp": 2},
+}
 
 
 @pytest.mark.parametrize("flags", LAYOUTS.values(), ids=LAYOUTS.keys())

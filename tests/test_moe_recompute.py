@@ -73,11 +73,10 @@ def _check_equal(runs: dict[str, dict]) -> None:
 
 
 #: row name → (ranks, flags); pp2: a stage's MoE layers add their auxiliary gradient in their own backward
-#: (--dropout is refused with --pp)
 LAYOUTS: dict[str, tuple[int, dict]] = {
     "one process": (1, {"dropout": 0.1}),
     "ep2": (2, {"ep": 2, "dropout": 0.1}),
-    "pp2": (2, {"pp": 2}),
+    "pp2": (2, {"pp": 2, "dropout": 0.1}),
     "ep2·pp2": (4, {"ep": 2, "pp": 2}),  # the all-to-alls of a stage's recomputation, under 1F1B
 }
 

@@ -56,7 +56,6 @@ def test_checkpoints_follow_checkpoint_every_instead_of_the_evaluations():
     [
         (["--lr-schedule", "step"], "invalid choice"),
         (["--dropout", "1.5"], "--dropout must be in [0, 1)"),
-        (["--dropout", "0.1", "--pp", "2", "-np", "2"], "--dropout is supported with data, tensor"),
         (["--beta2", "1.0"], "--beta2 must be in [0, 1)"),
         (["--eps", "0"], "--eps must be a positive number"),
         (["--checkpoint-every", "5"], "--checkpoint-every needs --checkpoint DIR"),

@@ -210,7 +210,7 @@ def add_parser(models: argparse._SubParsersAction) -> None:
         "--dropout",
         type=float,
         default=d["dropout"],
-        help="dropout probability; not with --pp (default %(default)s)",
+        help="dropout probability (default %(default)s)",
     )
     run.add_argument("--beta1", type=float, default=d["beta1"], help="AdamW beta1 (default %(default)s)")
     run.add_argument("--beta2", type=float, default=d["beta2"], help="AdamW beta2 (default %(default)s)")

@@ -50,7 +50,7 @@ class ModelSection:
     capacity_factor: float | None = None
     aux_loss_coef: float | None = None
     z_loss_coef: float | None = None
-    dropout: float = 0.0  # on attention weights and residual branches, as GPT-2 (pp = 1)
+    dropout: float = 0.0  # on attention weights and residual branches, as GPT-2
     dtype: str = "fp32"  # compute precision
     compile: bool = False  # torch.compile each transformer block in place (train/gpt/loop.py)
 
