@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import statistics
 import subprocess
@@ -99,6 +100,7 @@ def accuracy(
     (the ``cpu`` preset re-measured per round and rank count) and of its measured steps."""
     model = ModelSpec.of(gpt_config(config, seq_len=seq_len))
     runs: dict[Layout, list[dict]] = {layout: [] for layout in layouts}
+    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="bench-plan-") as scratch:
         work = Path(scratch)
         for round_index in range(rounds):
@@ -146,6 +148,7 @@ def accuracy(
         "global_batch": global_batch,
         "seq_len": seq_len,
         "rounds": rounds,
+        "load_average": {"start": load_before, "end": os.getloadavg()},  # 1, 5, 15 minutes
         "rows": rows,
         "step_mape": mape(predicted, measured),
         "memory_mape": mape([r["predicted_memory"] for r in ran], [r["measured_memory"] for r in ran]),
@@ -211,7 +214,8 @@ def main() -> None:
             f"step-time MAPE {100 * acc['step_mape']:.1f} % (target ≤ 20), memory MAPE "
             f"{100 * acc['memory_mape']:.1f} %, largest memory error {100 * acc['max_memory_error']:.1f} % "
             f"(target ≤ 10 each), rank correlation {acc['rank_correlation']:.2f} (target ≥ 0.8), regret "
-            f"{acc['regret']:.2f}"
+            f"{acc['regret']:.2f}; load average {acc['load_average']['start'][0]:.1f} at the start, "
+            f"{acc['load_average']['end'][0]:.1f} at the end"
         )
     results["targets"] = TARGETS
     if args.json:

@@ -19,11 +19,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from meshwise.comm.cost import Calibration
 from meshwise.comm.cost.formulas import LinkParams
 from meshwise.models.gpt import GPTConfig
 from meshwise.plan.gloo_calls import CallCost, measure_calls
+from meshwise.plan.head_time import HeadCost, head_cost
+
+if TYPE_CHECKING:
+    import torch
 
 GB = 1e9
 GIB = 2**30
@@ -90,6 +95,9 @@ class Hardware:
     #: measured seconds of one AdamW update per parameter (``cpu``: its per-element passes and per-tensor
     #: Python, on this host's threads); None: the update is priced as memory-bound traffic
     optimizer_seconds: float | None = None
+    #: measured seconds of the embeddings, final LayerNorm, head and loss per micro-batch (``cpu``,
+    #: :mod:`meshwise.plan.head_time`); None: the head is FLOPs in the compute term like the blocks
+    head: HeadCost | None = None
     #: torch threads per rank the ``cpu`` preset was measured with (0 on GPUs): runs checked against it
     #: (``--validate``) use as many
     threads: int = 0
@@ -279,22 +287,40 @@ def _block_step(config: GPTConfig | None) -> Callable[[], object]:
     return lambda: block(x).sum().backward()
 
 
+def clip_as_trained(grads: list[torch.Tensor], max_norm: float = 1.0) -> None:
+    """Clipping as every ``train gpt`` layout does it on one rank
+    (:func:`meshwise.parallel.placement.clip_gradients_`, which needs a job to all-reduce over): each
+    gradient's squares summed in float64 — a widening copy per tensor, several times the cost of torch's
+    fp32 ``clip_grad_norm_`` here — then every gradient scaled."""
+    import torch
+
+    total = torch.zeros(1, dtype=torch.float64)
+    for grad in grads:
+        total += grad.double().square().sum()
+    coefficient = max_norm / (math.sqrt(total.item()) + 1e-6)
+    for grad in grads:
+        grad.mul_(min(coefficient, 1.0))
+
+
 def adam_seconds(config: GPTConfig) -> float:
-    """Seconds per parameter of one AdamW step (with clipping's norm) over one block of ``config``, the
-    median run: what the update costs here per parameter, Python per tensor included."""
+    """Seconds per parameter of the step's update over one block of ``config`` — clipping as trained
+    (:func:`clip_as_trained`), AdamW's step and the ``zero_grad`` that drops the gradients — the median
+    run: what the update costs here per parameter, Python per tensor included."""
     import torch
 
     from meshwise.models.gpt import Block
 
     block = Block(config)
     params = list(block.parameters())
-    for p in params:
-        p.grad = torch.randn_like(p)
+    grads = [torch.randn_like(p) for p in params]
     optimizer = torch.optim.AdamW(params, lr=1e-9)
 
     def update() -> None:
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        for p, g in zip(params, grads, strict=True):  # as backward leaves them: set, not accumulated
+            p.grad = g
+        clip_as_trained(grads)
         optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
 
     return typical_time(update) / sum(p.numel() for p in params)
 
@@ -389,7 +415,9 @@ def measure_cpu(
 ) -> Hardware:
     """This host as a planner sees it, measured now: the peak is the best fp32 square matmul; the
     efficiency curve comes from forward + backward of one block of ``layer`` (the model being planned)
-    at a few micro-batch sizes, or from the square matmuls without one. Memory from /proc/meminfo, every
+    at a few micro-batch sizes, or from the square matmuls without one; with ``layer``, AdamW's update
+    per parameter and the step's parts outside the blocks (:mod:`meshwise.plan.head_time`) are timed
+    too. Memory from /proc/meminfo, every
     collective's per-call cost on each group size ``ranks`` allows measured now with all ``ranks`` talking
     at once (:func:`~meshwise.plan.gloo_calls.measure_calls`; the built-in calibration's link for one
     rank, which sends nothing), every core a
@@ -411,6 +439,7 @@ def measure_cpu(
         rates = layer_rates(layer) if layer is not None else squares
         share = rank_speedup(_block_step(layer), ranks) / ranks if ranks > 1 else 1.0
         update = adam_seconds(layer) / share if layer is not None else None
+        outside = head_cost(layer) if layer is not None else None
     finally:
         torch.set_num_threads(before)
     peak = max(squares.values())
@@ -428,6 +457,7 @@ def measure_cpu(
         efficiency=fit_efficiency(rates, peak),
         collective_copies=True,  # local ranks talk over gloo
         optimizer_seconds=update,
+        head=HeadCost(outside.alpha / share, outside.per_token / share) if outside is not None else None,
         threads=threads,
         cores=cores,
         calls=calls,

@@ -26,8 +26,16 @@ buckets (25 MiB), two of them unsharded in flight — and it accumulates a step'
 and reduce-scatters once, so with more than one micro-batch it holds the full b_g·Ψ until then; DDP's
 buckets are views of the gradients (gradient_as_bucket_view), so they cost nothing more.
 
+Context parallelism (:mod:`meshwise.parallel.context_parallel.attention`) gathers the whole sequence's
+keys and values in every layer: the fused CPU kernel keeps only the rank's own (what the per-layer
+formula already counts, at s/cp) and gathers them again in backward, so one layer at a time holds the
+gathered ``2·b·s·h/t`` values twice — the all-gather's output and its copy reordered into sequence order
+(in backward: the re-gathered copy and its gradient) — in ``gather_buffers``; the explicit-mask path
+(``attention="math"``: other devices, attention dropout) keeps each layer's gathered copy for backward.
+
 Activations and gradients are not always alive together. With one micro-batch per step and gradients
-made afresh each step (``zero_grad(set_to_none=True)``, no data-parallel buffer that keeps them: dp = 1),
+made afresh each step (``zero_grad(set_to_none=True)``, no data-parallel buffer that keeps them: no
+replicas — dp = cp = ep = 1, since cp and ep ranks average gradients through the same reducer),
 backward frees each layer's activations as it makes that layer's gradients, so the step's peak holds
 the larger of the two, not their sum: ``released`` = min(activations + logits, gradients) comes off the
 total. With more micro-batches the first one's gradients are alive through the next one's forward.
@@ -183,6 +191,20 @@ def layer_activations(
     return base / layout.cp
 
 
+def context_parallel_buffers(
+    config: GPTConfig, micro_batch: int, layout: Layout, precision: Precision, attention: str = "flash"
+) -> tuple[float, float]:
+    """(bytes held during one layer's attention, bytes each layer keeps for backward) of context
+    parallelism's gathered keys and values — the whole sequence's ``2·b·s·h/t`` values: the fused kernel
+    (``flash``) holds them twice while one layer runs (the all-gather's output and its reordered copy)
+    and keeps none; the explicit-mask path keeps the reordered copy per layer, the all-gather's output
+    only while the layer runs. (0, 0) without cp."""
+    if layout.cp == 1:
+        return 0.0, 0.0
+    gathered = 2 * micro_batch * config.seq_len * config.hidden / layout.tp * precision.value
+    return (2 * gathered, 0.0) if attention == "flash" else (gathered, gathered)
+
+
 def estimate_memory(
     model: ModelSpec,
     layout: Layout,
@@ -204,7 +226,8 @@ def estimate_memory(
         c.seq_len * layout.micro_batch * c.hidden * precision.value / (layout.tp if layout.sp else 1)
     ) / layout.cp
     in_flight = layout.in_flight(global_batch)
-    activations = in_flight * (chunk_layers * per_layer + embedding_out)
+    gathered_kv, kept_kv = context_parallel_buffers(c, layout.micro_batch, layout, precision, attention)
+    activations = in_flight * (chunk_layers * (per_layer + kept_kv) + embedding_out)
     if layout.recompute != "none":  # backward re-runs one layer at a time: its dropped part is back
         kept = layer_activations(
             c, layout.micro_batch, replace(layout, recompute="none"), precision, attention=attention,
@@ -213,7 +236,7 @@ def estimate_memory(
         activations += kept - per_layer
     logits = 2 * 4 * c.seq_len * layout.micro_batch * c.vocab / layout.tp / layout.cp
     layer_weights = model.layer_parameters / layout.tp * precision.value
-    gather = 2 * layer_weights if z == 3 and dp > 1 else 0.0
+    gather = (2 * layer_weights if z == 3 and dp > 1 else 0.0) + gathered_kv
     # ZeRO-3: one unit's full gradients before its reduce-scatter; ZeRO-2: its groups are DDP's buckets,
     # two of them unsharded in flight — or, when a step has several micro-batches, all of them (it
     # accumulates them unsharded and reduce-scatters once); DDP's buckets are views of the gradients
@@ -223,7 +246,7 @@ def estimate_memory(
         unsharded = grads * dp
         several = layout.micro_batches(global_batch) > 1
         buckets = unsharded if several else min(unsharded, ZERO_REDUCES_IN_FLIGHT * BUCKET_BYTES)
-    fresh = layout.micro_batches(global_batch) == 1 and dp == 1 and layout.pp == 1
+    fresh = layout.micro_batches(global_batch) == 1 and layout.replicas == 1 and layout.pp == 1
     released = min(activations + logits, grads) if fresh else 0.0
     after_step = 0.0
     if hw.collective_copies and dp > 1 and z:

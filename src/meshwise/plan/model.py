@@ -84,6 +84,12 @@ class ModelSpec:
         """Token embedding (= the tied head's matrix); the position table is counted apart."""
         return self.config.vocab * self.config.hidden
 
+    @property
+    def head_flops_per_token(self) -> float:
+        """6·V·h: the tied head's matmul, forward and backward — the part of :meth:`flops_per_token` outside
+        the blocks (the embedding lookups are not matmuls)."""
+        return 6.0 * self.embedding_parameters
+
     def flops_per_token(self, recompute: str = "none") -> float:
         """Training FLOPs per token: 6N for the matmuls with the weights (N without the position table,
         a lookup) plus 12·l·h·s for QKᵀ and AV (:meth:`GPTConfig.flops_per_token`'s convention), plus what

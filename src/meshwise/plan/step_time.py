@@ -1,8 +1,13 @@
-"""Seconds per optimizer step of a layout, by cause: compute, TP, CP and EP collectives, pipeline bubble
-and point-to-point, data-parallel reduction (what backward does not hide), ZeRO-3 gathers, optimizer.
+"""Seconds per optimizer step of a layout, by cause: compute, the head, TP, CP and EP collectives, pipeline
+bubble and point-to-point, data-parallel reduction (what backward does not hide), ZeRO-3 gathers,
+optimizer, and the step's scalar all-reduces.
 
 - **Compute**: FLOPs per token (6N_active + attention, recomputation counted: hardware FLOPs) × tokens of
   the rank's share (÷ cp), over peak × the matmul efficiency at the layer's largest GEMM (b·s/cp × h × 4h/t).
+- **Head**: where the hardware measured it (``cpu``, :mod:`meshwise.plan.head_time`), the embeddings,
+  final LayerNorm, head and loss of each micro-batch at their measured cost (÷ t: the head is
+  vocabulary-parallel), on the last pipeline stage — and the head's 6·V·h FLOPs leave the compute term;
+  elsewhere they stay in it.
 - **TP**: every call the tp group makes per micro-batch (:mod:`meshwise.plan.calls`, counted from the
   code), each priced alone; on the critical path (no overlap).
 - **CP**: the attention's all-gather of keys and values per layer forward, the re-gather and the
@@ -19,8 +24,10 @@ and point-to-point, data-parallel reduction (what backward does not hide), ZeRO-
   every micro-batch's compute) where a core is free to progress them (:meth:`Hardware.overlaps`); only
   the part longer than that, or at least the last bucket, is exposed.
 - **Optimizer**: memory-bound, every byte of state read and written once at the memory bandwidth; or,
-  where the hardware measured it (``cpu``: an AdamW step with clipping over one block), that time per
-  parameter times the parameters this rank updates (Ψ_rank/dp under ZeRO).
+  where the hardware measured it (``cpu``: an AdamW step with clipping and ``zero_grad`` over one block),
+  that time per parameter times the parameters this rank updates (Ψ_rank/dp under ZeRO).
+- **Sync**: the two scalars every step all-reduces whatever the layout — the loss over the replicas
+  (dp·ep·cp) and the gradient norm for clipping over every rank — each one call.
 
 A call costs what the hardware measured for that collective on that many ranks (``cpu``:
 :mod:`meshwise.plan.gloo_calls`), else :func:`meshwise.comm.algorithms.registry.predict_seconds` with the
@@ -58,6 +65,8 @@ class TimeEstimate:
     peak: float  # FLOP/s, all ranks
     context_parallel: float = 0.0  # the attention's key/value gathers and their gradients
     expert_parallel: float = 0.0  # the MoE layers' all-to-alls
+    head: float = 0.0  # embeddings, final LayerNorm, head and loss where measured (else in compute)
+    sync: float = 0.0  # the loss's and the gradient norm's all-reduces
 
     @property
     def step(self) -> float:
@@ -83,6 +92,7 @@ class TimeEstimate:
             k: getattr(self, k)
             for k in (
                 "compute",
+                "head",
                 "tensor_parallel",
                 "context_parallel",
                 "expert_parallel",
@@ -90,6 +100,7 @@ class TimeEstimate:
                 "pipeline_p2p",
                 "data_parallel",
                 "optimizer",
+                "sync",
             )
         }
 
@@ -173,7 +184,9 @@ def estimate_time(
     cp = layout.cp
     gemm = 2 * b * s / cp * h * 4 * h / t
     rate = peak * hw.efficiency.at(gemm)
-    compute_mb = hardware_per_token * b * s / (t * p * cp) / rate
+    blocks_per_token = hardware_per_token - (model.head_flops_per_token if hw.head is not None else 0.0)
+    compute_mb = blocks_per_token * b * s / (t * p * cp) / rate
+    head_mb = hw.head.seconds(b * s / cp) / t if hw.head is not None else 0.0
     tp_inter = t > hw.per_node
     tp_mb = sum(
         call.count * call_seconds(hw, call.collective, call.nbytes, t, tp_inter)
@@ -184,7 +197,7 @@ def estimate_time(
         context_parallel_seconds(model, layout, hw, precision),
         expert_seconds(model, layout, hw, precision),
     )
-    busy = m * (compute_mb + tp_mb + cp_mb + ep_mb)
+    busy = m * (compute_mb + head_mb + tp_mb + cp_mb + ep_mb)
     bubble = busy * layout.bubble(global_batch) / (1 - layout.bubble(global_batch))
     p2p = 0.0
     if p > 1:
@@ -211,6 +224,17 @@ def estimate_time(
         peak=peak * layout.gpus,
         context_parallel=m * cp_mb,
         expert_parallel=m * ep_mb,
+        head=m * head_mb,
+        sync=sync_seconds(layout, hw),
+    )
+
+
+def sync_seconds(layout: Layout, hw: Hardware) -> float:
+    """The step's two scalar all-reduces (float64): the loss over the replicas, the gradient norm over all
+    ranks; nothing where either group is one rank."""
+    inter = layout.gpus > hw.per_node
+    return call_seconds(hw, "all_reduce", 8, layout.replicas, inter) + call_seconds(
+        hw, "all_reduce", 8, layout.gpus, inter
     )
 
 
