@@ -14,7 +14,6 @@ from meshwise.models.gpt import GPT, language_model_loss
 from meshwise.train.gpt import GPTTrainConfig
 from meshwise.train.gpt.loop import GPTTrainer
 from meshwise.train.gpt.resolve import resolve
-from meshwise.train.gpt.schedule import lr_at
 
 
 def reference_step(
@@ -27,13 +26,7 @@ def reference_step(
 ) -> tuple[float, float]:
     """Step ``step`` of the one-process run on the whole global batch, accumulated over micro-batches of
     ``micro_batch`` sequences (None: one pass); returns the mean micro-batch loss and the gradient norm."""
-    lr = lr_at(
-        step,
-        lr=config.optimizer.lr,
-        min_lr=config.optimizer.min_lr,
-        warmup=config.optimizer.warmup_steps,
-        steps=config.optimizer.steps,
-    )
+    lr = config.optimizer.lr_at(step)
     for group in optimizer.param_groups:
         group["lr"] = lr
     optimizer.zero_grad()

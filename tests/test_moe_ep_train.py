@@ -38,7 +38,6 @@ from meshwise.train.gpt.loop import GPTTrainer
 from meshwise.train.gpt.moe import router_report
 from meshwise.train.gpt.parallelize import build_optimizer
 from meshwise.train.gpt.resolve import resolve
-from meshwise.train.gpt.schedule import lr_at
 
 STEPS = 3
 SEQ = 16
@@ -70,13 +69,7 @@ def _reference_step(
 ) -> float:
     """One step of the one-process MoE GPT on the whole global batch; returns the mean micro-batch loss."""
     config = trainer.config
-    lr = lr_at(
-        step,
-        lr=config.optimizer.lr,
-        min_lr=config.optimizer.min_lr,
-        warmup=config.optimizer.warmup_steps,
-        steps=config.optimizer.steps,
-    )
+    lr = config.optimizer.lr_at(step)
     for group in optimizer.param_groups:
         group["lr"] = lr
     optimizer.zero_grad()

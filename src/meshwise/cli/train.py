@@ -11,10 +11,10 @@ import argparse
 import sys
 
 from meshwise.cli import summary, train_gpt
+from meshwise.cli.section_flags import add_mesh_flags, add_output_flags, add_timeout_flag
 from meshwise.cli.training_failure import run_training_command
 from meshwise.train import WORKLOADS, TrainConfig, run_training
 from meshwise.train.checkpoint import resume_requested
-from meshwise.train.sections import ZERO_STAGES
 
 _DEFAULTS = TrainConfig.flag_defaults()
 
@@ -30,9 +30,7 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str, help_text: str
 def add_workload_parser(models: argparse._SubParsersAction, model: str, blurb: str) -> None:
     parser = models.add_parser(model, help=blurb, description=f"{summary(__doc__)}\n\n{blurb}")
     d = _DEFAULTS
-    parser.add_argument(
-        "-np", "--nproc", dest="nproc", type=int, default=d["nproc"], help="local ranks to start"
-    )
+    add_mesh_flags(parser, d)
     parser.add_argument("--epochs", type=int, default=d["epochs"], help="total epochs (default: per model)")
     parser.add_argument(
         "--batch-size",
@@ -50,44 +48,21 @@ def add_workload_parser(models: argparse._SubParsersAction, model: str, blurb: s
         default=d["lr_scaling"],
         help="keep --lr as is instead of multiplying it by the number of ranks",
     )
-    parser.add_argument(
-        "--zero",
-        type=int,
-        choices=ZERO_STAGES,
-        default=d["zero"],
-        help="ZeRO stage: 0 replicas (DataParallel), 1/2/3 shard optimizer state / + gradients / "
-        "+ parameters (default %(default)s)",
-    )
     # the spelling before --zero: refused in one line that names the new flag (see handler)
     parser.add_argument("--strategy", default=None, help=argparse.SUPPRESS)
     parser.add_argument(
         "--seed", type=int, default=d["seed"], help="initial weights and shuffling (default %(default)s)"
     )
     parser.add_argument(
-        "--backend",
-        default=d["backend"],
-        help="communicator backend: auto, gloo, nccl, shm, mpi (default %(default)s)",
-    )
-    parser.add_argument(
-        "--device", choices=("cpu", "cuda"), default=d["device"], help="default: cuda if present"
-    )
-    parser.add_argument(
         "--data", dest="data_dir", default=d["data_dir"], help="cnn only: a directory with MNIST IDX files"
     )
-    parser.add_argument(
-        "--checkpoint",
-        default=d["checkpoint"],
-        metavar="DIR",
-        help="checkpoint every epoch into DIR (run.json + step-N/, torch.distributed.checkpoint; resumes on "
-        "any number of ranks and any --zero)",
+    add_output_flags(
+        parser,
+        d,
+        checkpoint_help="checkpoint every epoch into DIR (run.json + step-N/, torch.distributed.checkpoint; "
+        "resumes on any number of ranks and any --zero)",
     )
-    parser.add_argument(
-        "--resume",
-        action="store_true",
-        default=d["resume"],
-        help="continue the run checkpointed in --checkpoint DIR",
-    )
-    parser.add_argument("--json", default=d["json"], metavar="FILE", help="write the run's metrics as JSON")
+    add_timeout_flag(parser, d)
     parser.add_argument(
         "--profile",
         action="store_true",
@@ -106,13 +81,6 @@ def add_workload_parser(models: argparse._SubParsersAction, model: str, blurb: s
         action="store_true",
         default=d["debug"],
         help="check every collective across ranks before it runs",
-    )
-    parser.add_argument(
-        "--timeout",
-        type=float,
-        default=d["timeout"],
-        help="a deadline for the whole job in seconds, exit 124 when passed (default: none; a hung "
-        "collective is reported after 300 s whatever this says)",
     )
     parser.set_defaults(func=handler)
 

@@ -11,12 +11,12 @@ from __future__ import annotations
 import argparse
 import sys
 
+from meshwise.cli.section_flags import add_mesh_flags, add_output_flags, add_timeout_flag
 from meshwise.cli.training_failure import run_training_command
 from meshwise.models.gpt import CONFIGS
 from meshwise.parallel.pipeline_parallel.schedules import SCHEDULES
 from meshwise.train.gpt import GPTTrainConfig, run_gpt_training
 from meshwise.train.gpt.schedule import LR_SCHEDULES
-from meshwise.train.sections import ZERO_STAGES
 
 _DEFAULTS = GPTTrainConfig.flag_defaults()
 
@@ -30,15 +30,7 @@ def add_parser(models: argparse._SubParsersAction) -> None:
     )
     d = _DEFAULTS
     ranks = parser.add_argument_group("ranks and mesh")
-    ranks.add_argument(
-        "-np",
-        "--nproc",
-        "--nproc-per-node",
-        dest="nproc",
-        type=int,
-        default=d["nproc"],
-        help="local ranks to start (default: 1, or the ranks a launcher started)",
-    )
+    add_mesh_flags(ranks, d)
     ranks.add_argument(
         "--dp", type=int, default=d["dp"], help="data-parallel size (default: ranks / (tp·pp·cp·ep))"
     )
@@ -58,23 +50,7 @@ def add_parser(models: argparse._SubParsersAction) -> None:
         help="context-parallel size: each sequence split over cp ranks, 2·cp chunks (default %(default)s)",
     )
     ranks.add_argument(
-        "--zero",
-        type=int,
-        default=d["zero"],
-        choices=ZERO_STAGES,
-        help="ZeRO stage over the dp ranks: 1 optimizer state, 2 +gradients, 3 +parameters (default "
-        "%(default)s: off)",
-    )
-    ranks.add_argument(
         "--sp", action="store_true", default=d["sp"], help="sequence parallelism, with --tp (default off)"
-    )
-    ranks.add_argument(
-        "--backend",
-        default=d["backend"],
-        help="communicator backend: auto, gloo, nccl, shm, mpi (default %(default)s)",
-    )
-    ranks.add_argument(
-        "--device", choices=("cpu", "cuda"), default=d["device"], help="(default: cuda if present)"
     )
     model = parser.add_argument_group("model")
     model.add_argument(
@@ -268,12 +244,8 @@ def add_parser(models: argparse._SubParsersAction) -> None:
     io.add_argument(
         "--eval-windows", type=int, default=d["eval_windows"], help="validation windows (default %(default)s)"
     )
-    io.add_argument(
-        "--checkpoint",
-        default=d["checkpoint"],
-        metavar="DIR",
-        help="DCP checkpoint at every validation (default: none)",
-    )
+    add_output_flags(io, d, checkpoint_help="DCP checkpoint at every validation (default: none)")
+    add_timeout_flag(io, d)
     io.add_argument(
         "--checkpoint-every",
         type=int,
@@ -287,12 +259,6 @@ def add_parser(models: argparse._SubParsersAction) -> None:
         default=d["keep"],
         metavar="K",
         help="latest checkpoints kept (default %(default)s)",
-    )
-    io.add_argument(
-        "--resume",
-        action="store_true",
-        default=d["resume"],
-        help="continue the run checkpointed in --checkpoint DIR",
     )
     io.add_argument(
         "--export-hf",
@@ -312,9 +278,6 @@ def add_parser(models: argparse._SubParsersAction) -> None:
         action="store_true",
         default=d["comm_stats"],
         help="count calls and bytes of every collective per mesh axis",
-    )
-    io.add_argument(
-        "--json", default=d["json"], metavar="FILE", help="write the run's metrics as JSON (default: none)"
     )
     io.add_argument(
         "--log-every",
@@ -356,14 +319,6 @@ def add_parser(models: argparse._SubParsersAction) -> None:
         default=d["torch_profile"],
         metavar="DIR",
         help="torch.profiler's operators (and CUDA kernels) of a few steps, DIR/rank{R}.json (default: none)",
-    )
-    io.add_argument(
-        "--timeout",
-        type=float,
-        default=d["timeout"],
-        metavar="SECONDS",
-        help="a deadline for the whole job in seconds, exit 124 when passed (default: none; a hung "
-        "collective is reported after 300 s whatever this says)",
     )
     ranks.add_argument(
         "--auto",

@@ -41,7 +41,6 @@ from meshwise.train.gpt.peak_memory import MEASURED_STEPS, PeakMemory
 from meshwise.train.gpt.profiling import GPTProfiling
 from meshwise.train.gpt.report import GPTResult, StepStats, step_line
 from meshwise.train.gpt.resolve import GPTRun
-from meshwise.train.gpt.schedule import lr_at
 from meshwise.train.gpt.start_notes import start_notes
 from meshwise.train.gpt.step_log import StepLog, checkpoint_due
 from meshwise.world import World, init
@@ -200,14 +199,7 @@ class GPTTrainer:
         if self._resumed_random is not None:
             self._resumed_random()
             self._resumed_random = None
-        lr = lr_at(
-            step,
-            lr=optimizer.lr,
-            min_lr=optimizer.min_lr,
-            warmup=optimizer.warmup_steps,
-            steps=optimizer.steps,
-            shape=optimizer.lr_schedule,
-        )
+        lr = optimizer.lr_at(step)
         with profiling.step():
             started = time.perf_counter()
             with profiling.phase("optimizer"):

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from meshwise.train.gpt.schedule import LR_SCHEDULES, lr_at
 from meshwise.train.sections import MeshSection, OutputSection, ProfileSection, check_seed
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -88,8 +89,18 @@ class OptimizerSection:
     def warmup_steps(self) -> int:
         return self.warmup if self.warmup is not None else self.steps // 10
 
+    def lr_at(self, step: int) -> float:
+        """The learning rate of 0-based ``step`` under this section's schedule (a pure function of it)."""
+        return lr_at(
+            step,
+            lr=self.lr,
+            min_lr=self.min_lr,
+            warmup=self.warmup_steps,
+            steps=self.steps,
+            shape=self.lr_schedule,
+        )
+
     def check(self) -> None:
-        from meshwise.train.gpt.schedule import LR_SCHEDULES
 
         if self.steps < 1:
             raise ValueError(f"--steps must be at least 1, got {self.steps}")
