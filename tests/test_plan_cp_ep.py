@@ -12,7 +12,7 @@ from meshwise.cli.plan_validate import model_flags, trial_layout
 from meshwise.comm.algorithms.registry import predict_seconds
 from meshwise.models.gpt import CONFIGS
 from meshwise.plan import Layout, ModelSpec, Precision, Problem, advise, hardware
-from meshwise.plan.memory import layer_activations, rank_parameters
+from meshwise.plan.memory import layer_activations, rank_parameter_kinds, rank_parameters, sharded_states
 from meshwise.plan.step_time import estimate_time
 
 MOE = CONFIGS["gpt-moe-nano"]  # 6 layers, hidden 384, 8 experts, top-2, seq 256
@@ -52,6 +52,24 @@ def test_expert_parallel_divides_experts_and_prices_the_all_to_alls() -> None:
     one = predict_seconds("all_to_all", "pairwise", nbytes, 2, hw.link_params(False))
     assert time.expert_parallel == pytest.approx(layout.micro_batches(32) * MOE.layers * 4 * one)
     assert layout.micro_batches(32) == 32 // (2 * 2 * 2)  # dp·ep ranks read different sequences
+
+
+def test_zero_shards_dense_weights_over_dp_ep_cp_and_experts_over_dp_cp() -> None:
+    """As train gpt --zero N shards them (zero_step: mesh.replicas for the dense parameters, a rank's
+    experts over mesh.expert_replicas): ep2·dp2 ZeRO-1 keeps 1/4 of the dense optimizer state and 1/2
+    of its own experts'; cp2 ZeRO-3 divides every state by dp·cp."""
+    model, precision = ModelSpec.of(MOE), Precision("bf16")
+    layout = Layout(2, 1, 1, micro_batch=2, ep=2, zero=1)
+    dense, experts = rank_parameter_kinds(model, layout)
+    assert dense + experts == pytest.approx(rank_parameters(model, layout)) and experts > dense
+    weights, grads, optimizer = sharded_states(model, layout, precision)
+    k = precision.optimizer_bytes
+    assert optimizer == pytest.approx(k * (dense / 4 + experts / 2))
+    assert weights == grads == pytest.approx(2 * (dense + experts))  # stage 1 shards the optimizer only
+    dense_model = ModelSpec.of(CONFIGS["gpt-nano"])
+    cp = Layout(1, 1, 1, micro_batch=2, cp=2, zero=3)
+    psi = rank_parameters(dense_model, cp)
+    assert sum(sharded_states(dense_model, cp, precision)) == pytest.approx((4 + k) * psi / 2)
 
 
 def test_search_walks_ep_for_experts_and_cp_when_given() -> None:

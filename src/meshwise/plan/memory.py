@@ -146,19 +146,38 @@ class MemoryEstimate:
 def rank_parameters(model: ModelSpec, layout: Layout) -> float:
     """Parameters on the fullest rank (first or last pipeline stage) after TP and the pipeline split; a
     mixture of experts' MLP is its router and E/ep whole experts (experts are not split by tp)."""
+    return sum(rank_parameter_kinds(model, layout))
+
+
+def rank_parameter_kinds(model: ModelSpec, layout: Layout) -> tuple[float, float]:
+    """:func:`rank_parameters` as (dense, experts): the two kinds ZeRO shards over different ranks."""
     c, t = model.config, layout.tp
     h = c.hidden
     per_layer = 12 * h * h / t + 7 * h / t + 6 * h
+    experts_per_layer = 0.0
     if c.experts:
         dense_mlp = 8 * h * h + 5 * h
-        router = h * c.experts
-        per_layer += router + c.experts // layout.ep * dense_mlp - (8 * h * h / t + 4 * h / t + h)
-    blocks = -(-c.layers // layout.pp) * per_layer
+        per_layer += h * c.experts - (8 * h * h / t + 4 * h / t + h)  # the router for the tp MLP
+        experts_per_layer = c.experts // layout.ep * dense_mlp
+    layers = -(-c.layers // layout.pp)
     embedding = model.embedding_parameters / t
-    first = blocks + embedding + c.seq_len * h
-    last = blocks + 2 * h + embedding
+    first = layers * per_layer + embedding + c.seq_len * h
+    last = layers * per_layer + 2 * h + embedding
     scale = model.parameters / c.num_parameters()  # --params: states priced with the count asked for
-    return (max(first, last) if layout.pp > 1 else first + 2 * h) * scale
+    dense = max(first, last) if layout.pp > 1 else first + 2 * h
+    return dense * scale, layers * experts_per_layer * scale
+
+
+def sharded_states(model: ModelSpec, layout: Layout, precision: Precision) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer state) bytes on the fullest rank: ZeRO shards each kind over the
+    ranks that hold it — dense parameters over their replicas (dp·ep·cp: ep and cp ranks hold the same
+    dense weights), a rank's experts over theirs (dp·cp: the ep ranks hold other experts)."""
+    dense, experts = rank_parameter_kinds(model, layout)
+    kinds = (
+        model_states(dense, layout.replicas, layout.zero, precision),
+        model_states(experts, layout.dp * layout.cp, layout.zero, precision),
+    )
+    return tuple(a + b for a, b in zip(*kinds, strict=True))  # type: ignore[return-value]
 
 
 def layer_activations(
@@ -216,8 +235,8 @@ def estimate_memory(
     mask_bytes: int = 0,
 ) -> MemoryEstimate:
     """Peak bytes on the fullest rank of ``layout``."""
-    c, dp, z = model.config, layout.dp, layout.zero
-    params, grads, optimizer = model_states(rank_parameters(model, layout), dp, z, precision)
+    c, dp, z = model.config, layout.replicas, layout.zero  # ZeRO's sharding ranks (dense parameters)
+    params, grads, optimizer = sharded_states(model, layout, precision)
     chunk_layers = -(-c.layers // (layout.pp * layout.virtual))
     per_layer = layer_activations(
         c, layout.micro_batch, layout, precision, attention=attention, mask_bytes=mask_bytes
@@ -243,7 +262,7 @@ def estimate_memory(
     # (our reducer, torch's gradient_as_bucket_view), so they add nothing
     buckets = layer_weights if z == 3 and dp > 1 else 0.0
     if z == 2 and dp > 1:
-        unsharded = grads * dp
+        unsharded = precision.value * rank_parameters(model, layout)
         several = layout.micro_batches(global_batch) > 1
         buckets = unsharded if several else min(unsharded, ZERO_REDUCES_IN_FLIGHT * BUCKET_BYTES)
     fresh = layout.micro_batches(global_batch) == 1 and layout.replicas == 1 and layout.pp == 1

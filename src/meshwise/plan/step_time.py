@@ -45,7 +45,7 @@ from meshwise.comm.cost.formulas import LinkParams
 from meshwise.plan.calls import tensor_parallel_calls
 from meshwise.plan.hardware import Hardware
 from meshwise.plan.layout import Layout
-from meshwise.plan.memory import BUCKET_BYTES, Precision, model_states, rank_parameters
+from meshwise.plan.memory import BUCKET_BYTES, Precision, rank_parameters, sharded_states
 from meshwise.plan.model import ModelSpec
 
 
@@ -206,11 +206,10 @@ def estimate_time(
         message = link.alpha + link.beta * activation / (t if layout.sp else 1)
         p2p = 2 * (v * m + p - 1) * message
     dp_seconds = _data_parallel(model, layout, hw, precision, m, compute_mb)
-    psi = rank_parameters(model, layout)
-    states = sum(model_states(psi, layout.dp, layout.zero, precision))
-    optimizer = 2 * states / hw.memory_bandwidth
-    if hw.optimizer_seconds is not None:
-        optimizer = hw.optimizer_seconds * psi / (layout.dp if layout.zero else 1)
+    states = sharded_states(model, layout, precision)
+    optimizer = 2 * sum(states) / hw.memory_bandwidth
+    if hw.optimizer_seconds is not None:  # per parameter the rank steps: its optimizer state's share
+        optimizer = hw.optimizer_seconds * states[2] / precision.optimizer_bytes
     return TimeEstimate(
         compute=m * compute_mb,
         tensor_parallel=m * tp_mb,
