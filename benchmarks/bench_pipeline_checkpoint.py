@@ -32,8 +32,9 @@ from meshwise.comm.mesh import Mesh, MeshShape
 from meshwise.models.gpt import CONFIGS, GPT
 from meshwise.runtime.spawn import spawn
 from meshwise.train.gpt import GPTTrainConfig, checkpoint
-from meshwise.train.gpt.parallelize import ParallelStep, parallelize
+from meshwise.train.gpt.parallelize import parallelize
 from meshwise.train.gpt.resolve import resolve
+from meshwise.train.step import ParallelStep
 
 LAYOUTS = {"dp": MeshShape(dp=2), "pp": MeshShape(pp=2)}
 

@@ -4,8 +4,11 @@ It is the seeds' DDP recipe with the pitfalls handled in one place: the sampler 
 (``set_epoch``), the learning rate is scaled with the number of ranks, validation accuracy is a sum over
 every rank's shard (not rank 0's guess), rank 0 alone writes checkpoints and prints, and a resumed run
 restores model, optimizer, sampler and generator so it continues exactly where the checkpoint left off.
-Checkpoints are :mod:`meshwise.train.checkpoint`'s DCP layout, keyed by the plain model's names: every
-rank writes its own ZeRO shards, and a run resumes on any number of ranks and any ``--zero`` stage.
+The model is cut and stepped by the seam's :class:`~meshwise.train.step.ParallelStep`, as ``meshwise
+train gpt``'s is: :class:`~meshwise.train.data_parallel_step.DataParallelStep`, or with ``--zero N``
+:class:`~meshwise.train.zero_step.ZeroStep`. Checkpoints are :mod:`meshwise.train.checkpoint`'s DCP
+layout, the step's state keyed by the plain model's names: every rank writes its own ZeRO shards, and a
+run resumes on any number of ranks and any ``--zero`` stage.
 """
 
 from __future__ import annotations
@@ -27,19 +30,17 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from meshwise.comm.api import ReduceOp
 from meshwise.data import DistributedSampler, Splits
-from meshwise.parallel import DataParallel
-from meshwise.parallel.placement import Placement
-from meshwise.parallel.state_dict import Held, PlainLayout, finish_load, held_parameters, sharded_state_dict
-from meshwise.parallel.zero import ShardedModel, shard
-from meshwise.parallel.zero.memory import rank_lines
-from meshwise.parallel.zero.state_dict import zero_held, zero_layout
+from meshwise.parallel.state_dict import PlainLayout
 from meshwise.train import checkpoint
 from meshwise.train.checkpoint import TRAIN_FORMAT, run_file
 from meshwise.train.config import TrainConfig
+from meshwise.train.data_parallel_step import DataParallelStep
 from meshwise.train.errors import TrainingError, diverged_on, train_on_rank
 from meshwise.train.profile import Breakdown, StepProfiler, write_trace
 from meshwise.train.report import EpochStats, TrainResult, header_line
 from meshwise.train.resume import check_dataset, resume_notes
+from meshwise.train.step import Local, ParallelStep, loss_only
+from meshwise.train.zero_step import ZeroStep
 from meshwise.world import World, init
 
 _EVAL_BATCH = 1024
@@ -80,47 +81,40 @@ class Trainer:
         self.checkpoint: str | None = None  # path of the last checkpoint written
         self.kept_epoch = 0  # the epoch of the checkpoint on disk: what a failure leaves behind
         self.step = 0  # optimizer steps taken, over every run of this checkpoint (names its directory)
-        self.model: DataParallel | ShardedModel
-        if config.mesh.zero:  # the optimizer must see the shards: built after sharding
-            self.model = shard(model, world.comm, stage=config.mesh.zero)
-            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.lr)
-        else:
-            self.optimizer = torch.optim.AdamW(model.parameters(), lr=self.lr)
-            self.model = DataParallel(model, world.comm)
+        self.scored = Scored()
+        self.step_runner = self._parallelize(model)
+        self.model = self.step_runner.model  # what runs forward: the DataParallel or ZeRO wrapper
         if config.output.resume:
             self._restore()
         self.console = Console(soft_wrap=True)
         profiling = config.profile.profiling
         recorder = getattr(world.comm, "recorder", None)
         self.profiler = StepProfiler(recorder, synchronize=world.device) if profiling else None
+        self.step_runner.profiler = self.profiler
 
-    # ------------------------------------------------------------------ checkpoints
-    def _held(self) -> list[Held]:
-        """ZeRO's flat rectangles, or DataParallel's whole replicas (DCP writes each once)."""
-        if isinstance(self.model, ShardedModel):
-            return zero_held(self.model)
-        plain = PlainLayout.of(self.model.module)
-        placed = ((p, Placement(n)) for n, p in self.model.module.named_parameters())
-        return held_parameters(placed, plain, tp_rank=0)
+    def _parallelize(self, model: nn.Module) -> ParallelStep:
+        """The seam's step over every rank (``world.mesh``: all of them on dp): DataParallel, or ZeRO of
+        ``--zero``'s stage; plain AdamW at the scaled lr (no decay groups) over what the step updates."""
 
-    def state_dict(self) -> dict[str, Any]:
-        """Model and optimizer state under the plain model's names (``{"model": ..., "optim": ...}``), for
-        every stage views of what this rank holds (:mod:`meshwise.parallel.state_dict`): DCP writes and
-        reads only those."""
-        if isinstance(self.model, ShardedModel):
-            plain = zero_layout(self.model, self.optimizer)
-        else:
-            plain = PlainLayout.of(self.model.module, self.optimizer)
-        return sharded_state_dict(self._held(), self.optimizer, self.model.module, plain)
+        def adamw(module: nn.Module) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(module.parameters(), lr=self.lr)
+
+        plain = PlainLayout.of(model, adamw(model))  # the one-process names, before any wrapper
+        local = Local(model, self.scored, loss_only, exchange_timer=None)
+        zero = self.config.mesh.zero
+        mesh = self.world.mesh
+        step = ZeroStep(local, mesh, adamw, zero) if zero else DataParallelStep(local, mesh, adamw)
+        step.plain, step.plain_model = plain, lambda: self.config.workload.build_model(self.splits)
+        return step
 
     def _restore(self) -> None:
         """Model and optimizer (any layout's checkpoint), sampler, generator, epoch, step and history."""
         assert self.config.output.checkpoint is not None
         run = checkpoint.read_train_run(self.config.output.checkpoint)  # before any rank reads a tensor
         check_dataset(run.get("dataset"), self.splits.name, str(run_file(self.config.output.checkpoint)))
-        state = self.state_dict()
+        state = self.step_runner.state_dict()
         checkpoint.load(self.config.output.checkpoint, state, TRAIN_FORMAT, "training ")
-        finish_load(self._held())  # dcp.load wrote every tensor in place
+        self.step_runner.load_state_dict(state)  # dcp.load wrote every tensor in place
         self.sampler.load_state_dict(run["sampler"])
         torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(run["rng"])), dtype=torch.uint8))
         self.first_epoch = self.kept_epoch = int(run["epoch"])
@@ -161,7 +155,7 @@ class Trainer:
             path = checkpoint.save(
                 self.config.output.checkpoint,
                 self.step,
-                self.state_dict(),
+                self.step_runner.state_dict(),
                 self._run_record(epoch),
                 format=TRAIN_FORMAT,
                 is_main=self.world.is_main,
@@ -214,7 +208,7 @@ class Trainer:
 
     def _train_epoch(self, epoch: int, progress: Progress | None) -> torch.Tensor:
         """Run one epoch on this rank's shard; return [loss sum, samples, correct, first step (1-based)
-        whose loss was non-finite or 0] (float64; the last kept on the device: no sync per step)."""
+        whose loss was non-finite or 0] (float64, kept on the device)."""
         data, device, batch = self.splits.train, self.world.device, self.config.per_rank_batch
         self.sampler.set_epoch(epoch)
         indices = self.sampler.indices()
@@ -228,25 +222,20 @@ class Trainer:
                 with self._phase("data"):
                     chunk = indices[step * batch : (step + 1) * batch]
                     inputs, targets = data.inputs[chunk].to(device), data.targets[chunk].to(device)
-                for group in self.optimizer.param_groups:
+                optimizer = self.step_runner.optimizer
+                for group in optimizer.param_groups:
                     group["lr"] = self._lr_at(epoch * self.steps_per_epoch + step)
-                with self._phase("forward"):
-                    logits = self.model(inputs)
-                    loss = nn.functional.cross_entropy(logits, targets)
                 with self._phase("optimizer"):
-                    self.optimizer.zero_grad()
-                with self._phase("backward"):
-                    loss.backward()  # returns with gradients averaged over the ranks
+                    optimizer.zero_grad()
+                # the step's forward and backward phases; gradients come back averaged over the ranks
+                self.step_runner.forward_backward([(inputs, targets)])
                 with self._phase("optimizer"):
-                    self.optimizer.step()
+                    optimizer.step()
                 self.step += 1
+                loss = self.scored.loss
                 with torch.no_grad():  # metric bookkeeping: the profile's "other"
                     totals[:3] += torch.stack(
-                        [
-                            loss.double() * len(chunk),
-                            totals.new_tensor(len(chunk)),
-                            (logits.argmax(1) == targets).sum(),
-                        ]
+                        [loss.double() * len(chunk), totals.new_tensor(len(chunk)), self.scored.correct]
                     )
                     first = (totals[3] == 0) & ~torch.isfinite(loss)
                     totals[3] = torch.where(first, totals.new_tensor(step + 1), totals[3])
@@ -284,12 +273,8 @@ class Trainer:
         for start in range(0, len(self.val_indices), _EVAL_BATCH):
             chunk = self.val_indices[start : start + _EVAL_BATCH]
             inputs, targets = part.inputs[chunk].to(device), part.targets[chunk].to(device)
-            # DataParallel's inner model skips its gradient bookkeeping; a sharded model must gather
-            logits = self.model.module(inputs) if isinstance(self.model, DataParallel) else self.model(inputs)
-            loss = nn.functional.cross_entropy(logits, targets, reduction="sum")
-            totals += torch.stack(
-                [loss.double(), totals.new_tensor(len(chunk)), (logits.argmax(1) == targets).sum()]
-            )
+            loss = self.step_runner.eval_loss_sum(inputs, targets)
+            totals += torch.stack([loss.double(), totals.new_tensor(len(chunk)), self.scored.correct])
         return totals
 
     # ------------------------------------------------------------------ the run
@@ -370,12 +355,19 @@ class Trainer:
             wall_seconds=time.perf_counter() - started,
             checkpoint=self.checkpoint,
             zero=self.config.mesh.zero,
-            memory=self._memory_lines(),
+            memory=tuple(self.step_runner.memory_lines()),
             profile=self._profile_result(),
         )
 
-    def _memory_lines(self) -> tuple[str, ...]:
-        """Every rank's ZeRO memory report (gathered to all ranks, printed by rank 0); none for DDP."""
-        if not isinstance(self.model, ShardedModel):
-            return ()
-        return tuple(rank_lines(self.model, self.optimizer))
+
+class Scored:
+    """A classifier's cross-entropy (the step's loss) that keeps, of the last batch it scored, the loss
+    and the number of right predictions: the metrics the loop sums on the device."""
+
+    loss: torch.Tensor
+    correct: torch.Tensor
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        loss = nn.functional.cross_entropy(logits, targets, reduction=reduction)
+        self.loss, self.correct = loss.detach(), (logits.argmax(1) == targets).sum()
+        return loss

@@ -57,14 +57,10 @@ from meshwise.parallel.zero.sharded import ShardedModel
 from meshwise.parallel.zero.state_dict import zero_held
 from meshwise.train.gpt.config import GPTTrainConfig
 from meshwise.train.gpt.optimizer import adamw, decays
-from meshwise.train.gpt.parallelize import Batch, LayerSharded, ParallelStep, build_optimizer
-from meshwise.train.gpt.zero_step import (
-    expert_replicas,
-    loss_scale_lines,
-    shard_axes,
-    skipped_for_overflow,
-    tensor_parallel_key,
-)
+from meshwise.train.gpt.parallelize import LayerSharded, build_optimizer
+from meshwise.train.gpt.zero_step import expert_replicas, tensor_parallel_key
+from meshwise.train.step import Batch, ParallelStep
+from meshwise.train.zero_step import loss_scale_lines, shard_axes, skipped_for_overflow
 
 
 class StageModule(nn.Module):
@@ -90,7 +86,7 @@ class PipelineStep(ParallelStep):
         """With ``--tp`` the model arrives as this rank's tensor-parallel shard (± ``--sp``) and every
         stage is cut from it; the stages' loss is then the vocabulary-parallel one."""
         model, plan, tp = sharded.model, sharded.plan, mesh.tp.world_size
-        super().__init__(config, mesh, next(model.parameters()).device)
+        super().__init__(mesh, next(model.parameters()).device, config.model.torch_dtype)
         self.mesh, self.config, self.sharded_loss = mesh, config, sharded.loss
         # every rank skips together
         self.scaler = LossScaler(mesh.job) if config.model.dtype == "fp16" else None

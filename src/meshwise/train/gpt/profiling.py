@@ -1,7 +1,7 @@
 """``train gpt --profile / --trace / --torch-profile``: the step profile of every GPT strategy.
 
 The loop brackets what it does itself (data, optimizer, the strategy's ``forward_backward``); the
-:class:`~meshwise.train.gpt.parallelize.ParallelStep` refines the inside (forward, backward, a pipeline's
+:class:`~meshwise.train.step.ParallelStep` refines the inside (forward, backward, a pipeline's
 instructions), so each strategy is profiled through the same seam. At the end, collectively: the
 pipeline ranks agree on each step's window (its bubble counts from the pipeline's first instruction to its
 last), every rank's events go to rank 0 for the one ``--trace`` file, and torch.profiler stops.
@@ -22,9 +22,9 @@ from meshwise.comm.api import ReduceOp
 from meshwise.comm.mesh import AXES
 from meshwise.train.gpt.layer_memory import LayerMemory
 from meshwise.train.gpt.moe import expert_exchange
-from meshwise.train.gpt.parallelize import ParallelStep
 from meshwise.train.gpt.resolve import GPTRun
 from meshwise.train.profile import Breakdown, StepProfiler, recorders_of, write_trace
+from meshwise.train.step import ParallelStep
 from meshwise.train.torch_profile import TorchProfile
 from meshwise.world import World
 

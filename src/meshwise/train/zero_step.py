@@ -1,0 +1,135 @@
+"""The ZeRO :class:`~meshwise.train.step.ParallelStep` (``--zero 1|2|3`` of ``meshwise train``): any
+model sharded by :func:`~meshwise.parallel.zero.shard` over ``mesh.replicas``.
+
+How it meets the seam's contract, whatever the model:
+
+- the optimizer (the caller's factory) steps this rank's float32 master shards;
+- the gradient norm for clipping is the whole model's (squares of every rank's shard, all-reduced), each
+  flat group's shard counted by its :class:`~meshwise.parallel.placement.Placement` (:func:`shard_axes`);
+- under mixed precision (``shard(mixed_precision=...)``) the model computes with bf16/fp16 copies of the
+  masters; fp16 adds a :class:`~meshwise.parallel.zero.LossScaler`: the loss is scaled before backward,
+  the shards unscaled in float32 before clipping, and a step whose gradient overflowed on any rank is
+  skipped on every rank (the loop's ``optimizer.step()`` then finds no gradient);
+- checkpoints are the seam's one writer fed with the rectangles of this rank's flat ranges
+  (:meth:`ZeroStep.held`): the plain model's names and shapes, so a run resumes under any stage, as plain
+  data parallelism, or on another number of ranks, while every rank writes and reads only its own
+  elements; ``full_model()`` is the seam's gather of the same rectangles.
+
+What is model-specific arrives as :func:`~meshwise.parallel.zero.shard`'s options: the GPT's
+(:mod:`meshwise.train.gpt.zero_step`) keep its optimizer groups and tensor-parallel shards apart in the
+flat groups, gather whole blocks under stage 3, and shard experts over their own replicas.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from meshwise.comm.mesh import GROUPINGS, Mesh
+from meshwise.parallel.placement import Placement, clip_gradients_, place
+from meshwise.parallel.state_dict import Held
+from meshwise.parallel.tensor_parallel import shard_dim
+from meshwise.parallel.zero import LossScaler, shard
+from meshwise.parallel.zero.memory import rank_lines
+from meshwise.parallel.zero.sharded import ShardedModel
+from meshwise.parallel.zero.state_dict import zero_held
+from meshwise.train.step import Batch, Local, OptimizerFactory, ParallelStep
+
+#: The axes ZeRO shards over: ``mesh.replicas``, the ranks holding the same weights (dp, and cp whose
+#: ranks see other tokens of the same sequences).
+REPLICAS = frozenset(GROUPINGS["replicas"])
+#: The axes an expert's flat shards are divided over: ZeRO's (``mesh.expert_replicas``, dp·cp) and ep,
+#: whose ranks hold other experts.
+EXPERT_SHARDS = frozenset(GROUPINGS["expert_replicas"]) | {"ep"}
+
+
+class ZeroStep(ParallelStep):
+    """This rank's master shards of ``local.model``, the optimizer over them, and (fp16) a loss scaler.
+
+    ``options`` go to :func:`~meshwise.parallel.zero.shard` as they are (``mixed_precision``,
+    ``separate_by``, ``units``, ``replica_groups``). A model cut by tensor parallelism first arrives as
+    this rank's shard, and ZeRO shards those shards further (flat groups must then keep tp shards and
+    tp-replicated parameters apart, so each gradient shard has one placement)."""
+
+    def __init__(
+        self, local: Local, mesh: Mesh, optimizer: OptimizerFactory, stage: int, **options: Any
+    ) -> None:
+        super().__init__(mesh, next(local.model.parameters()).device)
+        self.sharded = local
+        self.model = shard(local.model, mesh.replicas, stage=stage, **options)
+        self._shard_placements = [
+            Placement(group.name, divided=shard_axes(group.params[0], expert=replicas > 0))
+            for group, replicas in zip(self.model.groups, self.model.replica_of, strict=True)
+        ]
+        self.optimizer = optimizer(self.model)
+        # every rank skips together
+        self.scaler = LossScaler(mesh.job) if options.get("mixed_precision") == "fp16" else None
+
+    def _loss(self, inputs: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        loss = self.sharded.loss(self.model(inputs), targets, reduction)
+        # what else joins the training gradient (not evaluation's sums)
+        return self.sharded.training_loss(loss, self.model) if reduction == "mean" else loss
+
+    def forward_backward(self, micro_batches: Sequence[Batch]) -> float:
+        with self.timed_exchange(self.sharded.exchange_timer):
+            return self.accumulate_gradients(
+                micro_batches, self._loss, self.scaler.scale_loss if self.scaler else None
+            )
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        if skipped_for_overflow(self.scaler, self.model):
+            return math.inf  # skipped: the optimizer finds no gradient
+        shards = list(zip(self.model.gradient_shards(), self._shard_placements, strict=True))
+        return clip_gradients_(shards, max_norm, self.mesh.coordinates, self.mesh.job)
+
+    @torch.no_grad()
+    def eval_loss_sum(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self._loss(inputs, targets, reduction="sum")
+
+    def memory_lines(self) -> list[str]:
+        """Every rank's memory, accounted beside the ZeRO formula (collective: gathered to every rank)."""
+        mixed = self.model.precision is not None
+        return rank_lines(self.model, self.optimizer, k=8 + 4 * mixed)
+
+    def summary_lines(self) -> list[str]:
+        """The per-rank memory report beside the ZeRO formula, and (fp16) the loss scale."""
+        lines = [f"Memory (ZeRO-{self.model.stage}, per rank, accounted vs formula)"]
+        lines += [f"  {line}" for line in self.memory_lines()]
+        return lines + loss_scale_lines(self.scaler)
+
+    def held(self) -> list[Held]:
+        """The rectangles of this rank's flat ranges, tp shards placed at this tp rank's slice."""
+        placements = place(self.model.module.named_parameters())  # each parameter's tp cut
+        return zero_held(
+            self.model, self.plain, placements, self.mesh.coordinates["tp"], self._shard_placements
+        )
+
+
+def skipped_for_overflow(scaler: LossScaler | None, model: ShardedModel) -> bool:
+    """fp16, before clipping: unscale ``model``'s reduced gradient shards (in float32) and update the
+    scale; True when any rank of the scaler's group (the whole job: every stage and replica) found an inf
+    or nan — every rank then discarded its gradients and skips the step together."""
+    if scaler is None:
+        return False
+    found_inf = scaler.unscale_(model)
+    scaler.update(found_inf)
+    return found_inf
+
+
+def loss_scale_lines(scaler: LossScaler | None) -> list[str]:
+    """The run summary's loss-scale line (fp16), empty otherwise."""
+    if scaler is None:
+        return []
+    skipped = f"{scaler.skipped} step{'s' if scaler.skipped != 1 else ''} skipped for inf/nan gradients"
+    return [f"Loss scale          = {scaler.scale:g} (fp16; {skipped})"]
+
+
+def shard_axes(param: nn.Parameter, expert: bool) -> frozenset[str]:
+    """The mesh axes a flat group's shard of ``param``'s kind is divided over: its replicas (ZeRO's
+    shard; for experts, also ep, whose ranks hold other experts) and tp for tensor-parallel shards."""
+    axes = EXPERT_SHARDS if expert else REPLICAS
+    return axes | {"tp"} if shard_dim(param) is not None else axes
