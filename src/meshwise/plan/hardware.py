@@ -18,6 +18,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -115,7 +116,16 @@ class Hardware:
         return self.peak_flops[dtype]
 
     def link_params(self, inter_node: bool) -> LinkParams:
-        return (self.inter if inter_node else self.intra).params(self.memory_bandwidth / 3)
+        return self._inter_params if inter_node else self._intra_params
+
+    # the search prices tens of thousands of calls on the same two links: their α-β-γ made once
+    @cached_property
+    def _intra_params(self) -> LinkParams:
+        return self.intra.params(self.memory_bandwidth / 3)
+
+    @cached_property
+    def _inter_params(self) -> LinkParams:
+        return self.inter.params(self.memory_bandwidth / 3)
 
     def call_cost(self, collective: str, group: int) -> CallCost | None:
         """The measured cost of one ``collective`` call on ``group`` ranks, None where none was measured."""
