@@ -155,7 +155,7 @@ def _two_ranks(name: str, batch: int, seq: int, rounds: int, steps: int, warmup:
         "ours/shm, mid-backward": eager.model,
         "compute only": models["compute only"],  # no communication: the floor of any 2-rank step
     }
-    optimizers = {label: build_optimizer(models[label], train) for label in LABELS}
+    optimizers = {label: build_optimizer(models[label], train.optimizer) for label in LABELS}
     optimizers["ours/shm"], optimizers["ours/shm, mid-backward"] = runner.optimizer, eager.optimizer
     phases = {label: {phase: [] for phase in PHASES} for label in LABELS}
     steppers = {label: _stepper(wrapped[label], optimizers[label], x, y, phases[label]) for label in LABELS}
