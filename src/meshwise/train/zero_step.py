@@ -31,7 +31,7 @@ from torch import nn
 
 from meshwise.comm.mesh import GROUPINGS, Mesh
 from meshwise.parallel.placement import Placement, clip_gradients_, place
-from meshwise.parallel.state_dict import Held
+from meshwise.parallel.state_dict import Held, PlainLayout
 from meshwise.parallel.tensor_parallel import shard_dim
 from meshwise.parallel.zero import LossScaler, shard
 from meshwise.parallel.zero.memory import rank_lines
@@ -81,10 +81,7 @@ class ZeroStep(ParallelStep):
             )
 
     def clip_grad_norm(self, max_norm: float) -> float:
-        if skipped_for_overflow(self.scaler, self.model):
-            return math.inf  # skipped: the optimizer finds no gradient
-        shards = list(zip(self.model.gradient_shards(), self._shard_placements, strict=True))
-        return clip_gradients_(shards, max_norm, self.mesh.coordinates, self.mesh.job)
+        return clip_flat_shards(self.model, self.scaler, self._shard_placements, max_norm, self.mesh)
 
     @torch.no_grad()
     def eval_loss_sum(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -103,10 +100,26 @@ class ZeroStep(ParallelStep):
 
     def held(self) -> list[Held]:
         """The rectangles of this rank's flat ranges, tp shards placed at this tp rank's slice."""
-        placements = place(self.model.module.named_parameters())  # each parameter's tp cut
-        return zero_held(
-            self.model, self.plain, placements, self.mesh.coordinates["tp"], self._shard_placements
-        )
+        return flat_held(self.model, self.plain, self.mesh, self._shard_placements)
+
+
+def clip_flat_shards(
+    zero: ShardedModel, scaler: LossScaler | None, placements: list[Placement], max_norm: float, mesh: Mesh
+) -> float:
+    """Clip ``zero``'s reduced gradient shards (each flat group's counted by its placement) by the whole
+    model's norm and return it; under fp16 first unscale them, and return inf for a step every rank skips
+    (the optimizer then finds no gradient)."""
+    if skipped_for_overflow(scaler, zero):
+        return math.inf
+    shards = list(zip(zero.gradient_shards(), placements, strict=True))
+    return clip_gradients_(shards, max_norm, mesh.coordinates, mesh.job)
+
+
+def flat_held(zero: ShardedModel, plain: PlainLayout, mesh: Mesh, placements: list[Placement]) -> list[Held]:
+    """What ``zero``'s flat ranges hold, for the seam's checkpoint writer: the rectangles of each range,
+    tensor-parallel shards placed at this rank's tp slice of the plain tensor."""
+    tp_cuts = place(zero.module.named_parameters())  # each parameter's tp cut
+    return zero_held(zero, plain, tp_cuts, mesh.coordinates["tp"], placements)
 
 
 def skipped_for_overflow(scaler: LossScaler | None, model: ShardedModel) -> bool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from meshwise.parallel.zero.sharded import ShardedModel
 from meshwise.train.gpt.sections import OptimizerSection
 
 
@@ -29,3 +30,11 @@ def build_optimizer(model: nn.Module, config: OptimizerSection) -> torch.optim.A
     """:func:`adamw` over ``model``'s trainable parameters, grouped by :func:`decays`."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     return adamw([p for n, p in named if decays(n, p)], [p for n, p in named if not decays(n, p)], config)
+
+
+def sharded_adamw(zero: nn.Module, config: OptimizerSection) -> torch.optim.AdamW:
+    """:func:`adamw` over ZeRO's float32 master shards, grouped by :func:`decays` (its flat groups never
+    mix the two kinds, so each shard belongs to one optimizer group)."""
+    assert isinstance(zero, ShardedModel)
+    rest = zero.parameters_where(lambda n, p: not decays(n, p))
+    return adamw(zero.parameters_where(decays), rest, config)

@@ -33,7 +33,6 @@ in the checkpoint, every rank holds its shards alone.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from functools import partial
@@ -50,17 +49,16 @@ from meshwise.parallel.pipeline_parallel.builder import build_pipeline
 from meshwise.parallel.pipeline_parallel.executor import Event
 from meshwise.parallel.pipeline_parallel.partition import LayerChunk
 from meshwise.parallel.pipeline_parallel.timeline import COMPUTE_OPS, draw, gather_events
-from meshwise.parallel.placement import Placement, clip_gradients_, place
+from meshwise.parallel.placement import Placement
 from meshwise.parallel.state_dict import Held
 from meshwise.parallel.zero import LossScaler, shard
 from meshwise.parallel.zero.sharded import ShardedModel
-from meshwise.parallel.zero.state_dict import zero_held
 from meshwise.train.gpt.config import GPTTrainConfig
-from meshwise.train.gpt.optimizer import adamw, decays
+from meshwise.train.gpt.optimizer import sharded_adamw
 from meshwise.train.gpt.parallelize import LayerSharded, build_optimizer
 from meshwise.train.gpt.zero_step import expert_replicas, tensor_parallel_key
 from meshwise.train.step import Batch, ParallelStep
-from meshwise.train.zero_step import loss_scale_lines, shard_axes, skipped_for_overflow
+from meshwise.train.zero_step import clip_flat_shards, flat_held, loss_scale_lines, shard_axes
 
 
 class StageModule(nn.Module):
@@ -165,10 +163,7 @@ class PipelineStep(ParallelStep):
     def clip_grad_norm(self, max_norm: float) -> float:
         if self.zero is None:
             return super().clip_grad_norm(max_norm)
-        if skipped_for_overflow(self.scaler, self.zero):
-            return math.inf  # skipped on every rank: the optimizer finds no gradient
-        shards = list(zip(self.zero.gradient_shards(), self._shard_placements, strict=True))
-        return clip_gradients_(shards, max_norm, self.mesh.coordinates, self.mesh.job)
+        return clip_flat_shards(self.zero, self.scaler, self._shard_placements, max_norm, self.mesh)
 
     @torch.no_grad()
     def eval_loss_sum(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -181,9 +176,7 @@ class PipelineStep(ParallelStep):
         ranges: each (dp, tp) rank of each stage writes its own."""
         if self.zero is None:
             return super().held()
-        placements = place(self.model.named_parameters())  # each parameter's tp cut
-        tp_rank = self.mesh.coordinates["tp"]
-        return zero_held(self.zero, self.plain, placements, tp_rank, self._shard_placements)
+        return flat_held(self.zero, self.plain, self.mesh, self._shard_placements)
 
     def summary_lines(self) -> list[str]:
         """fp16: the loss scale and the steps skipped."""
@@ -224,8 +217,7 @@ def stage_zero(
         units=units,
         replica_groups=expert_replicas(mesh),  # --ep: the stage's experts over their own replicas
     )
-    rest = zero.parameters_where(lambda n, p: not decays(n, p))
-    optimizer = adamw(zero.parameters_where(decays), rest, config.optimizer)
+    optimizer = sharded_adamw(zero, config.optimizer)
     placements = [
         Placement(
             group.name,

@@ -21,22 +21,22 @@ reduce-scatter and all-gather over dp·cp, their averaged gradient divided by ep
 :class:`~meshwise.parallel.expert_parallel.ExpertDataParallel` does), the optimizer steps on each kind's
 shards, the global norm counts every expert once (an expert shard is divided over dp·cp and ep), and the
 checkpoint holds each expert under its plain name (its global index) in the pieces of its dp·cp ranks, so
-it resumes as plain ``--ep``, another stage, or one process. Not yet with ``--pp``: the pipeline's
-stage ZeRO shards over one group (refused before launch).
+it resumes as plain ``--ep``, another stage, or one process. Under ``--pp`` each stage's ZeRO shards its
+experts the same way (:func:`~meshwise.train.gpt.pipeline_step.stage_zero`).
 """
 
 from __future__ import annotations
 
-import torch
+from functools import partial
+
 from torch import nn
 
 from meshwise.comm.mesh import Mesh
 from meshwise.parallel.expert_parallel import is_expert_parameter
 from meshwise.parallel.tensor_parallel import shard_dim
 from meshwise.parallel.zero.replicas import ReplicaGroup
-from meshwise.parallel.zero.sharded import ShardedModel
 from meshwise.train.gpt.config import GPTTrainConfig
-from meshwise.train.gpt.optimizer import adamw, decays
+from meshwise.train.gpt.optimizer import decays, sharded_adamw
 from meshwise.train.gpt.parallelize import LayerSharded
 from meshwise.train.zero_step import ZeroStep
 
@@ -56,15 +56,10 @@ class GPTZeroStep(ZeroStep):
     ``mesh.replicas``, with the options the module docstring lists."""
 
     def __init__(self, sharded: LayerSharded, mesh: Mesh, config: GPTTrainConfig) -> None:
-        def optimizer(zero: nn.Module) -> torch.optim.Optimizer:
-            assert isinstance(zero, ShardedModel)
-            rest = zero.parameters_where(lambda n, p: not decays(n, p))
-            return adamw(zero.parameters_where(decays), rest, config.optimizer)
-
         super().__init__(
             sharded,
             mesh,
-            optimizer,
+            partial(sharded_adamw, config=config.optimizer),
             config.mesh.zero,
             mixed_precision=PRECISION[config.model.dtype],
             separate_by=tensor_parallel_key,
