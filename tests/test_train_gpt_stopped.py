@@ -120,3 +120,17 @@ def test_a_spawned_rank_failure_prints_its_traceback_once_then_the_line_naming_i
     err = capsys.readouterr().err.splitlines()
     assert err[0] == "Traceback (most recent call last):" and err.count("RuntimeError: boom") == 1
     assert err[-1] == "meshwise train gpt: rank 1 failed: RuntimeError: boom"
+
+
+def test_a_checkpoint_that_cannot_be_written_stops_in_one_line_naming_the_one_kept(text, tmp_path, capsys):
+    """A failed write (DCP's own error: a file where step 4's directory goes) stops the run with one line
+    naming what is left on disk, as ``train mlp`` does (tests/test_train_failures.py), not a traceback."""
+    directory = tmp_path / "run"
+    directory.mkdir()
+    (directory / "step-000004").write_text("in the way")
+    argv = gpt_argv(text, "--steps", "4", "--eval-every", "2", "--checkpoint", str(directory))
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert f"cannot write the checkpoint in {directory} (File exists); the step-2 checkpoint is kept" in err
+    assert json.loads((directory / "run.json").read_text())["step"] == 2  # what it names is intact

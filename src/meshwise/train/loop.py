@@ -15,18 +15,15 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import errno
 import math
 import time
 from dataclasses import asdict
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.progress import Progress
 from torch import nn
-from torch.distributed.checkpoint.api import CheckpointException
 
 from meshwise.comm.api import ReduceOp
 from meshwise.data import DistributedSampler, Splits
@@ -35,8 +32,9 @@ from meshwise.train import checkpoint
 from meshwise.train.checkpoint import TRAIN_FORMAT, run_file
 from meshwise.train.config import TrainConfig
 from meshwise.train.data_parallel_step import DataParallelStep
-from meshwise.train.errors import TrainingError, diverged_on, train_on_rank
-from meshwise.train.profile import Breakdown, StepProfiler, write_trace
+from meshwise.train.errors import TrainingError, train_on_rank
+from meshwise.train.loop_parts import everywhere, first_diverged, kept, progress_bar, save_everywhere
+from meshwise.train.profile import StepProfiler
 from meshwise.train.report import EpochStats, TrainResult, header_line
 from meshwise.train.resume import check_dataset, resume_notes
 from meshwise.train.step import Local, ParallelStep, loss_only
@@ -134,57 +132,32 @@ class Trainer:
             "epochs": self.config.total_epochs,
         }
 
-    def _kept(self) -> str:
-        return (
-            f"the epoch-{self.kept_epoch} checkpoint is kept"
-            if self.kept_epoch
-            else "no checkpoint was written"
-        )
-
     def _checkpoint(self, epoch: int) -> None:
         """Collective: every rank writes its part of the checkpoint of ``epoch`` (its ZeRO shards, or
-        its share of the replicated tensors), then rank 0 points run.json at it. Every rank learns
-        whether that worked (one tiny all-reduce), so a failure stops the whole job at once, in one
-        sentence naming what is left on disk, instead of leaving peers waiting."""
-        assert self.config.output.checkpoint is not None
+        its share of the replicated tensors), then rank 0 points run.json at it; a failure on any rank
+        stops every rank in one sentence naming what is left on disk (:func:`save_everywhere`)."""
+        directory = self.config.output.checkpoint
+        assert directory is not None
+        left = kept("epoch", self.kept_epoch)
         finite = all(bool(torch.isfinite(p).all()) for p in self.model.parameters())
-        if not self._everywhere(finite):
-            raise TrainingError(f"the weights became non-finite in epoch {epoch}; not saved, {self._kept()}")
-        error: str | None = None
-        try:
-            path = checkpoint.save(
-                self.config.output.checkpoint,
+        if not everywhere(self.world, finite):
+            raise TrainingError(f"the weights became non-finite in epoch {epoch}; not saved, {left}")
+        path = save_everywhere(
+            self.world,
+            directory,
+            left,
+            lambda: checkpoint.save(
+                directory,
                 self.step,
                 self.step_runner.state_dict(),
                 self._run_record(epoch),
                 format=TRAIN_FORMAT,
                 is_main=self.world.is_main,
                 barrier=self.world.comm.barrier,
-            )
-        except (OSError, CheckpointException) as exc:
-            error = self._write_failure(exc)
-        if not self._everywhere(error is None):
-            raise TrainingError(
-                error or f"another rank could not write its part of the checkpoint; {self._kept()}"
-            )
+            ),
+        )
         self.checkpoint = str(path)
         self.kept_epoch = epoch
-
-    def _everywhere(self, ok: bool) -> bool:
-        """Whether ``ok`` holds on every rank (one all-reduce)."""
-        failed = torch.tensor([0.0 if ok else 1.0], device=self.world.device)
-        self.world.comm.all_reduce(failed, ReduceOp.MAX)
-        return not failed.item()
-
-    def _write_failure(self, exc: BaseException) -> str:
-        """A failed write as one sentence naming what is left on disk."""
-        if isinstance(exc, CheckpointException):  # DCP gathers every rank's error with its traceback
-            exc = next((cause for cause, _trace in exc.failures.values()), exc)
-        where = self.config.output.checkpoint
-        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
-            return f"no space left on device for the checkpoint in {where}; {self._kept()}"
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
-        return f"cannot write the checkpoint in {where} ({reason}); {self._kept()}"
 
     def _run_record(self, epoch: int) -> dict[str, Any]:
         """What run.json keeps beside the tensors (see :mod:`meshwise.train.checkpoint`)."""
@@ -256,13 +229,8 @@ class Trainer:
         if self.profiler is None or not self.profiler.steps:
             return None
         if self.config.profile.trace is not None:
-            events = self.profiler.events(self.world.rank)
-            gathered: list = [None] * self.world.world_size if self.world.is_main else []
-            dist.gather_object(events, gathered if self.world.is_main else None, dst=0)
-            if self.world.is_main:
-                write_trace(self.config.profile.trace, [e for rank_events in gathered for e in rank_events])
-        per_step = self.profiler.parts()
-        return Breakdown.of(per_step).to_json() | {"total_step_seconds": sum(p["step"] for p in per_step)}
+            self.profiler.gather_trace(self.world.rank, self.world.world_size, self.config.profile.trace)
+        return self.profiler.summary()
 
     @torch.no_grad()
     def _evaluate(self) -> torch.Tensor:
@@ -283,16 +251,15 @@ class Trainer:
         started = time.perf_counter()
         train = self._train_epoch(epoch, progress)
         seconds = time.perf_counter() - started
-        first_steps = train.new_zeros(self.world.world_size)  # each rank's first non-finite step
-        first_steps[self.world.rank] = train[3]
-        totals = torch.cat([train[:3], self._evaluate(), first_steps])
+        totals = torch.cat([train[:3], self._evaluate()])
         self.world.comm.all_reduce(totals, ReduceOp.SUM)
-        t_loss, t_n, t_ok, v_loss, v_n, v_ok = totals[:6].tolist()
-        if not (math.isfinite(t_loss) and math.isfinite(v_loss)):
+        t_loss, t_n, t_ok, v_loss, v_n, v_ok = totals.tolist()
+        if not (math.isfinite(t_loss) and math.isfinite(v_loss)):  # the same on every rank: reduced
             bad = t_loss if not math.isfinite(t_loss) else v_loss
-            step, where = diverged_on([int(s) for s in totals[6:].tolist()])
+            step, where = first_diverged(self.world, int(train[3].item()))
             first = f", first{where} at step {step} of {self.steps_per_epoch}" if step else ""
-            saved = "" if self.config.output.checkpoint is None else f" (not saved: {self._kept()})"
+            left = kept("epoch", self.kept_epoch)
+            saved = "" if self.config.output.checkpoint is None else f" (not saved: {left})"
             raise TrainingError(
                 f"training diverged: the loss became {bad} in epoch {epoch + 1}{first} at lr {self.lr:g}"
                 f"{saved}; lower --lr"
@@ -326,15 +293,7 @@ class Trainer:
                     "step per epoch)"
                 )
         started = time.perf_counter()
-        with Progress(
-            TextColumn("{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeRemainingColumn(),
-            console=self.console,
-            transient=True,
-            disable=not (world.is_main and self.console.is_terminal),
-        ) as progress:
+        with progress_bar(world, self.console) as progress:
             for epoch in range(self.first_epoch, epochs):
                 stats = self.run_epoch(epoch, progress)
                 if world.is_main:

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from meshwise.comm.api import Communicator, ReduceOp
 from meshwise.comm.flight_recorder import FlightRecorder
@@ -190,6 +191,19 @@ class StepProfiler:
             parts["step"] = step.ended - step.started
             out.append(parts)
         return out
+
+    def summary(self) -> dict:
+        """The steps' :class:`Breakdown` as JSON plus ``total_step_seconds``: what a run's result keeps."""
+        per_step = self.parts()
+        return Breakdown.of(per_step).to_json() | {"total_step_seconds": sum(p["step"] for p in per_step)}
+
+    def gather_trace(self, rank: int, world_size: int, path: str) -> None:
+        """Collective: every rank's :meth:`events` go to rank 0 (over the control plane), which writes the
+        one trace file of the run at ``path`` (:func:`write_trace`)."""
+        gathered: list = [None] * world_size if rank == 0 else []
+        dist.gather_object(self.events(rank), gathered if rank == 0 else None, dst=0)
+        if rank == 0:
+            write_trace(path, [event for rank_events in gathered for event in rank_events])
 
     def idle_fractions(self) -> list[float]:
         """Per pipeline step: this rank's bubble as a share of the pipeline's window (the quantity the

@@ -38,6 +38,7 @@ nothing.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -86,69 +87,34 @@ def _take(x: torch.Tensor, comm: Communicator, dim: int) -> torch.Tensor:
     return x.chunk(comm.world_size, dim=dim)[comm.rank].contiguous()
 
 
-class _CopyToRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: Communicator) -> torch.Tensor:
-        ctx.comm = comm
-        return x.view_as(x)
+def _same(x: torch.Tensor, comm: Communicator, dim: int) -> torch.Tensor:
+    return x.view_as(x)
+
+
+def _summed(x: torch.Tensor, comm: Communicator, dim: int) -> torch.Tensor:
+    return all_reduce_copy(x, comm)
+
+
+Way = Callable[[torch.Tensor, Communicator, int], torch.Tensor]
+
+
+class _Conjugate(torch.autograd.Function):
+    """``there`` forward and ``back`` backward: a collective and its conjugate (the module's table)."""
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return all_reduce_copy(grad, ctx.comm), None
-
-
-class _ReduceFromRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: Communicator) -> torch.Tensor:
-        return all_reduce_copy(x, comm)
+    def forward(ctx: Any, x: torch.Tensor, comm: Communicator, dim: int, there: Way, back: Way) -> Any:
+        ctx.comm, ctx.dim, ctx.back = comm, dim, back
+        return there(x, comm, dim)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
+        return ctx.back(grad, ctx.comm, ctx.dim), None, None, None, None
 
 
-class _GatherFromSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: Communicator, dim: int) -> torch.Tensor:
-        ctx.comm, ctx.dim = comm, dim
-        return gather_along(x, comm, dim)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return _reduce_scatter(grad, ctx.comm, ctx.dim), None, None
-
-
-class _ScatterToSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: Communicator, dim: int) -> torch.Tensor:
-        ctx.comm, ctx.dim = comm, dim
-        return _reduce_scatter(x, comm, dim)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return gather_along(grad, ctx.comm, ctx.dim), None, None
-
-
-class _Split(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: Communicator, dim: int) -> torch.Tensor:
-        ctx.comm, ctx.dim = comm, dim
-        return _take(x, comm, dim)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return gather_along(grad, ctx.comm, ctx.dim), None, None
-
-
-class _Gather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: Communicator, dim: int) -> torch.Tensor:
-        ctx.comm, ctx.dim = comm, dim
-        return gather_along(x, comm, dim)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return _take(grad, ctx.comm, ctx.dim), None, None
+def _conjugate(x: torch.Tensor, comm: Communicator, dim: int, there: Way, back: Way) -> torch.Tensor:
+    """``x`` through ``there`` (its gradient through ``back``); the identity, sending nothing, when
+    ``comm`` holds one rank."""
+    return x if comm.world_size == 1 else _Conjugate.apply(x, comm, dim, there, back)
 
 
 class _GatheredLinears(torch.autograd.Function):
@@ -193,40 +159,40 @@ def gathered_linears(
 
 def copy_to_region(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
     """Enter a parallel region with a replicated input: identity forward, all-reduce backward."""
-    return x if comm.world_size == 1 else _CopyToRegion.apply(x, comm)
+    return _conjugate(x, comm, -1, _same, _summed)
 
 
 def reduce_from_region(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
     """Leave a parallel region by summing partial results: all-reduce forward, identity backward."""
-    return x if comm.world_size == 1 else _ReduceFromRegion.apply(x, comm)
+    return _conjugate(x, comm, -1, _summed, _same)
 
 
 def gather_from_sequence(x: torch.Tensor, comm: Communicator, dim: int = 1) -> torch.Tensor:
     """Enter a parallel region from sequence shards: all-gather forward, reduce-scatter backward."""
-    return x if comm.world_size == 1 else _GatherFromSequence.apply(x, comm, dim)
+    return _conjugate(x, comm, dim, gather_along, _reduce_scatter)
 
 
 def scatter_to_sequence(x: torch.Tensor, comm: Communicator, dim: int = 1) -> torch.Tensor:
     """Leave a parallel region into sequence shards: reduce-scatter forward, all-gather backward."""
-    return x if comm.world_size == 1 else _ScatterToSequence.apply(x, comm, dim)
+    return _conjugate(x, comm, dim, _reduce_scatter, gather_along)
 
 
 def split_last(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
     """This rank's slice of the last dimension of a replicated tensor (gradient: all-gather)."""
-    return x if comm.world_size == 1 else _Split.apply(x, comm, -1)
+    return _conjugate(x, comm, -1, _take, gather_along)
 
 
 def gather_last(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
     """Concatenate the ranks' slices of the last dimension (gradient: each rank keeps its slice)."""
-    return x if comm.world_size == 1 else _Gather.apply(x, comm, -1)
+    return _conjugate(x, comm, -1, gather_along, _take)
 
 
 def replicate_sequence(x: torch.Tensor, comm: Communicator, dim: int = 1) -> torch.Tensor:
     """The whole sequence from the ranks' shards, for a computation every rank then runs identically
     (not a parallel region: its input gradient is the same on every rank, so each keeps its slice)."""
-    return x if comm.world_size == 1 else _Gather.apply(x, comm, dim)
+    return _conjugate(x, comm, dim, gather_along, _take)
 
 
 def shard_sequence(x: torch.Tensor, comm: Communicator, dim: int = 1) -> torch.Tensor:
     """This rank's sequence shard of a replicated tensor (gradient: the shards' gradients all-gathered)."""
-    return x if comm.world_size == 1 else _Split.apply(x, comm, dim)
+    return _conjugate(x, comm, dim, _take, gather_along)

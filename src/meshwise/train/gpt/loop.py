@@ -19,7 +19,7 @@ from dataclasses import asdict, replace
 
 import torch
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.progress import TextColumn
 
 from meshwise.comm.api import ReduceOp
 from meshwise.comm.counting import CountingCommunicator
@@ -30,7 +30,7 @@ from meshwise.data.windows import lockstep_val_batches, train_batch
 from meshwise.models.gpt import GPT
 from meshwise.runtime.cores import available_cores
 from meshwise.train import random_state
-from meshwise.train.errors import TrainingError, diverged_on, train_on_rank
+from meshwise.train.errors import TrainingError, train_on_rank
 from meshwise.train.gpt import checkpoint
 from meshwise.train.gpt.context_parallel import local_tokens
 from meshwise.train.gpt.init_from import export, load_weights
@@ -43,6 +43,7 @@ from meshwise.train.gpt.report import GPTResult, StepStats, step_line
 from meshwise.train.gpt.resolve import GPTRun
 from meshwise.train.gpt.start_notes import start_notes
 from meshwise.train.gpt.step_log import StepLog, checkpoint_due
+from meshwise.train.loop_parts import first_diverged, kept, progress_bar, save_everywhere
 from meshwise.world import World, init
 
 SAMPLE_PROMPT = "\ndef "
@@ -90,6 +91,7 @@ class GPTTrainer:
         self.saved_run: dict | None = None  # the resumed checkpoint's run record
         self.peak_notes: list[str] = []  # what the MFU peak had to assume (shared cores)
         self.checkpoint_path: str | None = None
+        self.kept_step = 0  # the step of the checkpoint on disk: what a failed write leaves behind
         # a resume's random streams, set when its first step starts (nothing before it may draw them away)
         self._resumed_random: Callable[[], None] | None = None
         self.random_note: str | None = None  # a resume that cannot continue the streams says so
@@ -126,20 +128,28 @@ class GPTTrainer:
         }
 
     def save_checkpoint(self, step: int) -> None:
-        """Collective: write the DCP checkpoint of ``step`` steps completed."""
-        assert self.config.output.checkpoint is not None
+        """Collective: write the DCP checkpoint of ``step`` steps completed; a failure on any rank stops
+        every rank in one sentence naming what is left on disk (:func:`save_everywhere`)."""
+        directory = self.config.output.checkpoint
+        assert directory is not None
         state = self.step_runner.state_dict()
         state["rng"] = {self._rank_key: random_state.capture([self.step_runner.model], self.world.device)}
-        path = checkpoint.save(
-            self.config.output.checkpoint,
-            step,
-            state,
-            self._run_record(step),
-            is_main=self.world.is_main,
-            barrier=self.world.comm.barrier,
-            keep=self.config.output.keep,
+        path = save_everywhere(
+            self.world,
+            directory,
+            kept("step", self.kept_step),
+            lambda: checkpoint.save(
+                directory,
+                step,
+                state,
+                self._run_record(step),
+                is_main=self.world.is_main,
+                barrier=self.world.comm.barrier,
+                keep=self.config.output.keep,
+            ),
         )
         self.checkpoint_path = str(path)
+        self.kept_step = step
 
     @property
     def _rank_key(self) -> str:
@@ -157,7 +167,7 @@ class GPTTrainer:
         run = checkpoint.load(directory, state)
         self.saved_run = run
         self.step_runner.load_state_dict(state)
-        self.first_step = checkpoint.next_step(run)
+        self.first_step = self.kept_step = checkpoint.next_step(run)
         self.history = [StepStats(**s) for s in run["history"]]
         self.initial_val_loss = run["initial_val_loss"]
         if same_layout:
@@ -218,20 +228,13 @@ class GPTTrainer:
             self.mesh.replicas.all_reduce(loss, ReduceOp.AVG)
             seconds = time.perf_counter() - started
         if not math.isfinite(loss.item()):  # the same on every rank: the loss is known everywhere
-            self._diverged(step, local, loss.item())
+            _, where = first_diverged(self.world, 0 if math.isfinite(local) else step + 1)
+            raise TrainingError(
+                f"training diverged: the loss became {loss.item()} at step {step + 1}{where} "
+                f"(lr {self.config.optimizer.lr:g}); lower --lr"
+            )
         return StepStats(
             step + 1, loss.item(), lr, norm, seconds, self.config.data.global_batch * self.seq_len
-        )
-
-    def _diverged(self, step: int, local: float, loss: float) -> None:
-        """Stop every rank with one sentence naming the ranks whose own loss was non-finite."""
-        flags = torch.zeros(self.world.world_size, dtype=torch.float64)
-        flags[self.world.rank] = 0.0 if math.isfinite(local) else step + 1
-        self.world.comm.all_reduce(flags, ReduceOp.SUM)
-        _, where = diverged_on([int(f) for f in flags.tolist()])
-        raise TrainingError(
-            f"training diverged: the loss became {loss} at step {step + 1}{where} "
-            f"(lr {self.config.optimizer.lr:g}); lower --lr"
         )
 
     @torch.no_grad()
@@ -320,16 +323,7 @@ class GPTTrainer:
         if self.first_step == 0:
             self.initial_val_loss = self.evaluate()
         started, steps = time.perf_counter(), config.optimizer.steps
-        with Progress(
-            TextColumn("{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeRemainingColumn(),
-            TextColumn("{task.fields[status]}"),
-            console=self.console,
-            transient=True,
-            disable=not (world.is_main and self.console.is_terminal),
-        ) as progress:
+        with progress_bar(world, self.console, TextColumn("{task.fields[status]}")) as progress:
             task = progress.add_task("train", total=steps, completed=self.first_step, status="")
             for step in range(self.first_step, steps):
                 stats = self.train_step(step)

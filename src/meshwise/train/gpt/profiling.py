@@ -16,14 +16,13 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from meshwise.comm.api import ReduceOp
 from meshwise.comm.mesh import AXES
 from meshwise.train.gpt.layer_memory import LayerMemory
 from meshwise.train.gpt.moe import expert_exchange
 from meshwise.train.gpt.resolve import GPTRun
-from meshwise.train.profile import Breakdown, StepProfiler, recorders_of, write_trace
+from meshwise.train.profile import StepProfiler, recorders_of
 from meshwise.train.step import ParallelStep
 from meshwise.train.torch_profile import TorchProfile
 from meshwise.world import World
@@ -69,9 +68,8 @@ class GPTProfiling:
             return None
         self.profiler.share_windows(self.world.mesh.pp)
         if self.profile.trace is not None:
-            self._write_trace(self.profile.trace)
-        per_step = self.profiler.parts()
-        result = Breakdown.of(per_step).to_json() | {"total_step_seconds": sum(p["step"] for p in per_step)}
+            self.profiler.gather_trace(self.world.rank, self.world.world_size, self.profile.trace)
+        result = self.profiler.summary()
         if self.memory is not None:
             result["activation_memory"] = self.memory.gather(self.world)
         if self.runner.exchange_seconds:  # --ep: the experts' all-to-alls
@@ -82,12 +80,3 @@ class GPTProfiling:
             self.world.mesh.pp.all_reduce(mean, ReduceOp.AVG)
             result["pipeline_idle_fraction"] = mean.item()
         return result
-
-    def _write_trace(self, path: str) -> None:
-        assert self.profiler is not None
-        events = self.profiler.events(self.world.rank)
-        main = self.world.is_main
-        gathered: list = [None] * self.world.world_size if main else []
-        dist.gather_object(events, gathered if main else None, dst=0)
-        if main:
-            write_trace(path, [event for rank_events in gathered for event in rank_events])
