@@ -178,7 +178,7 @@ def tensor_parallel(gpt: GPT, tp_comm: Communicator, *, sequence_parallel: bool 
         if sp:
             gpt.drop = ShardDropout(gpt.config.dropout, random)
     gpt.wte = VocabParallelEmbedding.from_embedding(gpt.wte, tp_comm, sequence_parallel=sp)
-    gpt.head = ColumnParallelLinear.from_shards(gpt.wte.weight, None, tp_comm, sequence_parallel=sp)
+    gpt.head = ColumnParallelLinear(gpt.wte.weight, None, tp_comm, sequence_parallel=sp)
     if sp:
         gpt.wpe = SequenceShardPositions(gpt.wpe, tp_comm)
     for block in gpt.blocks:

@@ -88,71 +88,33 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(
         self,
-        in_features: int,
-        out_features: int,
+        weight: nn.Parameter,
+        bias: nn.Parameter | None,
         comm: Communicator,
         *,
-        bias: bool = True,
         gather_output: bool = False,
         sequence_parallel: bool = False,
         enter_region: bool = True,
     ) -> None:
-        """A fresh layer: initialised as ``nn.Linear`` would be, then sharded (ranks must share the seed)."""
+        """A layer over parameters that are already this rank's rows: :meth:`from_linear` cuts them from a
+        whole layer, a head tied to an embedding passes the embedding's own."""
         super().__init__()
-        full = nn.Linear(in_features, out_features, bias=bias)
-        self._setup(
-            shard_parameter(full.weight, comm, 0),
-            shard_parameter(full.bias, comm, 0) if bias else None,
-            in_features,
-            comm,
-            gather_output,
-            sequence_parallel,
-            enter_region,
-        )
+        if gather_output and sequence_parallel:
+            raise ValueError("gather_output=True returns a replicated output; it cannot feed sequence shards")
+        self.comm = comm
+        self.in_features = weight.shape[1]
+        self.out_features = weight.shape[0] * comm.world_size
+        self.gather_output = gather_output
+        self.sequence_parallel = sequence_parallel
+        self.enter_region = enter_region
+        self.weight = weight
+        self.bias = bias
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, comm: Communicator, **options: bool) -> ColumnParallelLinear:
         """The shard of an existing layer, so the parallel model computes exactly what ``linear`` did."""
         bias = shard_parameter(linear.bias, comm, 0) if linear.bias is not None else None
-        return cls.from_shards(shard_parameter(linear.weight, comm, 0), bias, comm, **options)
-
-    @classmethod
-    def from_shards(
-        cls,
-        weight: nn.Parameter,
-        bias: nn.Parameter | None,
-        comm: Communicator,
-        *,
-        gather_output: bool = False,
-        sequence_parallel: bool = False,
-        enter_region: bool = True,
-    ) -> ColumnParallelLinear:
-        """A layer over parameters that are already this rank's rows (e.g. a head tied to an embedding)."""
-        layer = cls.__new__(cls)
-        nn.Module.__init__(layer)
-        layer._setup(weight, bias, weight.shape[1], comm, gather_output, sequence_parallel, enter_region)
-        return layer
-
-    def _setup(
-        self,
-        weight: nn.Parameter,
-        bias: nn.Parameter | None,
-        in_features: int,
-        comm: Communicator,
-        gather_output: bool,
-        sequence_parallel: bool,
-        enter: bool,
-    ) -> None:
-        if gather_output and sequence_parallel:
-            raise ValueError("gather_output=True returns a replicated output; it cannot feed sequence shards")
-        self.comm = comm
-        self.in_features = in_features
-        self.out_features = weight.shape[0] * comm.world_size
-        self.gather_output = gather_output
-        self.sequence_parallel = sequence_parallel
-        self.enter_region = enter
-        self.weight = weight
-        self.bias = bias
+        return cls(shard_parameter(linear.weight, comm, 0), bias, comm, **options)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.enter_region and self.sequence_parallel:
@@ -178,51 +140,34 @@ class RowParallelLinear(nn.Module):
 
     def __init__(
         self,
-        in_features: int,
-        out_features: int,
+        weight: nn.Parameter,
+        bias: nn.Parameter | None,
         comm: Communicator,
         *,
-        bias: bool = True,
         input_is_parallel: bool = True,
         sequence_parallel: bool = False,
     ) -> None:
-        """A fresh layer: initialised as ``nn.Linear`` would be, then sharded (ranks must share the seed)."""
+        """A layer over this rank's columns of the weight and the whole bias (:meth:`from_linear`)."""
         super().__init__()
-        self._setup(
-            nn.Linear(in_features, out_features, bias=bias), comm, input_is_parallel, sequence_parallel
-        )
-
-    @classmethod
-    def from_linear(
-        cls,
-        linear: nn.Linear,
-        comm: Communicator,
-        *,
-        input_is_parallel: bool = True,
-        sequence_parallel: bool = False,
-    ) -> RowParallelLinear:
-        """The shard of an existing layer, so the parallel model computes exactly what ``linear`` did."""
-        layer = cls.__new__(cls)
-        nn.Module.__init__(layer)
-        layer._setup(linear, comm, input_is_parallel, sequence_parallel)
-        return layer
-
-    def _setup(
-        self, full: nn.Linear, comm: Communicator, input_is_parallel: bool, sequence_parallel: bool
-    ) -> None:
         if sequence_parallel and not input_is_parallel:
             raise ValueError(
                 "sequence_parallel=True needs input_is_parallel=True (the output of a column layer)"
             )
         self.comm = comm
-        self.in_features = full.in_features
-        self.out_features = full.out_features
+        self.in_features = weight.shape[1] * comm.world_size
+        self.out_features = weight.shape[0]
         self.input_is_parallel = input_is_parallel
         self.sequence_parallel = sequence_parallel
-        self.weight = shard_parameter(full.weight, comm, 1)
-        self.bias = nn.Parameter(full.bias.detach().clone()) if full.bias is not None else None
-        if sequence_parallel and self.bias is not None:
-            sum_gradient_over(self.bias, comm)  # added to sequence shards: a partial gradient
+        self.weight = weight
+        self.bias = bias
+        if sequence_parallel and bias is not None:
+            sum_gradient_over(bias, comm)  # added to sequence shards: a partial gradient
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, comm: Communicator, **options: bool) -> RowParallelLinear:
+        """The shard of an existing layer, so the parallel model computes exactly what ``linear`` did."""
+        bias = nn.Parameter(linear.bias.detach().clone()) if linear.bias is not None else None
+        return cls(shard_parameter(linear.weight, comm, 1), bias, comm, **options)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
