@@ -227,6 +227,8 @@ def _bad_cases(text: str, tmp: Path) -> list[tuple[dict, str]]:
         ({"grad_clip": -1.0}, "--grad-clip must be ≥ 0"),
         ({"resume": True}, "--resume needs --checkpoint"),
         ({"checkpoint": str(odd)}, "is a file; pass a directory"),
+        # refused before training, as train mlp's is, not at the first checkpoint
+        ({"checkpoint": str(odd / "sub")}, f"--checkpoint {odd / 'sub'} is not writable"),
     ]
 
 

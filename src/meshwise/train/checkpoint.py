@@ -177,9 +177,10 @@ def check_writable(directory: str | Path) -> None:
         ) from None
 
 
-def checkpoint_directory(checkpoint: str | None, resume: bool) -> Path | None:
-    """The ``--checkpoint``/``--resume`` checks every trainer makes first: None when no checkpoint is
-    asked for, else the directory (which, if it exists, is one)."""
+def resumed_directory(checkpoint: str | None, resume: bool) -> Path | None:
+    """The ``--checkpoint``/``--resume`` checks every trainer makes first: the directory of the run to
+    resume, for the trainer's own checks of it, or None: no checkpoint asked for, or a new run's, checked
+    here not to overwrite one and to be writable (before training rather than at its first checkpoint)."""
     if checkpoint is None:
         if resume:
             raise ValueError("--resume needs --checkpoint DIR: the directory of the run to continue")
@@ -187,7 +188,15 @@ def checkpoint_directory(checkpoint: str | None, resume: bool) -> Path | None:
     directory = Path(checkpoint)
     if directory.exists() and not directory.is_dir():
         raise ValueError(f"--checkpoint {directory} is a file; pass a directory")
-    return directory
+    if resume:
+        return directory
+    if run_file(directory).exists():
+        raise ValueError(
+            f"{run_file(directory)} already exists; pass --resume to continue that run, or choose another "
+            "--checkpoint"
+        )
+    check_writable(directory)
+    return None
 
 
 def resume_requested(checkpoint: str | None, resume: bool) -> bool:

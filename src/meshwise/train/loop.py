@@ -192,17 +192,17 @@ class Trainer:
         self.model.train()
         for step in range(self.steps_per_epoch):
             with self._step():
-                with self._phase("data"):
+                with self.step_runner.phase("data"):
                     chunk = indices[step * batch : (step + 1) * batch]
                     inputs, targets = data.inputs[chunk].to(device), data.targets[chunk].to(device)
                 optimizer = self.step_runner.optimizer
                 for group in optimizer.param_groups:
                     group["lr"] = self._lr_at(epoch * self.steps_per_epoch + step)
-                with self._phase("optimizer"):
+                with self.step_runner.phase("optimizer"):
                     optimizer.zero_grad()
                 # the step's forward and backward phases; gradients come back averaged over the ranks
                 self.step_runner.forward_backward([(inputs, targets)])
-                with self._phase("optimizer"):
+                with self.step_runner.phase("optimizer"):
                     optimizer.step()
                 self.step += 1
                 loss = self.scored.loss
@@ -220,9 +220,6 @@ class Trainer:
 
     def _step(self) -> contextlib.AbstractContextManager:
         return self.profiler.step() if self.profiler is not None else contextlib.nullcontext()
-
-    def _phase(self, name: str) -> contextlib.AbstractContextManager:
-        return self.profiler.phase(name) if self.profiler is not None else contextlib.nullcontext()
 
     def _profile_result(self) -> dict | None:
         """Rank 0's breakdown (and the trace of every rank, gathered on the control plane)."""

@@ -8,7 +8,7 @@ import torch
 
 from meshwise.comm.factory import check_backend_here
 from meshwise.data.mnist import find_mnist_files
-from meshwise.train.checkpoint import check_writable, checkpoint_directory, read_train_run, run_file, step_dir
+from meshwise.train.checkpoint import check_writable, read_train_run, resumed_directory, run_file, step_dir
 from meshwise.train.checkpoint_check import check_dcp_checkpoint
 from meshwise.train.config import TrainConfig
 
@@ -29,19 +29,13 @@ def resolve(config: TrainConfig) -> TrainConfig:
 
 
 def _check_checkpoint(config: TrainConfig) -> None:
-    """A new run must not overwrite a checkpoint; a resumed one must find an intact checkpoint of this
-    model with epochs left. Any world size and any ``--zero`` stage resumes it (DCP reshards)."""
-    directory = checkpoint_directory(config.output.checkpoint, config.output.resume)
+    """A resumed run must find an intact checkpoint of this model with epochs left (a new run's directory
+    is checked by :func:`resumed_directory`). Any world size and any ``--zero`` stage resumes it (DCP
+    reshards)."""
+    directory = resumed_directory(config.output.checkpoint, config.output.resume)
     if directory is None:
         return
     path = run_file(directory)
-    if not config.output.resume:
-        if path.exists():
-            raise ValueError(
-                f"{path} already exists; pass --resume to continue that run, or choose another --checkpoint"
-            )
-        check_writable(directory)
-        return
     run = read_train_run(directory)
     if run["model"] != config.model:
         raise ValueError(f"{path} holds a {run['model']!r} run, not {config.model!r}")

@@ -22,11 +22,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import nn
 
 from meshwise.comm.api import Communicator
 from meshwise.parallel.data_parallel.buckets import MIB, plan_buckets
+from meshwise.parallel.data_parallel.data import broadcast_tensors
 from meshwise.parallel.data_parallel.reducer import GradReducer
 from meshwise.parallel.expert_parallel.placement import is_expert_parameter
 
@@ -83,7 +83,7 @@ class ExpertDataParallel(nn.Module):
         self._require_sync = True
         self._reducers: list[GradReducer] = []
         for params, comm in replica_groups(named, replicas, ExpertReplicas(expert_replicas, ep)):
-            _broadcast([p for _, p in params], comm)
+            broadcast_tensors([p for _, p in params], comm)  # the group's first rank's values everywhere
             if comm.world_size > 1:
                 buckets = plan_buckets(
                     [p for _, p in params], round(bucket_mb * MIB), round(first_bucket_mb * MIB)
@@ -105,17 +105,3 @@ class ExpertDataParallel(nn.Module):
             yield
         finally:
             self._require_sync = previous
-
-
-@torch.no_grad()
-def _broadcast(params: Sequence[torch.Tensor], comm: Communicator) -> None:
-    """The group's first rank's values everywhere (the model is built alike on every rank; this makes
-    it so even if the seeds were not), one flat broadcast."""
-    if comm.world_size == 1 or not params:
-        return
-    flat = torch.cat([p.detach().reshape(-1) for p in params])
-    comm.broadcast(flat, 0)
-    offset = 0
-    for param in params:
-        param.copy_(flat[offset : offset + param.numel()].view_as(param))
-        offset += param.numel()

@@ -212,15 +212,15 @@ class GPTTrainer:
         lr = optimizer.lr_at(step)
         with profiling.step():
             started = time.perf_counter()
-            with profiling.phase("optimizer"):
+            with runner.phase("optimizer"):
                 for group in runner.optimizer.param_groups:
                     group["lr"] = lr
                 runner.optimizer.zero_grad(set_to_none=True)
-            with profiling.phase("data"):
+            with runner.phase("data"):
                 batches = self.micro_batches(step)
-            with profiling.phase("forward_backward"):
+            with runner.phase("forward_backward"):
                 local = runner.forward_backward(batches)
-            with profiling.phase("optimizer"):
+            with runner.phase("optimizer"):
                 norm = runner.clip_grad_norm(optimizer.grad_clip)
                 runner.optimizer.step()
             loss = torch.tensor([local], dtype=torch.float64)

@@ -12,8 +12,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, nullcontext
-from typing import Any
+from contextlib import nullcontext
 
 import torch
 
@@ -54,9 +53,6 @@ class GPTProfiling:
             yield
         if self.torch is not None:
             self.torch.step()
-
-    def phase(self, name: str) -> AbstractContextManager[Any]:
-        return self.profiler.phase(name) if self.profiler is not None else nullcontext()
 
     def finish(self) -> dict | None:
         """Collective: rank 0's breakdown (``Breakdown.to_json`` plus the total and, under ``--pp``, the

@@ -22,7 +22,7 @@ from meshwise.data.tokens import load_tokens
 from meshwise.data.windows import TokenSplits
 from meshwise.models.gpt import GPTConfig
 from meshwise.runtime.env import plan_ranks
-from meshwise.train.checkpoint import checkpoint_directory
+from meshwise.train.checkpoint import resumed_directory
 from meshwise.train.checkpoint_check import check_dcp_checkpoint
 from meshwise.train.gpt.config import CPU_SEQ_LEN, GPTTrainConfig
 from meshwise.train.torch_profile import check_directory
@@ -169,20 +169,13 @@ def tokenizer_path(config: GPTTrainConfig) -> str | None:
 
 
 def _check_checkpoint(run: GPTRun) -> None:
-    """A new run must not overwrite a checkpoint; a resumed one must find an intact checkpoint of this
-    model, trained with the same data order, with steps left."""
-    from meshwise.train.gpt.checkpoint import RUN_FILE, read_run, step_dir
+    """A resumed run must find an intact checkpoint of this model, trained with the same data order, with
+    steps left (a new run's directory is checked by :func:`resumed_directory`)."""
+    from meshwise.train.gpt.checkpoint import read_run, step_dir
 
     config = run.config
-    directory = checkpoint_directory(config.output.checkpoint, config.output.resume)
+    directory = resumed_directory(config.output.checkpoint, config.output.resume)
     if directory is None:
-        return
-    if not config.output.resume:
-        if (directory / RUN_FILE).exists():
-            raise ValueError(
-                f"{directory / RUN_FILE} already exists; pass --resume to continue that run, or choose "
-                "another --checkpoint"
-            )
         return
     saved_run = read_run(directory)
     saved = GPTConfig(**saved_run["model"])
