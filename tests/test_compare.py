@@ -15,7 +15,7 @@ from meshwise.models.gpt import CONFIGS
 from meshwise.plan import ModelSpec, Plan, Precision, Problem, advise
 from meshwise.plan.hardware import PRESETS
 from meshwise.train.compare import compare_runs, parse_layout, weight_divergence
-from meshwise.train.trial import TrialResult, TrialSpec
+from meshwise.train.trial import TrialResult, TrialSpec, run_trial
 
 
 @pytest.mark.parametrize(
@@ -71,6 +71,11 @@ def test_two_layouts_on_two_ranks_match_one_process(tmp_path, capsys) -> None:
     assert [row["layout"] for row in data["layouts"]] == ["dp2", "tp2"]
     for row in data["layouts"]:
         assert row["passed"] and len(row["max_delta"]) == 2 and row["tensor_delta"] <= data["tolerance"]
+
+
+def test_a_trial_past_its_timeout_is_killed_and_says_so(tmp_path) -> None:
+    result = run_trial(TrialSpec(ranks=1), tmp_path, timeout=0.01)
+    assert not result.ok and result.error == "did not finish in 0 s"
 
 
 def test_train_gpt_auto_trains_with_the_fastest_trial(monkeypatch) -> None:

@@ -19,7 +19,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,8 +37,6 @@ LAYOUT_FLAGS = {
     "recompute": "--recompute",
 }
 
-#: how often a running trial is checked for its end
-POLL_SECONDS = 0.05
 #: validation windows of the one evaluation at the end: few (cheap), yet at least one per rank of any
 #: layout here, so that no rank's forwards are all padding (see data.windows.lockstep_val_batches)
 EVAL_WINDOWS = 8
@@ -139,13 +136,12 @@ def run_trial(spec: TrialSpec, workdir: Path, timeout: float = 300.0) -> TrialRe
         env["OMP_NUM_THREADS"] = str(spec.threads)
     with open(out / "stdout", "w") as stdout, open(out / "stderr", "w") as stderr:
         child = subprocess.Popen(command, stdout=stdout, stderr=stderr, env=env)
-        deadline = time.monotonic() + timeout
-        while child.poll() is None:
-            if time.monotonic() > deadline:
-                child.kill()
-                child.wait()
-                return TrialResult(spec, False, f"did not finish in {timeout:.0f} s")
-            time.sleep(POLL_SECONDS)
+        try:
+            child.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+            return TrialResult(spec, False, f"did not finish in {timeout:.0f} s")
     if child.returncode != 0 or not json_path.exists():
         lines = [line for line in (out / "stderr").read_text().splitlines() if line.strip()] or [
             "(no output)"
