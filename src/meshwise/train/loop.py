@@ -142,20 +142,8 @@ class Trainer:
         finite = all(bool(torch.isfinite(p).all()) for p in self.model.parameters())
         if not everywhere(self.world, finite):
             raise TrainingError(f"the weights became non-finite in epoch {epoch}; not saved, {left}")
-        path = save_everywhere(
-            self.world,
-            directory,
-            left,
-            lambda: checkpoint.save(
-                directory,
-                self.step,
-                self.step_runner.state_dict(),
-                self._run_record(epoch),
-                format=TRAIN_FORMAT,
-                is_main=self.world.is_main,
-                barrier=self.world.comm.barrier,
-            ),
-        )
+        state, record = self.step_runner.state_dict(), self._run_record(epoch)
+        path = save_everywhere(self.world, directory, left, self.step, state, record, format=TRAIN_FORMAT)
         self.checkpoint = str(path)
         self.kept_epoch = epoch
 

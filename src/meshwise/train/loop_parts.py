@@ -10,8 +10,8 @@ once with one sentence naming what is left on disk, instead of leaving peers wai
 from __future__ import annotations
 
 import errno
-from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from rich import progress
@@ -19,6 +19,7 @@ from rich.console import Console
 from torch.distributed.checkpoint.api import CheckpointException
 
 from meshwise.comm.api import ReduceOp
+from meshwise.train import checkpoint
 from meshwise.train.errors import TrainingError, diverged_on
 from meshwise.world import World
 
@@ -60,14 +61,18 @@ def kept(what: str, number: int) -> str:
     return f"the {what}-{number} checkpoint is kept" if number else "no checkpoint was written"
 
 
-def save_everywhere(world: World, directory: str, left: str, save: Callable[[], Path]) -> Path:
-    """Collective: every rank runs ``save`` (its part of a :func:`meshwise.train.checkpoint.save`), then
-    every rank learns whether that worked on all of them. A failure anywhere raises the same
+def save_everywhere(
+    world: World, directory: str, left: str, step: int, state: dict, run: dict, **how: Any
+) -> Path:
+    """Collective: :func:`meshwise.train.checkpoint.save` of ``step`` (``how``: format, keep) on every
+    rank, then every rank learns whether that worked on all of them. A failure anywhere raises the same
     :class:`TrainingError` on every rank: one sentence ending in ``left``, what is on disk instead."""
     error: str | None = None
     path = Path(directory)
     try:
-        path = save()
+        path = checkpoint.save(
+            directory, step, state, run, is_main=world.is_main, barrier=world.comm.barrier, **how
+        )
     except (OSError, CheckpointException) as exc:
         error = write_failure(exc, directory, left)
     if not everywhere(world, error is None):

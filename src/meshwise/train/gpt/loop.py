@@ -134,19 +134,10 @@ class GPTTrainer:
         assert directory is not None
         state = self.step_runner.state_dict()
         state["rng"] = {self._rank_key: random_state.capture([self.step_runner.model], self.world.device)}
+        left, record = kept("step", self.kept_step), self._run_record(step)
+        keep = self.config.output.keep
         path = save_everywhere(
-            self.world,
-            directory,
-            kept("step", self.kept_step),
-            lambda: checkpoint.save(
-                directory,
-                step,
-                state,
-                self._run_record(step),
-                is_main=self.world.is_main,
-                barrier=self.world.comm.barrier,
-                keep=self.config.output.keep,
-            ),
+            self.world, directory, left, step, state, record, format=checkpoint.FORMAT, keep=keep
         )
         self.checkpoint_path = str(path)
         self.kept_step = step
