@@ -55,22 +55,11 @@ def check_moe_training(config: GPTTrainConfig, default_model: str) -> None:
         value = getattr(model, flag)
         if value is not None and not (math.isfinite(value) and value >= 0):
             raise ValueError(f"--{flag.replace('_', '-')} must be a number ≥ 0, got {value}")
-    blocked = [
-        (flag, why)
-        for flag, on, why in (
-            ("--init-from", model.init_from is not None, "Hugging Face GPT-2 weights have no experts"),
-            (
-                "--export-hf",
-                config.output.export_hf is not None,
-                "Hugging Face GPT-2 weights have no experts",
-            ),
-        )
-        if on
-    ]
-    if blocked:
-        flags = " ".join(flag for flag, _ in blocked)
+    hf = (("--init-from", model.init_from), ("--export-hf", config.output.export_hf))  # GPT-2 weights
+    if flags := " ".join(flag for flag, path in hf if path is not None):
         raise ValueError(
-            f"a mixture of experts cannot train with {flags} yet ({blocked[0][1]}): drop {flags}"
+            f"a mixture of experts cannot train with {flags} yet (Hugging Face GPT-2 weights have no "
+            f"experts): drop {flags}"
         )
 
 
