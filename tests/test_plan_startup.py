@@ -1,5 +1,5 @@
 """`meshwise plan` on a GPU preset is arithmetic: it answers without importing torch (~2 s of the command's
-start), and the names `meshwise` exports for training still import it when read.
+start), as does `meshwise --help`; the names `meshwise` exports for training still import it when read.
 
 Each probe runs in a fresh interpreter: this test process has long imported torch."""
 
@@ -51,6 +51,17 @@ def test_plan_on_a_gpu_preset_imports_no_torch(argv: list[str]) -> None:
         "with contextlib.redirect_stdout(io.StringIO()):\n"
         f"    code = main({argv!r})\n"
         "assert code in (0, 1), code"
+    )
+    assert result == {"torch": False}
+
+
+def test_the_command_list_imports_no_torch() -> None:
+    result = _after(
+        "from meshwise.cli import COMMANDS, main\n"
+        "out = io.StringIO()\n"
+        "with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):\n"
+        "    main(['--help'])\n"
+        "assert all(name in out.getvalue() for name in COMMANDS), out.getvalue()"
     )
     assert result == {"torch": False}
 
