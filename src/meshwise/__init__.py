@@ -4,8 +4,16 @@ Launch ranks (``meshwise run``), communicate through one :class:`~meshwise.comm.
 any transport, parallelize training, and measure and diagnose it. Start with :func:`init`.
 """
 
-from meshwise.comm.api import Communicator, ReduceOp, Work
-from meshwise.world import World, current_world, init, shutdown
+from meshwise.lazy import lazy_names
+
+# lazily: `meshwise plan` and `meshwise --help` import this package and must not wait for torch
+__getattr__, __dir__ = lazy_names(
+    __name__,
+    {
+        "meshwise.comm.api": ("Communicator", "ReduceOp", "Work"),
+        "meshwise.world": ("World", "current_world", "init", "shutdown"),
+    },
+)
 
 __version__ = "0.1.0"
 

@@ -39,13 +39,15 @@ def summary(doc: str | None) -> str:
 
 
 def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
+    """The parser with ``selected``'s flags; every other command is listed by name and help text only,
+    its module not imported (``meshwise --help`` and ``meshwise plan`` start without torch)."""
     parser = argparse.ArgumentParser(prog="meshwise", description=summary(__doc__))
     from meshwise import __version__
 
     parser.add_argument("--version", action="version", version=f"meshwise {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
-        if selected is None or selected == name:
+        if selected == name:
             importlib.import_module(f"meshwise.cli.{module}").add_parser(subparsers, name, help_text)
         else:
             subparsers.add_parser(name, help=help_text)

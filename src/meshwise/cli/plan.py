@@ -29,7 +29,7 @@ AXES = ("dp", "tp", "pp", "cp", "ep")
 
 
 def add_parser(subparsers: argparse._SubParsersAction, name: str, help_text: str) -> None:
-    from meshwise.models.gpt import CONFIGS
+    from meshwise.models.gpt_shape import CONFIGS
 
     parser = subparsers.add_parser(name, help=help_text, description=summary(__doc__))
     model = parser.add_argument_group("model")
@@ -111,7 +111,7 @@ def model_spec(args: argparse.Namespace) -> ModelSpec:
 
 
 def _dense_spec(args: argparse.Namespace) -> ModelSpec:
-    from meshwise.models.gpt import GPTConfig, gpt_config
+    from meshwise.models.gpt_shape import GPTConfig, gpt_config
 
     sizes = {
         "layers": args.layers,

@@ -42,16 +42,24 @@ cost σ each plus δ per byte they move, and one-way tree steps do not (fitted p
 docs/collectives.md has the per-algorithm costs, the non-power-of-two folding and how ``auto`` chooses.
 """
 
-from meshwise.comm.api import (
-    CollectiveMismatchError,
-    CommError,
-    CommTimeoutError,
-    Communicator,
-    PeerFailureError,
-    ReduceOp,
-    Work,
+from meshwise.lazy import lazy_names
+
+# lazily: the cost model (comm.cost) and the algorithm registry are torch-free, and the planner reads them
+__getattr__, __dir__ = lazy_names(
+    __name__,
+    {
+        "meshwise.comm.api": (
+            "CollectiveMismatchError",
+            "CommError",
+            "CommTimeoutError",
+            "Communicator",
+            "PeerFailureError",
+            "ReduceOp",
+            "Work",
+        ),
+        "meshwise.comm.factory": ("create_communicator",),
+    },
 )
-from meshwise.comm.factory import create_communicator
 
 __all__ = [
     "CollectiveMismatchError",

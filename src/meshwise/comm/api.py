@@ -35,6 +35,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from meshwise.comm.collective import Collective as Collective
 from meshwise.comm.splits import split_sizes
 
 SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int32, torch.int64)
@@ -60,39 +61,6 @@ class ReduceOp(str, enum.Enum):
     MAX = "max"
     MIN = "min"
     PROD = "prod"
-
-
-class Collective(str, enum.Enum):
-    """The data-moving collectives of a Communicator (barrier moves none), in one canonical order.
-
-    The algorithm registry, the cost model, the consistency check, the shm signatures and the benchmark
-    all read this list, so a new collective is added here once. Members compare equal to their names
-    (``Collective.ALL_REDUCE == "all_reduce"``); :meth:`parse` turns a user's name into a member.
-    """
-
-    ALL_REDUCE = "all_reduce"
-    REDUCE_SCATTER = "reduce_scatter"
-    ALL_GATHER = "all_gather"
-    BROADCAST = "broadcast"
-    REDUCE = "reduce"
-    SCATTER = "scatter"
-    GATHER = "gather"
-    ALL_TO_ALL = "all_to_all"
-
-    def __str__(self) -> str:
-        return self.value
-
-    def __hash__(self) -> int:  # as its name hashes, so a table keyed by members answers plain names too
-        return str.__hash__(self)
-
-    @classmethod
-    def parse(cls, name: str) -> Collective:
-        """The member called ``name``, or a ValueError listing the names there are."""
-        try:
-            return cls(name)
-        except ValueError:
-            names = ", ".join(c.value for c in cls)
-            raise ValueError(f"unknown collective {name!r}; choose one of {names}") from None
 
 
 class CommError(RuntimeError):

@@ -10,6 +10,7 @@ saves the same tensors, so with ``v`` bytes per value and ``m`` per mask element
     TP:        sbh(4v + 2m) + [sbh·12v + as²b(2v + m)] / t
     TP + SP:   [sbh(16v + 2m) + as²b(2v + m)] / t
 
+:func:`~meshwise.models.gpt_shape.layer_activation_bytes` is the formula (torch-free, for the planner);
 :func:`saved_activation_bytes` measures what autograd actually keeps, so the claim is checked rather than
 assumed (benchmarks/bench_tensor.py and the tests).
 """
@@ -25,19 +26,8 @@ from torch import nn
 from meshwise.comm.api import Communicator
 from meshwise.models.gpt import GPT, GPTConfig
 from meshwise.models.gpt_plan import tensor_parallel
-from meshwise.parallel.recompute.formulas import layer_saved_bytes
+from meshwise.models.gpt_shape import layer_activation_bytes
 from meshwise.parallel.recompute.saved import saved_bytes
-
-
-def layer_activation_bytes(
-    config: GPTConfig, batch: int, *, tp: int = 1, sequence_parallel: bool = False, value_bytes: int = 4,
-    mask_bytes: int = 1,
-) -> float:  # fmt: skip
-    """Bytes one layer saves for backward on each rank, by the formula above (dropout on)."""
-    return layer_saved_bytes(
-        config.seq_len, batch, config.hidden, config.heads, t=tp, sp=sequence_parallel,
-        value_bytes=value_bytes, mask_bytes=mask_bytes,
-    )  # fmt: skip
 
 
 def saved_activation_bytes(module: nn.Module, *inputs: Any) -> int:

@@ -4,12 +4,20 @@
 folders of their own beside them.
 """
 
-from meshwise.parallel.data_parallel import (
-    Bucket,
-    DataParallel,
-    UnusedParametersError,
-    broadcast_module_state,
-    plan_buckets,
+from meshwise.lazy import lazy_names
+
+# lazily: the recompute formulas and the pipeline bubble are torch-free, and the planner reads them
+__getattr__, __dir__ = lazy_names(
+    __name__,
+    {
+        "meshwise.parallel.data_parallel": (
+            "Bucket",
+            "DataParallel",
+            "UnusedParametersError",
+            "broadcast_module_state",
+            "plan_buckets",
+        )
+    },
 )
 
 __all__ = ["Bucket", "DataParallel", "UnusedParametersError", "broadcast_module_state", "plan_buckets"]

@@ -23,8 +23,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from meshwise.comm.cost.fit import fit_call_cost
-
 #: collectives the planner prices per call (bytes as the cost formulas count them: the full vector for
 #: all_reduce, all slots together for all_gather / reduce_scatter, one rank's input for all_to_all)
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
@@ -59,6 +57,8 @@ def measure_calls(ranks: int, runs: int = 3, sizes: tuple[int, ...] = SIZES) -> 
 
 
 def _measure(collective: str, group: int, ranks: int, sizes: tuple[int, ...], runs: int) -> CallCost:
+    from meshwise.comm.cost.fit import fit_call_cost  # numpy: only a measurement pays for it
+
     try:
         seconds = _time_calls(collective, group, ranks, sizes, runs)
         return CallCost(collective, group, *fit_call_cost(sizes, seconds))

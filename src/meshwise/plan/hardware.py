@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from meshwise.comm.cost import Calibration
 from meshwise.comm.cost.formulas import LinkParams
-from meshwise.models.gpt import GPTConfig
+from meshwise.models.gpt_shape import GPTConfig
 from meshwise.plan.gloo_calls import CallCost, measure_calls
 from meshwise.plan.head_time import HeadCost, head_cost
 

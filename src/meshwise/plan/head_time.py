@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from meshwise.models.gpt import GPTConfig
+from meshwise.models.gpt_shape import GPTConfig
 
 #: micro-batches timed: small, so that a large vocabulary's fp32 logits stay cheap to measure
 MICRO_BATCHES = (1, 4)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from meshwise.models.gpt import GPTConfig
-from meshwise.parallel.pipeline_parallel.simulator import theoretical_bubble
+from meshwise.models.gpt_shape import GPTConfig
+from meshwise.parallel.pipeline_bubble import theoretical_bubble
 
 #: schedules the planner prices (zero-bubble needs per-op weight-gradient costs it does not model)
 SCHEDULES = ("1f1b", "interleaved", "gpipe")

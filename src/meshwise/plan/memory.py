@@ -9,7 +9,7 @@ table are replicated. A pipeline rank holds ⌈layers/pp⌉ blocks, the first th
 final LayerNorm and (pp > 1) its own copy of the tied head.
 
 Activations per layer are Korthikanti et al. 2022's, written for any value size ``v`` and mask size
-``m`` (:func:`meshwise.models.gpt_activations.layer_activation_bytes`; 34·sbh + 5·as²b at 16
+``m`` (:func:`meshwise.models.gpt_shape.layer_activation_bytes`; 34·sbh + 5·as²b at 16
 bits with dropout), then
 
 - a fused ("flash") attention kernel saves its output and one fp32 log-sum-exp per row instead of the
@@ -55,8 +55,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
-from meshwise.models.gpt import GPTConfig
-from meshwise.models.gpt_activations import layer_activation_bytes
+from meshwise.models.gpt_shape import GPTConfig, layer_activation_bytes
 from meshwise.plan.hardware import GIB, Hardware
 from meshwise.plan.layout import Layout
 from meshwise.plan.model import ModelSpec

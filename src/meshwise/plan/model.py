@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from meshwise.models.gpt import GPTConfig
+from meshwise.models.gpt_shape import GPTConfig
 
 #: Narayanan et al. 2021, Table 1: (published parameters, heads, hidden, layers); V = 51,200, s = 2048.
 MEGATRON_TABLE: tuple[tuple[float, int, int, int], ...] = (

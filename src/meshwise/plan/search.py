@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, fields, replace
 
-from meshwise.models.gpt import GPTConfig
+from meshwise.models.gpt_shape import GPTConfig
 from meshwise.plan.hardware import GIB, Hardware
 from meshwise.plan.layout import RECOMPUTE, Layout, check
 from meshwise.plan.memory import MemoryEstimate, Precision, estimate_memory

@@ -6,14 +6,22 @@ call by :mod:`~meshwise.comm.algorithms.choice`, and :mod:`~meshwise.comm.algori
 every rank's plan in one process to prove it correct.
 """
 
-from meshwise.comm.algorithms.communicator import (
-    DEFAULT_SEGMENT_BYTES,
-    AlgorithmCommunicator,
-    with_algorithm,
-)
-from meshwise.comm.algorithms.executor import execute
 from meshwise.comm.algorithms.plan import Copy, Fence, Plan, Recv, Reduce, Region, Send
 from meshwise.comm.algorithms.registry import ALGORITHMS, REGISTRY, build_plan, reference_table
+from meshwise.lazy import lazy_names
+
+# lazily: plans and the registry are torch-free (the planner prices with them); running a plan is not
+__getattr__, __dir__ = lazy_names(
+    __name__,
+    {
+        "meshwise.comm.algorithms.communicator": (
+            "DEFAULT_SEGMENT_BYTES",
+            "AlgorithmCommunicator",
+            "with_algorithm",
+        ),
+        "meshwise.comm.algorithms.executor": ("execute",),
+    },
+)
 
 __all__ = [
     "ALGORITHMS",

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from meshwise.comm.algorithms import direct, doubling, ring, tree
 from meshwise.comm.algorithms.plan import Plan
-from meshwise.comm.api import Collective
+from meshwise.comm.collective import Collective
 from meshwise.comm.cost import formulas as f
 from meshwise.comm.cost.formulas import Coefficients, LinkParams
 

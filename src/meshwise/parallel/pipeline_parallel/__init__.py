@@ -11,6 +11,7 @@ the schedule.
 - :mod:`.timeline` — Chrome trace and the classic diagram with measured vs theoretical bubble.
 """
 
+from meshwise.parallel.pipeline_bubble import theoretical_bubble
 from meshwise.parallel.pipeline_parallel.executor import Event, PipelineExecutor, PipelineFailure, StepResult
 from meshwise.parallel.pipeline_parallel.partition import (
     LayerChunk,
@@ -20,7 +21,7 @@ from meshwise.parallel.pipeline_parallel.partition import (
     tied_parameters,
 )
 from meshwise.parallel.pipeline_parallel.schedules import SCHEDULES, Instruction, Op, Schedule, build_schedule
-from meshwise.parallel.pipeline_parallel.simulator import ScheduleError, simulate, theoretical_bubble
+from meshwise.parallel.pipeline_parallel.simulator import ScheduleError, simulate
 
 __all__ = [
     "SCHEDULES",

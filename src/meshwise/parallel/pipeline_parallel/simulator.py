@@ -39,11 +39,6 @@ class Simulation:
         return 1.0 - sum(self.busy) / (len(self.busy) * self.makespan)
 
 
-def theoretical_bubble(stages: int, micro_batches: int, virtual_stages: int = 1) -> float:
-    """(p−1)/(v·m+p−1): the idle fraction of GPipe and 1F1B (v = 1) and of interleaved 1F1B."""
-    return (stages - 1) / (virtual_stages * micro_batches + stages - 1)
-
-
 def cost(op: Op, split_backward: bool) -> float:
     if op is Op.BACKWARD:
         return 1.0 if split_backward else 2.0

@@ -5,9 +5,17 @@ random numbers), ``policy`` decides which parts of a transformer use it (``--rec
 measures what autograd keeps per layer, ``formulas`` says what it should keep. See docs/recompute_and_cp.md.
 """
 
-from meshwise.parallel.recompute.policy import MODES, apply_recompute, check_recompute, stage_blocks
-from meshwise.parallel.recompute.region import recomputed
-from meshwise.parallel.recompute.saved import SavedBytes, note_kept, saved_bytes
+from meshwise.lazy import lazy_names
+
+# lazily: the planner reads the formulas (torch-free) without the mechanism
+__getattr__, __dir__ = lazy_names(
+    __name__,
+    {
+        "meshwise.parallel.recompute.policy": ("MODES", "apply_recompute", "check_recompute", "stage_blocks"),
+        "meshwise.parallel.recompute.region": ("recomputed",),
+        "meshwise.parallel.recompute.saved": ("SavedBytes", "note_kept", "saved_bytes"),
+    },
+)
 
 __all__ = [
     "MODES",

@@ -27,10 +27,10 @@ Two facts of the kernel change the attention term, and :func:`layer_saved_bytes`
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
+from typing import TYPE_CHECKING
 
-from meshwise.parallel.recompute.saved import saved_bytes
+if TYPE_CHECKING:
+    import torch
 
 
 def paper_layer_bytes(
@@ -75,9 +75,17 @@ def layer_saved_bytes(
 
 
 def attention_keeps_scores(
-    dropout: float, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+    dropout: float, device: torch.device | str = "cpu", dtype: torch.dtype | None = None
 ) -> bool:
-    """Whether this installation's attention saves an (s × s) tensor for backward with ``dropout``."""
+    """Whether this installation's attention saves an (s × s) tensor for backward with ``dropout``
+    (``dtype`` None: float32). The formulas above need no torch (the planner prices with them), so only
+    this measurement imports it."""
+    import torch
+    import torch.nn.functional as F
+
+    from meshwise.parallel.recompute.saved import saved_bytes
+
+    dtype = torch.float32 if dtype is None else dtype
     q = torch.randn(1, 1, 64, 8, device=device, dtype=dtype, requires_grad=True)
 
     def attention(x: torch.Tensor) -> torch.Tensor:
