@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from meshwise.cli.plan_validate import trial_layout
@@ -158,6 +159,54 @@ def accuracy(
     }
 
 
+def reprice(recorded: dict, layouts: list[Layout]) -> dict:
+    """The layouts of a recorded accuracy run priced again against that run's measured steps, without
+    running the trials: by the model as it is now (``now``, the ``cpu`` preset measured live, once per
+    rank count) and by the same live preset without the tp shards' curves and the groups' meetings
+    (``base``: the model before them), so that the curves' effect is seen apart from
+    the host's load now, which moves both alike; ``was`` is what the recorded run predicted."""
+    acc = recorded["accuracy"]
+    model = ModelSpec.of(gpt_config(acc["config"], seq_len=acc["seq_len"]))
+    by_name = {layout.name(): layout for layout in layouts}
+    machines: dict = {}
+    rows = []
+    for row in acc["rows"]:
+        layout = by_name.get(row["layout"])
+        if layout is None or not row["ok"]:
+            continue
+        if layout.gpus not in machines:
+            machines[layout.gpus] = measure_cpu(layout.gpus, model.config)
+        now = machines[layout.gpus]
+        base = replace(now, shard_efficiency={}, rendezvous={})
+        steps = {
+            name: Problem(model, hw, Precision("fp32"), acc["global_batch"], layout.gpus)
+            .price(layout)
+            .time.step
+            for name, hw in (("base", base), ("now", now))
+        }
+        rows.append(
+            {"layout": row["layout"], "was": row["predicted_step"], **steps, "measured": row["measured_step"]}
+        )
+        print(
+            f"{row['layout']:<30} was {row['predicted_step']:6.3f}  base {steps['base']:6.3f}  now "
+            f"{steps['now']:6.3f}  measured {row['measured_step']:6.3f} s",
+            flush=True,
+        )
+    measured = [r["measured"] for r in rows]
+    result = {"rows": rows, "load_average": os.getloadavg()}
+    for key in ("was", "base", "now"):
+        predicted = [r[key] for r in rows]
+        result[key] = {
+            "step_mape": mape(predicted, measured),
+            "rank_correlation": spearman(predicted, measured),
+        }
+        print(
+            f"{key:<5} step-time MAPE {100 * result[key]['step_mape']:5.1f} %, rank correlation "
+            f"{result[key]['rank_correlation']:.2f}"
+        )
+    return result
+
+
 def _summary(layout: Layout, runs: list[dict]) -> dict:
     """One layout over its rounds: medians of what ran, every round kept."""
     done = [r for r in runs if r["ok"]]
@@ -196,9 +245,28 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3, help="timings of the planner's speed")
     parser.add_argument("--rounds", type=int, default=1, help="passes over the layouts (medians taken)")
     parser.add_argument("--limit", type=int, default=len(LAYOUTS), help="run the first N layouts only")
+    parser.add_argument(
+        "--layouts", nargs="+", default=None, metavar="NAME", help="run only layouts whose name contains one"
+    )
+    parser.add_argument(
+        "--reprice",
+        default=None,
+        metavar="JSON",
+        help="price a recorded run's layouts again (cpu measured now) against its measured steps; no trials",
+    )
     parser.add_argument("--skip-accuracy", action="store_true")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    layouts = [
+        layout
+        for layout in LAYOUTS[: args.limit]
+        if args.layouts is None or any(part in layout.name() for part in args.layouts)
+    ]
+    if args.reprice:
+        repriced = reprice(json.loads(Path(args.reprice).read_text()), layouts)
+        if args.json:
+            Path(args.json).write_text(json.dumps(repriced, indent=2) + "\n")
+        return
     results: dict = {"speed": speed(args.repeat)}
     fast = results["speed"]
     print(
@@ -207,7 +275,6 @@ def main() -> None:
         f"{fast['command_seconds']:.2f} s ({fast['command_cpu_seconds']:.2f} s CPU); best {fast['best']}"
     )
     if not args.skip_accuracy:
-        layouts = LAYOUTS[: args.limit]
         acc = accuracy(args.config, args.steps, args.global_batch, args.seq_len, layouts, args.rounds)
         results["accuracy"] = acc
         print(

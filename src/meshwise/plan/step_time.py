@@ -3,13 +3,15 @@ bubble and point-to-point, data-parallel reduction (what backward does not hide)
 optimizer, and the step's scalar all-reduces.
 
 - **Compute**: FLOPs per token (6N_active + attention, recomputation counted: hardware FLOPs) × tokens of
-  the rank's share (÷ cp), over peak × the matmul efficiency at the layer's largest GEMM (b·s/cp × h × 4h/t).
+  the rank's share (÷ cp), over peak × the matmul efficiency at the layer's largest GEMM (b·s/cp × h × 4h/t)
+  — on ``cpu`` a tp rank's own shard's measured curve (:mod:`meshwise.plan.block_time`).
 - **Head**: where the hardware measured it (``cpu``, :mod:`meshwise.plan.head_time`), the embeddings,
   final LayerNorm, head and loss of each micro-batch at their measured cost (÷ t: the head is
   vocabulary-parallel), on the last pipeline stage — and the head's 6·V·h FLOPs leave the compute term;
   elsewhere they stay in it.
 - **TP**: every call the tp group makes per micro-batch (:mod:`meshwise.plan.calls`, counted from the
-  code), each priced alone; on the critical path (no overlap).
+  code), each priced alone; on the critical path (no overlap). On ``cpu`` every call is also a meeting of
+  the group between slices of compute (:mod:`meshwise.plan.rendezvous`), as are CP's and EP's calls.
 - **CP**: the attention's all-gather of keys and values per layer forward, the re-gather and the
   gradients' reduce-scatter backward (:func:`context_parallel_seconds`).
 - **EP**: dispatch and combine all-to-alls per MoE layer, forward and backward (:func:`expert_seconds`).
@@ -182,20 +184,16 @@ def estimate_time(
     hardware_per_token = model.flops_per_token(layout.recompute)
     peak = hw.peak(precision.dtype)
     cp = layout.cp
-    gemm = 2 * b * s / cp * h * 4 * h / t
-    rate = peak * hw.efficiency.at(gemm)
-    blocks_per_token = hardware_per_token - (model.head_flops_per_token if hw.head is not None else 0.0)
-    compute_mb = blocks_per_token * b * s / (t * p * cp) / rate
+    compute_mb = block_seconds(model, layout, hw, peak)
     head_mb = hw.head.seconds(b * s / cp) / t if hw.head is not None else 0.0
     tp_inter = t > hw.per_node
-    tp_mb = sum(
-        call.count * call_seconds(hw, call.collective, call.nbytes, t, tp_inter)
-        for call in tensor_parallel_calls(model, layout, precision)
-    )
+    tp_calls = tensor_parallel_calls(model, layout, precision)
+    tp_mb = sum(call.count * call_seconds(hw, call.collective, call.nbytes, t, tp_inter) for call in tp_calls)
+    tp_mb += hw.meetings(t, sum(call.count for call in tp_calls), compute_mb + head_mb)
     activation = b * s * h * precision.value
     cp_mb, ep_mb = (
-        context_parallel_seconds(model, layout, hw, precision),
-        expert_seconds(model, layout, hw, precision),
+        context_parallel_seconds(model, layout, hw, precision, compute_mb),
+        expert_seconds(model, layout, hw, precision, compute_mb),
     )
     busy = m * (compute_mb + head_mb + tp_mb + cp_mb + ep_mb)
     bubble = busy * layout.bubble(global_batch) / (1 - layout.bubble(global_batch))
@@ -228,6 +226,19 @@ def estimate_time(
     )
 
 
+def block_seconds(model: ModelSpec, layout: Layout, hw: Hardware, peak: float) -> float:
+    """Seconds of one micro-batch through the rank's blocks (and, where the head is not measured apart,
+    the head's FLOPs): the FLOPs a rank is charged over peak × the efficiency of its tp shard's curve
+    (:meth:`Hardware.block_efficiency`) at its largest GEMM (b·s/cp × h × 4h/t), recomputation counted."""
+    c = model.config
+    b, s, h, t, cp = layout.micro_batch, c.seq_len, c.hidden, layout.tp, layout.cp
+    gemm = 2 * b * s / cp * h * 4 * h / t
+    rate = peak * hw.block_efficiency(t, layout.sp).at(gemm)
+    per_token = model.flops_per_token(layout.recompute)
+    per_token -= model.head_flops_per_token if hw.head is not None else 0.0
+    return per_token * b * s / (t * layout.pp * cp) / rate
+
+
 def sync_seconds(layout: Layout, hw: Hardware) -> float:
     """The step's two scalar all-reduces (float64): the loss over the replicas, the gradient norm over all
     ranks; nothing where either group is one rank."""
@@ -237,11 +248,15 @@ def sync_seconds(layout: Layout, hw: Hardware) -> float:
     )
 
 
-def context_parallel_seconds(model: ModelSpec, layout: Layout, hw: Hardware, precision: Precision) -> float:
+def context_parallel_seconds(
+    model: ModelSpec, layout: Layout, hw: Hardware, precision: Precision, compute: float = 0.0
+) -> float:
     """Context-parallel attention per micro-batch, as :mod:`meshwise.parallel.context_parallel.attention`
     runs it (an all-gather design, not a ring): in each layer's forward one all-gather of the keys and
     values (2·b·s·h/t values, all slots); in backward the fused kernel gathers them again and the
-    gradients go back by one reduce-scatter; full recomputation repeats the forward's gather."""
+    gradients go back by one reduce-scatter; full recomputation repeats the forward's gather. Each call
+    is a meeting of the cp group between slices of the micro-batch's ``compute`` seconds
+    (:meth:`Hardware.meetings`)."""
     if layout.cp == 1:
         return 0.0
     c = model.config
@@ -250,20 +265,25 @@ def context_parallel_seconds(model: ModelSpec, layout: Layout, hw: Hardware, pre
     gathers = 3 if layout.recompute == "full" else 2
     per_layer = gathers * call_seconds(hw, "all_gather", nbytes, layout.cp, inter)
     per_layer += call_seconds(hw, "reduce_scatter", nbytes, layout.cp, inter)
-    return -(-c.layers // layout.pp) * per_layer
+    layers = -(-c.layers // layout.pp)
+    return layers * per_layer + hw.meetings(layout.cp, layers * (gathers + 1), compute)
 
 
-def expert_seconds(model: ModelSpec, layout: Layout, hw: Hardware, precision: Precision) -> float:
+def expert_seconds(
+    model: ModelSpec, layout: Layout, hw: Hardware, precision: Precision, compute: float = 0.0
+) -> float:
     """The MoE layers' token exchange per micro-batch: dispatch and combine all-to-alls of each rank's
     b·(s/cp)·k token copies of h values, forward and again in backward (4 per layer; 6 with full
-    recomputation), over the ep ranks at the all-to-all's cost."""
+    recomputation), over the ep ranks at the all-to-all's cost, each a meeting of the ep group between
+    slices of the micro-batch's ``compute`` seconds (:meth:`Hardware.meetings`)."""
     c = model.config
     if layout.ep == 1 or not c.experts:
         return 0.0
     nbytes = layout.micro_batch * c.seq_len / layout.cp * c.top_k * c.hidden * precision.value
     calls = 6 if layout.recompute == "full" else 4
     one = call_seconds(hw, "all_to_all", nbytes, layout.ep, layout.gpus > hw.per_node)
-    return -(-c.layers // layout.pp) * calls * one
+    layers = -(-c.layers // layout.pp)
+    return layers * calls * one + hw.meetings(layout.ep, layers * calls, compute)
 
 
 def _data_parallel(

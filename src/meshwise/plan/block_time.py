@@ -1,0 +1,105 @@
+"""One tensor-parallel rank's transformer block, timed on this host (the ``cpu`` preset).
+
+The compute term prices the blocks as FLOPs over a rate measured from one whole block's forward +
+backward. A tp rank runs another block: the model's own shard (:mod:`meshwise.models.gpt_plan`'s
+``ParallelAttention`` and ``ParallelMLP``), column-parallel q/k/v and fc of width h/t and 4h/t,
+row-parallel out and proj, while the LayerNorms, residual adds, dropout and biases stay whole over h
+(with sequence parallelism on s/t tokens, plus the gathered input's copies). Its GEMMs have other shapes
+than the whole block's at the same FLOPs, and its replicated work does not shrink with t, so ``cpu``
+times it per tp degree, over a :class:`LocalGroup` whose collectives only write their outputs (the calls
+themselves are priced by the tp term).
+
+Recomputation stays priced by the FLOPs it repeats: timed here (one thread, in alternation with the
+plain block), a block's forward was 0.31–0.37 of its forward + backward and full recomputation 1.23–1.29×
+the plain block at micro-batch 4 — a third and 4/3, as the FLOP count says. Nothing here starts a process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from meshwise.models.gpt import GPTConfig
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+#: micro-batches (sequences per forward) the curves are measured at, as the whole block's
+MICRO_BATCHES = (1, 2, 4, 8, 16)
+
+
+class LocalGroup:
+    """Rank 0 of a ``size``-rank tensor-parallel group whose collectives only write their outputs here
+    (every rank's contribution taken to be this rank's): the shard's arithmetic and copies run as in a
+    job, the communication is left to the tp term."""
+
+    def __init__(self, size: int) -> None:
+        self.rank, self.world_size = 0, size
+
+    def all_reduce(
+        self, tensor: torch.Tensor, op: str = "sum", *, output: torch.Tensor | None = None
+    ) -> None:
+        if output is not None:
+            output.copy_(tensor)
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        output.copy_(input.unsqueeze(0).expand_as(output))
+
+    def reduce_scatter(self, output: torch.Tensor, input: list[torch.Tensor], op: str = "sum") -> None:
+        output.copy_(input[self.rank])
+
+
+def shard_block(config: GPTConfig, tp: int, sp: bool) -> nn.Module:
+    """One tp rank's block of ``config`` (the whole block at tp 1), as
+    :func:`meshwise.models.gpt_plan.tensor_parallel` converts it; under sp the replicated parameters'
+    gradients are summed over the group, as there."""
+    from meshwise.models.gpt import Block
+    from meshwise.models.gpt_plan import ParallelAttention, ParallelMLP
+    from meshwise.parallel.tensor_parallel import shard_dim
+    from meshwise.parallel.tensor_parallel.layers import sum_gradient_over
+
+    block = Block(config)
+    if tp == 1:
+        return block
+    group = LocalGroup(tp)
+    block.attn = ParallelAttention(block.attn, group, sp)  # type: ignore[arg-type]
+    block.mlp = ParallelMLP(block.mlp, group, sp)  # type: ignore[arg-type]
+    if sp:
+        for param in block.parameters():
+            if shard_dim(param) is None:
+                sum_gradient_over(param, group)  # type: ignore[arg-type]
+    return block
+
+
+def _step(block: nn.Module, x: torch.Tensor) -> Callable[[], object]:
+    return lambda: block(x).sum().backward()
+
+
+def block_flops_per_token(config: GPTConfig) -> float:
+    """One block's training FLOPs per token: 6 × its 12h² + 13h parameters, plus 12·h·s for QKᵀ and AV."""
+    h = config.hidden
+    return 6 * (12 * h * h + 13 * h) + 12 * h * config.seq_len
+
+
+def shard_rates(
+    config: GPTConfig, tp: int, sp: bool, micro_batches: tuple[int, ...] = MICRO_BATCHES
+) -> dict[float, float]:
+    """FLOP/s one tp rank's block reaches in forward + backward here (median run), keyed by its largest
+    GEMM (2·b·s·h·4h/t, where :mod:`meshwise.plan.step_time` evaluates the curve): the block's FLOPs per
+    token over t (what the compute term charges a rank) times the b·s tokens, over the shard's time. At
+    tp 1 the whole block: on a CPU the non-matmul work (LayerNorm, GELU, attention, autograd) is a large
+    share, and this measures it with the rest."""
+    import torch
+
+    from meshwise.plan.hardware import typical_time
+
+    torch.manual_seed(0)
+    s, h = config.seq_len, config.hidden
+    block = shard_block(config, tp, sp)
+    per_token = block_flops_per_token(config) / tp
+    points = {}
+    for b in micro_batches:
+        x = torch.randn(b, s // tp if sp else s, h, requires_grad=True)
+        points[2.0 * b * s * h * 4 * h / tp] = per_token * b * s / typical_time(_step(block, x))
+    return points
