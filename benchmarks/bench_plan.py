@@ -159,51 +159,59 @@ def accuracy(
     }
 
 
-def reprice(recorded: dict, layouts: list[Layout]) -> dict:
-    """The layouts of a recorded accuracy run priced again against that run's measured steps, without
-    running the trials: by the model as it is now (``now``, the ``cpu`` preset measured live, once per
-    rank count) and by the same live preset without the tp shards' curves and the groups' meetings
-    (``base``: the model before them), so that the curves' effect is seen apart from
-    the host's load now, which moves both alike; ``was`` is what the recorded run predicted."""
-    acc = recorded["accuracy"]
-    model = ModelSpec.of(gpt_config(acc["config"], seq_len=acc["seq_len"]))
-    by_name = {layout.name(): layout for layout in layouts}
-    machines: dict = {}
-    rows = []
-    for row in acc["rows"]:
-        layout = by_name.get(row["layout"])
-        if layout is None or not row["ok"]:
-            continue
-        if layout.gpus not in machines:
-            machines[layout.gpus] = measure_cpu(layout.gpus, model.config)
-        now = machines[layout.gpus]
-        base = replace(now, shard_efficiency={}, rendezvous={})
-        steps = {
-            name: Problem(model, hw, Precision("fp32"), acc["global_batch"], layout.gpus)
-            .price(layout)
-            .time.step
-            for name, hw in (("base", base), ("now", now))
-        }
-        rows.append(
-            {"layout": row["layout"], "was": row["predicted_step"], **steps, "measured": row["measured_step"]}
-        )
-        print(
-            f"{row['layout']:<30} was {row['predicted_step']:6.3f}  base {steps['base']:6.3f}  now "
-            f"{steps['now']:6.3f}  measured {row['measured_step']:6.3f} s",
-            flush=True,
-        )
-    measured = [r["measured"] for r in rows]
-    result = {"rows": rows, "load_average": os.getloadavg()}
-    for key in ("was", "base", "now"):
-        predicted = [r[key] for r in rows]
-        result[key] = {
-            "step_mape": mape(predicted, measured),
-            "rank_correlation": spearman(predicted, measured),
-        }
-        print(
-            f"{key:<5} step-time MAPE {100 * result[key]['step_mape']:5.1f} %, rank correlation "
-            f"{result[key]['rank_correlation']:.2f}"
-        )
+def reprice(recorded: dict[str, dict], layouts: list[Layout], rounds: int = 1) -> dict:
+    """The layouts of recorded accuracy runs (same model, batch and sequence) priced again against each
+    run's measured steps, without running the trials: by the model as it is now (``now``, the ``cpu``
+    preset measured live once per rank count and round, the median of the rounds) and by the same live
+    presets without the tp shards' curves, the groups' meetings and the cores' share in the bubble
+    (``base``: the model before them), so that their effect is seen apart from the host's load now,
+    which moves both alike; ``was`` is what each recorded run predicted."""
+    first = next(iter(recorded.values()))["accuracy"]
+    shape = (first["config"], first["global_batch"], first["seq_len"])
+    for name, run in recorded.items():
+        acc = run["accuracy"]
+        if (acc["config"], acc["global_batch"], acc["seq_len"]) != shape:
+            raise ValueError(f"{name}: not the model, batch and sequence of the first run; reprice it alone")
+    model = ModelSpec.of(gpt_config(shape[0], seq_len=shape[2]))
+    names = {row["layout"] for run in recorded.values() for row in run["accuracy"]["rows"]}
+    wanted = [layout for layout in layouts if layout.name() in names]
+    priced: dict[str, dict[str, list[float]]] = {layout.name(): {"base": [], "now": []} for layout in wanted}
+    load = [os.getloadavg()]
+    for _ in range(rounds):
+        machines: dict = {}
+        for layout in wanted:
+            if layout.gpus not in machines:
+                now = measure_cpu(layout.gpus, model.config)
+                machines[layout.gpus] = {"base": replace(now, shard_efficiency={}, rendezvous={}, share=1.0)}
+                machines[layout.gpus]["now"] = now
+            for key, hw in machines[layout.gpus].items():
+                problem = Problem(model, hw, Precision("fp32"), shape[1], layout.gpus)
+                priced[layout.name()][key].append(problem.price(layout).time.step)
+    load.append(os.getloadavg())
+    steps = {name: {key: statistics.median(v) for key, v in by.items()} for name, by in priced.items()}
+    result: dict = {"load_average": load, "predicted": steps, "runs": {}}
+    for run_name, run in recorded.items():
+        rows = [r for r in run["accuracy"]["rows"] if r["ok"] and r["layout"] in steps]
+        measured = [r["measured_step"] for r in rows]
+        print(f"{run_name}:")
+        for r in rows:
+            now = steps[r["layout"]]
+            print(
+                f"  {r['layout']:<30} was {r['predicted_step']:6.3f}  base {now['base']:6.3f}  now "
+                f"{now['now']:6.3f}  measured {r['measured_step']:6.3f} s"
+            )
+        figures = {}
+        for key in ("was", "base", "now"):
+            predicted = [r["predicted_step"] if key == "was" else steps[r["layout"]][key] for r in rows]
+            figures[key] = {
+                "step_mape": mape(predicted, measured),
+                "rank_correlation": spearman(predicted, measured),
+            }
+            print(
+                f"  {key:<5} step-time MAPE {100 * figures[key]['step_mape']:5.1f} %, rank correlation "
+                f"{figures[key]['rank_correlation']:.2f}"
+            )
+        result["runs"][run_name] = figures
     return result
 
 
@@ -250,9 +258,11 @@ def main() -> None:
     )
     parser.add_argument(
         "--reprice",
+        nargs="+",
         default=None,
         metavar="JSON",
-        help="price a recorded run's layouts again (cpu measured now) against its measured steps; no trials",
+        help="price recorded runs' layouts again (cpu measured now, --rounds times) against their measured "
+        "steps; no trials",
     )
     parser.add_argument("--skip-accuracy", action="store_true")
     parser.add_argument("--json", default=None)
@@ -263,7 +273,8 @@ def main() -> None:
         if args.layouts is None or any(part in layout.name() for part in args.layouts)
     ]
     if args.reprice:
-        repriced = reprice(json.loads(Path(args.reprice).read_text()), layouts)
+        recorded = {name: json.loads(Path(name).read_text()) for name in args.reprice}
+        repriced = reprice(recorded, layouts, args.rounds)
         if args.json:
             Path(args.json).write_text(json.dumps(repriced, indent=2) + "\n")
         return

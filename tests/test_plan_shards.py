@@ -15,7 +15,7 @@ from meshwise.plan import Layout, ModelSpec, Precision, block_time, hardware
 from meshwise.plan.calls import tensor_parallel_calls
 from meshwise.plan.hardware import GB, Efficiency, Hardware, Link, fit_efficiency, shard_curves
 from meshwise.plan.rendezvous import Rendezvous, fit_rendezvous, lost_per_meeting
-from meshwise.plan.step_time import block_seconds, estimate_time
+from meshwise.plan.step_time import block_seconds, bubble_seconds, estimate_time
 
 NANO, TINY = CONFIGS["gpt-nano"], CONFIGS["gpt-tiny"]
 FP32 = Precision("fp32")
@@ -146,3 +146,15 @@ def test_lost_per_meeting_times_a_slice_and_a_non_negative_loss() -> None:
     finally:
         torch.set_num_threads(before)
     assert slice_seconds > 0 and lost >= 0
+
+
+def test_the_bubble_shrinks_where_idle_stages_give_their_cores_to_busy_ones() -> None:
+    # each rank its device: the busy time stretched by 1/(1 - idle)
+    assert bubble_seconds(1.0, 1 / 3) == pytest.approx(0.5)
+    # 4 ranks at half speed each while all compute: alone they run 2x faster, 1.5 x 0.5 < 1, no bubble
+    assert bubble_seconds(1.0, 1 / 3, share=0.5) == 0.0
+    # in between: the critical path at the alone speed beyond the busy time
+    assert bubble_seconds(1.0, 1 / 3, share=0.8) == pytest.approx(0.8 * 1.5 - 1.0)
+    model, layout = ModelSpec.of(NANO), Layout(1, 1, 2, micro_batch=2)
+    shared = estimate_time(model, layout, _cpu(share=0.5), FP32, 8)
+    assert shared.bubble == 0.0 and estimate_time(model, layout, _cpu(), FP32, 8).bubble > 0

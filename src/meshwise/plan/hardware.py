@@ -117,6 +117,9 @@ class Hardware:
     #: :mod:`meshwise.plan.rendezvous`): what the per-layer calls of tp, cp and ep add beyond their
     #: back-to-back cost; none on GPUs, whose collectives are not woken by a shared scheduler
     rendezvous: dict[int, Rendezvous] = field(default_factory=dict)
+    #: the fraction of its alone speed each rank keeps while all the ranks compute at once (``cpu``:
+    #: :func:`rank_speedup` over the ranks, already in :attr:`peak_flops`); 1 on GPUs, one device each
+    share: float = 1.0
     source: str = "datasheet"
 
     def peak(self, dtype: str) -> float:
@@ -500,5 +503,6 @@ def measure_cpu(
         calls=calls,
         shard_efficiency=shards,
         rendezvous=meetings,
+        share=share,
         source="measured",
     )

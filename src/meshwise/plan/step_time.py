@@ -16,8 +16,9 @@ optimizer, and the step's scalar all-reduces.
   gradients' reduce-scatter backward (:func:`context_parallel_seconds`).
 - **EP**: dispatch and combine all-to-alls per MoE layer, forward and backward (:func:`expert_seconds`).
 - **Pipeline**: compute + TP stretched by 1/(1 − bubble), bubble = (p−1)/(v·m + p−1) (the simulator's
-  figure), plus one activation (forward) and one gradient (backward) transfer on the critical path per
-  micro-batch and chunk, and for the fill and drain.
+  figure) — on a host whose ranks share the cores, less what the idle stages' cores give the busy ones
+  (:func:`bubble_seconds`), plus one activation (forward) and one gradient (backward) transfer on the
+  critical path per micro-batch and chunk, and for the fill and drain.
 - **Data parallel**: the gradients of one rank (b_g·Ψ_rank bytes) summed over dp·ep·cp with the cost
   model's cheapest of ring and tree — hierarchical when the group spans nodes, DDP's buckets call by call
   where the all-reduce was measured (``cpu``); ZeRO-1/2 reduce-scatter each group and all-gather the
@@ -196,7 +197,7 @@ def estimate_time(
         expert_seconds(model, layout, hw, precision, compute_mb),
     )
     busy = m * (compute_mb + head_mb + tp_mb + cp_mb + ep_mb)
-    bubble = busy * layout.bubble(global_batch) / (1 - layout.bubble(global_batch))
+    bubble = bubble_seconds(busy, layout.bubble(global_batch), hw.share)
     p2p = 0.0
     if p > 1:
         spans_nodes = t * layout.dp >= hw.per_node
@@ -224,6 +225,16 @@ def estimate_time(
         head=m * head_mb,
         sync=sync_seconds(layout, hw),
     )
+
+
+def bubble_seconds(busy: float, idle: float, share: float = 1.0) -> float:
+    """The pipeline's idle time beyond a rank's ``busy`` seconds, ``idle`` its idle fraction: the busy
+    time stretched by 1/(1 − idle) — where each rank has its device. Where the ranks share cores
+    (``share`` < 1: each runs at that fraction of its alone speed while all compute), a stage waiting in
+    the bubble hands its share of the cores to the stages that work, which then run faster: the step is
+    the critical path at the alone speed, busy·share/(1 − idle), or every rank's work at the shared speed,
+    whichever is longer."""
+    return max(0.0, busy * share / (1 - idle) - busy)
 
 
 def block_seconds(model: ModelSpec, layout: Layout, hw: Hardware, peak: float) -> float:
