@@ -165,7 +165,9 @@ def reprice(recorded: dict[str, dict], layouts: list[Layout], rounds: int = 1) -
     preset measured live once per rank count and round, the median of the rounds) and by the same live
     presets without the tp shards' curves, the groups' meetings and the cores' share in the bubble
     (``base``: the model before them), so that their effect is seen apart from the host's load now,
-    which moves both alike; ``was`` is what each recorded run predicted."""
+    which moves both alike; ``was`` is what each recorded run predicted. Besides the MAPE and rank
+    correlation, the MAPE of each layout's step relative to the first layout of its rank count
+    (:func:`_relative`), which the load at each rank count's measurement does not move."""
     first = next(iter(recorded.values()))["accuracy"]
     shape = (first["config"], first["global_batch"], first["seq_len"])
     for name, run in recorded.items():
@@ -206,13 +208,31 @@ def reprice(recorded: dict[str, dict], layouts: list[Layout], rounds: int = 1) -
             figures[key] = {
                 "step_mape": mape(predicted, measured),
                 "rank_correlation": spearman(predicted, measured),
+                "relative_mape": mape(*_relative(rows, predicted, measured)),
             }
             print(
                 f"  {key:<5} step-time MAPE {100 * figures[key]['step_mape']:5.1f} %, rank correlation "
-                f"{figures[key]['rank_correlation']:.2f}"
+                f"{figures[key]['rank_correlation']:.2f}, relative MAPE "
+                f"{100 * figures[key]['relative_mape']:5.1f} %"
             )
         result["runs"][run_name] = figures
     return result
+
+
+def _relative(
+    rows: list[dict], predicted: list[float], measured: list[float]
+) -> tuple[list[float], list[float]]:
+    """Each layout's step over that of the first layout of as many ranks (predicted, measured), that one
+    left out: layouts of one rank count share one live measurement of the host, so these ratios hold
+    whatever the load was when it was taken, which moves the levels of the rank counts apart."""
+    first: dict[int, int] = {}
+    ratios: tuple[list[float], list[float]] = ([], [])
+    for i, row in enumerate(rows):
+        ref = first.setdefault(row["ranks"], i)
+        if ref != i:
+            ratios[0].append(predicted[i] / predicted[ref])
+            ratios[1].append(measured[i] / measured[ref])
+    return ratios
 
 
 def _summary(layout: Layout, runs: list[dict]) -> dict:

@@ -108,17 +108,17 @@ def test_gpu_presets_measure_neither_and_price_as_before() -> None:
 def test_shard_curves_cover_the_degrees_the_ranks_and_heads_allow(monkeypatch) -> None:
     seen = []
 
-    def fake(config, tp, sp, micro_batches=block_time.MICRO_BATCHES):
+    def fake(config, tp, sp, whole):
         seen.append((tp, sp))
-        return {1e6: PEAK / tp}
+        return {key: rate / tp for key, rate in whole.items()}
 
     monkeypatch.setattr(block_time, "shard_rates", fake)
-    six_heads = replace(TINY, heads=6, hidden=96)
-    assert set(shard_curves(six_heads, 4, PEAK)) == {(2, False), (2, True)}  # 4 does not divide 6 heads
-    assert set(shard_curves(TINY, 4, PEAK)) == {(2, False), (2, True), (4, False), (4, True)}
-    assert shard_curves(TINY, 1, PEAK) == {}
-    assert shard_curves(CONFIGS["gpt-moe-tiny"], 2, PEAK) == {}  # experts stay whole under tp
-    assert shard_curves(TINY, 2, PEAK)[2, True] == Efficiency(best=0.5, table=((1e6, 0.5),))
+    six_heads, whole = replace(TINY, heads=6, hidden=96), {1e6: PEAK}
+    assert set(shard_curves(six_heads, 4, PEAK, whole)) == {(2, False), (2, True)}  # 4 ∤ 6 heads
+    assert set(shard_curves(TINY, 4, PEAK, whole)) == {(2, False), (2, True), (4, False), (4, True)}
+    assert shard_curves(TINY, 1, PEAK, whole) == {}
+    assert shard_curves(CONFIGS["gpt-moe-tiny"], 2, PEAK, whole) == {}  # experts stay whole under tp
+    assert shard_curves(TINY, 2, PEAK, whole)[2, True] == Efficiency(best=0.5, table=((1e6, 0.5),))
     assert len(seen) == 2 + 4 + 2
 
 
@@ -158,3 +158,11 @@ def test_the_bubble_shrinks_where_idle_stages_give_their_cores_to_busy_ones() ->
     model, layout = ModelSpec.of(NANO), Layout(1, 1, 2, micro_batch=2)
     shared = estimate_time(model, layout, _cpu(share=0.5), FP32, 8)
     assert shared.bubble == 0.0 and estimate_time(model, layout, _cpu(), FP32, 8).bubble > 0
+
+
+def test_shard_rates_are_the_whole_blocks_scaled_by_the_paired_ratio(monkeypatch) -> None:
+    """Each shard point keeps the whole block's key and scales its rate by whole time / shard time."""
+    monkeypatch.setattr(block_time, "paired_times", lambda first, second: (0.02, 0.01))
+    s, h = TINY.seq_len, TINY.hidden
+    whole = {2.0 * b * s * h * 4 * h: 1e9 * b for b in (1, 2)}
+    assert block_time.shard_rates(TINY, 2, True, whole) == {key: 2 * rate for key, rate in whole.items()}

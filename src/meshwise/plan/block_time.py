@@ -16,6 +16,8 @@ the plain block at micro-batch 4 — a third and 4/3, as the FLOP count says. No
 
 from __future__ import annotations
 
+import statistics
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -82,24 +84,59 @@ def block_flops_per_token(config: GPTConfig) -> float:
     return 6 * (12 * h * h + 13 * h) + 12 * h * config.seq_len
 
 
-def shard_rates(
-    config: GPTConfig, tp: int, sp: bool, micro_batches: tuple[int, ...] = MICRO_BATCHES
-) -> dict[float, float]:
-    """FLOP/s one tp rank's block reaches in forward + backward here (median run), keyed by its largest
-    GEMM (2·b·s·h·4h/t, where :mod:`meshwise.plan.step_time` evaluates the curve): the block's FLOPs per
-    token over t (what the compute term charges a rank) times the b·s tokens, over the shard's time. At
-    tp 1 the whole block: on a CPU the non-matmul work (LayerNorm, GELU, attention, autograd) is a large
-    share, and this measures it with the rest."""
+def block_rates(config: GPTConfig, micro_batches: tuple[int, ...] = MICRO_BATCHES) -> dict[float, float]:
+    """FLOP/s the whole block reaches in forward + backward here (median run), keyed by its largest GEMM
+    (2·b·s·h·4h, where :mod:`meshwise.plan.step_time` evaluates the curve): on a CPU the non-matmul work
+    (LayerNorm, GELU, attention, autograd) is a large share, and this measures it with the rest."""
     import torch
 
     from meshwise.plan.hardware import typical_time
 
     torch.manual_seed(0)
     s, h = config.seq_len, config.hidden
-    block = shard_block(config, tp, sp)
-    per_token = block_flops_per_token(config) / tp
+    block = shard_block(config, 1, False)
     points = {}
     for b in micro_batches:
-        x = torch.randn(b, s // tp if sp else s, h, requires_grad=True)
-        points[2.0 * b * s * h * 4 * h / tp] = per_token * b * s / typical_time(_step(block, x))
+        x = torch.randn(b, s, h, requires_grad=True)
+        points[2.0 * b * s * h * 4 * h] = (
+            block_flops_per_token(config) * b * s / typical_time(_step(block, x))
+        )
+    return points
+
+
+def paired_times(
+    first: Callable[[], object], second: Callable[[], object], seconds: float = 0.3, least: int = 5
+) -> tuple[float, float]:
+    """Median seconds of ``first`` and of ``second`` run in alternation (after a warm-up of each), so that
+    the host's load changing meanwhile lands on both."""
+    first(), second()
+    a: list[float] = []
+    b: list[float] = []
+    deadline = time.perf_counter() + seconds
+    while len(a) < least or time.perf_counter() < deadline:
+        for work, times in ((first, a), (second, b)):
+            started = time.perf_counter()
+            work()
+            times.append(time.perf_counter() - started)
+    return statistics.median(a), statistics.median(b)
+
+
+def shard_rates(config: GPTConfig, tp: int, sp: bool, whole: dict[float, float]) -> dict[float, float]:
+    """FLOP/s one tp rank's block reaches in forward + backward here, keyed by its largest GEMM
+    (2·b·s·h·4h/t), at the GEMM sizes of ``whole`` (:func:`block_rates`). At micro-batch t·b the shard
+    does the FLOPs the whole block does at b and has the same key, so each point is ``whole``'s rate
+    there times how much faster the shard ran than the whole block at b, the two timed in alternation:
+    measured apart, a few seconds of the host's other jobs moved one curve against the other 2×."""
+    import torch
+
+    torch.manual_seed(0)
+    s, h = config.seq_len, config.hidden
+    block, shard = shard_block(config, 1, False), shard_block(config, tp, sp)
+    points = {}
+    for key, rate in whole.items():
+        b = round(key / (2.0 * s * h * 4 * h))
+        x = torch.randn(b, s, h, requires_grad=True)
+        y = torch.randn(b * tp, s // tp if sp else s, h, requires_grad=True)
+        plain, sharded = paired_times(_step(block, x), _step(shard, y))
+        points[key] = rate * plain / sharded
     return points

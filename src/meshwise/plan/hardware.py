@@ -286,17 +286,20 @@ def fit_efficiency(points: dict[float, float], peak: float) -> Efficiency:
 
 def layer_rates(config: GPTConfig, micro_batches: tuple[int, ...] = (1, 2, 4, 8, 16)) -> dict[float, float]:
     """FLOP/s one transformer block of ``config`` reaches in forward + backward here (median run), keyed by
-    its largest GEMM (2·b·s·h·4h, what :mod:`step_time` evaluates the curve at): the whole block's curve
-    of :func:`meshwise.plan.block_time.shard_rates`."""
-    from meshwise.plan.block_time import shard_rates
+    its largest GEMM (2·b·s·h·4h, what :mod:`step_time` evaluates the curve at):
+    :func:`meshwise.plan.block_time.block_rates`."""
+    from meshwise.plan.block_time import block_rates
 
-    return shard_rates(config, 1, False, micro_batches)
+    return block_rates(config, micro_batches)
 
 
-def shard_curves(config: GPTConfig, ranks: int, peak: float) -> dict[tuple[int, bool], Efficiency]:
-    """One tp rank's block measured now (:func:`meshwise.plan.block_time.shard_rates`) for every tp degree
-    above 1 that ``ranks`` and the heads allow, with and without sp; none for a mixture of experts (its
-    experts stay whole under tp, the curve of the whole block prices it)."""
+def shard_curves(
+    config: GPTConfig, ranks: int, peak: float, whole: dict[float, float]
+) -> dict[tuple[int, bool], Efficiency]:
+    """One tp rank's block measured now against the whole block's rates ``whole``
+    (:func:`meshwise.plan.block_time.shard_rates`) for every tp degree above 1 that ``ranks`` and the
+    heads allow, with and without sp; none for a mixture of experts (its experts stay whole under tp,
+    the curve of the whole block prices it)."""
     from meshwise.plan.block_time import shard_rates
 
     if config.experts:
@@ -304,7 +307,7 @@ def shard_curves(config: GPTConfig, ranks: int, peak: float) -> dict[tuple[int, 
     curves = {}
     for tp in (d for d in range(2, ranks + 1) if ranks % d == 0 and config.heads % d == 0):
         for sp in (False, True) if config.seq_len % tp == 0 else (False,):
-            curves[tp, sp] = fit_efficiency(shard_rates(config, tp, sp), peak)
+            curves[tp, sp] = fit_efficiency(shard_rates(config, tp, sp, whole), peak)
     return curves
 
 
@@ -475,7 +478,7 @@ def measure_cpu(
     try:
         squares = {2.0 * n**3: matmul_rate(n) for n in sizes}
         rates = layer_rates(layer) if layer is not None else squares
-        shards = shard_curves(layer, ranks, max(squares.values())) if layer is not None else {}
+        shards = shard_curves(layer, ranks, max(squares.values()), rates) if layer is not None else {}
         meetings = measure_rendezvous(ranks)
         share = rank_speedup(_block_step(layer), ranks) / ranks if ranks > 1 else 1.0
         update = adam_seconds(layer) / share if layer is not None else None
