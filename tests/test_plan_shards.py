@@ -155,9 +155,12 @@ def test_the_bubble_shrinks_where_idle_stages_give_their_cores_to_busy_ones() ->
     assert bubble_seconds(1.0, 1 / 3, share=0.5) == 0.0
     # in between: the critical path at the alone speed beyond the busy time
     assert bubble_seconds(1.0, 1 / 3, share=0.8) == pytest.approx(0.8 * 1.5 - 1.0)
-    model, layout = ModelSpec.of(NANO), Layout(1, 1, 2, micro_batch=2)
-    shared = estimate_time(model, layout, _cpu(share=0.5), FP32, 8)
-    assert shared.bubble == 0.0 and estimate_time(model, layout, _cpu(), FP32, 8).bubble > 0
+    model, four, two = ModelSpec.of(NANO), Layout(2, 1, 2, micro_batch=2), Layout(1, 1, 2, micro_batch=2)
+    host = _cpu(share=0.5, cores=2, threads=1)
+    assert estimate_time(model, four, host, FP32, 8).bubble == 0.0  # 4 ranks on 2 cores
+    # 2 one-thread ranks on 2 cores: a stage's idle core is of no use to the other, whatever the share
+    alone = estimate_time(model, two, replace(host, share=1.0), FP32, 8)
+    assert estimate_time(model, two, host, FP32, 8).bubble == alone.bubble > 0
 
 
 def test_shard_rates_are_the_whole_blocks_scaled_by_the_paired_ratio(monkeypatch) -> None:

@@ -118,7 +118,8 @@ class Hardware:
     #: back-to-back cost; none on GPUs, whose collectives are not woken by a shared scheduler
     rendezvous: dict[int, Rendezvous] = field(default_factory=dict)
     #: the fraction of its alone speed each rank keeps while all the ranks compute at once (``cpu``:
-    #: :func:`rank_speedup` over the ranks, already in :attr:`peak_flops`); 1 on GPUs, one device each
+    #: :func:`rank_speedup` over the ranks, already in :attr:`peak_flops`; other jobs' load included);
+    #: 1 on GPUs, one device each
     share: float = 1.0
     source: str = "datasheet"
 
@@ -147,6 +148,11 @@ class Hardware:
         """Whether ``ranks`` ranks leave a core to progress a collective while backward computes: always
         on a GPU; on a CPU only when their threads do not already fill the cores."""
         return self.cores == 0 or ranks * max(self.threads, 1) < self.cores
+
+    def oversubscribed(self, ranks: int) -> bool:
+        """Whether ``ranks`` ranks' threads outnumber the host's cores (``cpu``): only then does a rank
+        that waits leave a core that another rank can use (never on a GPU, one device per rank)."""
+        return self.cores > 0 and ranks * max(self.threads, 1) > self.cores
 
     def meetings(self, group: int, syncs: float, compute: float) -> float:
         """Seconds a group of ``group`` ranks loses meeting ``syncs`` times over ``compute`` seconds of

@@ -16,9 +16,9 @@ optimizer, and the step's scalar all-reduces.
   gradients' reduce-scatter backward (:func:`context_parallel_seconds`).
 - **EP**: dispatch and combine all-to-alls per MoE layer, forward and backward (:func:`expert_seconds`).
 - **Pipeline**: compute + TP stretched by 1/(1 − bubble), bubble = (p−1)/(v·m + p−1) (the simulator's
-  figure) — on a host whose ranks share the cores, less what the idle stages' cores give the busy ones
-  (:func:`bubble_seconds`), plus one activation (forward) and one gradient (backward) transfer on the
-  critical path per micro-batch and chunk, and for the fill and drain.
+  figure) — on a host whose ranks' threads outnumber the cores, less what the idle stages' cores give
+  the busy ones (:func:`bubble_seconds`), plus one activation (forward) and one gradient (backward)
+  transfer on the critical path per micro-batch and chunk, and for the fill and drain.
 - **Data parallel**: the gradients of one rank (b_g·Ψ_rank bytes) summed over dp·ep·cp with the cost
   model's cheapest of ring and tree — hierarchical when the group spans nodes, DDP's buckets call by call
   where the all-reduce was measured (``cpu``); ZeRO-1/2 reduce-scatter each group and all-gather the
@@ -197,7 +197,8 @@ def estimate_time(
         expert_seconds(model, layout, hw, precision, compute_mb),
     )
     busy = m * (compute_mb + head_mb + tp_mb + cp_mb + ep_mb)
-    bubble = bubble_seconds(busy, layout.bubble(global_batch), hw.share)
+    shared = hw.share if hw.oversubscribed(layout.gpus) else 1.0  # else an idle stage's core helps no rank
+    bubble = bubble_seconds(busy, layout.bubble(global_batch), shared)
     p2p = 0.0
     if p > 1:
         spans_nodes = t * layout.dp >= hw.per_node
