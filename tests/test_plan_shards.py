@@ -167,5 +167,6 @@ def test_shard_rates_are_the_whole_blocks_scaled_by_the_paired_ratio(monkeypatch
     """Each shard point keeps the whole block's key and scales its rate by whole time / shard time."""
     monkeypatch.setattr(block_time, "paired_times", lambda first, second: (0.02, 0.01))
     s, h = TINY.seq_len, TINY.hidden
-    whole = {2.0 * b * s * h * 4 * h: 1e9 * b for b in (1, 2)}
-    assert block_time.shard_rates(TINY, 2, True, whole) == {key: 2 * rate for key, rate in whole.items()}
+    whole = {2.0 * b * s * h * 4 * h: 1e9 * b for b in (1, 2, 16)}
+    expected = {key: 2 * rate for key, rate in whole.items() if key < 2.0 * 16 * s * h * 4 * h}
+    assert block_time.shard_rates(TINY, 2, True, whole) == expected  # 16 is not paired

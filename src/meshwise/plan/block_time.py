@@ -27,8 +27,11 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-#: micro-batches (sequences per forward) the curves are measured at, as the whole block's
+#: micro-batches (sequences per forward) the whole block's curve is measured at
 MICRO_BATCHES = (1, 2, 4, 8, 16)
+#: the whole block's micro-batches a shard is paired with (the shard at t times as many): beyond 4 the
+#: whole block's rate is flat on a CPU, and pairing a tp2 shard at 32 sequences took seconds
+SHARD_PAIRS = (1, 2, 4)
 
 
 class LocalGroup:
@@ -123,10 +126,11 @@ def paired_times(
 
 def shard_rates(config: GPTConfig, tp: int, sp: bool, whole: dict[float, float]) -> dict[float, float]:
     """FLOP/s one tp rank's block reaches in forward + backward here, keyed by its largest GEMM
-    (2·b·s·h·4h/t), at the GEMM sizes of ``whole`` (:func:`block_rates`). At micro-batch t·b the shard
-    does the FLOPs the whole block does at b and has the same key, so each point is ``whole``'s rate
-    there times how much faster the shard ran than the whole block at b, the two timed in alternation:
-    measured apart, a few seconds of the host's other jobs moved one curve against the other 2×."""
+    (2·b·s·h·4h/t), at the GEMM sizes of ``whole`` (:func:`block_rates`) for b in :data:`SHARD_PAIRS`
+    (the curve is flat past its last point). At micro-batch t·b the shard does the FLOPs the whole
+    block does at b and has the same key, so each point is ``whole``'s rate there times how much faster
+    the shard ran than the whole block at b, the two timed in alternation: measured apart, a few
+    seconds of the host's other jobs moved one curve against the other 2×."""
     import torch
 
     torch.manual_seed(0)
@@ -135,6 +139,8 @@ def shard_rates(config: GPTConfig, tp: int, sp: bool, whole: dict[float, float])
     points = {}
     for key, rate in whole.items():
         b = round(key / (2.0 * s * h * 4 * h))
+        if b not in SHARD_PAIRS:
+            continue
         x = torch.randn(b, s, h, requires_grad=True)
         y = torch.randn(b * tp, s // tp if sp else s, h, requires_grad=True)
         plain, sharded = paired_times(_step(block, x), _step(shard, y))
