@@ -15,7 +15,7 @@ from meshwise.plan import Layout, ModelSpec, Precision, block_time, hardware
 from meshwise.plan.calls import tensor_parallel_calls
 from meshwise.plan.hardware import GB, Efficiency, Hardware, Link, fit_efficiency, shard_curves
 from meshwise.plan.rendezvous import Rendezvous, fit_rendezvous, lost_per_meeting
-from meshwise.plan.step_time import block_seconds, bubble_seconds, estimate_time
+from meshwise.plan.step_time import block_seconds, bubble_seconds, estimate_time, step_meeting
 
 NANO, TINY = CONFIGS["gpt-nano"], CONFIGS["gpt-tiny"]
 FP32 = Precision("fp32")
@@ -81,8 +81,9 @@ def test_every_tp_call_is_a_meeting_and_the_group_drifts_over_its_compute() -> N
     added = m * meeting.seconds(syncs, before.compute / m)
     assert after.tensor_parallel - before.tensor_parallel == pytest.approx(added)
     assert after.compute == before.compute
+    assert after.sync == before.sync  # the tp group is every rank: no meeting of all once more
     dp = Layout(2, 1, 1, micro_batch=2)
-    assert estimate_time(model, dp, met, FP32, batch) == estimate_time(model, dp, plain, FP32, batch)
+    assert estimate_time(model, dp, met, FP32, batch).tensor_parallel == 0.0
 
 
 def test_context_parallel_gathers_meet_too() -> None:
@@ -170,3 +171,14 @@ def test_shard_rates_are_the_whole_blocks_scaled_by_the_paired_ratio(monkeypatch
     whole = {2.0 * b * s * h * 4 * h: 1e9 * b for b in (1, 2, 16)}
     expected = {key: 2 * rate for key, rate in whole.items() if key < 2.0 * 16 * s * h * 4 * h}
     assert block_time.shard_rates(TINY, 2, True, whole) == expected  # 16 is not paired
+
+
+def test_every_rank_meets_once_a_step_after_its_compute() -> None:
+    model, batch, meeting = ModelSpec.of(NANO), 8, Rendezvous(alpha=1e-3, drift=0.1)
+    plain, met = _cpu(), _cpu(rendezvous={4: meeting, 2: meeting})
+    dp4 = Layout(4, 1, 1, micro_batch=2)
+    before, after = (estimate_time(model, dp4, hw, FP32, batch) for hw in (plain, met))
+    assert after.sync - before.sync == pytest.approx(1e-3 + 0.1 * (before.compute + before.head))
+    assert step_meeting(dp4, plain, 1.0) == 0.0  # nothing measured (GPU presets)
+    assert step_meeting(Layout(1, 4, 1), met, 1.0) == 0.0  # tp over every rank meets per layer already
+    assert step_meeting(Layout(2, 2, 1), met, 1.0) == pytest.approx(1e-3 + 0.1)

@@ -30,7 +30,8 @@ optimizer, and the step's scalar all-reduces.
   where the hardware measured it (``cpu``: an AdamW step with clipping and ``zero_grad`` over one block),
   that time per parameter times the parameters this rank updates (Ψ_rank/dp under ZeRO).
 - **Sync**: the two scalars every step all-reduces whatever the layout — the loss over the replicas
-  (dp·ep·cp) and the gradient norm for clipping over every rank — each one call.
+  (dp·ep·cp) and the gradient norm for clipping over every rank — each one call; on ``cpu`` the latter
+  is also a meeting of every rank after the step's compute (:func:`step_meeting`).
 
 A call costs what the hardware measured for that collective on that many ranks (``cpu``:
 :mod:`meshwise.plan.gloo_calls`), else :func:`meshwise.comm.algorithms.registry.predict_seconds` with the
@@ -224,8 +225,17 @@ def estimate_time(
         context_parallel=m * cp_mb,
         expert_parallel=m * ep_mb,
         head=m * head_mb,
-        sync=sync_seconds(layout, hw),
+        sync=sync_seconds(layout, hw) + step_meeting(layout, hw, m * (compute_mb + head_mb)),
     )
+
+
+def step_meeting(layout: Layout, hw: Hardware, compute: float) -> float:
+    """Every rank meets the others once a step (the gradient norm's all-reduce) after ``compute`` seconds
+    of its own: priced as a meeting of all the ranks (:meth:`Hardware.meetings`, ``cpu``), unless a
+    group of all of them already meets between the layers (tp, cp or ep spanning every rank)."""
+    if max(layout.tp, layout.cp, layout.ep) >= layout.gpus:
+        return 0.0
+    return hw.meetings(layout.gpus, 1, compute)
 
 
 def bubble_seconds(busy: float, idle: float, share: float = 1.0) -> float:
