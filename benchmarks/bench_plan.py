@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from meshwise.cli.plan_validate import trial_layout
@@ -158,6 +159,82 @@ def accuracy(
     }
 
 
+def reprice(recorded: dict[str, dict], layouts: list[Layout], rounds: int = 1) -> dict:
+    """The layouts of recorded accuracy runs (same model, batch and sequence) priced again against each
+    run's measured steps, without running the trials: by the model as it is now (``now``, the ``cpu``
+    preset measured live once per rank count and round, the median of the rounds) and by the same live
+    presets without the tp shards' curves, the groups' meetings and the cores' share in the bubble
+    (``base``: the model before them), so that their effect is seen apart from the host's load now,
+    which moves both alike; ``was`` is what each recorded run predicted. Besides the MAPE and rank
+    correlation, the MAPE of each layout's step relative to the first layout of its rank count
+    (:func:`_relative`), which the load at each rank count's measurement does not move."""
+    first = next(iter(recorded.values()))["accuracy"]
+    shape = (first["config"], first["global_batch"], first["seq_len"])
+    for name, run in recorded.items():
+        acc = run["accuracy"]
+        if (acc["config"], acc["global_batch"], acc["seq_len"]) != shape:
+            raise ValueError(f"{name}: not the model, batch and sequence of the first run; reprice it alone")
+    model = ModelSpec.of(gpt_config(shape[0], seq_len=shape[2]))
+    names = {row["layout"] for run in recorded.values() for row in run["accuracy"]["rows"]}
+    wanted = [layout for layout in layouts if layout.name() in names]
+    priced: dict[str, dict[str, list[float]]] = {layout.name(): {"base": [], "now": []} for layout in wanted}
+    load = [os.getloadavg()]
+    for _ in range(rounds):
+        machines: dict = {}
+        for layout in wanted:
+            if layout.gpus not in machines:
+                now = measure_cpu(layout.gpus, model.config)
+                machines[layout.gpus] = {"base": replace(now, shard_efficiency={}, rendezvous={}, share=1.0)}
+                machines[layout.gpus]["now"] = now
+            for key, hw in machines[layout.gpus].items():
+                problem = Problem(model, hw, Precision("fp32"), shape[1], layout.gpus)
+                priced[layout.name()][key].append(problem.price(layout).time.step)
+    load.append(os.getloadavg())
+    steps = {name: {key: statistics.median(v) for key, v in by.items()} for name, by in priced.items()}
+    result: dict = {"load_average": load, "predicted": steps, "runs": {}}
+    for run_name, run in recorded.items():
+        rows = [r for r in run["accuracy"]["rows"] if r["ok"] and r["layout"] in steps]
+        measured = [r["measured_step"] for r in rows]
+        print(f"{run_name}:")
+        for r in rows:
+            now = steps[r["layout"]]
+            print(
+                f"  {r['layout']:<30} was {r['predicted_step']:6.3f}  base {now['base']:6.3f}  now "
+                f"{now['now']:6.3f}  measured {r['measured_step']:6.3f} s"
+            )
+        figures = {}
+        for key in ("was", "base", "now"):
+            predicted = [r["predicted_step"] if key == "was" else steps[r["layout"]][key] for r in rows]
+            figures[key] = {
+                "step_mape": mape(predicted, measured),
+                "rank_correlation": spearman(predicted, measured),
+                "relative_mape": mape(*_relative(rows, predicted, measured)),
+            }
+            print(
+                f"  {key:<5} step-time MAPE {100 * figures[key]['step_mape']:5.1f} %, rank correlation "
+                f"{figures[key]['rank_correlation']:.2f}, relative MAPE "
+                f"{100 * figures[key]['relative_mape']:5.1f} %"
+            )
+        result["runs"][run_name] = figures
+    return result
+
+
+def _relative(
+    rows: list[dict], predicted: list[float], measured: list[float]
+) -> tuple[list[float], list[float]]:
+    """Each layout's step over that of the first layout of as many ranks (predicted, measured), that one
+    left out: layouts of one rank count share one live measurement of the host, so these ratios hold
+    whatever the load was when it was taken, which moves the levels of the rank counts apart."""
+    first: dict[int, int] = {}
+    ratios: tuple[list[float], list[float]] = ([], [])
+    for i, row in enumerate(rows):
+        ref = first.setdefault(row["ranks"], i)
+        if ref != i:
+            ratios[0].append(predicted[i] / predicted[ref])
+            ratios[1].append(measured[i] / measured[ref])
+    return ratios
+
+
 def _summary(layout: Layout, runs: list[dict]) -> dict:
     """One layout over its rounds: medians of what ran, every round kept."""
     done = [r for r in runs if r["ok"]]
@@ -196,9 +273,31 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3, help="timings of the planner's speed")
     parser.add_argument("--rounds", type=int, default=1, help="passes over the layouts (medians taken)")
     parser.add_argument("--limit", type=int, default=len(LAYOUTS), help="run the first N layouts only")
+    parser.add_argument(
+        "--layouts", nargs="+", default=None, metavar="NAME", help="run only layouts whose name contains one"
+    )
+    parser.add_argument(
+        "--reprice",
+        nargs="+",
+        default=None,
+        metavar="JSON",
+        help="price recorded runs' layouts again (cpu measured now, --rounds times) against their measured "
+        "steps; no trials",
+    )
     parser.add_argument("--skip-accuracy", action="store_true")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    layouts = [
+        layout
+        for layout in LAYOUTS[: args.limit]
+        if args.layouts is None or any(part in layout.name() for part in args.layouts)
+    ]
+    if args.reprice:
+        recorded = {name: json.loads(Path(name).read_text()) for name in args.reprice}
+        repriced = reprice(recorded, layouts, args.rounds)
+        if args.json:
+            Path(args.json).write_text(json.dumps(repriced, indent=2) + "\n")
+        return
     results: dict = {"speed": speed(args.repeat)}
     fast = results["speed"]
     print(
@@ -207,7 +306,6 @@ def main() -> None:
         f"{fast['command_seconds']:.2f} s ({fast['command_cpu_seconds']:.2f} s CPU); best {fast['best']}"
     )
     if not args.skip_accuracy:
-        layouts = LAYOUTS[: args.limit]
         acc = accuracy(args.config, args.steps, args.global_batch, args.seq_len, layouts, args.rounds)
         results["accuracy"] = acc
         print(

@@ -27,6 +27,7 @@ from meshwise.comm.cost.formulas import LinkParams
 from meshwise.models.gpt_shape import GPTConfig
 from meshwise.plan.gloo_calls import CallCost, measure_calls
 from meshwise.plan.head_time import HeadCost, head_cost
+from meshwise.plan.rendezvous import Rendezvous, measure_rendezvous
 
 if TYPE_CHECKING:
     import torch
@@ -108,6 +109,18 @@ class Hardware:
     #: measured per-call costs per collective and group size (``cpu``, :mod:`meshwise.plan.gloo_calls`):
     #: when one is here for a call, it prices that call instead of the link's ring formula
     calls: tuple[CallCost, ...] = ()
+    #: measured efficiency of one tp rank's block per (tp, sp) degree (``cpu``,
+    #: :mod:`meshwise.plan.block_time`), evaluated at the shard's own largest GEMM; a degree not here is
+    #: priced with :attr:`efficiency`, as on every GPU preset
+    shard_efficiency: dict[tuple[int, bool], Efficiency] = field(default_factory=dict)
+    #: measured cost of a group meeting between slices of compute, per group size (``cpu``,
+    #: :mod:`meshwise.plan.rendezvous`): what the per-layer calls of tp, cp and ep add beyond their
+    #: back-to-back cost; none on GPUs, whose collectives are not woken by a shared scheduler
+    rendezvous: dict[int, Rendezvous] = field(default_factory=dict)
+    #: the fraction of its alone speed each rank keeps while all the ranks compute at once (``cpu``:
+    #: :func:`rank_speedup` over the ranks, already in :attr:`peak_flops`; other jobs' load included);
+    #: 1 on GPUs, one device each
+    share: float = 1.0
     source: str = "datasheet"
 
     def peak(self, dtype: str) -> float:
@@ -135,6 +148,22 @@ class Hardware:
         """Whether ``ranks`` ranks leave a core to progress a collective while backward computes: always
         on a GPU; on a CPU only when their threads do not already fill the cores."""
         return self.cores == 0 or ranks * max(self.threads, 1) < self.cores
+
+    def oversubscribed(self, ranks: int) -> bool:
+        """Whether ``ranks`` ranks' threads outnumber the host's cores (``cpu``): only then does a rank
+        that waits leave a core that another rank can use (never on a GPU, one device per rank)."""
+        return self.cores > 0 and ranks * max(self.threads, 1) > self.cores
+
+    def meetings(self, group: int, syncs: float, compute: float) -> float:
+        """Seconds a group of ``group`` ranks loses meeting ``syncs`` times over ``compute`` seconds of
+        compute, where measured (``cpu``); nothing elsewhere."""
+        rendezvous = self.rendezvous.get(group)
+        return rendezvous.seconds(syncs, compute) if rendezvous is not None and group > 1 else 0.0
+
+    def block_efficiency(self, tp: int, sp: bool) -> Efficiency:
+        """The curve a tp rank's block runs at: its shard's measured one where there is one, else the
+        whole block's (``tp`` 1, and every degree on a GPU preset)."""
+        return self.shard_efficiency.get((tp, sp), self.efficiency)
 
 
 def _gpu(
@@ -263,23 +292,29 @@ def fit_efficiency(points: dict[float, float], peak: float) -> Efficiency:
 
 def layer_rates(config: GPTConfig, micro_batches: tuple[int, ...] = (1, 2, 4, 8, 16)) -> dict[float, float]:
     """FLOP/s one transformer block of ``config`` reaches in forward + backward here (median run), keyed by
-    its largest GEMM (2·b·s·h·4h, what :mod:`step_time` evaluates the curve at): on a CPU the non-matmul
-    work (LayerNorm, GELU, attention, autograd) is a large share, and this measures it with the rest."""
-    import torch
+    its largest GEMM (2·b·s·h·4h, what :mod:`step_time` evaluates the curve at):
+    :func:`meshwise.plan.block_time.block_rates`."""
+    from meshwise.plan.block_time import block_rates
 
-    from meshwise.models.gpt import Block
+    return block_rates(config, micro_batches)
 
-    torch.manual_seed(0)
-    block = Block(config)
-    s, h = config.seq_len, config.hidden
-    per_token = 6 * (12 * h * h + 13 * h) + 12 * h * s
-    points = {}
-    for b in micro_batches:
-        x = torch.randn(b, s, h, requires_grad=True)
-        points[2.0 * b * s * h * 4 * h] = (
-            per_token * b * s / typical_time(lambda x=x: block(x).sum().backward())
-        )
-    return points
+
+def shard_curves(
+    config: GPTConfig, ranks: int, peak: float, whole: dict[float, float]
+) -> dict[tuple[int, bool], Efficiency]:
+    """One tp rank's block measured now against the whole block's rates ``whole``
+    (:func:`meshwise.plan.block_time.shard_rates`) for every tp degree above 1 that ``ranks`` and the
+    heads allow, with and without sp; none for a mixture of experts (its experts stay whole under tp,
+    the curve of the whole block prices it)."""
+    from meshwise.plan.block_time import shard_rates
+
+    if config.experts:
+        return {}
+    curves = {}
+    for tp in (d for d in range(2, ranks + 1) if ranks % d == 0 and config.heads % d == 0):
+        for sp in (False, True) if config.seq_len % tp == 0 else (False,):
+            curves[tp, sp] = fit_efficiency(shard_rates(config, tp, sp, whole), peak)
+    return curves
 
 
 def _block_step(config: GPTConfig | None) -> Callable[[], object]:
@@ -425,9 +460,11 @@ def measure_cpu(
 ) -> Hardware:
     """This host as a planner sees it, measured now: the peak is the best fp32 square matmul; the
     efficiency curve comes from forward + backward of one block of ``layer`` (the model being planned)
-    at a few micro-batch sizes, or from the square matmuls without one; with ``layer``, AdamW's update
-    per parameter and the step's parts outside the blocks (:mod:`meshwise.plan.head_time`) are timed
-    too. Memory from /proc/meminfo, every
+    at a few micro-batch sizes, or from the square matmuls without one; with ``layer``, one tp rank's
+    block per tp degree the ranks allow (:func:`shard_curves`), AdamW's update per parameter and the
+    step's parts outside the blocks (:mod:`meshwise.plan.head_time`) are timed too, and with any model
+    the cost of a group meeting between slices of compute (:mod:`meshwise.plan.rendezvous`). Memory
+    from /proc/meminfo, every
     collective's per-call cost on each group size ``ranks`` allows measured now with all ``ranks`` talking
     at once (:func:`~meshwise.plan.gloo_calls.measure_calls`; the built-in calibration's link for one
     rank, which sends nothing), every core a
@@ -447,6 +484,8 @@ def measure_cpu(
     try:
         squares = {2.0 * n**3: matmul_rate(n) for n in sizes}
         rates = layer_rates(layer) if layer is not None else squares
+        shards = shard_curves(layer, ranks, max(squares.values()), rates) if layer is not None else {}
+        meetings = measure_rendezvous(ranks)
         share = rank_speedup(_block_step(layer), ranks) / ranks if ranks > 1 else 1.0
         update = adam_seconds(layer) / share if layer is not None else None
         outside = head_cost(layer) if layer is not None else None
@@ -471,5 +510,8 @@ def measure_cpu(
         threads=threads,
         cores=cores,
         calls=calls,
+        shard_efficiency=shards,
+        rendezvous=meetings,
+        share=share,
         source="measured",
     )

@@ -3,19 +3,22 @@ bubble and point-to-point, data-parallel reduction (what backward does not hide)
 optimizer, and the step's scalar all-reduces.
 
 - **Compute**: FLOPs per token (6N_active + attention, recomputation counted: hardware FLOPs) × tokens of
-  the rank's share (÷ cp), over peak × the matmul efficiency at the layer's largest GEMM (b·s/cp × h × 4h/t).
+  the rank's share (÷ cp), over peak × the matmul efficiency at the layer's largest GEMM (b·s/cp × h × 4h/t)
+  — on ``cpu`` a tp rank's own shard's measured curve (:mod:`meshwise.plan.block_time`).
 - **Head**: where the hardware measured it (``cpu``, :mod:`meshwise.plan.head_time`), the embeddings,
   final LayerNorm, head and loss of each micro-batch at their measured cost (÷ t: the head is
   vocabulary-parallel), on the last pipeline stage — and the head's 6·V·h FLOPs leave the compute term;
   elsewhere they stay in it.
 - **TP**: every call the tp group makes per micro-batch (:mod:`meshwise.plan.calls`, counted from the
-  code), each priced alone; on the critical path (no overlap).
+  code), each priced alone; on the critical path (no overlap). On ``cpu`` every call is also a meeting of
+  the group between slices of compute (:mod:`meshwise.plan.rendezvous`), as are CP's and EP's calls.
 - **CP**: the attention's all-gather of keys and values per layer forward, the re-gather and the
   gradients' reduce-scatter backward (:func:`context_parallel_seconds`).
 - **EP**: dispatch and combine all-to-alls per MoE layer, forward and backward (:func:`expert_seconds`).
 - **Pipeline**: compute + TP stretched by 1/(1 − bubble), bubble = (p−1)/(v·m + p−1) (the simulator's
-  figure), plus one activation (forward) and one gradient (backward) transfer on the critical path per
-  micro-batch and chunk, and for the fill and drain.
+  figure) — on a host whose ranks' threads outnumber the cores, less what the idle stages' cores give
+  the busy ones (:func:`bubble_seconds`), plus one activation (forward) and one gradient (backward)
+  transfer on the critical path per micro-batch and chunk, and for the fill and drain.
 - **Data parallel**: the gradients of one rank (b_g·Ψ_rank bytes) summed over dp·ep·cp with the cost
   model's cheapest of ring and tree — hierarchical when the group spans nodes, DDP's buckets call by call
   where the all-reduce was measured (``cpu``); ZeRO-1/2 reduce-scatter each group and all-gather the
@@ -27,7 +30,8 @@ optimizer, and the step's scalar all-reduces.
   where the hardware measured it (``cpu``: an AdamW step with clipping and ``zero_grad`` over one block),
   that time per parameter times the parameters this rank updates (Ψ_rank/dp under ZeRO).
 - **Sync**: the two scalars every step all-reduces whatever the layout — the loss over the replicas
-  (dp·ep·cp) and the gradient norm for clipping over every rank — each one call.
+  (dp·ep·cp) and the gradient norm for clipping over every rank — each one call; on ``cpu`` the latter
+  is also a meeting of every rank after the step's compute (:func:`step_meeting`).
 
 A call costs what the hardware measured for that collective on that many ranks (``cpu``:
 :mod:`meshwise.plan.gloo_calls`), else :func:`meshwise.comm.algorithms.registry.predict_seconds` with the
@@ -182,23 +186,20 @@ def estimate_time(
     hardware_per_token = model.flops_per_token(layout.recompute)
     peak = hw.peak(precision.dtype)
     cp = layout.cp
-    gemm = 2 * b * s / cp * h * 4 * h / t
-    rate = peak * hw.efficiency.at(gemm)
-    blocks_per_token = hardware_per_token - (model.head_flops_per_token if hw.head is not None else 0.0)
-    compute_mb = blocks_per_token * b * s / (t * p * cp) / rate
+    compute_mb = block_seconds(model, layout, hw, peak)
     head_mb = hw.head.seconds(b * s / cp) / t if hw.head is not None else 0.0
     tp_inter = t > hw.per_node
-    tp_mb = sum(
-        call.count * call_seconds(hw, call.collective, call.nbytes, t, tp_inter)
-        for call in tensor_parallel_calls(model, layout, precision)
-    )
+    tp_calls = tensor_parallel_calls(model, layout, precision)
+    tp_mb = sum(call.count * call_seconds(hw, call.collective, call.nbytes, t, tp_inter) for call in tp_calls)
+    tp_mb += hw.meetings(t, sum(call.count for call in tp_calls), compute_mb + head_mb)
     activation = b * s * h * precision.value
     cp_mb, ep_mb = (
-        context_parallel_seconds(model, layout, hw, precision),
-        expert_seconds(model, layout, hw, precision),
+        context_parallel_seconds(model, layout, hw, precision, compute_mb),
+        expert_seconds(model, layout, hw, precision, compute_mb),
     )
     busy = m * (compute_mb + head_mb + tp_mb + cp_mb + ep_mb)
-    bubble = busy * layout.bubble(global_batch) / (1 - layout.bubble(global_batch))
+    shared = hw.share if hw.oversubscribed(layout.gpus) else 1.0  # else an idle stage's core helps no rank
+    bubble = bubble_seconds(busy, layout.bubble(global_batch), shared)
     p2p = 0.0
     if p > 1:
         spans_nodes = t * layout.dp >= hw.per_node
@@ -224,8 +225,40 @@ def estimate_time(
         context_parallel=m * cp_mb,
         expert_parallel=m * ep_mb,
         head=m * head_mb,
-        sync=sync_seconds(layout, hw),
+        sync=sync_seconds(layout, hw) + step_meeting(layout, hw, m * (compute_mb + head_mb)),
     )
+
+
+def step_meeting(layout: Layout, hw: Hardware, compute: float) -> float:
+    """Every rank meets the others once a step (the gradient norm's all-reduce) after ``compute`` seconds
+    of its own: priced as a meeting of all the ranks (:meth:`Hardware.meetings`, ``cpu``), unless a
+    group of all of them already meets between the layers (tp, cp or ep spanning every rank)."""
+    if max(layout.tp, layout.cp, layout.ep) >= layout.gpus:
+        return 0.0
+    return hw.meetings(layout.gpus, 1, compute)
+
+
+def bubble_seconds(busy: float, idle: float, share: float = 1.0) -> float:
+    """The pipeline's idle time beyond a rank's ``busy`` seconds, ``idle`` its idle fraction: the busy
+    time stretched by 1/(1 − idle) — where each rank has its device. Where the ranks share cores
+    (``share`` < 1: each runs at that fraction of its alone speed while all compute), a stage waiting in
+    the bubble hands its share of the cores to the stages that work, which then run faster: the step is
+    the critical path at the alone speed, busy·share/(1 − idle), or every rank's work at the shared speed,
+    whichever is longer."""
+    return max(0.0, busy * share / (1 - idle) - busy)
+
+
+def block_seconds(model: ModelSpec, layout: Layout, hw: Hardware, peak: float) -> float:
+    """Seconds of one micro-batch through the rank's blocks (and, where the head is not measured apart,
+    the head's FLOPs): the FLOPs a rank is charged over peak × the efficiency of its tp shard's curve
+    (:meth:`Hardware.block_efficiency`) at its largest GEMM (b·s/cp × h × 4h/t), recomputation counted."""
+    c = model.config
+    b, s, h, t, cp = layout.micro_batch, c.seq_len, c.hidden, layout.tp, layout.cp
+    gemm = 2 * b * s / cp * h * 4 * h / t
+    rate = peak * hw.block_efficiency(t, layout.sp).at(gemm)
+    per_token = model.flops_per_token(layout.recompute)
+    per_token -= model.head_flops_per_token if hw.head is not None else 0.0
+    return per_token * b * s / (t * layout.pp * cp) / rate
 
 
 def sync_seconds(layout: Layout, hw: Hardware) -> float:
@@ -237,11 +270,15 @@ def sync_seconds(layout: Layout, hw: Hardware) -> float:
     )
 
 
-def context_parallel_seconds(model: ModelSpec, layout: Layout, hw: Hardware, precision: Precision) -> float:
+def context_parallel_seconds(
+    model: ModelSpec, layout: Layout, hw: Hardware, precision: Precision, compute: float = 0.0
+) -> float:
     """Context-parallel attention per micro-batch, as :mod:`meshwise.parallel.context_parallel.attention`
     runs it (an all-gather design, not a ring): in each layer's forward one all-gather of the keys and
     values (2·b·s·h/t values, all slots); in backward the fused kernel gathers them again and the
-    gradients go back by one reduce-scatter; full recomputation repeats the forward's gather."""
+    gradients go back by one reduce-scatter; full recomputation repeats the forward's gather. Each call
+    is a meeting of the cp group between slices of the micro-batch's ``compute`` seconds
+    (:meth:`Hardware.meetings`)."""
     if layout.cp == 1:
         return 0.0
     c = model.config
@@ -250,20 +287,25 @@ def context_parallel_seconds(model: ModelSpec, layout: Layout, hw: Hardware, pre
     gathers = 3 if layout.recompute == "full" else 2
     per_layer = gathers * call_seconds(hw, "all_gather", nbytes, layout.cp, inter)
     per_layer += call_seconds(hw, "reduce_scatter", nbytes, layout.cp, inter)
-    return -(-c.layers // layout.pp) * per_layer
+    layers = -(-c.layers // layout.pp)
+    return layers * per_layer + hw.meetings(layout.cp, layers * (gathers + 1), compute)
 
 
-def expert_seconds(model: ModelSpec, layout: Layout, hw: Hardware, precision: Precision) -> float:
+def expert_seconds(
+    model: ModelSpec, layout: Layout, hw: Hardware, precision: Precision, compute: float = 0.0
+) -> float:
     """The MoE layers' token exchange per micro-batch: dispatch and combine all-to-alls of each rank's
     b·(s/cp)·k token copies of h values, forward and again in backward (4 per layer; 6 with full
-    recomputation), over the ep ranks at the all-to-all's cost."""
+    recomputation), over the ep ranks at the all-to-all's cost, each a meeting of the ep group between
+    slices of the micro-batch's ``compute`` seconds (:meth:`Hardware.meetings`)."""
     c = model.config
     if layout.ep == 1 or not c.experts:
         return 0.0
     nbytes = layout.micro_batch * c.seq_len / layout.cp * c.top_k * c.hidden * precision.value
     calls = 6 if layout.recompute == "full" else 4
     one = call_seconds(hw, "all_to_all", nbytes, layout.ep, layout.gpus > hw.per_node)
-    return -(-c.layers // layout.pp) * calls * one
+    layers = -(-c.layers // layout.pp)
+    return layers * calls * one + hw.meetings(layout.ep, layers * calls, compute)
 
 
 def _data_parallel(
