@@ -4,6 +4,7 @@ pipeline and communication terms against the simulator and the cost model, and b
 from __future__ import annotations
 
 import copy
+import gc
 import json
 import subprocess
 import sys
@@ -278,6 +279,7 @@ def test_json_and_plot_outputs(capsys, tmp_path) -> None:
 def test_peak_memory_counts_the_bytes_held_during_the_steps() -> None:
     """The trainer's probe: a 64 MiB tensor held for a few sampling periods after training starts is
     counted (allocated bytes, not resident ones) and nothing from before it is."""
+    gc.collect()  # earlier tests' garbage freed now, not while the probe counts (it would lower the count)
     probe = PeakMemory(CONFIGS["gpt-tiny"], 1, torch.device("cpu"))
     before = torch.ones(2**22)  # 16 MiB during "setup"
     probe.training_starts()
@@ -286,8 +288,9 @@ def test_peak_memory_counts_the_bytes_held_during_the_steps() -> None:
     time.sleep(20 * PERIOD)
     del held
     measured = probe.stop()
-    assert 64 * 2**20 <= measured["allocated"] < 68 * 2**20, measured
-    assert measured["setup_allocated"] >= 16 * 2**20, measured
+    # allocated bytes are the process's, not the tensors': allow 1 MiB freed or allocated beside them
+    assert 63 * 2**20 <= measured["allocated"] < 68 * 2**20, measured
+    assert measured["setup_allocated"] >= 15 * 2**20, measured
 
 
 @pytest.mark.timeout(240)
