@@ -45,29 +45,18 @@ docs/collectives.md has the per-algorithm costs, the non-power-of-two folding an
 from meshwise.lazy import lazy_names
 
 # lazily: the cost model (comm.cost) and the algorithm registry are torch-free, and the planner reads them
-__getattr__, __dir__ = lazy_names(
-    __name__,
-    {
-        "meshwise.comm.api": (
-            "CollectiveMismatchError",
-            "CommError",
-            "CommTimeoutError",
-            "Communicator",
-            "PeerFailureError",
-            "ReduceOp",
-            "Work",
-        ),
-        "meshwise.comm.factory": ("create_communicator",),
-    },
-)
+_TORCH_NAMES = {
+    "meshwise.comm.api": (
+        "CollectiveMismatchError",
+        "CommError",
+        "CommTimeoutError",
+        "Communicator",
+        "PeerFailureError",
+        "ReduceOp",
+        "Work",
+    ),
+    "meshwise.comm.factory": ("create_communicator",),
+}
+__getattr__, __dir__ = lazy_names(__name__, _TORCH_NAMES)
 
-__all__ = [
-    "CollectiveMismatchError",
-    "CommError",
-    "CommTimeoutError",
-    "Communicator",
-    "PeerFailureError",
-    "ReduceOp",
-    "Work",
-    "create_communicator",
-]
+__all__ = sorted(name for names in _TORCH_NAMES.values() for name in names)
