@@ -290,15 +290,6 @@ def fit_efficiency(points: dict[float, float], peak: float) -> Efficiency:
     )
 
 
-def layer_rates(config: GPTConfig, micro_batches: tuple[int, ...] = (1, 2, 4, 8, 16)) -> dict[float, float]:
-    """FLOP/s one transformer block of ``config`` reaches in forward + backward here (median run), keyed by
-    its largest GEMM (2·b·s·h·4h, what :mod:`step_time` evaluates the curve at):
-    :func:`meshwise.plan.block_time.block_rates`."""
-    from meshwise.plan.block_time import block_rates
-
-    return block_rates(config, micro_batches)
-
-
 def shard_curves(
     config: GPTConfig, ranks: int, peak: float, whole: dict[float, float]
 ) -> dict[tuple[int, bool], Efficiency]:
@@ -474,6 +465,7 @@ def measure_cpu(
     (:func:`rank_speedup`: one block's step run by as many threads at once as there are ranks)."""
     import torch
 
+    from meshwise.plan.block_time import block_rates
     from meshwise.runtime.memory import available_memory
 
     cores = os.cpu_count() or 1
@@ -483,7 +475,7 @@ def measure_cpu(
     torch.set_num_threads(threads)
     try:
         squares = {2.0 * n**3: matmul_rate(n) for n in sizes}
-        rates = layer_rates(layer) if layer is not None else squares
+        rates = block_rates(layer) if layer is not None else squares
         shards = shard_curves(layer, ranks, max(squares.values()), rates) if layer is not None else {}
         meetings = measure_rendezvous(ranks)
         share = rank_speedup(_block_step(layer), ranks) / ranks if ranks > 1 else 1.0
