@@ -20,8 +20,9 @@ from meshwise.parallel.pipeline_parallel.executor import Event
 from meshwise.parallel.pipeline_parallel.timeline import measured_bubble
 from meshwise.train.gpt import GPTTrainConfig, run_gpt_training
 from meshwise.train.gpt.resolve import resolve
-from meshwise.train.profile import StepProfiler, _Op, _Step, overlapping_complete_events
+from meshwise.train.profile import StepProfiler, _Op, _Step
 from meshwise.train.torch_profile import profile_schedule
+from test_profile import overlapping_complete_events
 
 
 def _tiny(text: str, **overrides) -> GPTTrainConfig:

@@ -1,5 +1,6 @@
 """Step profile: parts add up to the measured step time; the verdict follows slowed communication or data."""
 
+import itertools
 import json
 import subprocess
 import sys
@@ -14,15 +15,9 @@ from meshwise.comm.api import ChainedWork
 from meshwise.comm.instrumented import InstrumentedCommunicator
 from meshwise.comm.native import NativeCommunicator
 from meshwise.parallel import DataParallel
+from meshwise.parallel.pipeline_parallel.timeline import trace_json
 from meshwise.runtime.spawn import spawn
-from meshwise.train.profile import (
-    Breakdown,
-    StepProfiler,
-    _event,
-    overlapping_complete_events,
-    verdict,
-    write_trace,
-)
+from meshwise.train.profile import TRACKS, StepProfiler, _event, breakdown, verdict
 
 
 def _parts(**ms):
@@ -85,7 +80,7 @@ def _profiled_run(comm_delay, data_delay, steps=6):
                 optimizer.step()
     wall = time.time() - started
     per_step = profiler.parts()
-    return per_step, wall, Breakdown.of(per_step).verdict().bound
+    return per_step, wall, breakdown(per_step)["verdict"]["bound"]
 
 
 DELAY = 0.15  # seconds added per step: more than a step of this model takes even on a crowded machine
@@ -111,7 +106,7 @@ def test_verdict_follows_slowed_communication_and_data():
         for p in per_step:  # the parts (hidden communication aside) make up each step
             summed = sum(v for k, v in p.items() if k not in ("step", "comm_hidden"))
             assert summed == pytest.approx(p["step"], rel=1e-9, abs=1e-9)
-    baseline, slow_comm, slow_data = (Breakdown.of(runs[k][0]).parts for k in runs)
+    baseline, slow_comm, slow_data = (breakdown(runs[k][0])["median_seconds"] for k in runs)
     # which part bounds the baseline depends on how crowded the machine is; the slowed parts do not
     assert runs["slow comm"][2] == "communication"
     assert runs["slow data"][2] == "data"
@@ -138,6 +133,20 @@ def test_meshwise_train_profile_adds_up_and_writes_a_trace(tmp_path):
     _perfetto_valid(written)
 
 
+def overlapping_complete_events(trace: dict) -> list[tuple[dict, dict]]:
+    """Pairs of complete events that overlap on one track (pid, tid) of a written trace: what Perfetto
+    refuses to draw as nested slices."""
+    by_track: dict[tuple[int, int], list[dict]] = {}
+    for event in trace["traceEvents"]:
+        if event.get("ph") == "X":
+            by_track.setdefault((event["pid"], event["tid"]), []).append(event)
+    found = []
+    for track in by_track.values():
+        track.sort(key=lambda e: e["ts"])
+        found += [(a, b) for a, b in itertools.pairwise(track) if b["ts"] < a["ts"] + a["dur"]]
+    return found
+
+
 def _perfetto_valid(trace: dict) -> None:
     """What Perfetto needs of a JSON trace: complete events never overlap on one track, every async
     begin has its end, and times are µs from the run's start (not 16-digit epoch microseconds)."""
@@ -151,15 +160,13 @@ def _perfetto_valid(trace: dict) -> None:
     assert all(begins[k]["ts"] <= ends[k]["ts"] and begins[k]["name"] == ends[k]["name"] for k in begins)
 
 
-def test_overlapping_operations_get_rows_of_their_own(tmp_path):
+def test_overlapping_operations_get_rows_of_their_own():
     """Two complete events that overlap on one track (what DDP's buckets in flight used to produce) are
     spread over two rows, and the checker finds the overlap a naive writer would leave."""
     clash = [_event("a", 10.0, 10.5, 0, 3), _event("b", 10.2, 10.7, 0, 3), _event("c", 10.6, 10.8, 0, 3)]
     assert len(overlapping_complete_events({"traceEvents": [{**e, "ts": e["ts"] * 1e6, "dur": e["dur"] * 1e6}
                                                                for e in clash]})) == 2  # fmt: skip
-    path = tmp_path / "t.json"
-    write_trace(str(path), clash)
-    written = json.loads(path.read_text())
+    written = json.loads(json.dumps(trace_json(clash, {0: "rank 0"}, TRACKS)))
     assert overlapping_complete_events(written) == []
     rows = {e["name"]: (e["tid"], e["ts"]) for e in written["traceEvents"] if e["ph"] == "X"}
     assert rows == {"a": (3, 0.0), "b": (13, pytest.approx(0.2e6)), "c": (3, pytest.approx(0.6e6))}

@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from meshwise.comm.api import Communicator, ReduceOp
 from meshwise.comm.flight_recorder import FlightRecorder
+from meshwise.parallel.pipeline_parallel.timeline import trace_json
 
 #: phases a loop may bracket, in the order they are reported; exposed communication is carved out.
 #: ``forward_backward`` is a step whose strategy does not tell its forward from its backward.
@@ -193,17 +194,19 @@ class StepProfiler:
         return out
 
     def summary(self) -> dict:
-        """The steps' :class:`Breakdown` as JSON plus ``total_step_seconds``: what a run's result keeps."""
+        """The steps' :func:`breakdown` plus ``total_step_seconds``: what a run's result keeps."""
         per_step = self.parts()
-        return Breakdown.of(per_step).to_json() | {"total_step_seconds": sum(p["step"] for p in per_step)}
+        return breakdown(per_step) | {"total_step_seconds": sum(p["step"] for p in per_step)}
 
     def gather_trace(self, rank: int, world_size: int, path: str) -> None:
         """Collective: every rank's :meth:`events` go to rank 0 (over the control plane), which writes the
-        one trace file of the run at ``path`` (:func:`write_trace`)."""
+        one trace file of the run at ``path``: pid = rank, tracks as :data:`TRACKS`."""
         gathered: list = [None] * world_size if rank == 0 else []
         dist.gather_object(self.events(rank), gathered if rank == 0 else None, dst=0)
         if rank == 0:
-            write_trace(path, [event for rank_events in gathered for event in rank_events])
+            events = [event for rank_events in gathered for event in rank_events]
+            ranks = {pid: f"rank {pid}" for pid in range(world_size)}
+            Path(path).write_text(json.dumps(trace_json(events, ranks, TRACKS)))
 
     def idle_fractions(self) -> list[float]:
         """Per pipeline step: this rank's bubble as a share of the pipeline's window (the quantity the
@@ -215,11 +218,10 @@ class StepProfiler:
         return fractions
 
     def events(self, rank: int) -> list[dict]:
-        """Chrome/Perfetto trace events of this rank (times in seconds; :func:`write_trace` makes them
-        µs from the run's start): steps, phases (bubble included), blocked waits and pipeline
-        instructions as complete events, one track each; communication in flight as async begin/end
-        pairs, because operations overlap one another (DDP's buckets, a pipeline's posted receives)
-        and complete events on one track must not."""
+        """This rank's trace events in wall-clock seconds (``timeline.trace_json`` writes them): steps,
+        phases (bubble included), blocked waits and pipeline instructions as complete events, one track
+        each; communication in flight as async begin/end pairs, because operations overlap one another
+        (DDP's buckets, a pipeline's posted receives) and complete events on one track must not."""
         events = []
         for index, (step, comm) in enumerate(zip(self.steps, self.comm, strict=True)):
             events.append(_event(f"step {index}", step.started, step.ended, rank, 0))
@@ -310,31 +312,13 @@ def _in_flight(op: _Op, key: str, pid: int) -> list[dict]:
     return [{**common, "ph": "b", "ts": op.started}, {**common, "ph": "e", "ts": op.ended}]
 
 
-@dataclass(frozen=True)
-class Breakdown:
-    """Mean seconds per part over the measured steps (the first, warm-up step left out when possible).
-
-    Means, not medians: means of parts add up to the mean step, medians do not.
-    """
-
-    parts: dict[str, float]
-    steps: int
-
-    @classmethod
-    def of(cls, per_step: Sequence[Mapping[str, float]]) -> Breakdown:
-        measured = per_step[1:] if len(per_step) > 1 else per_step
-        keys = measured[0].keys() if measured else ()
-        return cls({k: statistics.fmean(s[k] for s in measured) for k in keys}, len(measured))
-
-    def verdict(self, knobs: Mapping[str, str] = KNOBS) -> Verdict:
-        return verdict(self.parts, knobs)
-
-    def to_json(self) -> dict:
-        return {"steps": self.steps, "median_seconds": self.parts, "verdict": self.verdict().__dict__}
-
-    @classmethod
-    def from_json(cls, data: Mapping) -> Breakdown:
-        return cls(dict(data["median_seconds"]), int(data["steps"]))
+def breakdown(per_step: Sequence[Mapping[str, float]]) -> dict:
+    """Mean seconds per part over the measured steps (the first, warm-up step left out when possible),
+    their count and the verdict, as a run's JSON keeps them. Means, not medians (the key's name is older):
+    means of parts add up to the mean step, medians do not."""
+    measured = per_step[1:] if len(per_step) > 1 else per_step
+    parts = {k: statistics.fmean(s[k] for s in measured) for k in measured[0]}
+    return {"steps": len(measured), "median_seconds": parts, "verdict": verdict(parts).__dict__}
 
 
 @dataclass(frozen=True)
@@ -369,85 +353,22 @@ def verdict(parts: Mapping[str, float], knobs: Mapping[str, str] = KNOBS) -> Ver
 _OPTIONAL_ROWS = ("forward_backward", "bubble")
 
 
-def table(breakdown: Breakdown, knobs: Mapping[str, str] = KNOBS) -> str:
-    """The per-step breakdown as text: median ms and share of the step, then the verdict."""
-    parts, step = breakdown.parts, breakdown.parts["step"]
+def table(profile: Mapping, knobs: Mapping[str, str] = KNOBS) -> str:
+    """A :func:`breakdown` as text: mean ms and share of the step per part, then the verdict."""
+    parts, step = profile["median_seconds"], profile["median_seconds"]["step"]
     rows = [*PHASES[:4], "comm_exposed", "optimizer", "bubble", "other"]
-    lines = [f"step profile (mean of {breakdown.steps} steps, rank 0)", f"  {'part':<18}{'ms':>9}{'%':>7}"]
+    lines = [f"step profile (mean of {profile['steps']} steps, rank 0)", f"  {'part':<18}{'ms':>9}{'%':>7}"]
     for name in rows:
         if name in _OPTIONAL_ROWS and not parts.get(name):
             continue  # no pipeline, or a strategy that splits its forward from its backward
         lines.append(f"  {name:<18}{1e3 * parts[name]:9.2f}{100 * parts[name] / step:7.1f}")
     lines.append(f"  {'step':<18}{1e3 * step:9.2f}{100.0:7.1f}")
     lines.append(f"  comm hidden under compute: {1e3 * parts['comm_hidden']:.2f} ms")
-    lines.append(f"verdict: {breakdown.verdict(knobs).line()}")
+    lines.append(f"verdict: {verdict(parts, knobs).line()}")
     return "\n".join(lines)
 
 
-#: the tracks of a rank (Chrome's thread ids); communication in flight is async, on its own rows
-TRACKS = {0: "steps", 1: "phases", 3: "blocked in wait", 4: "pipeline instructions"}
+#: the tracks of a rank (Chrome's thread ids); communication in flight is async, on rows of its own
 COMM_TRACK = 2
-
-
-def write_trace(path: str, events: Sequence[dict]) -> None:
-    """A Chrome/Perfetto trace (open it in ui.perfetto.dev or chrome://tracing) of every rank's
-    :meth:`StepProfiler.events`: pid = rank, tracks as :data:`TRACKS`, communication in flight as async
-    slices. Times become µs from the run's start (the earliest event of any rank; its wall-clock time is
-    kept in ``otherData``): epoch microseconds are 16-digit numbers that trace viewers round. A complete
-    event that would overlap the previous one on its track (clocks sampled a hair apart) moves to a
-    second row of that track, so no track holds overlapping complete events."""
-    origin = min((e["ts"] for e in events), default=0.0)
-    shifted = [
-        {**e, "ts": (e["ts"] - origin) * 1e6} | ({"dur": e["dur"] * 1e6} if "dur" in e else {})
-        for e in events
-    ]
-    placed, rows = _one_row_each(shifted)
-    ranks = sorted({e["pid"] for e in events})
-    meta = [{"name": "process_name", "ph": "M", "pid": pid, "args": {"name": f"rank {pid}"}} for pid in ranks]
-    meta += [
-        {"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": name}}
-        for pid in ranks
-        for tid, name in {**TRACKS, COMM_TRACK: "communication (issue to completion)", **rows}.items()
-    ]
-    trace = {"traceEvents": [*meta, *placed], "displayTimeUnit": "ms", "otherData": {"origin_unix_s": origin}}
-    Path(path).write_text(json.dumps(trace))
-
-
-def _one_row_each(events: Sequence[dict]) -> tuple[list[dict], dict[int, str]]:
-    """Complete events spread over rows of their track so that none overlaps another on its row (the
-    first row keeps the track's id; row k of track t is ``t + 10·k``); the extra rows' names."""
-    ends: dict[tuple[int, int], list[float]] = {}
-    rows: dict[int, str] = {}
-    placed = []
-    for event in sorted(events, key=lambda e: (e["ts"], -e.get("dur", 0.0))):
-        if event["ph"] != "X":
-            placed.append(event)
-            continue
-        track = (event["pid"], event["tid"])
-        row_ends = ends.setdefault(track, [])
-        row = next((k for k, end in enumerate(row_ends) if end <= event["ts"]), len(row_ends))
-        if row == len(row_ends):
-            row_ends.append(0.0)
-        row_ends[row] = event["ts"] + event["dur"]
-        if row:
-            tid = event["tid"] + 10 * row
-            rows[tid] = f"{TRACKS.get(event['tid'], event['tid'])} ({row + 1})"
-            event = {**event, "tid": tid}
-        placed.append(event)
-    return placed, rows
-
-
-def overlapping_complete_events(trace: Mapping) -> list[tuple[dict, dict]]:
-    """Pairs of complete events that overlap on one track (pid, tid) of a written trace — what Perfetto
-    refuses to draw as nested slices. Empty for every trace :func:`write_trace` writes."""
-    by_track: dict[tuple[int, int], list[dict]] = {}
-    for event in trace["traceEvents"]:
-        if event.get("ph") == "X":
-            by_track.setdefault((event["pid"], event["tid"]), []).append(event)
-    found = []
-    for track in by_track.values():
-        track.sort(key=lambda e: e["ts"])
-        for before, after in itertools.pairwise(track):
-            if after["ts"] < before["ts"] + before["dur"]:
-                found.append((before, after))
-    return found
+TRACKS = {0: "steps", 1: "phases", COMM_TRACK: "communication (issue to completion)", 3: "blocked in wait",
+          4: "pipeline instructions"}  # fmt: skip

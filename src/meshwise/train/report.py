@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from meshwise.train.profile import Breakdown, table
+from meshwise.train.profile import table
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ class TrainResult:
     checkpoint: str | None
     zero: int = 0  # the ZeRO stage (0: DataParallel)
     memory: tuple[str, ...] = ()  # per-rank ZeRO memory report lines (empty for DataParallel)
-    profile: dict | None = None  # rank 0's step breakdown (Breakdown.to_json) with --profile
+    profile: dict | None = None  # rank 0's step breakdown (profile.breakdown) with --profile
 
     @property
     def final(self) -> EpochStats:
@@ -92,7 +92,7 @@ class TrainResult:
         for index, line in enumerate(self.memory):
             lines.append(f"{'Memory per rank' if index == 0 else '':<19} {'=' if index == 0 else ' '} {line}")
         if self.profile is not None:
-            lines += ["", table(Breakdown.from_json(self.profile))]
+            lines += ["", table(self.profile)]
         return "\n".join(lines)
 
     def to_json(self) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import itertools
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -93,27 +93,52 @@ def message_hops(schedule: Schedule, events: Sequence[Event]) -> list[float]:
     return hops
 
 
-def chrome_trace(events: Sequence[Event]) -> dict:
-    """Trace Event Format: one thread per rank, one complete event (``ph: X``) per instruction."""
-    trace = [
-        {"name": "thread_name", "ph": "M", "pid": 0, "tid": rank, "args": {"name": f"pp rank {rank}"}}
-        for rank in sorted({e.rank for e in events})
+def trace_json(events: Sequence[dict], processes: Mapping[int, str], tracks: Mapping[int, str]) -> dict:
+    """Trace Event Format (ui.perfetto.dev, chrome://tracing) of ``events`` timed in wall-clock seconds;
+    ``processes`` names each pid, ``tracks`` each tid of every one. Times become µs from the earliest
+    event (its wall-clock time kept in ``otherData``): epoch microseconds are 16-digit numbers that trace
+    viewers round. A complete event that would overlap an earlier one on its track (clocks sampled a hair
+    apart) moves to the first free row of that track, ``tid + 10·k``: Perfetto refuses to nest them."""
+    origin = min((e["ts"] for e in events), default=0.0)
+    ends: dict[tuple[int, int], list[float]] = {}
+    names = dict(tracks)
+    placed = []
+    for event in sorted(events, key=lambda e: (e["ts"], -e.get("dur", 0.0))):
+        event = {**event, "ts": (event["ts"] - origin) * 1e6}
+        if "dur" in event:
+            event["dur"] *= 1e6
+        if event["ph"] == "X":
+            row_ends = ends.setdefault((event["pid"], event["tid"]), [])
+            row = next((k for k, end in enumerate(row_ends) if end <= event["ts"]), len(row_ends))
+            if row == len(row_ends):
+                row_ends.append(0.0)
+            row_ends[row] = event["ts"] + event["dur"]
+            if row:
+                names[event["tid"] + 10 * row] = f"{tracks.get(event['tid'], event['tid'])} ({row + 1})"
+                event["tid"] += 10 * row
+        placed.append(event)
+    meta = [
+        {"name": "process_name", "ph": "M", "pid": pid, "args": {"name": name}}
+        for pid, name in processes.items()
     ]
-    origin = min((e.start for e in events), default=0.0)
-    for e in events:
-        trace.append(
-            {
-                "name": f"{e.op}{e.micro_batch}",
-                "cat": e.op,
-                "ph": "X",
-                "pid": 0,
-                "tid": e.rank,
-                "ts": (e.start - origin) * 1e6,
-                "dur": (e.end - e.start) * 1e6,
-                "args": {"micro_batch": e.micro_batch, "chunk": e.chunk},
-            }
-        )
-    return {"traceEvents": trace, "displayTimeUnit": "ms"}
+    meta += [
+        {"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": name}}
+        for pid in processes
+        for tid, name in names.items()
+    ]
+    return {"traceEvents": [*meta, *placed], "displayTimeUnit": "ms", "otherData": {"origin_unix_s": origin}}
+
+
+def chrome_trace(events: Sequence[Event]) -> dict:
+    """The pipeline's :func:`trace_json`: one track per rank, one complete event per instruction."""
+    boxes = [
+        {"name": f"{e.op}{e.micro_batch}", "cat": e.op, "ph": "X", "pid": 0, "tid": e.rank, "ts": e.start,
+         "dur": e.end - e.start, "args": {"micro_batch": e.micro_batch, "chunk": e.chunk}}
+        for e in events
+    ]  # fmt: skip
+    return trace_json(
+        boxes, {0: "pipeline"}, {rank: f"pp rank {rank}" for rank in sorted({e.rank for e in events})}
+    )
 
 
 def write_trace(events: Sequence[Event], path: str | Path) -> None:

@@ -55,9 +55,9 @@ class GPTProfiling:
             self.torch.step()
 
     def finish(self) -> dict | None:
-        """Collective: rank 0's breakdown (``Breakdown.to_json`` plus the total and, under ``--pp``, the
-        idle share of the pipeline's window averaged over its ranks); writes ``--trace`` on rank 0 and
-        the torch.profiler files."""
+        """Collective: rank 0's :meth:`StepProfiler.summary` plus, under ``--pp``, the idle share of the
+        pipeline's window averaged over its ranks; writes ``--trace`` on rank 0 and the torch.profiler
+        files."""
         if self.torch is not None:
             self.torch.stop()
         if self.profiler is None or not self.profiler.steps:

@@ -7,7 +7,7 @@ from typing import Any
 
 from meshwise.train.gpt.layer_memory import memory_lines
 from meshwise.train.gpt.moe import expert_exchange_line
-from meshwise.train.profile import Breakdown, table
+from meshwise.train.profile import table
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ class GPTResult:
     #: the fullest rank's peak bytes during the steps above those before the model: allocated (what a
     #: plan predicts), setup_allocated (building and cutting the model), resident (see peak_memory)
     peak_memory: dict[str, int | None] | None = None
-    #: with --profile: rank 0's step breakdown (Breakdown.to_json; under --pp also pipeline_idle_fraction)
+    #: with --profile: rank 0's step breakdown (profile.breakdown; under --pp also pipeline_idle_fraction)
     profile: dict | None = None
     #: the strategy's own summary lines (ZeRO: per-rank memory vs the formula, the fp16 loss scale)
     notes: tuple[str, ...] = ()
@@ -127,7 +127,7 @@ class GPTResult:
         if self.comm_stats:
             lines += self._comm_lines()
         if self.profile is not None:
-            lines += ["", table(Breakdown.from_json(self.profile), gpt_knobs(self.strategy))]
+            lines += ["", table(self.profile, gpt_knobs(self.strategy))]
             if "pipeline_idle_fraction" in self.profile:
                 idle = self.profile["pipeline_idle_fraction"]
                 lines.append(
