@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 
 from meshwise.train.trial import TrialResult
 
-#: short names → train gpt layout keys (see meshwise.train.trial.LAYOUT_FLAGS)
+#: short names → train gpt layout keys (see meshwise.train.trial.LAYOUT_KEYS)
 _KEYS = {"m": "micro_batches", "mb": "micro_batch", "schedule": "schedule", "v": "virtual_stages"}
 _SIZED = re.compile(r"^(dp|tp|pp|zero)(\d+)$")
 

@@ -213,9 +213,7 @@ class Trainer:
         """Rank 0's breakdown (and the trace of every rank, gathered on the control plane)."""
         if self.profiler is None or not self.profiler.steps:
             return None
-        if self.config.profile.trace is not None:
-            self.profiler.gather_trace(self.world.rank, self.world.world_size, self.config.profile.trace)
-        return self.profiler.summary()
+        return self.profiler.summary(self.world.rank, self.world.world_size, self.config.profile.trace)
 
     @torch.no_grad()
     def _evaluate(self) -> torch.Tensor:

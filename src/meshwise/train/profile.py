@@ -193,20 +193,19 @@ class StepProfiler:
             out.append(parts)
         return out
 
-    def summary(self) -> dict:
-        """The steps' :func:`breakdown` plus ``total_step_seconds``: what a run's result keeps."""
+    def summary(self, rank: int, world_size: int, trace: str | None) -> dict:
+        """The steps' :func:`breakdown` plus ``total_step_seconds``: what a run's result keeps. With a
+        ``trace`` path, collectively: every rank's :meth:`events` go to rank 0 (over the control plane),
+        which writes the run's one trace file there (pid = rank, tracks as :data:`TRACKS`)."""
+        if trace is not None:
+            gathered: list = [None] * world_size if rank == 0 else []
+            dist.gather_object(self.events(rank), gathered if rank == 0 else None, dst=0)
+            if rank == 0:
+                events = [event for rank_events in gathered for event in rank_events]
+                ranks = {pid: f"rank {pid}" for pid in range(world_size)}
+                Path(trace).write_text(json.dumps(trace_json(events, ranks, TRACKS)))
         per_step = self.parts()
         return breakdown(per_step) | {"total_step_seconds": sum(p["step"] for p in per_step)}
-
-    def gather_trace(self, rank: int, world_size: int, path: str) -> None:
-        """Collective: every rank's :meth:`events` go to rank 0 (over the control plane), which writes the
-        one trace file of the run at ``path``: pid = rank, tracks as :data:`TRACKS`."""
-        gathered: list = [None] * world_size if rank == 0 else []
-        dist.gather_object(self.events(rank), gathered if rank == 0 else None, dst=0)
-        if rank == 0:
-            events = [event for rank_events in gathered for event in rank_events]
-            ranks = {pid: f"rank {pid}" for pid in range(world_size)}
-            Path(path).write_text(json.dumps(trace_json(events, ranks, TRACKS)))
 
     def idle_fractions(self) -> list[float]:
         """Per pipeline step: this rank's bubble as a share of the pipeline's window (the quantity the

@@ -38,36 +38,19 @@ def check_directory(directory: str) -> None:
         )
 
 
-class TorchProfile:
-    """Drive torch.profiler from a training loop: :meth:`step` after each step, :meth:`stop` at the end."""
+def torch_profiler(directory: str, rank: int, steps: int, device: torch.device) -> profile:
+    """torch.profiler on :func:`profile_schedule`'s steps of ``steps``, writing ``DIR/rank{R}.json`` when
+    they are recorded: the loop starts it before its first step and steps it after each."""
+    wait, warmup, active = profile_schedule(steps)
+    path = Path(directory) / f"rank{rank}.json"
 
-    def __init__(self, directory: str, rank: int, steps: int, device: torch.device) -> None:
-        wait, warmup, active = profile_schedule(steps)
-        activities = [ProfilerActivity.CPU]
-        if device.type == "cuda":
-            activities.append(ProfilerActivity.CUDA)
-        self.path = Path(directory) / f"rank{rank}.json"
-        self._profiler = profile(
-            activities=activities,
-            schedule=schedule(wait=wait, warmup=warmup, active=active, repeat=1),
-            on_trace_ready=self._write,
-            record_shapes=True,
-        )
-        self._running = False
+    def write(finished: profile) -> None:
+        path.parent.mkdir(exist_ok=True)
+        finished.export_chrome_trace(str(path))
 
-    def _write(self, finished: profile) -> None:
-        self.path.parent.mkdir(exist_ok=True)
-        finished.export_chrome_trace(str(self.path))
-
-    def start(self) -> None:
-        if not self._running:
-            self._profiler.start()
-            self._running = True
-
-    def step(self) -> None:
-        self._profiler.step()
-
-    def stop(self) -> None:
-        if self._running:
-            self._profiler.stop()
-            self._running = False
+    return profile(
+        activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if device.type == "cuda" else [])],
+        schedule=schedule(wait=wait, warmup=warmup, active=active, repeat=1),
+        on_trace_ready=write,
+        record_shapes=True,
+    )

@@ -22,20 +22,10 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-#: train gpt flags a layout may set (the Layout spelling → the flag)
-LAYOUT_FLAGS = {
-    "dp": "--dp",
-    "tp": "--tp",
-    "pp": "--pp",
-    "cp": "--cp",
-    "ep": "--ep",
-    "zero": "--zero",
-    "micro_batch": "--micro-batch",
-    "micro_batches": "--micro-batches",
-    "schedule": "--schedule",
-    "virtual_stages": "--virtual-stages",
-    "recompute": "--recompute",
-}
+#: train gpt settings a layout may set, each the flag of its name (``micro_batch``: ``--micro-batch``);
+#: ``sp`` is a switch
+LAYOUT_KEYS = ("dp", "tp", "pp", "cp", "ep", "zero", "micro_batch", "micro_batches", "schedule",
+               "virtual_stages", "recompute", "sp")  # fmt: skip
 
 #: validation windows of the one evaluation at the end: few (cheap), yet at least one per rank of any
 #: layout here, so that no rank's forwards are all padding (see data.windows.lockstep_val_batches)
@@ -47,7 +37,7 @@ class TrialSpec:
     """One ``meshwise train gpt`` run: model and data fixed, the layout varied."""
 
     ranks: int
-    layout: dict[str, int | str | bool] = field(default_factory=dict)  # keys of LAYOUT_FLAGS, and "sp"
+    layout: dict[str, int | str | bool] = field(default_factory=dict)  # keys of LAYOUT_KEYS
     config: str = "gpt-tiny"
     steps: int = 5
     global_batch: int = 8
@@ -59,47 +49,28 @@ class TrialSpec:
     threads: int | None = None  # torch threads per rank (OMP_NUM_THREADS), as a plan was measured with
 
     def argv(self, json_path: Path, export_dir: Path | None) -> list[str]:
-        args = [
-            "train",
-            "gpt",
-            "-np",
-            str(self.ranks),
-            "--config",
-            self.config,
-            "--steps",
-            str(self.steps),
-            "--global-batch",
-            str(self.global_batch),
-            "--seed",
-            str(self.seed),
-            "--lr",
-            str(self.lr),
-            "--warmup",
-            "0",
-            "--eval-every",
-            str(self.steps),
-            "--eval-windows",
-            str(EVAL_WINDOWS),
-            "--backend",
-            "gloo",
-            "--device",
-            "cpu",
-            "--json",
-            str(json_path),
-            *self.model_flags,
-        ]
-        if self.seq_len is not None:
-            args += ["--seq-len", str(self.seq_len)]
-        for key, value in self.layout.items():
-            if key == "sp":
-                args += ["--sp"] if value else []
-            elif key not in LAYOUT_FLAGS:
-                raise ValueError(f"unknown layout setting {key!r}; choose from {', '.join(LAYOUT_FLAGS)}, sp")
-            else:
-                args += [LAYOUT_FLAGS[key], str(value)]
-        if export_dir is not None:
-            args += ["--export-hf", str(export_dir)]
-        return args
+        """The command line after ``meshwise``: each flag with its value (left out where that is None)."""
+        unknown = [key for key in self.layout if key not in LAYOUT_KEYS]
+        if unknown:
+            raise ValueError(f"unknown layout setting {unknown[0]!r}; choose from {', '.join(LAYOUT_KEYS)}")
+        flags = {
+            "-np": self.ranks,
+            "--config": self.config,
+            "--steps": self.steps,
+            "--global-batch": self.global_batch,
+            "--seq-len": self.seq_len,
+            "--seed": self.seed,
+            "--lr": self.lr,
+            "--warmup": 0,
+            "--eval-every": self.steps,
+            "--eval-windows": EVAL_WINDOWS,
+            "--backend": "gloo",
+            "--device": "cpu",
+            "--json": json_path,
+            "--export-hf": export_dir,
+        } | {f"--{key.replace('_', '-')}": value for key, value in self.layout.items() if key != "sp"}
+        args = [str(part) for flag, value in flags.items() if value is not None for part in (flag, value)]
+        return ["train", "gpt", *args, *(["--sp"] if self.layout.get("sp") else []), *self.model_flags]
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ where ``mallinfo2`` is missing (not glibc) they are None.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import gc
@@ -47,24 +48,12 @@ MEASURED_STEPS = 5
 PERIOD = 0.002
 
 
+#: glibc's ``struct mallinfo2``: ten ``size_t`` counters, in its order
+_MALLINFO2_FIELDS = "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost"
+
+
 class _MallInfo2(ctypes.Structure):
-    _fields_ = [
-        (name, ctypes.c_size_t)
-        for name in (
-            [
-                "arena",
-                "ordblks",
-                "smblks",
-                "hblks",
-                "hblkhd",
-                "usmblks",
-                "fsmblks",
-                "uordblks",
-                "fordblks",
-                "keepcost",
-            ]
-        )
-    ]
+    _fields_ = [(name, ctypes.c_size_t) for name in _MALLINFO2_FIELDS.split()]
 
 
 def _mallinfo2() -> ctypes._CFuncPtr | None:
@@ -95,13 +84,11 @@ def _status_kib(field: str) -> int:
     return 0
 
 
-def _reset_high_water() -> bool:
-    """Reset this process's VmHWM to its current resident set (Linux ≥ 4.0); False where refused."""
-    try:
+def _reset_high_water() -> None:
+    """Reset this process's VmHWM to its current resident set (Linux ≥ 4.0; where it is refused the
+    mark keeps the setup's peak)."""
+    with contextlib.suppress(OSError):
         Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        return False
-    return True
 
 
 def warm_up(config: GPTConfig, micro_batch: int) -> None:
@@ -161,14 +148,11 @@ class PeakMemory:
         if self._thread is not None:
             self._thread.join(timeout=1.0)
         peak = max(self.peak, self._now())
-        resident = _status_kib("VmHWM:") - self.base_resident
-        if self.base is None:
-            self.result = {"allocated": None, "setup_allocated": None, "resident": resident}
-        else:
-            setup = self.setup_peak if self.setup_peak is not None else peak
-            self.result = {
-                "allocated": peak - self.base,
-                "setup_allocated": setup - self.base,
-                "resident": resident,
-            }
+        setup = self.setup_peak if self.setup_peak is not None else peak
+        base = self.base
+        self.result = {
+            "allocated": None if base is None else peak - base,
+            "setup_allocated": None if base is None else setup - base,
+            "resident": _status_kib("VmHWM:") - self.base_resident,
+        }
         return self.result

@@ -23,7 +23,7 @@ from meshwise.train.gpt.moe import expert_exchange
 from meshwise.train.gpt.resolve import GPTRun
 from meshwise.train.profile import StepProfiler, recorders_of
 from meshwise.train.step import ParallelStep
-from meshwise.train.torch_profile import TorchProfile
+from meshwise.train.torch_profile import torch_profiler
 from meshwise.world import World
 
 
@@ -40,14 +40,16 @@ class GPTProfiling:
             self.profiler = StepProfiler(recorders_of(comms), synchronize=world.device)
         runner.profiler = self.profiler
         self.memory = LayerMemory(runner.model, run) if config.profiling else None
-        self.torch: TorchProfile | None = None
+        self.torch = None
         if config.torch_profile is not None and steps > 0:
-            self.torch = TorchProfile(config.torch_profile, world.rank, steps, world.device)
+            self.torch = torch_profiler(config.torch_profile, world.rank, steps, world.device)
+        self.torch_running = False  # started at the first step, as the schedule counts from there
 
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
-        if self.torch is not None:
+        if self.torch is not None and not self.torch_running:
             self.torch.start()
+            self.torch_running = True
         timed = self.profiler.step() if self.profiler is not None else nullcontext()
         with timed, self.memory.recording() if self.memory is not None else nullcontext():
             yield
@@ -58,14 +60,13 @@ class GPTProfiling:
         """Collective: rank 0's :meth:`StepProfiler.summary` plus, under ``--pp``, the idle share of the
         pipeline's window averaged over its ranks; writes ``--trace`` on rank 0 and the torch.profiler
         files."""
-        if self.torch is not None:
+        if self.torch_running:
             self.torch.stop()
+            self.torch_running = False
         if self.profiler is None or not self.profiler.steps:
             return None
         self.profiler.share_windows(self.world.mesh.pp)
-        if self.profile.trace is not None:
-            self.profiler.gather_trace(self.world.rank, self.world.world_size, self.profile.trace)
-        result = self.profiler.summary()
+        result = self.profiler.summary(self.world.rank, self.world.world_size, self.profile.trace)
         if self.memory is not None:
             result["activation_memory"] = self.memory.gather(self.world)
         if self.runner.exchange_seconds:  # --ep: the experts' all-to-alls

@@ -1,11 +1,10 @@
 """Which steps a GPT run reports and checkpoints: progress lines, the ``--metrics`` stream, checkpoints.
 
-Every evaluation step is reported (as before); ``--log-every N`` adds every N-th step, printed as a
-plain line whether or not stdout is a terminal (a batch job's log has no progress bar). Each reported
-step is also one JSON line of the ``--metrics`` stream (:mod:`meshwise.train.metrics_stream`) and,
-with ``--tensorboard DIR``, scalars in TensorBoard event files (the optional ``tensorboard`` package
-writes its own format, which nothing else here could). Only
-rank 0 reports; the other ranks' calls return at once.
+Every evaluation step is reported; ``--log-every N`` adds every N-th step, printed as a plain line
+whether or not stdout is a terminal (a batch job's log has no progress bar). Each reported step is also
+one JSON line of the ``--metrics`` stream (:mod:`meshwise.train.metrics_stream`) and, with
+``--tensorboard DIR``, scalars in TensorBoard's own event-file format (torch's writer, which needs the
+optional ``tensorboard`` package). Only rank 0 reports; the other ranks' calls return at once.
 """
 
 from __future__ import annotations
@@ -33,7 +32,11 @@ class StepLog:
     ) -> None:
         self.is_main, self.steps, self.log_every = is_main, steps, log_every
         self.stream = MetricsStream(metrics) if is_main and metrics is not None else None
-        self.board = tensorboard_writer(tensorboard) if is_main and tensorboard is not None else None
+        self.board = None
+        if is_main and tensorboard is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.board = SummaryWriter(log_dir=tensorboard)
 
     def due(self, step: int) -> bool:
         """Is 1-based ``step`` one of the --log-every steps (the last step always is)?"""
@@ -80,10 +83,3 @@ def check_tensorboard() -> None:
         raise ValueError(
             "--tensorboard needs the tensorboard package: pip install 'meshwise[tensorboard]'"
         ) from None
-
-
-def tensorboard_writer(directory: str):  # -> torch.utils.tensorboard.SummaryWriter
-    """An event-file writer into ``directory`` (TensorBoard's own format, via torch's writer)."""
-    from torch.utils.tensorboard import SummaryWriter
-
-    return SummaryWriter(log_dir=directory)
