@@ -17,6 +17,7 @@ import statistics
 import sysconfig
 import tempfile
 import time
+from contextlib import closing
 from pathlib import Path
 
 from meshwise.train.gpt import GPTTrainConfig, run_gpt_training
@@ -31,7 +32,7 @@ RECORD = {
 def write_seconds(writes: int, directory: Path) -> float:
     """Median seconds of one write, as the trainer makes it (encode, write, flush)."""
     times = []
-    with MetricsStream(directory / "m.jsonl") as stream:
+    with closing(MetricsStream(directory / "m.jsonl")) as stream:
         for _ in range(writes):
             started = time.perf_counter()
             stream.write(RECORD)

@@ -44,7 +44,7 @@ def _tiny(text: str, **overrides) -> GPTTrainConfig:
 
 # ---------------------------------------------------------------- accounting rules, no processes
 def test_every_instant_gets_one_label_by_priority() -> None:
-    profiler = StepProfiler(None)
+    profiler = StepProfiler([])
     step = _Step(0.0, 10.0)
     step.phases = [("data", 0.0, 1.0), ("forward_backward", 1.0, 8.0), ("optimizer", 8.0, 9.5)]
     # pipeline instructions at 1-3 (F) and 5-7 (B); the whole pipeline's window runs 1-7.5

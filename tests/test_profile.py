@@ -62,7 +62,7 @@ def _profiled_run(comm_delay, data_delay, steps=6):
     comm = InstrumentedCommunicator(inner)
     ddp = DataParallel(model, comm)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
-    profiler = StepProfiler(comm.recorder)
+    profiler = StepProfiler([comm])
     inputs, targets = torch.randn(512, 128), torch.randint(0, 10, (512,))
     started = time.time()
     for _ in range(steps):

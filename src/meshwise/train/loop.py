@@ -85,9 +85,9 @@ class Trainer:
         if config.output.resume:
             self._restore()
         self.console = Console(soft_wrap=True)
-        profiling = config.profile.profiling
-        recorder = getattr(world.comm, "recorder", None)
-        self.profiler = StepProfiler(recorder, synchronize=world.device) if profiling else None
+        self.profiler: StepProfiler | None = None
+        if config.profile.profiling:
+            self.profiler = StepProfiler([world.comm], synchronize=world.device)
         self.step_runner.profiler = self.profiler
 
     def _parallelize(self, model: nn.Module) -> ParallelStep:

@@ -15,7 +15,7 @@ from typing import IO, Any
 
 
 class MetricsStream:
-    """Appends JSON lines to ``path``; :meth:`close` when the run ends (also usable as a context)."""
+    """Appends JSON lines to ``path``; :meth:`close` when the run ends."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
@@ -28,12 +28,6 @@ class MetricsStream:
 
     def close(self) -> None:
         self._file.close()
-
-    def __enter__(self) -> MetricsStream:
-        return self
-
-    def __exit__(self, *_exc: object) -> None:
-        self.close()
 
 
 def read_stream(path: str | Path) -> list[dict[str, Any]]:

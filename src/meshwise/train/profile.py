@@ -13,9 +13,8 @@ neighbour is the bubble, not the network), then exposed communication, then the 
 ``other`` for what no phase covers. So the parts add up to the step time by construction; the tests
 check that sum against the trainer's own clock.
 
-The verdict uses the seeds' efficiency bands for the fraction of the step spent computing (forward,
-backward, optimizer): > 95 % excellent, 80–95 % good, 60–80 % acceptable, < 60 % poor. Below 80 % the
-largest overhead names the bound and the knob to turn.
+The verdict rates the share of the step spent computing (forward, backward, optimizer) in the seeds'
+efficiency bands (:data:`BANDS`); below 80 % the largest overhead names the bound and the knob to turn.
 """
 
 from __future__ import annotations
@@ -77,32 +76,17 @@ class _Step:
     window: tuple[float, float] | None = None
 
 
-def recorders_of(comms: Iterable[Communicator]) -> list[FlightRecorder]:
-    """The flight recorders of ``comms`` (mesh axes may share one communicator: each counted once)."""
-    found: dict[int, FlightRecorder] = {}
-    for comm in comms:
-        recorder = getattr(comm, "recorder", None)
-        if isinstance(recorder, FlightRecorder):
-            found[id(recorder)] = recorder
-    return list(found.values())
-
-
 class StepProfiler:
-    """Times the phases of each step; ``recorders`` (the communicators') supply the communication.
+    """Times the phases of each step; the flight recorders of ``comms`` supply the communication (mesh
+    axes may share a communicator: each recorder counts once).
 
     ``synchronize``: a CUDA device whose queue is drained at every phase boundary — kernels run
     asynchronously, and without it a phase would be charged for the kernels its predecessor queued.
     """
 
-    def __init__(
-        self,
-        recorders: FlightRecorder | Sequence[FlightRecorder] | None,
-        *,
-        synchronize: torch.device | None = None,
-    ) -> None:
-        if recorders is None:
-            recorders = []
-        self.recorders = [recorders] if isinstance(recorders, FlightRecorder) else list(recorders)
+    def __init__(self, comms: Iterable[Communicator], *, synchronize: torch.device | None = None) -> None:
+        recorders = (getattr(comm, "recorder", None) for comm in comms)
+        self.recorders = list({id(r): r for r in recorders if isinstance(r, FlightRecorder)}.values())
         self.steps: list[_Step] = []
         self.comm: list[list[_Op]] = []  # per step
         self._device = synchronize if synchronize is not None and synchronize.type == "cuda" else None
@@ -175,7 +159,8 @@ class StepProfiler:
                 ("comm_exposed", op.ended - op.waited, op.ended),
             ]
         if step.window is not None:
-            spans += _gaps(step.window, [(t0, t1) for _, _, t0, t1 in step.instructions], "bubble")
+            busy = [(t0, t1) for _, _, t0, t1 in step.instructions]
+            spans += [("bubble", t0, t1) for t0, t1 in _uncovered(step.window, busy)]
         return _sweep(spans, step.started, step.ended)
 
     def parts(self) -> list[dict[str, float]]:
@@ -187,9 +172,11 @@ class StepProfiler:
             parts = dict.fromkeys((*PHASES, "comm_exposed", "other"), 0.0)
             for label, t0, t1 in self._labelled(step, comm):
                 parts[label] += t1 - t0
-            in_flight = [(op.issued, op.ended - op.waited) for op in comm]
-            parts["comm_hidden"] = _covered(in_flight, step.started, step.ended)
             parts["step"] = step.ended - step.started
+            # wall time, not a sum: operations in flight at once (posted receives, DDP's buckets) overlap
+            in_flight = [(op.issued, op.ended - op.waited) for op in comm]
+            idle = _uncovered((step.started, step.ended), in_flight)
+            parts["comm_hidden"] = parts["step"] - sum(t1 - t0 for t0, t1 in idle)
             out.append(parts)
         return out
 
@@ -225,12 +212,12 @@ class StepProfiler:
         for index, (step, comm) in enumerate(zip(self.steps, self.comm, strict=True)):
             events.append(_event(f"step {index}", step.started, step.ended, rank, 0))
             events += [
-                _event(name, t0, t1, rank, 1)
-                for name, t0, t1 in _merged(self._labelled(step, comm))
-                if name in PHASES
+                _event(name, t0, t1, rank, 1) for name, t0, t1 in self._labelled(step, comm) if name in PHASES
             ]
             for number, op in enumerate(comm):
-                events += _in_flight(op, f"rank{rank}.step{index}.op{number}", rank)
+                key = f"rank{rank}.step{index}.op{number}"
+                common = {"name": op.name, "cat": "communication", "id": key, "pid": rank, "tid": COMM_TRACK}
+                events += [{**common, "ph": "b", "ts": op.started}, {**common, "ph": "e", "ts": op.ended}]
                 if op.waited > 0:
                     events.append(_event(f"wait {op.name}", op.ended - op.waited, op.ended, rank, 3))
             events += [_event(label, t0, t1, rank, 4) for _, label, t0, t1 in step.instructions]
@@ -242,25 +229,24 @@ def _check_phase(name: str) -> None:
         raise ValueError(f"unknown phase {name!r}; use one of {PHASES}")
 
 
-def _gaps(
-    window: tuple[float, float], busy: Sequence[tuple[float, float]], label: str
-) -> list[tuple[str, float, float]]:
-    """The parts of ``window`` that no interval of ``busy`` covers."""
+def _uncovered(window: tuple[float, float], busy: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The parts of ``window`` that no interval of ``busy`` covers (an interval that ends before it
+    starts, clocks read a hair apart, covers nothing)."""
     out, cursor = [], window[0]
     for t0, t1 in sorted(busy):
         if t0 > cursor:
-            out.append((label, cursor, min(t0, window[1])))
-        cursor = max(cursor, t1)
+            out.append((cursor, min(t0, window[1])))
+        cursor = max(cursor, t0, t1)
     if cursor < window[1]:
-        out.append((label, cursor, window[1]))
-    return [(n, t0, t1) for n, t0, t1 in out if t1 > t0]
+        out.append((cursor, window[1]))
+    return [(t0, t1) for t0, t1 in out if t1 > t0]
 
 
 def _sweep(
     spans: Sequence[tuple[str, float, float]], start: float, end: float
 ) -> list[tuple[str, float, float]]:
     """Cut ``[start, end]`` at every span boundary; each piece takes the highest-priority label among the
-    spans covering it, ``other`` when none does."""
+    spans covering it, ``other`` when none does, and joins the previous piece when that has its label."""
     points = sorted({start, end, *(min(max(t, start), end) for _, t0, t1 in spans for t in (t0, t1))})
     active = dict.fromkeys(_PRIORITY, 0)
     changes: dict[float, list[tuple[str, int]]] = {}
@@ -269,46 +255,20 @@ def _sweep(
         if t1 > t0:
             changes.setdefault(t0, []).append((label, 1))
             changes.setdefault(t1, []).append((label, -1))
-    pieces = []
+    pieces: list[tuple[str, float, float]] = []
     for t0, t1 in itertools.pairwise(points):
         for label, delta in changes.get(t0, ()):
             active[label] += delta
         label = next((name for name in _PRIORITY if active[name] > 0), "other")
-        pieces.append((label, t0, t1))
-    return pieces
-
-
-def _covered(intervals: Sequence[tuple[float, float]], start: float, end: float) -> float:
-    """Seconds of ``[start, end]`` inside at least one interval: operations in flight at once (a
-    pipeline's posted receives, DDP's buckets) overlap, and hidden time is wall time, not a sum."""
-    total, cursor = 0.0, start
-    for t0, t1 in sorted(intervals):
-        t0, t1 = max(t0, cursor), min(t1, end)
-        if t1 > t0:
-            total += t1 - t0
-            cursor = t1
-    return total
-
-
-def _merged(pieces: Sequence[tuple[str, float, float]]) -> list[tuple[str, float, float]]:
-    """Adjacent pieces of one label joined (fewer, longer trace events)."""
-    out: list[tuple[str, float, float]] = []
-    for label, t0, t1 in pieces:
-        if out and out[-1][0] == label and out[-1][2] == t0:
-            out[-1] = (label, out[-1][1], t1)
+        if pieces and pieces[-1][0] == label:
+            pieces[-1] = (label, pieces[-1][1], t1)
         else:
-            out.append((label, t0, t1))
-    return out
+            pieces.append((label, t0, t1))
+    return pieces
 
 
 def _event(name: str, start: float, end: float, pid: int, tid: int) -> dict:
     return {"name": name, "ph": "X", "ts": start, "dur": end - start, "pid": pid, "tid": tid}
-
-
-def _in_flight(op: _Op, key: str, pid: int) -> list[dict]:
-    """An async slice from issue to completion: Perfetto gives overlapping ones rows of their own."""
-    common = {"name": op.name, "cat": "communication", "id": key, "pid": pid, "tid": COMM_TRACK}
-    return [{**common, "ph": "b", "ts": op.started}, {**common, "ph": "e", "ts": op.ended}]
 
 
 def breakdown(per_step: Sequence[Mapping[str, float]]) -> dict:

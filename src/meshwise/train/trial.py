@@ -5,10 +5,8 @@ seconds, the peak memory of its fullest rank, and (optionally) its trained weigh
 drives the public command line (``meshwise train gpt … --json F``) in a child process rather than the
 trainer's internals, so it measures what a user would run and survives changes inside ``train/gpt``.
 
-Peak memory is what the run itself reports (``peak_memory`` in its JSON, :mod:`meshwise.train.gpt.
-peak_memory`): the fullest rank's peak *allocated* bytes during the steps above those allocated before
-the model was built — the tensors a planner predicts, as ``max_memory_allocated`` is on a GPU — beside
-its resident high-water mark above the same point (which adds what glibc keeps of freed chunks).
+Peak memory is what the run itself reports (``peak_memory`` in its JSON, its fullest rank's; what is
+counted: :mod:`meshwise.train.gpt.peak_memory`).
 """
 
 from __future__ import annotations
@@ -99,10 +97,8 @@ def run_trial(spec: TrialSpec, workdir: Path, timeout: float = 300.0) -> TrialRe
     json_path = out / "run.json"
     export_dir = out / "weights" if spec.export else None
     command = [sys.executable, "-m", "meshwise", *spec.argv(json_path, export_dir)]
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [_source_root(), os.environ.get("PYTHONPATH")])),
-    }
+    source = str(Path(__file__).resolve().parents[2])  # meshwise's own directory: the child runs this code
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [source, os.environ.get("PYTHONPATH")]))}
     if spec.threads is not None:
         env["OMP_NUM_THREADS"] = str(spec.threads)
     with open(out / "stdout", "w") as stdout, open(out / "stderr", "w") as stderr:
@@ -135,8 +131,3 @@ def run_trial(spec: TrialSpec, workdir: Path, timeout: float = 300.0) -> TrialRe
         memory.get("setup_allocated") or 0,
         weights,
     )
-
-
-def _source_root() -> str:
-    """The directory meshwise is imported from, so the child runs this same code."""
-    return str(Path(__file__).resolve().parents[2])

@@ -1,10 +1,10 @@
 """Where a pipeline step's time went: Chrome/Perfetto trace, the classic diagram, the measured bubble.
 
+:func:`trace_json` is also the step profile's trace writer (``train/profile.py``): one for both.
+
 The trace shows compute (F, B, W) and the receive waits longer than 20 µs, so a stage stalled by its
-neighbour is told apart from one with nothing scheduled; :func:`replay_bubble` splits the gap between the
-measured and the theoretical bubble into what uneven op times cost and what messages and overheads cost,
-:func:`replay`'s makespan is the floor no executor beats on those op times, and :func:`message_hops` is
-the latency per message the pipeline actually waited through.
+neighbour is told apart from one with nothing scheduled; :func:`replay_bubble` and :func:`message_hops`
+say what the measured bubble's excess over the theory cost.
 
 Events are the executor's per-instruction timestamps in wall-clock seconds (monotonic-clock resolution),
 so every rank's row shares one time axis: exactly on one host, to NTP's precision across hosts. The
@@ -43,11 +43,8 @@ def measured_bubble(events: Sequence[Event]) -> float:
 
 
 def replay(schedule: Schedule, events: Sequence[Event]) -> Simulation:
-    """What a perfect executor with free messages would do with these measured op times.
-
-    Its makespan is the floor for this step's pipeline phase: no executor, however its messages travel,
-    finishes the schedule sooner on these ops.
-    """
+    """What a perfect executor with free messages would do with these measured op times: its makespan
+    is the floor no executor, however its messages travel, beats on these ops."""
     durations = {(e.op, e.micro_batch, e.chunk): e.end - e.start for e in events if e.op in COMPUTE_OPS}
     return simulate(schedule, durations)
 
@@ -152,13 +149,10 @@ LEGEND = {
     "W": "W: weight gradient (pale)",
     "wait": "waiting to receive",
 }
+#: how each op's box differs beside its micro-batch colour, on the diagram and in its legend
+BOX_STYLE: dict[str, dict] = {"F": {}, "B": {"hatch": "//"}, "W": {"alpha": 0.45}}
 #: box labels in points: readable at the saved 120 dpi
 LABEL_FONTSIZE = 8
-
-
-def box_label(event: Event, chunked: bool) -> str:
-    """``F3`` — op and micro-batch — or, when ranks hold several chunks (interleaving), ``F3·c1``."""
-    return f"{event.op}{event.micro_batch}" + (f"·c{event.chunk}" if chunked else "")
 
 
 def draw(events: Sequence[Event], path: str | Path, *, title: str, theory: float | None = None) -> None:
@@ -190,13 +184,10 @@ def figure(events: Sequence[Event], *, title: str, theory: float | None = None):
     chunked = len({(e.rank, e.chunk) for e in events if e.op != "wait"}) > len(ranks)
     # a label fits a box about its characters × 0.6 % of the axis wide (12 in at 8 pt)
     for e in events:
-        if e.op == "wait":
-            ax.plot(
-                [(e.start - origin) * 1e3, (e.end - origin) * 1e3], [e.rank + 0.45] * 2, color="grey", lw=2
-            )
-            continue
-        style = {"F": {}, "B": {"hatch": "//"}, "W": {"alpha": 0.45}}[e.op]
         left, width = (e.start - origin) * 1e3, (e.end - e.start) * 1e3
+        if e.op == "wait":
+            ax.plot([left, left + width], [e.rank + 0.45] * 2, color="grey", lw=2)
+            continue
         ax.barh(
             e.rank,
             width,
@@ -205,9 +196,9 @@ def figure(events: Sequence[Event], *, title: str, theory: float | None = None):
             color=colours(e.micro_batch % colours.N),
             edgecolor="black",
             linewidth=0.4,
-            **style,
+            **BOX_STYLE[e.op],
         )
-        label = box_label(e, chunked)
+        label = f"{e.op}{e.micro_batch}" + (f"·c{e.chunk}" if chunked else "")  # F3, or F3·c1 interleaved
         if width > 0 and width >= 0.006 * len(label) * span * 1e3:
             ax.text(left + width / 2, e.rank, label, ha="center", va="center", fontsize=LABEL_FONTSIZE,
                     bbox={"facecolor": "white", "alpha": 0.75, "edgecolor": "none", "pad": 0.6})  # fmt: skip
@@ -219,11 +210,9 @@ def figure(events: Sequence[Event], *, title: str, theory: float | None = None):
         bubble += f", theory {theory:.1%}"
     ax.set_title(f"{title} — {bubble}")
     handles = [
-        Patch(facecolor="lightgrey", edgecolor="black", label=LEGEND["F"]),
-        Patch(facecolor="lightgrey", edgecolor="black", hatch="//", label=LEGEND["B"]),
-        Patch(facecolor="lightgrey", edgecolor="black", alpha=0.45, label=LEGEND["W"]),
-        Line2D([], [], color="grey", lw=2, label=LEGEND["wait"]),
+        Patch(facecolor="lightgrey", edgecolor="black", label=LEGEND[op], **BOX_STYLE[op]) for op in "FBW"
     ]
+    handles.append(Line2D([], [], color="grey", lw=2, label=LEGEND["wait"]))
     note = "colour: micro-batch" + (";  label ·cN: model chunk N (interleaved)" if chunked else "")
     ax.legend(
         handles=handles,

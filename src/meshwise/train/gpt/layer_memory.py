@@ -26,13 +26,6 @@ from meshwise.train.gpt.resolve import GPTRun
 from meshwise.world import World
 
 
-def block_mode(block: Block) -> str:
-    """The recomputation a block runs under, read from its hooks (``--recompute-layers`` mixes modes)."""
-    if block.run_body is not None:
-        return "full"
-    return "selective" if block.attn.run_core is not None else "none"
-
-
 class LayerMemory:
     """Records one step's saves per block of ``model`` (this rank's) and reports them against the formula."""
 
@@ -75,7 +68,8 @@ class LayerMemory:
                 continue
             batch, seq = self.measurement.shapes[name][:2]
             seq *= tp if sp else 1  # the formula takes the whole sequence; under --sp a block sees s/t
-            mode = block_mode(block)
+            # the recomputation this block runs under, from its hooks (--recompute-layers mixes modes)
+            mode = "full" if block.run_body is not None else "selective" if block.attn.run_core else "none"
             formula = layer_saved_bytes(
                 seq, batch, model.hidden, model.heads, t=tp, sp=sp, mode=mode, value_bytes=value,
                 mask_bytes=mask, dropout=dropout, scores=scores,

@@ -25,17 +25,6 @@ GPU_PEAK_TFLOPS: dict[str, tuple[float, float]] = {
 }
 
 
-def table_peak(device: torch.device, dtype: torch.dtype) -> float | None:
-    """Datasheet FLOP/s of a known CUDA device in ``dtype`` (bf16 or fp32), else None."""
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    for fragment, (bf16, fp32) in GPU_PEAK_TFLOPS.items():
-        if fragment in name:
-            return (bf16 if dtype == torch.bfloat16 else fp32) * 1e12
-    return None
-
-
 def measured_peak(
     device: torch.device, dtype: torch.dtype, *, size: int = 512, seconds: float = 0.5
 ) -> float:
@@ -61,15 +50,17 @@ def measured_peak(
 
 
 def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
-    """This rank's peak FLOP/s and where it came from (``"datasheet"`` or ``"measured"``)."""
-    known = table_peak(device, dtype)
-    if known is not None:
-        return known, "datasheet"
+    """This rank's peak FLOP/s and where it came from: ``"datasheet"`` for a known CUDA device (its bf16
+    figure under bf16, else fp32's), ``"measured"`` elsewhere."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for fragment, (bf16, fp32) in GPU_PEAK_TFLOPS.items():
+            if fragment in name:
+                return (bf16 if dtype == torch.bfloat16 else fp32) * 1e12, "datasheet"
     # A CPU without bf16 matmul units runs a bare bf16 matmul far below its fp32 rate, while autocast's
     # kernels reach the fp32 rate or better; dividing by the bf16 figure reported MFU above 100 %. The
     # denominator is therefore the best rate these cores reach in either precision.
-    rates = {measured_peak(device, dtype), measured_peak(device, torch.float32)}
-    return max(rates), "measured"
+    return max(measured_peak(device, dtype), measured_peak(device, torch.float32)), "measured"
 
 
 def shared_cores_peak(

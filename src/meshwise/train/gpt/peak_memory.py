@@ -1,20 +1,19 @@
 """Each rank's peak memory during training, measured the way ``meshwise plan`` predicts it.
 
-On a GPU the figure a planner is checked against is ``torch.cuda.max_memory_allocated``: bytes held by
-tensors, not what the caching allocator reserved. A CPU has no such counter, and its resident set
-(``VmRSS``/``VmHWM``) is the wrong stand-in: glibc keeps freed activation chunks in its arenas (a
-fragmented heap is not returned to the kernel), so a gpt-nano rank's resident set grows by tens of MiB
-over the first steps with no tensor more alive, and its high-water mark also holds whatever the process
-touched before training (the whole model built on every rank before it is cut).
+On a GPU a planner is checked against ``torch.cuda.max_memory_allocated``: bytes held by tensors, not
+what the caching allocator reserved. A CPU has no such counter, and its resident set (``VmRSS``/
+``VmHWM``) is the wrong stand-in: glibc keeps freed activation chunks in its arenas, so a gpt-nano
+rank's resident set grows by tens of MiB over the first steps with no tensor more alive, and its
+high-water mark also holds what the process touched before training (the whole model, built on every
+rank before it is cut).
 
-So the *allocated* bytes are measured: glibc's ``mallinfo2`` in-use heap plus mmapped chunks — every
-tensor's storage is a ``malloc`` on CPU — sampled every :data:`PERIOD` seconds by a thread (the call
+So the *allocated* bytes are measured: glibc's ``mallinfo2`` in-use heap plus mmapped chunks (every
+tensor's storage is a ``malloc`` on CPU), sampled every :data:`PERIOD` seconds by a thread (the call
 releases the GIL) from just before the model is built. Torch allocates ~12 MiB of its own on first use
-whatever the model — the optimizer machinery it imports lazily (~8 MiB), the BLAS packing buffers of the
-first matmuls of a size (~4 MiB for gpt-nano) — so a one-block model of the run's width first takes a
-step at the run's micro-batch (:func:`warm_up`, freed at once), and the base is read after it: what is
-counted is what the layout holds, as ``max_memory_allocated`` counts tensors and not cuBLAS. Reported,
-per rank, above that base (Python, torch, the corpus: what a plan does not count):
+whatever the model (lazily imported optimizer machinery, the BLAS packing buffers of a size's first
+matmuls), so a one-block model of the run's width first takes a step at the run's micro-batch
+(:func:`warm_up`, freed at once) and the base is read after it: what is counted is what the layout
+holds, as ``max_memory_allocated`` counts tensors and not cuBLAS. Reported per rank, above that base:
 
 - ``allocated``: the peak during the first :data:`MEASURED_STEPS` training steps (the model's states,
   activations, buffers);
@@ -22,8 +21,8 @@ per rank, above that base (Python, torch, the corpus: what a plan does not count
 - ``resident``: the resident high-water mark during the steps (``/proc/self/clear_refs`` resets it when
   training starts) minus the resident set before the model: what the allocator's retention adds.
 
-On CUDA the allocated figures are torch's own (``max_memory_allocated``, reset when training starts);
-where ``mallinfo2`` is missing (not glibc) they are None.
+On CUDA the allocated figures are torch's own (reset when training starts); without ``mallinfo2`` (not
+glibc) they are None.
 """
 
 from __future__ import annotations

@@ -15,13 +15,14 @@ from collections.abc import Iterator
 from contextlib import nullcontext
 
 import torch
+from torch.profiler import profile
 
 from meshwise.comm.api import ReduceOp
 from meshwise.comm.mesh import AXES
 from meshwise.train.gpt.layer_memory import LayerMemory
 from meshwise.train.gpt.moe import expert_exchange
 from meshwise.train.gpt.resolve import GPTRun
-from meshwise.train.profile import StepProfiler, recorders_of
+from meshwise.train.profile import StepProfiler
 from meshwise.train.step import ParallelStep
 from meshwise.train.torch_profile import torch_profiler
 from meshwise.world import World
@@ -37,10 +38,10 @@ class GPTProfiling:
         if config.profiling:
             # the mesh's own communicators: a --comm-stats view would hide their recorders
             comms = [world.comm, *(world.mesh[axis] for axis in AXES)]
-            self.profiler = StepProfiler(recorders_of(comms), synchronize=world.device)
+            self.profiler = StepProfiler(comms, synchronize=world.device)
         runner.profiler = self.profiler
         self.memory = LayerMemory(runner.model, run) if config.profiling else None
-        self.torch = None
+        self.torch: profile | None = None
         if config.torch_profile is not None and steps > 0:
             self.torch = torch_profiler(config.torch_profile, world.rank, steps, world.device)
         self.torch_running = False  # started at the first step, as the schedule counts from there
