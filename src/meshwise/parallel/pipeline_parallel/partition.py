@@ -19,6 +19,7 @@ Parameter names inside a chunk are the full model's (``blocks.3.attn.q.weight``,
 from __future__ import annotations
 
 import copy
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -46,7 +47,6 @@ class LayerChunk(nn.Module):
         super().__init__()
         self.plan = plan
         self.first, self.last = first, last
-        self.start, self.end = start, end
         self.sequence_shards = sequence_shards
         if first:
             for name in plan.first:
@@ -182,10 +182,7 @@ def partition(
             )
     if not in_place:
         model = copy.deepcopy(model)
-    bounds, start = [], 0
-    for size in sizes:
-        bounds.append((start, start + size))
-        start += size
+    ends = list(itertools.accumulate(sizes))
     return [
         LayerChunk(
             model,
@@ -197,7 +194,7 @@ def partition(
             tied_here=stages == 1,
             sequence_shards=sequence_shards,
         )
-        for c, (a, b) in enumerate(bounds)
+        for c, (a, b) in enumerate(zip([0, *ends[:-1]], ends, strict=True))
     ]
 
 
