@@ -119,14 +119,12 @@ class PipelineExecutor:
         self._split = SplitBackward(chunks) if schedule.split_backward else None
         self._shape: torch.Size | None = None  # of the hidden states at every boundary
         self._input_shape: torch.Size | None = None
-        self._neighbours = {i.peer for i in schedule.ranks[self.rank] if i.peer is not None}
-        self._receives = [i for i in schedule.ranks[self.rank] if i.op in (Op.RECV_ACT, Op.RECV_GRAD)]
+        program = schedule.ranks[self.rank]
+        self._neighbours = {i.peer for i in program if i.peer is not None}
+        self._receives = [i for i in program if i.op in (Op.RECV_ACT, Op.RECV_GRAD)]
         self._tied_peer = 0 if self.rank == schedule.stages - 1 else schedule.stages - 1
         replicated = dp is not None and dp.world_size > 1
-        program = schedule.ranks[self.rank]
-        self._reducers = (
-            StageReducers(self.chunks, dp, program, experts=experts) if replicated else None  # type: ignore[arg-type]
-        )
+        self._reducers = StageReducers(self.chunks, dp, program, experts=experts) if replicated else None  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------ public
     def step(
@@ -251,7 +249,7 @@ class PipelineExecutor:
             elif self.schedule.owner(c + 1) == self.rank:  # next chunk on this rank: hand over directly
                 run.received[(Op.RECV_ACT, c + 1, k)] = out.detach().requires_grad_()
             run.saved[(c, k)] = (x, out)
-            run.held_bytes += _bytes(x) + _bytes(out)
+            run.held_bytes += x.nbytes + out.nbytes
             run.peak_bytes = max(run.peak_bytes, run.held_bytes)
         elif ins.op is Op.BACKWARD:
             x, out = run.saved[(c, k)]
@@ -272,7 +270,7 @@ class PipelineExecutor:
 
     def _release(self, run: _StepState, c: int, k: int) -> None:
         x, out = run.saved.pop((c, k))
-        run.held_bytes -= _bytes(x) + _bytes(out)
+        run.held_bytes -= x.nbytes + out.nbytes
 
     # ------------------------------------------------------------------ transfers
     def _send(self, run: _StepState, ins: Instruction) -> None:
@@ -446,7 +444,3 @@ def _grad(p: torch.Tensor) -> torch.Tensor:
     if p.grad is None:
         p.grad = torch.zeros_like(p)
     return p.grad
-
-
-def _bytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
