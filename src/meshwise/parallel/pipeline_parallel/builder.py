@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 from torch import nn
 
@@ -42,7 +40,6 @@ def build_pipeline(
     experts: ExpertReplicas | None = None,
     loss: Loss | None = None,
     sequence_shards: int = 1,
-    layers_per_chunk: Sequence[int] | None = None,
     in_place: bool = False,
     activation_dtype: torch.dtype = torch.float32,
 ) -> tuple[PipelineExecutor, list[LayerChunk]]:
@@ -63,14 +60,11 @@ def build_pipeline(
     input is in its weights' dtype.
     """
     stages = pp.world_size
-    validate_pipeline(len(plan.layer_modules(model)), stages, micro_batches, schedule, virtual_stages)
+    # the schedule and the cut check every size before any compute (and before the model's copy)
     steps = build_schedule(schedule, stages, micro_batches, virtual_stages)
-    shards = sequence_shards
-    cut = partition(
-        model, plan, stages, virtual_stages, layers_per_chunk, in_place=in_place, sequence_shards=shards
-    )
+    cut = partition(model, plan, stages, virtual_stages, in_place=in_place, sequence_shards=sequence_shards)
     local = chunks_of_rank(cut, pp.rank, stages)
-    tied = tied_parameters(local) if stages > 1 else ()
+    tied = tied_parameters(local)
     loss = plan.loss if loss is None else loss
     executor = PipelineExecutor(
         local, steps, pp, loss, dp=dp, experts=experts, tied=tied, dtype=activation_dtype

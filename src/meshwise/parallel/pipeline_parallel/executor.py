@@ -2,21 +2,16 @@
 
 Per step: the instruction list is executed in order. Sends are posted (``isend``) as soon as their data
 is computed and never waited until the end of the step, so neighbours cannot deadlock on each other.
-Receives are posted *ahead of need*: up to :data:`RECV_LOOKAHEAD` of the program's next receives are in
-flight, so a message lands while this rank computes and the wait before the compute that needs it is
-usually zero (posted in program order, so messages between a pair still match in order). Posting and
-reaping happen off the critical path: never between a receive and the compute it feeds, nor between a
-compute and the sends of its result. Activation shapes are exchanged once, along the chain of chunks, on
-the first step; the loss stays a tensor until the step ends (no device synchronisation per micro-batch).
+Receives are posted *ahead of need* (:data:`RECV_LOOKAHEAD`, in program order, so messages between a
+pair still match in order), so a message lands while this rank computes. The activation shape is
+broadcast once by chunk 0's rank, on the first step; the loss stays a tensor until the step ends (no
+device synchronisation per micro-batch).
 
 The loss is computed on the last chunk, scaled by 1/m so that gradients accumulated over the micro-batches
-equal those of the whole batch. With ``dp`` (the stage's data-parallel replicas) each chunk's gradients
-are averaged by DataParallel's bucketed reducer (:mod:`~meshwise.parallel.pipeline_parallel.stage_reducer`;
-with ``experts`` the expert parameters by a second one, over the ranks holding the same experts):
-buckets launch during the chunk's last backward (its last weight-gradient pass under a split backward)
-and are awaited once this rank's compute is over. Then the tied embedding/head gradient — averaged on both
-ends: the sum of the averages is the average of the sums — is summed between the ranks holding the two
-ends. The loss returned is this replica's (a caller averaging it over the replicas, as the GPT loop does).
+equal those of the whole batch. With ``dp`` the stage's replicas average each chunk's gradients
+(:mod:`~meshwise.parallel.pipeline_parallel.stage_reducer`); then the tied embedding/head gradient —
+averaged on both ends: the sum of the averages is the average of the sums — is summed between the ranks
+holding the two ends. The loss returned is this replica's (the GPT loop averages it over the replicas).
 
 **Failure.** Every message carries three trailing floats: a status and, when set, the chunk and
 micro-batch where a failure started. A rank whose compute raises sends such a *poison* message to its
@@ -30,6 +25,7 @@ may still hold messages nobody received: build a new communicator (restart the j
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -45,7 +41,7 @@ from meshwise.parallel.pipeline_parallel.split_backward import SplitBackward, Sp
 from meshwise.parallel.pipeline_parallel.stage_reducer import StageReducers
 
 _HEADER = 3  # status, chunk, micro-batch
-_MAX_DIMS = 8
+_MAX_DIMS = 8  # of an activation shape, as chunk 0's rank broadcasts it
 _WAIT_WORTH_RECORDING = 20e-6  # seconds; shorter receive waits would only clutter the trace
 #: Receives kept posted ahead of the compute that needs them: one per neighbour direction in 1F1B's
 #: steady state (an activation from the previous stage, a gradient from the next), at the memory cost of
@@ -88,12 +84,9 @@ class StepResult:
 class PipelineExecutor:
     """Executes ``schedule`` for rank ``pp.rank`` holding ``chunks`` (its chunks, in global order).
 
-    ``loss_fn(output, target)`` runs on the last chunk. ``dp`` (optional) averages each chunk's gradients
-    across the pipeline replicas in buckets, overlapped with the step's last backward passes; ``experts``
-    (with experts spread over ep, ``dp`` then holding dp·ep·cp) averages the expert parameters' apart,
-    over the ranks that hold the same experts. ``tied``
-    are this rank's copies of a weight shared by the first and last chunk on different ranks (see
-    :func:`partition.tied_parameters`).
+    ``loss_fn(output, target)`` runs on the last chunk. ``dp`` and ``experts``: the stage's replicas, as
+    :class:`~.stage_reducer.StageReducers` takes them. ``tied`` are this rank's copies of a weight shared
+    by the first and last chunk on different ranks (see :func:`partition.tied_parameters`).
     """
 
     def __init__(
@@ -124,16 +117,14 @@ class PipelineExecutor:
         self.gradient_of: Callable[[torch.Tensor], torch.Tensor] = _grad
         self.rank = pp.rank
         self._split = SplitBackward(chunks) if schedule.split_backward else None
-        self._shapes: dict[int, torch.Size] = {}  # chunk → shape of its output (hidden states)
+        self._shape: torch.Size | None = None  # of the hidden states at every boundary
         self._input_shape: torch.Size | None = None
-        self._neighbours = {i.peer for i in schedule.ranks[self.rank] if i.peer is not None}
-        self._receives = [i for i in schedule.ranks[self.rank] if i.op in (Op.RECV_ACT, Op.RECV_GRAD)]
+        program = schedule.ranks[self.rank]
+        self._neighbours = {i.peer for i in program if i.peer is not None}
+        self._receives = [i for i in program if i.op in (Op.RECV_ACT, Op.RECV_GRAD)]
         self._tied_peer = 0 if self.rank == schedule.stages - 1 else schedule.stages - 1
         replicated = dp is not None and dp.world_size > 1
-        program = schedule.ranks[self.rank]
-        self._reducers = (
-            StageReducers(self.chunks, dp, program, experts=experts) if replicated else None  # type: ignore[arg-type]
-        )
+        self._reducers = StageReducers(self.chunks, dp, program, experts=experts) if replicated else None  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------ public
     def step(
@@ -169,26 +160,21 @@ class PipelineExecutor:
         self, inputs: torch.Tensor | None, targets: torch.Tensor | None, loss_fn: _LossFn
     ) -> float:
         """``loss_fn(output, targets)`` of one batch pushed once through every chunk (evaluation), known
-        on every rank. Shapes travel with each batch, so the batch may differ from the training one."""
+        on every rank. The batch may differ from the training one: its shape is broadcast first."""
+        shape = self._share_shape(inputs.shape if inputs is not None else None)
         last = self.schedule.chunks - 1
         x, value = inputs, torch.zeros(1, dtype=torch.float64)
         sends: list[tuple[Work, torch.Tensor]] = []
-        for c in range(self.schedule.chunks):
-            owner = self.schedule.owner(c)
-            if owner != self.rank:
-                continue
+        for c, chunk in self.chunks.items():
             if c > 0 and self.schedule.owner(c - 1) != self.rank:
-                meta = torch.empty(_MAX_DIMS + 1, dtype=torch.int64)
-                self.pp.recv(meta, self.schedule.owner(c - 1))
-                x = torch.empty(meta[1 : 1 + int(meta[0])].tolist(), dtype=self.dtype)
+                x = torch.empty(shape, dtype=self.dtype)  # type: ignore[arg-type]
                 self.pp.recv(x, self.schedule.owner(c - 1))
-            x = self.chunks[c](x)
+            x = chunk(x)
             if c == last:
                 value[0] = float(loss_fn(x, targets))  # type: ignore[arg-type]
             elif self.schedule.owner(c + 1) != self.rank:
                 x = x.to(self.dtype).contiguous()
-                for message in (_shape_tensor(x.shape), x):
-                    sends.append((self.pp.isend(message, self.schedule.owner(c + 1)), message))
+                sends.append((self.pp.isend(x, self.schedule.owner(c + 1)), x))
         self._wait_all(sends)
         self.pp.broadcast(value, root=self.schedule.owner(last))
         return float(value.item())
@@ -201,7 +187,6 @@ class PipelineExecutor:
     def _run(self, run: _StepState) -> None:
         program = self.schedule.ranks[self.rank]
         run.t0 = time.perf_counter() - time.time()  # perf_counter() - t0: wall clock, perf_counter resolution
-        self._post_receives(run, RECV_LOOKAHEAD)
         after_receive = False
         for ins in program:
             if ins.op in (Op.SEND_ACT, Op.SEND_GRAD):
@@ -227,18 +212,14 @@ class PipelineExecutor:
             )
             if gradients:
                 self._reducers.after(ins)  # type: ignore[union-attr]
-        run.loss = float(run.loss_sum.item()) if run.loss_sum is not None else 0.0
         self._post_tied(run)
 
     def _housekeeping(self, run: _StepState) -> None:
-        """Top the posted receives up and drop finished sends, where it costs the pipeline nothing.
-
-        Done before a receive's wait and before a compute, but never between a receive and the compute it
-        feeds nor between a compute and the sends of its result: those hops are on the pipeline's critical
-        path, and posting one gloo receive takes tens to hundreds of µs on a busy 2-core machine, time the
-        neighbour would wait. What gets posted is the receive after the next one, so the next one is still
-        in flight while this rank computes."""
-        self._post_receives(run, RECV_LOOKAHEAD)
+        """Top the posted receives up and drop finished sends, where it costs the pipeline nothing: never
+        between a receive and the compute it feeds nor between a compute and the sends of its result (the
+        hops a neighbour waits through; posting one gloo receive takes tens to hundreds of µs on a busy
+        2-core machine)."""
+        self._post_receives(run)
         run.sends = [(w, t) for w, t in run.sends if not w.is_completed()]  # also drives shm progress
 
     def _post_tied(self, run: _StepState) -> None:
@@ -268,7 +249,7 @@ class PipelineExecutor:
             elif self.schedule.owner(c + 1) == self.rank:  # next chunk on this rank: hand over directly
                 run.received[(Op.RECV_ACT, c + 1, k)] = out.detach().requires_grad_()
             run.saved[(c, k)] = (x, out)
-            run.held_bytes += _bytes(x) + _bytes(out)
+            run.held_bytes += x.nbytes + out.nbytes
             run.peak_bytes = max(run.peak_bytes, run.held_bytes)
         elif ins.op is Op.BACKWARD:
             x, out = run.saved[(c, k)]
@@ -281,18 +262,15 @@ class PipelineExecutor:
                 dx = x.grad if c > 0 else None
             if not self.schedule.split_backward:
                 self._release(run, c, k)
-            if c > 0 and self.schedule.owner(c - 1) == self.rank:
+            if c > 0:  # chunk c − 1's output gradient: its backward's here, or a send's to another rank
                 run.received[(Op.RECV_GRAD, c - 1, k)] = dx
-            else:
-                run.grads[(c, k)] = dx
         else:
-            record: SplitRecord = run.records.pop((c, k))
-            SplitBackward.backward_weight(record)
+            SplitBackward.backward_weight(run.records.pop((c, k)))
             self._release(run, c, k)
 
     def _release(self, run: _StepState, c: int, k: int) -> None:
         x, out = run.saved.pop((c, k))
-        run.held_bytes -= _bytes(x) + _bytes(out)
+        run.held_bytes -= x.nbytes + out.nbytes
 
     # ------------------------------------------------------------------ transfers
     def _send(self, run: _StepState, ins: Instruction) -> None:
@@ -300,16 +278,16 @@ class PipelineExecutor:
         data = (
             run.saved[(ins.chunk, ins.micro_batch)][1]
             if ins.op is Op.SEND_ACT
-            else run.grads.pop((ins.chunk, ins.micro_batch))
+            else run.received.pop((Op.RECV_GRAD, ins.chunk - 1, ins.micro_batch))
         )
         buffer = _pack(data.detach(), self.dtype)
         run.sends.append((self.pp.isend(buffer, ins.peer), buffer))  # type: ignore[arg-type]
 
-    def _post_receives(self, run: _StepState, ahead: int) -> None:
-        """Post the program's next receives, in program order, until ``ahead`` are in flight."""
-        while len(run.posted) < ahead and run.next_receive < len(self._receives):
+    def _post_receives(self, run: _StepState) -> None:
+        """Post the program's next receives, in program order, until :data:`RECV_LOOKAHEAD` are in flight."""
+        while len(run.posted) < RECV_LOOKAHEAD and run.next_receive < len(self._receives):
             ins = self._receives[run.next_receive]
-            buffer = torch.empty(self._boundary(ins).numel() + _HEADER, dtype=self.dtype)
+            buffer = torch.empty(self._shape.numel() + _HEADER, dtype=self.dtype)  # type: ignore[union-attr]
             run.posted.append((ins, buffer, self.pp.irecv(buffer, ins.peer)))  # type: ignore[arg-type]
             run.next_receive += 1
 
@@ -328,20 +306,16 @@ class PipelineExecutor:
         if status:
             run.poison_from = ins.peer
             raise PipelineFailure(self.schedule.owner(int(chunk)), int(chunk), int(k))
-        tensor = buffer[:-_HEADER].view(self._boundary(ins))
+        tensor = buffer[:-_HEADER].view(self._shape)  # type: ignore[arg-type]
         run.received[(ins.op, ins.chunk, ins.micro_batch)] = (
             tensor.requires_grad_() if ins.op is Op.RECV_ACT else tensor
         )
 
-    def _boundary(self, ins: Instruction) -> torch.Size:
-        """Shape of what a receive gets: the previous chunk's output, or the gradient of this one's."""
-        return self._shapes[ins.chunk - 1 if ins.op is Op.RECV_ACT else ins.chunk]
-
     def _poison(self, run: _StepState, chunk: int, k: int, *, skip: int | None) -> None:
         """Send every neighbour a message that says where the failure started."""
-        if not self._shapes:
-            return  # failed before any activation shape was known: the status all-reduce tells everyone
-        size = next(iter(self._shapes.values())).numel() + _HEADER  # every boundary has one shape
+        if self._shape is None:
+            return  # failed before the activation shape was known: the status all-reduce tells everyone
+        size = self._shape.numel() + _HEADER
         for peer in self._neighbours - {skip}:
             buffer = torch.zeros(size, dtype=self.dtype)
             buffer[-_HEADER:] = torch.tensor([1.0, chunk, k], dtype=self.dtype)
@@ -351,8 +325,8 @@ class PipelineExecutor:
         """MAX over pp (then dp) of [failure code, loss]: every rank learns of a failure and the loss."""
         m = self.schedule.micro_batches
         code = 0.0 if failure is None else 1.0 + failure.chunk * m + failure.micro_batch
-        has_loss = self.schedule.chunks - 1 in self.chunks
-        status = torch.tensor([code, run.loss if has_loss else float("-inf")], dtype=torch.float64)
+        loss = float("-inf") if run.loss_sum is None else float(run.loss_sum)  # on the last chunk's rank
+        status = torch.tensor([code, loss], dtype=torch.float64)
         self.pp.all_reduce(status, ReduceOp.MAX)
         if self.dp is not None and self.dp.world_size > 1:
             self.dp.all_reduce(status[:1], ReduceOp.MAX)
@@ -383,15 +357,20 @@ class PipelineExecutor:
 
         Runs inside the failure protocol, so a bad batch on one rank stops every rank with its message.
         """
-        m = self.schedule.micro_batches
-        problem = None
-        if 0 in self.chunks:
-            problem = _micro_batch_problem("inputs", inputs, m)
-        if problem is None and self.schedule.chunks - 1 in self.chunks:
-            problem = _micro_batch_problem("targets", targets, m)
+        m, problem = self.schedule.micro_batches, None
+        last = self.schedule.chunks - 1
+        for what, values, here in (
+            ("inputs", inputs, 0 in self.chunks),
+            ("targets", targets, last in self.chunks),
+        ):
+            if here and problem is None and (values is None or len(values) != m):
+                got = "none" if values is None else len(values)
+                problem = (
+                    f"this rank holds chunk 0 or the last chunk and needs {m} micro-batch {what}, got {got}"
+                )
         shape = inputs[0].shape if 0 in self.chunks and problem is None else None  # type: ignore[index]
-        if not self._shapes:
-            self._exchange_shapes(shape)
+        if self._shape is None:
+            self._input_shape, self._shape = shape, self._share_shape(shape)
         elif problem is None and shape is not None and shape != self._input_shape:
             problem = (
                 f"micro-batch shape changed from {tuple(self._input_shape or ())} to {tuple(shape)}; "
@@ -400,36 +379,29 @@ class PipelineExecutor:
         if problem is not None:
             raise ValueError(f"rank {self.rank}: {problem}")
 
-    def _exchange_shapes(self, input_shape: torch.Size | None) -> None:
-        """Once: the output shape of every chunk, passed down the chain of chunks.
+    def _share_shape(self, input_shape: torch.Size | None) -> torch.Size | None:
+        """Chunk 0's output shape for ``input_shape``, known on chunk 0's rank, broadcast to every rank: the
+        shape at every boundary (a :class:`~.partition.LayerChunk` past the first keeps its input's).
 
-        A rank that cannot compute its shape sends ``ndim = −1`` instead and every rank downstream passes
-        it on, so all ranks finish the chain and then stop together (the status all-reduce).
+        Chunk 0's rank without a shape broadcasts ``ndim = −1``: every rank stops together (the status
+        all-reduce), the others naming chunk 0's, which raises its own reason.
         """
-        self._input_shape = input_shape
-        shape, broken = input_shape, 0 in self.chunks and input_shape is None  # chunk 0 got no inputs
-        for c in range(self.schedule.chunks - 1):
-            owner, receiver = self.schedule.owner(c), self.schedule.owner(c + 1)
-            if owner == self.rank:
-                shape = None if broken else self.chunks[c].output_shape(shape)  # type: ignore[operator]
-                if receiver != self.rank:
-                    self.pp.send(_shape_tensor(shape), receiver)
-            if receiver == self.rank and owner != self.rank:
-                meta = torch.empty(_MAX_DIMS + 1, dtype=torch.int64)
-                self.pp.recv(meta, owner)
-                broken = broken or int(meta[0]) < 0
-                shape = None if broken else torch.Size(meta[1 : 1 + int(meta[0])].tolist())
-            if shape is not None and self.rank in (owner, receiver):
-                self._shapes[c] = shape
-        if broken:  # every rank knows: no poison needed, and the next step exchanges again
-            self._shapes.clear()
-            if 0 not in self.chunks:
-                raise PipelineFailure(0, 0, 0, "the rank of chunk 0 could not start this step")
-        if len(set(self._shapes.values())) > 1:
+        first = self.chunks.get(0)
+        shape = None if first is None or input_shape is None else first.output_shape(input_shape)  # type: ignore[operator]
+        meta = torch.full((_MAX_DIMS + 1,), -1, dtype=torch.int64)
+        if shape is not None and len(shape) <= _MAX_DIMS:
+            meta[0] = len(shape)
+            meta[1 : 1 + len(shape)] = torch.tensor(list(shape))
+        self.pp.broadcast(meta, root=0)
+        if int(meta[0]) >= 0:
+            return torch.Size(meta[1 : 1 + int(meta[0])].tolist())
+        if shape is not None:
             raise ValueError(
-                f"pipeline chunks hand over different shapes {sorted(set(self._shapes.values()))}; "
-                "the executor needs one activation shape at every boundary"
+                f"pipeline activations of {len(shape)} dims are not supported (at most {_MAX_DIMS})"
             )
+        if 0 not in self.chunks:
+            raise PipelineFailure(0, 0, 0, "the rank of chunk 0 could not start this step")
+        return None
 
 
 class _StepState:
@@ -437,9 +409,9 @@ class _StepState:
 
     def __init__(self, inputs: Sequence[torch.Tensor] | None, targets: Sequence[torch.Tensor] | None) -> None:
         self.inputs, self.targets = inputs, targets
+        #: (receive op, chunk, micro-batch) → its data, received or handed over on this rank
         self.received: dict[tuple[Op, int, int], torch.Tensor] = {}
         self.saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        self.grads: dict[tuple[int, int], torch.Tensor] = {}
         self.records: dict[tuple[int, int], SplitRecord] = {}
         self.sends: list[tuple[Work, torch.Tensor]] = []
         self.posted: deque[tuple[Instruction, torch.Tensor, Work]] = deque()  # receives in flight, in order
@@ -449,7 +421,6 @@ class _StepState:
         self.events: list[Event] = []
         self.current: tuple[int, int] = (0, 0)
         self.poison_from: int | None = None
-        self.loss = 0.0
         self.t0 = 0.0
         self.held_bytes = 0
         self.peak_bytes = 0
@@ -460,41 +431,16 @@ def _pack(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
     One ``cat`` instead of allocate, copy and fill: a pack sits between a compute and the neighbour
     waiting for its result, and each torch call costs tens of µs there on a busy CPU."""
-    header = _CLEAR_HEADERS.get(dtype)
-    if header is None:
-        header = _CLEAR_HEADERS[dtype] = torch.zeros(_HEADER, dtype=dtype)
     flat = tensor.reshape(-1)
-    return torch.cat((flat if flat.dtype == dtype else flat.to(dtype), header))
+    return torch.cat((flat if flat.dtype == dtype else flat.to(dtype), _clear_header(dtype)))
 
 
-_CLEAR_HEADERS: dict[torch.dtype, torch.Tensor] = {}
-
-
-def _micro_batch_problem(what: str, values: Sequence[torch.Tensor] | None, m: int) -> str | None:
-    if values is None or len(values) != m:
-        got = "none" if values is None else len(values)
-        return f"this rank holds chunk 0 or the last chunk and needs {m} micro-batch {what}, got {got}"
-    return None
-
-
-def _shape_tensor(shape: torch.Size | None) -> torch.Tensor:
-    """``[ndim, d0, d1, …]``; ``ndim = −1`` says the sender could not start the step."""
-    meta = torch.zeros(_MAX_DIMS + 1, dtype=torch.int64)
-    if shape is None:
-        meta[0] = -1
-        return meta
-    if len(shape) > _MAX_DIMS:
-        raise ValueError(f"pipeline activations of {len(shape)} dims are not supported (at most {_MAX_DIMS})")
-    meta[0] = len(shape)
-    meta[1 : 1 + len(shape)] = torch.tensor(list(shape))
-    return meta
+@functools.cache
+def _clear_header(dtype: torch.dtype) -> torch.Tensor:
+    return torch.zeros(_HEADER, dtype=dtype)
 
 
 def _grad(p: torch.Tensor) -> torch.Tensor:
     if p.grad is None:
         p.grad = torch.zeros_like(p)
     return p.grad
-
-
-def _bytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()

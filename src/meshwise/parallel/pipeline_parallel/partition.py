@@ -19,6 +19,8 @@ Parameter names inside a chunk are the full model's (``blocks.3.attn.q.weight``,
 from __future__ import annotations
 
 import copy
+import functools
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -46,7 +48,6 @@ class LayerChunk(nn.Module):
         super().__init__()
         self.plan = plan
         self.first, self.last = first, last
-        self.start, self.end = start, end
         self.sequence_shards = sequence_shards
         if first:
             for name in plan.first:
@@ -116,29 +117,25 @@ def balanced_split(
     """Blocks per chunk (contiguous, each ≥ 1) minimising the heaviest chunk; ties favour early chunks."""
     n = len(weights)
     check_layers(n, chunks)
-    prefix = [0]
-    for w in weights:
-        prefix.append(prefix[-1] + w)
+    prefix = [0, *itertools.accumulate(weights)]
 
     def load(c: int, i: int, j: int) -> int:
         extra = (first_extra if c == 0 else 0) + (last_extra if c == chunks - 1 else 0)
         return prefix[j] - prefix[i] + extra
 
-    # best[c][j]: smallest possible heaviest chunk when chunks 0..c-1 hold blocks [0, j)
-    inf = float("inf")
-    best = [[inf] * (n + 1) for _ in range(chunks + 1)]
-    cut = [[0] * (n + 1) for _ in range(chunks + 1)]
-    best[0][0] = 0
-    for c in range(1, chunks + 1):
-        for j in range(c, n - (chunks - c) + 1):
-            for i in range(c - 1, j):
-                value = max(best[c - 1][i], load(c - 1, i, j))
-                if value < best[c][j]:
-                    best[c][j], cut[c][j] = value, i
+    @functools.cache
+    def best(c: int, j: int) -> tuple[float, int]:
+        """The smallest possible heaviest chunk when chunks 0..c−1 hold blocks [0, j), and where chunk
+        c−1 then starts (the earliest of equals)."""
+        if c == 0:
+            return (0 if j == 0 else float("inf"), 0)
+        return min((max(best(c - 1, i)[0], load(c - 1, i, j)), i) for i in range(c - 1, j))
+
     sizes, j = [], n
     for c in range(chunks, 0, -1):
-        sizes.append(j - cut[c][j])
-        j = cut[c][j]
+        start = best(c, j)[1]
+        sizes.append(j - start)
+        j = start
     return sizes[::-1]
 
 
@@ -182,10 +179,7 @@ def partition(
             )
     if not in_place:
         model = copy.deepcopy(model)
-    bounds, start = [], 0
-    for size in sizes:
-        bounds.append((start, start + size))
-        start += size
+    ends = list(itertools.accumulate(sizes))
     return [
         LayerChunk(
             model,
@@ -197,7 +191,7 @@ def partition(
             tied_here=stages == 1,
             sequence_shards=sequence_shards,
         )
-        for c, (a, b) in enumerate(bounds)
+        for c, (a, b) in enumerate(zip([0, *ends[:-1]], ends, strict=True))
     ]
 
 

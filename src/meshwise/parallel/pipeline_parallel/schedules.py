@@ -56,13 +56,8 @@ class Instruction:
     peer: int | None = None
 
     def __str__(self) -> str:
-        peer = (
-            ""
-            if self.peer is None
-            else f"→{self.peer}"
-            if self.op.value.startswith("send")
-            else f"←{self.peer}"
-        )
+        arrow = "→" if self.op.value.startswith("send") else "←"
+        peer = "" if self.peer is None else f"{arrow}{self.peer}"
         return f"{self.op.value}{self.micro_batch}@{self.chunk}{peer}"
 
 

@@ -64,8 +64,8 @@ def simulate(schedule: Schedule, durations: Durations | None = None) -> Simulati
     p = schedule.stages
     clock = [0.0] * p
     position = [0] * p
-    finished: dict[tuple[Op, int, int], float] = {}  # (op, micro-batch, chunk) → finish time
-    arrived: set[tuple[Op, int, int]] = set()  # (recv op, micro-batch, chunk) received
+    #: (op, micro-batch, chunk) → when it finished (a compute) or its message arrived (a receive)
+    finished: dict[tuple[Op, int, int], float] = {}
     mailbox: dict[tuple[int, int], deque[tuple[Instruction, float]]] = {}
     held, peak = [0] * p, [0] * p
     progress = True
@@ -84,9 +84,9 @@ def simulate(schedule: Schedule, durations: Durations | None = None) -> Simulati
                     sent, at = queue.popleft()
                     _check_match(sent, ins, r)
                     clock[r] = max(clock[r], at)
-                    arrived.add((ins.op, ins.micro_batch, ins.chunk))
+                    finished[(ins.op, ins.micro_batch, ins.chunk)] = at
                 else:
-                    start = max(clock[r], _ready_at(schedule, ins, finished, arrived, r))
+                    start = max(clock[r], _ready_at(schedule, ins, finished, r))
                     clock[r] = start + duration(ins)
                     finished[(ins.op, ins.micro_batch, ins.chunk)] = clock[r]
                     releases = Op.WEIGHT if schedule.split_backward else Op.BACKWARD
@@ -134,34 +134,21 @@ def _check_match(sent: Instruction, received: Instruction, rank: int) -> None:
 
 
 def _ready_at(
-    schedule: Schedule,
-    ins: Instruction,
-    finished: dict[tuple[Op, int, int], float],
-    arrived: set[tuple[Op, int, int]],
-    rank: int,
+    schedule: Schedule, ins: Instruction, finished: dict[tuple[Op, int, int], float], rank: int
 ) -> float:
-    """When the inputs of a compute instruction exist; raises if one is never produced before it."""
-    k, c, last = ins.micro_batch, ins.chunk, schedule.chunks - 1
+    """When the inputs of a compute instruction exist; raises if one is never produced before it. Chunks
+    c and c ± 1 share a rank only in a one-rank pipeline: otherwise a neighbour's result is received."""
+    k, c, local = ins.micro_batch, ins.chunk, schedule.stages == 1
     needs: list[tuple[Op, int, int]] = []
     if ins.op is Op.FORWARD and c > 0:
-        local = schedule.owner(c - 1) == rank
         needs.append((Op.FORWARD, k, c - 1) if local else (Op.RECV_ACT, k, c))
     if ins.op is Op.BACKWARD:
         needs.append((Op.FORWARD, k, c))
-        if c < last:
-            local = schedule.owner(c + 1) == rank
+        if c < schedule.chunks - 1:
             needs.append((Op.BACKWARD, k, c + 1) if local else (Op.RECV_GRAD, k, c))
     if ins.op is Op.WEIGHT:
         needs.append((Op.BACKWARD, k, c))
-    ready = 0.0
     for need in needs:
-        if need[0] in (Op.RECV_ACT, Op.RECV_GRAD):
-            if need not in arrived:
-                raise ScheduleError(f"{schedule.name}: rank {rank} runs {ins} before receiving its input")
-        elif need not in finished:
-            raise ScheduleError(
-                f"{schedule.name}: rank {rank} runs {ins} before {need[0].value}{k}@{need[2]}"
-            )
-        else:
-            ready = max(ready, finished[need])
-    return ready
+        if need not in finished:
+            raise ScheduleError(f"{schedule.name}: rank {rank} runs {ins} before {Instruction(*need)}")
+    return max((finished[need] for need in needs), default=0.0)

@@ -17,7 +17,7 @@ The price is memory: a micro-batch's Linear inputs and output gradients live unt
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -25,17 +25,15 @@ from torch import nn
 
 @dataclass
 class LinearRecord:
+    """One Linear's part of what a (chunk, micro-batch)'s forward and B leave for its W."""
+
     module: nn.Linear
     input: torch.Tensor
     output: torch.Tensor
     grad: torch.Tensor | None = None
 
 
-@dataclass
-class SplitRecord:
-    """What B of one (chunk, micro-batch) leaves for its W."""
-
-    linears: list[LinearRecord] = field(default_factory=list)
+SplitRecord = list[LinearRecord]  # a (chunk, micro-batch)'s Linears, in forward order
 
 
 class SplitBackward:
@@ -59,10 +57,10 @@ class SplitBackward:
 
     def _hook(self, module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
         if self._recording is not None and torch.is_grad_enabled():
-            self._recording.linears.append(LinearRecord(module, inputs[0].detach(), output))  # type: ignore[arg-type]
+            self._recording.append(LinearRecord(module, inputs[0].detach(), output))  # type: ignore[arg-type]
 
     def forward(self, chunk: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, SplitRecord]:
-        record = SplitRecord()
+        record: SplitRecord = []
         self._recording = record
         try:
             return chunk(x), record
@@ -79,12 +77,12 @@ class SplitBackward:
     ) -> torch.Tensor | None:
         """B: the gradient of ``inputs`` (None for the first chunk); keeps Linear output grads for W."""
         others = self._others[id(chunk)]
-        wanted = ([inputs] if inputs is not None else []) + [r.output for r in record.linears] + others
+        wanted = ([inputs] if inputs is not None else []) + [r.output for r in record] + others
         grads = torch.autograd.grad(output, wanted, grad_outputs=grad, allow_unused=True)
         offset = 1 if inputs is not None else 0
-        for rec, g in zip(record.linears, grads[offset:], strict=False):
+        for rec, g in zip(record, grads[offset:], strict=False):
             rec.grad, rec.output = g, None  # type: ignore[assignment]  # drop the graph, keep the gradient
-        _accumulate(others, grads[offset + len(record.linears) :])
+        _accumulate(others, grads[offset + len(record) :])
         return grads[0] if inputs is not None else None
 
     @staticmethod
@@ -92,7 +90,7 @@ class SplitBackward:
         """W: weight and bias gradients of every Linear from its saved input and output gradient."""
         params: list[torch.Tensor] = []
         grads: list[torch.Tensor | None] = []
-        for rec in record.linears:
+        for rec in record:
             if rec.grad is None:
                 continue
             g = rec.grad.reshape(-1, rec.grad.shape[-1])
@@ -101,7 +99,7 @@ class SplitBackward:
             if rec.module.bias is not None:
                 params.append(rec.module.bias)
                 grads.append(g.sum(0))
-        record.linears.clear()
+        record.clear()
         _accumulate(params, grads)
 
     def close(self) -> None:

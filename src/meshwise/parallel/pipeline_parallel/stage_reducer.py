@@ -1,25 +1,17 @@
 """Data parallelism of pipeline stages: each chunk's gradients averaged by DataParallel's bucketed reducer.
 
-The executor only schedules. This object tells the :class:`~meshwise.parallel.data_parallel.reducer.
-GradReducer` of each of the rank's chunks which of the step's instructions computes its parameters' last
-gradients — the chunk's last backward, or under a split backward (zero-bubble) its last input-gradient
-pass for the parameters that get their gradient there and its last weight-gradient pass for the Linear
-weights — so buckets fill and launch from autograd's hooks while the rest of that backward still runs,
-and every earlier micro-batch only accumulates (``no_sync``, as ``DataParallelStep`` does). When a
-chunk's last gradient instruction is done whatever is left launches; the averages are awaited only when
-the rank's compute for the step is over, so no reduction sits between a backward and the send of its
-input gradient (the pipeline's critical path) and the first chunks' reductions overlap the last ones'
-compute.
+The executor only schedules; this tells each chunk's :class:`~meshwise.parallel.data_parallel.reducer.
+GradReducer` which instruction computes its parameters' last gradients of the step — the chunk's last
+backward or, under a split backward, its last B (parameters outside Linears) and last W (Linear
+weights) — so buckets launch from autograd's hooks while that backward still runs, every earlier
+micro-batch only accumulating (``no_sync``). The averages are awaited once the rank's compute is over:
+no reduction sits between a backward and the send of its input gradient (the critical path).
 
-A stage whose experts are spread over ``ep`` (:class:`~meshwise.parallel.expert_parallel.ExpertReplicas`)
-has two reducers per chunk, split by :func:`~meshwise.parallel.expert_parallel.replica_groups` as
-:class:`~meshwise.parallel.expert_parallel.ExpertDataParallel` splits a whole model: dense parameters
-over the stage's replicas (dp·ep·cp), expert parameters over the ranks holding the same experts (dp·cp),
-their gradients divided by ep as they are produced.
-
-Every replica of a stage runs the same program, so the reducers launch the same buckets in the same
-order on each. A rank whose step fails launches every bucket it has not (:meth:`StageReducers.abort`)
-before the executor's failure all-reduce over the replicas, so that collective meets its match there.
+With experts spread over ``ep`` a chunk has two reducers, split by
+:func:`~meshwise.parallel.expert_parallel.replica_groups` as ExpertDataParallel splits a whole model.
+Every replica runs the same program, so the buckets launch in the same order on each; a failing rank
+launches what it has not (:meth:`StageReducers.abort`) before the executor's failure all-reduce, so
+every collective meets its match.
 """
 
 from __future__ import annotations
@@ -40,8 +32,6 @@ from meshwise.parallel.pipeline_parallel.schedules import Instruction, Op
 #: gpt-nano's first stage (22 MB) has six, all but the last launched while the backward still runs.
 STAGE_BUCKET_MB = 4.0
 
-_Key = tuple[Op, int, int]  # (op, chunk, micro-batch): one compute instruction of a rank's program
-
 
 class StageReducers:
     """The reducers of a rank's ``chunks`` (chunk id → module) over ``comm`` (the stage's replicas), the
@@ -54,12 +44,9 @@ class StageReducers:
         program: Sequence[Instruction],
         *,
         experts: ExpertReplicas | None = None,
-        bucket_mb: float = STAGE_BUCKET_MB,
-        first_bucket_mb: float = 1.0,
     ) -> None:
-        self.comm = comm
         self._reducers: dict[int, list[GradReducer]] = {}
-        caps = round(bucket_mb * MIB), round(first_bucket_mb * MIB)
+        caps = round(STAGE_BUCKET_MB * MIB), MIB  # the first bucket: 1 MiB, as DataParallel's
         for c, chunk in chunks.items():
             named = [(n, p) for n, p in chunk.named_parameters() if p.requires_grad]
             reducers = [
@@ -72,17 +59,12 @@ class StageReducers:
             ]  # fmt: skip
             if reducers:
                 self._reducers[c] = reducers
-        last: dict[tuple[Op, int], _Key] = {}
-        done: dict[int, tuple[int, _Key]] = {}
-        for index, ins in enumerate(program):
-            if ins.op in (Op.BACKWARD, Op.WEIGHT):
-                key = (ins.op, ins.chunk, ins.micro_batch)
-                last[(ins.op, ins.chunk)] = key
-                done[ins.chunk] = (index, key)
-        self._synchronised = set(last.values())  # the instructions whose gradients are the step's last
-        self._done = {key: c for c, (_, key) in done.items()}  # after these, chunk c has no gradient to come
+        gradients = [(i.op, i.chunk, i.micro_batch) for i in program if i.op in (Op.BACKWARD, Op.WEIGHT)]
+        last = {key[1]: key for key in gradients}  # chunk → its last gradient instruction
+        self._synchronised = set({key[:2]: key for key in gradients}.values())  # each op's last, per chunk
+        self._done = {key: c for c, key in last.items()}  # after it, chunk c has no gradient to come
         #: the order the chunks' reducers finish in: every replica flushes (and, failing, aborts) in it
-        self._order = sorted(self._reducers, key=lambda c: done[c][0])
+        self._order = sorted(self._reducers, key=lambda c: gradients.index(last[c]))
 
     def before(self, ins: Instruction) -> None:
         """Before a backward / weight-gradient instruction: reduce from its hooks only if it is the last."""

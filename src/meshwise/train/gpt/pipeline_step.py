@@ -1,34 +1,23 @@
 """``--pp``: the GPT training loop's step on a pipeline (× tensor parallel × data parallel) mesh.
 
-Each rank keeps only its chunks of the model (cut by :mod:`meshwise.parallel.pipeline_parallel`), and one
-``forward_backward`` is one pipeline step over the rank's micro-batches with the chosen schedule. The
-executor only schedules (and sums the tied embedding/head gradient); data parallelism over the stage's
-replicas (dp, ep and cp's ranks) is DataParallel's bucketed reducer on each chunk — with ``--ep`` a second
-one for the expert parameters, over the ranks holding the same experts (dp, cp) — launched during the
-chunk's last backward (:mod:`~meshwise.parallel.pipeline_parallel.stage_reducer`), or with ``--zero``
-ZeRO's reduce-scatter of
-the stage's accumulated gradients after the step. Gradient clipping takes the norm of the whole model:
-squares summed over this rank's parameters (the tied matrix counted once, on the first stage) and over the
-pp group — dp replicas hold equal gradients after the average.
-Checkpoints are the seam's one writer: a stage holds its own names only (the head copy writes the tied
-embedding's keys, which DCP writes once), and with ``--zero`` its flat rectangles (:meth:`PipelineStep.held`).
-``--sample`` gathers the stages through the seam's generic gather of the same descriptions.
+Each rank keeps only its chunks of the model, and one ``forward_backward`` is one pipeline step of the
+executor over the rank's micro-batches. The stage's replicas (dp, ep and cp's ranks) average its
+gradients by the executor's stage reducers, or with ``--zero`` by ZeRO's reduce-scatter of the stage's
+accumulated gradients after the step. Clipping takes the whole model's norm: the placements say each
+parameter is divided over pp (the tied head copy counted once, on the first stage). Checkpoints are the
+seam's one writer: a stage holds its own names only (the head copy writes the tied embedding's keys,
+which DCP writes once), with ``--zero`` its flat rectangles.
 
-``--dtype fp16`` (with ``--zero``) computes as one fp16 ZeRO process does: each stage's ZeRO keeps
-float16 compute copies of its float32 master shards (no autocast: LayerNorm and softmax run in float16
-too), activations and their gradients travel between stages in float16, and a
-:class:`~meshwise.parallel.zero.LossScaler` multiplies the loss on the last stage before its backward.
-Before clipping every stage unscales its reduced gradient shards in float32 and the overflow verdict is
-one all-reduce (MAX) of a flag over the whole job — every stage and replica — so all ranks skip the same
-steps and keep the same scale (the scale is a power of two, so the reported loss, divided by it, is the
-unscaled loss exactly).
+``--dtype fp16`` (with ``--zero``) computes as one fp16 ZeRO process does: float16 compute copies of
+float32 master shards (no autocast), activations and their gradients travel between stages in float16,
+and a :class:`~meshwise.parallel.zero.LossScaler` scales the loss on the last stage; the overflow verdict
+is one MAX over the whole job, so every rank skips the same steps and keeps the same (power-of-two)
+scale, by which the reported loss divides exactly.
 
-ZeRO-3 keeps each stage's parameters gathered for the whole pipeline step (:meth:`ShardedModel.gathered`)
-and frees them after it, as FSDP2 does under torch's pipelining (``reshard_after_forward=False``): a
-stage runs forward and backward of its micro-batches interleaved on the same layers, so gathering around
-every instruction would cost 2·m all-gathers per unit and step instead of one, for a saving of the
-stage's compute copies (1/pp of the model) during the step only — between steps, in the optimizer and
-in the checkpoint, every rank holds its shards alone.
+ZeRO-3 keeps each stage's parameters gathered for the whole pipeline step and frees them after it (as
+FSDP2 under torch's pipelining, ``reshard_after_forward=False``): a stage interleaves forwards and
+backwards of its micro-batches on the same layers, so gathering around every instruction would cost 2·m
+all-gathers per unit and step to save the stage's compute copies during the step only.
 """
 
 from __future__ import annotations
@@ -107,10 +96,6 @@ class PipelineStep(ParallelStep):
         )
         self.model = StageModule(self.chunks)
         self.exchange_timer = sharded.exchange_timer
-        for layer in moe_layers(
-            self.model
-        ):  # the loss is on the last stage: each layer adds its aux gradient
-            layer.aux_gradient_scale = 1 / micro_batches
         held = dict(self.model.named_parameters())
         copies = {b: a for a, b in plan.tied if b in held and a not in held}  # the last stage's head copy
         self.zero: ShardedModel | None = None
@@ -143,9 +128,9 @@ class PipelineStep(ParallelStep):
         return self.zero.gathered() if self.zero is not None else nullcontext()
 
     def forward_backward(self, micro_batches: Sequence[Batch]) -> float:
-        if self.scaler is not None:  # MoE layers add their auxiliary gradient themselves: scaled alike
-            for layer in moe_layers(self.model):
-                layer.aux_gradient_scale = self.scaler.scale / len(micro_batches)
+        scale = self.scaler.scale if self.scaler is not None else 1.0
+        for layer in moe_layers(self.model):  # the loss is on the last stage: each adds its aux gradient
+            layer.aux_gradient_scale = scale / len(micro_batches)
         accumulate = self.zero.no_sync() if self.zero is not None else nullcontext()
         with self.autocast(), accumulate, self.gathered(), self.timed_exchange(self.exchange_timer):
             result = self.executor.step([x for x, _ in micro_batches], [y for _, y in micro_batches])
