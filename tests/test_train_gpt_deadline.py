@@ -39,7 +39,9 @@ def test_a_deadline_the_user_sets_names_the_flag_and_exits_124(text, capsys, ran
     assert "--timeout 3" in err and "Traceback" not in err
 
 
-SECONDS = 10.0  # the deadline, and each wait's timeout: equal, as `train gpt --timeout` makes them
+#: the deadline, and each wait's timeout: equal, as `train gpt --timeout` makes them. The ranks reach the
+#: hang (rank 0 after its one-second pause) within about two seconds; the rest is the wait that proves it.
+SECONDS = 5.0
 
 
 def _started() -> bool:
@@ -52,6 +54,9 @@ def _rank_1_hangs_after_one_all_reduce() -> None:
         world.comm.all_reduce(torch.ones(4))
         if world.rank == 1:
             time.sleep(300)  # stuck in its own code: the others wait in the next collective
+        # rank 0 enters its wait a second into the job, as a trainer's first collective comes after its
+        # model: the wait (as long as the deadline) then still runs when the deadline asks for the records
+        time.sleep(1.0)
         world.comm.all_reduce(torch.ones(8))
     finally:
         meshwise.shutdown()
@@ -97,7 +102,8 @@ INJECT = """
 def test_under_meshwise_run_the_hung_rank_is_named_by_the_flight_report(text, tmp_path):
     script = tmp_path / "inject.py"
     script.write_text(textwrap.dedent(INJECT))
-    argv = gpt_argv(text, "--steps", "100000", "--timeout", "30")
+    # each rank's deadline starts after its imports: it covers the rendezvous, the trainer and two steps
+    argv = gpt_argv(text, "--steps", "100000", "--timeout", "15")
     done = subprocess.run(
         [sys.executable, "-m", "meshwise", "run", "-np", "2", str(script), *argv],
         capture_output=True,
@@ -107,7 +113,7 @@ def test_under_meshwise_run_the_hung_rank_is_named_by_the_flight_report(text, tm
     )
     err = done.stderr
     assert done.returncode == 124, err
-    assert "the job passed its --timeout 30 s deadline" in err
+    assert "the job passed its --timeout 15 s deadline" in err
     # rank 1 dumped its records at its deadline, before it exited: the report names where it is. Rank 0
     # is named in the all_reduce either way: waiting there (its own deadline came first) or failed in it
     # (rank 1's exit at its deadline, a few ms earlier, closed the connection under it)
