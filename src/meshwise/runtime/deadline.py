@@ -9,9 +9,10 @@ terminates on the way up — so one mechanism covers both, and the command turns
 separate hang timeout (:mod:`meshwise.runtime.timeouts`).
 
 A deadline that passes while a rank is hung must still say where: the wait timeout of the collective it
-hangs in (by default as long as the deadline) cannot fire first. So before it raises, the timer asks
-every rank for its flight records (:mod:`meshwise.runtime.flight_dumps`) and the message names which rank
-waits in which collective and which never entered it. Under ``meshwise run`` the ranks dump into the
+hangs in (:func:`~meshwise.runtime.timeouts.wait_timeout`, which outlives the deadline by the time the
+records take) must not fire first. So before it raises, the timer asks every rank for its flight records
+(:mod:`meshwise.runtime.flight_dumps`) and the message names which rank waits in which collective and
+which never entered it. Under ``meshwise run`` the ranks dump into the
 launcher's directory and its flight report says it (once, for the job); otherwise the ranks started here
 dump into a temporary directory and the message itself carries the summary.
 """
