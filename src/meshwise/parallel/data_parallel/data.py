@@ -6,16 +6,10 @@ Wrapping is the only change a single-process training loop needs::
     loss_fn(model(x_shard), y_shard).backward()   # returns with gradients averaged over the ranks
     optimizer.step()
 
-Why each piece is there:
-
-- Rank 0's parameters and buffers are broadcast at wrap time, so the replicas start identical even when
-  the ranks seeded differently; identical starts plus identical averaged gradients keep them identical.
-- Gradients are averaged in buckets (:mod:`meshwise.parallel.data_parallel.buckets`) from autograd hooks
-  (:mod:`meshwise.parallel.data_parallel.reducer`), so communication overlaps the rest of backward.
-- ``no_sync()`` skips the averaging for gradient accumulation: only the last micro-batch pays for it.
-- ``state_dict()`` has no ``module.`` prefix, so a checkpoint loads into the plain model (and
-  ``load_state_dict`` takes such a checkpoint back).
-- On a world of one there is nothing to average: the wrapper then only forwards calls.
+Rank 0's parameters and buffers are broadcast at wrap time, so replicas seeded differently start equal and
+stay equal. Gradients average in buckets from autograd hooks (:mod:`.buckets`, :mod:`.reducer`), so
+communication overlaps the rest of backward; ``no_sync()`` skips it for gradient accumulation. The state
+dict has no ``module.`` prefix, so a checkpoint loads into the plain model and back.
 """
 
 from __future__ import annotations
@@ -31,6 +25,7 @@ from torch import nn
 from meshwise.comm.api import SUPPORTED_DTYPES, Communicator
 from meshwise.parallel.data_parallel.buckets import MIB, plan_buckets
 from meshwise.parallel.data_parallel.reducer import GradReducer
+from meshwise.parallel.expert_parallel.data_parallel import ExpertReplicas, replica_groups
 from meshwise.world import current_world
 
 #: ``compress=`` names → the dtype gradients travel in (reduced in float32 by every backend, rounded once).
@@ -49,6 +44,8 @@ class DataParallel(nn.Module):
     it, after the step's collectives completed on this rank so that no peer is left waiting. ``compress``
     (``"bf16"`` or ``"fp16"``) rounds float32 gradients to half precision for the all-reduce: half the
     bytes on shm, while gloo, nccl and mpi widen halves back to float32 to reduce them (docs/training.md).
+    ``experts`` (a model whose experts are cut over ``ep``): expert gradients average over their own
+    replicas instead (:func:`~meshwise.parallel.expert_parallel.replica_groups`), each group its own reducer.
     """
 
     def __init__(
@@ -60,35 +57,44 @@ class DataParallel(nn.Module):
         first_bucket_mb: float = 1.0,
         find_unused_parameters: bool = False,
         compress: str | None = None,
+        experts: ExpertReplicas | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"DataParallel wraps an nn.Module, got {type(module).__name__}")
         if compress is not None and compress not in WIRE_DTYPES:
             raise ValueError(f"compress={compress!r} is unknown; use None or one of {sorted(WIRE_DTYPES)}")
-        named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
-        self.buckets = plan_buckets(
-            [p for _, p in named], round(bucket_mb * MIB), round(first_bucket_mb * MIB)
-        )  # first: bad caps must fail before any collective
+        caps = round(bucket_mb * MIB), round(first_bucket_mb * MIB)
+        plan_buckets([], *caps)  # bad caps fail before a communicator is looked up
         self.module = module
         self.comm = comm if comm is not None else current_world().comm
         self._require_sync = True
         self.register_state_dict_post_hook(_strip_prefix)
         self.register_load_state_dict_pre_hook(_add_prefix)
-        broadcast_module_state(module, self.comm)
-        self._reducer = None
-        if self.comm.world_size > 1 and named:
-            self._reducer = GradReducer(
-                named,
-                self.comm,
-                self.buckets,
+        named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+        groups = replica_groups(named, self.comm, experts)
+        if experts is None:
+            broadcast_module_state(module, self.comm)
+        else:  # each group from its first rank
+            for params, group in groups:
+                broadcast_tensors([p for _, p in params], group)
+        plans = [plan_buckets([p for _, p in params], *caps) for params, _ in groups]
+        self.buckets = [bucket for plan in plans for bucket in plan]  # with ``experts``: dense, then experts'
+        self._reducers = [
+            GradReducer(
+                params,
+                group,
+                plan,
                 find_unused_parameters=find_unused_parameters,
                 wire_dtype=WIRE_DTYPES.get(compress or ""),
             )
+            for (params, group), plan in zip(groups, plans, strict=True)
+            if group.world_size > 1
+        ]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self._reducer is not None:
-            self._reducer.prepare(self._require_sync)  # decided here, as in torch: backward follows forward
+        for reducer in self._reducers:
+            reducer.prepare(self._require_sync)  # decided here, as in torch: backward follows forward
         return self.module(*args, **kwargs)
 
     @contextmanager

@@ -13,7 +13,7 @@ compute.
 
 A stage whose experts are spread over ``ep`` (:class:`~meshwise.parallel.expert_parallel.ExpertReplicas`)
 has two reducers per chunk, split by :func:`~meshwise.parallel.expert_parallel.replica_groups` as
-:class:`~meshwise.parallel.expert_parallel.ExpertDataParallel` splits a whole model: dense parameters
+:class:`~meshwise.parallel.DataParallel` splits a whole model: dense parameters
 over the stage's replicas (dp·ep·cp), expert parameters over the ranks holding the same experts (dp·cp),
 their gradients divided by ep as they are produced.
 
