@@ -12,32 +12,23 @@ from meshwise.parallel.tensor_parallel.regions import (
     gather_from_sequence,
     gather_last,
     reduce_from_region,
-    replicate_sequence,
     scatter_to_sequence,
-    shard_sequence,
     split_last,
 )
 from meshwise.parallel.tensor_parallel.shards import full_tensors
-from meshwise.parallel.tensor_parallel.vocab import (
-    VocabParallelEmbedding,
-    padded_vocab,
-    vocab_parallel_cross_entropy,
-)
+from meshwise.parallel.tensor_parallel.vocab import padded_vocab, vocab_parallel_cross_entropy
 
 __all__ = [
     "ColumnParallelLinear",
     "RowParallelLinear",
-    "VocabParallelEmbedding",
     "copy_to_region",
     "full_tensors",
     "gather_from_sequence",
     "gather_last",
     "padded_vocab",
     "reduce_from_region",
-    "replicate_sequence",
     "scatter_to_sequence",
     "shard_dim",
-    "shard_sequence",
     "split_last",
     "vocab_parallel_cross_entropy",
 ]
