@@ -11,7 +11,8 @@ import torch
 from meshwise.models.gpt import GPT
 from meshwise.models.gpt_plan import gpt_plan
 from meshwise.parallel.pipeline_parallel.partition import balanced_split, block_weights
-from meshwise.parallel.recompute import apply_recompute, check_recompute, stage_blocks
+from meshwise.parallel.protocols import recomputable_blocks
+from meshwise.parallel.recompute import apply_recompute, check_recompute
 from meshwise.train.gpt.resolve import GPTRun
 from meshwise.train.gpt.sections import GPTMeshSection
 
@@ -37,4 +38,4 @@ def check_recompute_config(run: GPTRun) -> None:
 def recompute_step(model: torch.nn.Module, mesh: GPTMeshSection) -> None:
     """Apply the mesh section's recomputation to the blocks of ``model`` (a rank's model, wrapped or not)."""
     if mesh.recompute != "none":
-        apply_recompute(stage_blocks(model), mesh.recompute, mesh.recompute_layers)
+        apply_recompute(recomputable_blocks(model), mesh.recompute, mesh.recompute_layers)
