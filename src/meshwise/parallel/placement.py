@@ -1,16 +1,11 @@
 """Where each parameter lies on the mesh — one record per parameter — and what is computed from it once.
 
-After the strategies have cut a model, a rank holds *local* parameters: a tensor-parallel shard of a
-weight, a pipeline stage's layers, a copy of a tied matrix, or (under ZeRO) a flat range of them. A
-:class:`Placement` says, for one parameter of the plain model, over which mesh axes its elements are
-*divided* (each element held by exactly one rank of that axis: ``tp`` — a tensor dimension,
-``pp`` — the stage that owns it, ``dp`` — ZeRO's flat shard) and whether this copy is *tied* to another
-parameter (the last stage's head copy of the embedding). Along every other axis it is *replicated*:
-the ranks hold equal values.
-
-That is enough to write once, for every layout, what each strategy used to redo: the global gradient
-norm counts each element of the plain model exactly once — on the rank at coordinate 0 of every axis it is
-replicated over, never on a tied copy — and one all-reduce over the job sums those counts.
+A :class:`Placement` says, for one parameter of the plain model, over which mesh axes a rank's local copy
+is *divided* (each element held by exactly one rank of the axis: ``tp`` a tensor dimension, ``pp`` the
+owning stage, ``dp`` ZeRO's flat shard) and whether it is *tied* to another parameter (the last stage's
+head copy of the embedding); along every other axis it is replicated. So the global gradient norm is
+written once for every layout: each element counted on the rank at coordinate 0 of every axis it is
+replicated over, never on a tied copy, and one all-reduce over the job sums the counts.
 """
 
 from __future__ import annotations

@@ -1,17 +1,13 @@
-"""What the strategies need of a model's own modules: three small structural contracts, no model classes.
+"""What the strategies need of a model's own modules: small structural contracts, no model classes.
 
-A strategy that changes how part of a layer runs — recomputation re-running a block or its attention
-core, context parallelism swapping the attention core for one over the cp group, expert parallelism
-routing a mixture of experts' tokens through an all-to-all — finds that part by what it *has*, never by
-its class, so ``parallel/`` imports no model and a user's own model gets these strategies by giving its
-modules the members below (ours do: :mod:`meshwise.models.gpt`'s ``Block`` and
-``CausalSelfAttention``, :mod:`meshwise.models.moe`'s ``MixtureOfExperts``). What a model declares as a
-whole — its repeated layers, stage cuts, tied weights, tensor-parallel layers — is its
-:class:`~meshwise.parallel.plan.ParallelPlan`.
-
-The finders test members with ``hasattr`` rather than ``isinstance(module, Protocol)``: a submodule (an
-expert layer's ``experts``) lives in ``nn.Module._modules``, which a runtime protocol check does not see
-on every Python version.
+Recomputation (re-running a block or its attention core), context parallelism (swapping the attention
+core) and expert parallelism (routing a mixture of experts through an all-to-all) find the part they
+change by what it *has*, never its class, so ``parallel/`` imports no model and a user's model gets these
+strategies by giving its modules the members below (as :mod:`meshwise.models.gpt` and
+:mod:`meshwise.models.moe` do). What a model declares as a whole is its
+:class:`~meshwise.parallel.plan.ParallelPlan`. The finders test members with ``hasattr``: a submodule
+(an expert layer's ``experts``) lives in ``nn.Module._modules``, which a runtime protocol check does not
+see on every Python version.
 """
 
 from __future__ import annotations

@@ -11,7 +11,6 @@ from meshwise.parallel.context_parallel.attention import context_parallel_attent
 from meshwise.parallel.context_parallel.chunks import (
     check_context_parallel,
     chunk_indices,
-    gathered_positions,
     local_positions,
     merge_sequence,
     split_sequence,
@@ -25,7 +24,6 @@ __all__ = [
     "check_context_parallel",
     "chunk_indices",
     "context_parallel_attention",
-    "gathered_positions",
     "group_mean",
     "local_positions",
     "merge_sequence",

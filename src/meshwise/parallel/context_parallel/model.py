@@ -1,18 +1,12 @@
 """``apply_context_parallel(model, cp_comm)``: make a model run on this rank's chunks of every sequence.
 
-In place, on every rank of the cp group (same weights on each; nothing is sharded — context parallelism
-splits activations, not parameters):
-
-- each attention's core (every :class:`~meshwise.parallel.protocols.SplitAttention` in the model: our
-  GPT's, or a user's own with the same members) becomes :func:`.attention.context_parallel_attention`
-  over ``cp_comm`` (it composes with tensor parallelism, which only changes how many heads reach the
-  core, and with selective recomputation, which re-runs the core — collective included — in backward);
-- the position table returns the rows of the rank's tokens (:func:`.chunks.local_positions`): the model is
-  fed ``split_sequence(tokens, cp, rank)`` and everything between embedding and head is per token.
-
-The loss of each rank is the mean over its tokens; every rank holds the same number, so the mean over the
-group's tokens is the mean of the ranks' losses, and its gradient is the average of the ranks' gradients:
-cp ranks average gradients together with the dp ranks (:mod:`.loss`).
+In place, on every rank of the cp group (same weights on each: context parallelism splits activations,
+not parameters): each attention's core (every :class:`~meshwise.parallel.protocols.SplitAttention`)
+becomes :func:`.attention.context_parallel_attention` over ``cp_comm`` — composing with tensor parallelism
+(fewer heads reach the core) and selective recomputation (which re-runs it, collective included) — and the
+position table returns the rows of the rank's tokens (:func:`.chunks.local_positions`), the model being
+fed ``split_sequence(tokens, cp, rank)``. Every rank holds as many tokens, so the group's mean loss is the
+mean of the ranks' and cp ranks average gradients with the dp ranks (:mod:`.loss`).
 """
 
 from __future__ import annotations

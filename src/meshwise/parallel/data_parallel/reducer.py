@@ -47,11 +47,8 @@ class _BucketBuffer:
         self.work: Work | None = None
 
     def launch(self, comm: Communicator) -> None:
-        if self.wire is None:
-            self.work = comm.all_reduce(self.flat, ReduceOp.AVG, async_op=True)
-        else:
-            self.wire.copy_(self.flat)
-            self.work = comm.all_reduce(self.wire, ReduceOp.AVG, async_op=True)
+        sent = self.flat if self.wire is None else self.wire.copy_(self.flat)
+        self.work = comm.all_reduce(sent, ReduceOp.AVG, async_op=True)
 
     def wait(self) -> None:
         assert self.work is not None

@@ -90,16 +90,11 @@ class _AllToAllRows(torch.autograd.Function):
 
 def expert_major_order(counts: Tensor) -> Tensor:
     """The permutation that turns rows laid out source-major — ``counts[i, e]`` rows from rank i for
-    local expert e, i outer — into expert-major order (e outer, then source rank)."""
+    local expert e, i outer — into expert-major order (e outer, then source rank): a stable sort of the
+    rows by their expert keeps each expert's rows in source order."""
     sources, experts = counts.shape
-    starts = torch.cumsum(counts.reshape(-1), 0) - counts.reshape(-1)
-    starts = starts.reshape(sources, experts)
-    pieces = [
-        torch.arange(int(starts[i, e]), int(starts[i, e] + counts[i, e]))
-        for e in range(experts)
-        for i in range(sources)
-    ]
-    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)
+    expert_of_row = torch.arange(experts).repeat(sources).repeat_interleave(counts.reshape(-1))
+    return torch.argsort(expert_of_row, stable=True)
 
 
 class AllToAllExchange:

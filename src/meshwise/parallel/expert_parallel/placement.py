@@ -1,10 +1,6 @@
-"""Where expert-parallel parameters live.
-
-ep ranks are carved from the data-parallel ranks: each of the D data ranks trains on its own shard of
-the batch; within an ep group of ``ep`` ranks the E experts of every MoE layer are split into contiguous
-blocks of E/ep, everything else is replicated. How their gradients then average — dense ones over all D
-data ranks, experts over the D/ep ranks holding the same ones — is
-:mod:`~meshwise.parallel.expert_parallel.data_parallel`.
+"""Where expert-parallel parameters live: ep ranks are carved from the data-parallel ranks, and within an
+ep group the E experts of every MoE layer are split into contiguous blocks of E/ep, everything else
+replicated (how their gradients average: :mod:`~meshwise.parallel.expert_parallel.data_parallel`).
 """
 
 from __future__ import annotations
