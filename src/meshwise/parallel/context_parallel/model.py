@@ -6,15 +6,18 @@ becomes :func:`.attention.context_parallel_attention` over ``cp_comm`` — compo
 (fewer heads reach the core) and selective recomputation (which re-runs it, collective included) — and the
 position table returns the rows of the rank's tokens (:func:`.chunks.local_positions`), the model being
 fed ``split_sequence(tokens, cp, rank)``. Every rank holds as many tokens, so the group's mean loss is the
-mean of the ranks' and cp ranks average gradients with the dp ranks (:mod:`.loss`).
+mean of the ranks', and its gradient the mean of theirs: in training cp ranks join data parallelism's
+gradient average; :func:`group_mean` and :func:`average_gradients` do the cp part alone.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 from torch import nn
 
-from meshwise.comm.api import Communicator
+from meshwise.comm.api import Communicator, ReduceOp
 from meshwise.parallel.context_parallel.attention import context_parallel_attention
 from meshwise.parallel.context_parallel.chunks import check_context_parallel, local_positions
 from meshwise.parallel.protocols import SplitAttention, split_attentions
@@ -69,3 +72,17 @@ def apply_context_parallel(model: nn.Module, cp_comm: Communicator, positions: s
     if isinstance(table, nn.Embedding):
         setattr(model, positions, ContextParallelPositions(table, cp_comm))
     return model
+
+
+def group_mean(local_mean: torch.Tensor | float, comm: Communicator) -> float:
+    """The mean over the group's tokens of a per-rank mean over equally many tokens (for reporting)."""
+    value = torch.tensor([float(torch.as_tensor(local_mean).detach())], dtype=torch.float64)
+    comm.all_reduce(value, ReduceOp.AVG)
+    return value.item()
+
+
+def average_gradients(parameters: Iterable[nn.Parameter], comm: Communicator) -> None:
+    """Average ``.grad`` over the group in place: the gradient of the group-mean loss."""
+    for param in parameters:
+        if param.grad is not None:
+            comm.all_reduce(param.grad, ReduceOp.AVG)

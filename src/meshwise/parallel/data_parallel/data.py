@@ -25,7 +25,7 @@ from torch import nn
 from meshwise.comm.api import SUPPORTED_DTYPES, Communicator
 from meshwise.parallel.data_parallel.buckets import MIB, plan_buckets
 from meshwise.parallel.data_parallel.reducer import GradReducer
-from meshwise.parallel.expert_parallel.data_parallel import ExpertReplicas, replica_groups
+from meshwise.parallel.expert_parallel.placement import ExpertReplicas, replica_groups
 from meshwise.world import current_world
 
 #: ``compress=`` names → the dtype gradients travel in (reduced in float32 by every backend, rounded once).

@@ -71,7 +71,7 @@ class GPTZeroStep(ZeroStep):
 def expert_replicas(mesh: Mesh) -> tuple[ReplicaGroup, ...]:
     """Under ``--ep``: the experts, replicated over ``mesh.expert_replicas`` (dp·cp) only, their
     gradients there averaged and divided by ep (the combine's backward all-to-all already summed the ep
-    ranks' tokens into each expert: see :mod:`~meshwise.parallel.expert_parallel.data_parallel`)."""
+    ranks' tokens into each expert: see :mod:`~meshwise.parallel.expert_parallel.placement`)."""
     ep = mesh.ep.world_size
     if ep == 1:
         return ()
