@@ -68,20 +68,6 @@ def place(
     return result
 
 
-def global_grad_norm(
-    grads: Sequence[tuple[torch.Tensor | None, Placement]], coordinates: Mapping[str, int], job: Communicator
-) -> float:
-    """The 2-norm of the whole plain model's gradient from every rank's local pieces: each element counted
-    once (:meth:`Placement.counted_at`), the squares summed in float64, then over the ``job`` (every rank
-    of the mesh calls it)."""
-    total = torch.zeros(1, dtype=torch.float64)
-    for grad, placement in grads:
-        if grad is not None and placement.counted_at(coordinates):
-            total += grad.detach().double().square().sum()
-    job.all_reduce(total, ReduceOp.SUM)
-    return math.sqrt(total.item())
-
-
 def clip_gradients_(
     grads: Sequence[tuple[torch.Tensor | None, Placement]],
     max_norm: float,
@@ -90,8 +76,15 @@ def clip_gradients_(
 ) -> float:
     """Scale every local gradient (a parameter's, or a ZeRO gradient shard) so the whole model's norm is
     at most ``max_norm`` (0: only measure), by torch's ``clip_grad_norm_`` rule (``max_norm / (norm +
-    1e-6)`` when below 1); returns the norm. Tied copies are scaled too, counted once."""
-    norm = global_grad_norm(grads, coordinates, job)
+    1e-6)`` when below 1); returns the norm. Collective over ``job`` (every rank of the mesh): each element
+    is counted once (:meth:`Placement.counted_at`, so tied copies are scaled but not counted), the squares
+    summed in float64."""
+    total = torch.zeros(1, dtype=torch.float64)
+    for grad, placement in grads:
+        if grad is not None and placement.counted_at(coordinates):
+            total += grad.detach().double().square().sum()
+    job.all_reduce(total, ReduceOp.SUM)
+    norm = math.sqrt(total.item())
     coefficient = max_norm / (norm + 1e-6)
     if max_norm > 0 and coefficient < 1:
         for grad, _ in grads:

@@ -25,11 +25,9 @@ Exchange = Callable[[Tensor, Tensor, RunExperts], Tensor]
 
 
 class SplitAttention(Protocol):
-    """An attention whose core — softmax(q·kᵀ)·v, causal, with dropout — is one replaceable step.
-
-    ``core(q, k, v)`` takes and returns (batch, heads, seq, head dim); the attention calls
-    ``run_core(core, q, k, v)`` instead when that is set. Selective recomputation sets ``run_core``;
-    context parallelism replaces ``core`` (reading ``dropout`` and ``training``)."""
+    """An attention whose core — softmax(q·kᵀ)·v, causal, with dropout — is one replaceable step:
+    ``core(q, k, v)`` on (batch, heads, seq, head dim), called as ``run_core(core, q, k, v)`` when that is
+    set (selective recomputation); context parallelism replaces ``core`` (reading dropout and training)."""
 
     dropout: float
     training: bool
@@ -58,11 +56,9 @@ class RouterCounts(Protocol):
 
 
 class ExpertLayer(Protocol):
-    """A mixture of experts that expert parallelism can spread over ranks.
-
-    ``experts`` is keyed by *global* expert index (so a rank holding some keeps the plain names);
-    ``exchange(grouped, counts, run_local_experts)`` is the step between grouping tokens by expert and
-    combining the outputs — expert parallelism replaces it with an all-to-all."""
+    """A mixture of experts that expert parallelism can spread over ranks: ``experts`` keyed by *global*
+    expert index (a rank holding some keeps the plain names); ``exchange(grouped, counts, run)``, the step
+    between grouping tokens by expert and combining, becomes an all-to-all."""
 
     num_experts: int
     experts: nn.ModuleDict

@@ -141,9 +141,8 @@ def sharded_state_dict(
     held: Sequence[Held], optimizer: torch.optim.Optimizer, module: nn.Module, plain: PlainLayout
 ) -> dict[str, Any]:
     """``{"model": …, "optim": {"state": …, "param_groups": …}}`` under the plain model's names, every
-    tensor a view of what this rank holds (see the module docstring); ``module``'s persistent buffers
-    (under the plain names) join ``model``. The optimizer's state is created first (zeros) so a fresh run
-    has views to load into. :func:`finish_load` completes a ``dcp.load`` into it."""
+    tensor a view of what this rank holds, with ``module``'s persistent buffers; the optimizer's state is
+    created first (zeros) so a fresh run has views to load into (:func:`finish_load` completes a load)."""
     init_optimizer_state(optimizer)
     model: dict[str, Any] = {}
     state: dict[str, dict[str, Any]] = {}
@@ -181,10 +180,9 @@ def finish_load(held: Sequence[Held]) -> None:
 def gather_plain(
     held: Sequence[Held], plain: PlainLayout, coordinates: Mapping[str, int], job: Communicator
 ) -> dict[str, torch.Tensor]:
-    """Collective over ``job`` (every rank of the mesh): the plain model's parameters, whole, on every
-    rank, keyed like its state dict (tied keys share a tensor; buffers are not parameters: a fresh plain
-    model's own). Each rank writes the chunks of the Held it counts into zeros (float32, on the held
-    tensors' device) and one all-reduce sums them."""
+    """Collective over ``job``: the plain model's parameters, whole, on every rank, keyed like its state
+    dict (tied keys share a tensor; buffers are a fresh plain model's own). Each rank writes the chunks of
+    the Held it counts into float32 zeros and one all-reduce sums them."""
     keys = [name for names in plain.group_names for name in names]  # every parameter, once
     sizes = [plain.shapes[key].numel() for key in keys]
     device = held[0].tensor.device if held else torch.device("cpu")
@@ -220,12 +218,10 @@ def _stored(part: Part, tensor: torch.Tensor, shape: torch.Size) -> torch.Tensor
 
 def as_dtensor(chunks: Sequence[Chunk], shape: torch.Size, like: torch.Tensor) -> DTensor:
     """A DTensor of global ``shape`` whose local pieces are ``chunks`` (views, written and read in place)
-    of a tensor ``like`` (its dtype and device).
-    It lives on a 1-D mesh over the job (``Shard(0)``: each rank holds its own part); the chunks' offsets,
-    not the placement, say which part. The mesh only describes (DCP asks the pieces, never the mesh's
-    process groups), so it is built without any — creating them is collective. Built from its spec rather
-    than ``DTensor.from_local``, which would view the pieces as one tensor and refuse pieces of a tensor of
-    more than two dimensions (a convolution's weight)."""
+    of a tensor ``like``. Its 1-D mesh over the job only describes (the chunks' offsets say which part;
+    DCP never asks the mesh's process groups), so it is built without any — creating them is collective.
+    Built from its spec: ``DTensor.from_local`` would view the pieces as one tensor and refuse pieces of a
+    tensor of more than two dimensions (a convolution's weight)."""
     local = [view for view, _ in chunks]
     offsets = [offset for _, offset in chunks]
     if not local:  # DCP mishandles a key some rank holds nothing of (it then reads nested keys the

@@ -35,14 +35,11 @@ class ContextParallelCore:
 
 
 class ContextParallelPositions(nn.Embedding):
-    """The position table (the same parameter, under the same name), looked up at this rank's positions in
-    the sequence.
+    """The position table (the same Parameter, under its plain name), looked up at this rank's positions.
 
-    The lookup is the replaced table's own ``forward`` (kept as a bound method, not a submodule, so the
-    parameter keeps its plain name ``wpe.weight``): on a plain table the rows, under sequence parallelism
-    the rows of this tp rank's shard of the cp rank's tokens — the two compose, cp choosing the tokens and
-    sp splitting them. Both share one Parameter object (strategies that shard it change its ``.data``).
-    """
+    The lookup is the replaced table's own ``forward``, kept as a bound method rather than a submodule so
+    the name stays ``wpe.weight``; under sequence parallelism it returns this tp rank's shard of the cp
+    rank's tokens (cp chooses the tokens, sp splits them)."""
 
     def __init__(self, full: nn.Embedding, comm: Communicator) -> None:
         super().__init__(*full.weight.shape, device="meta")

@@ -127,10 +127,8 @@ def broadcast_tensors(tensors: list[torch.Tensor], comm: Communicator, root: int
                 dtype = torch.float64 if dtype.is_floating_point else torch.int64
             flat = torch.cat([t.detach().reshape(-1).to(dtype) for t in members])
             comm.broadcast(flat, root)
-            offset = 0
-            for tensor in members:
-                tensor.copy_(flat[offset : offset + tensor.numel()].view(tensor.shape))
-                offset += tensor.numel()
+            for tensor, piece in zip(members, flat.split([t.numel() for t in members]), strict=True):
+                tensor.copy_(piece.view(tensor.shape))
 
 
 def _rename(state: dict[str, Any], old: str, new: str) -> None:
@@ -140,11 +138,8 @@ def _rename(state: dict[str, Any], old: str, new: str) -> None:
 
 
 def _strip_prefix(module: nn.Module, state: dict[str, Any], prefix: str, local_metadata: Any) -> None:
-    """state_dict post-hook: the wrapped model's keys, and its modules' version metadata, lose ``module.``.
-
-    The metadata (module path → version, "" for the root) belongs to this fresh state dict, so it is
-    renamed in place; the wrapped model's root entry replaces the wrapper's own.
-    """
+    """state_dict post-hook: the wrapped model's keys, and its modules' version metadata (this fresh
+    state dict's own, renamed in place), lose ``module.``; its root entry replaces the wrapper's."""
     _rename(state, prefix + _PREFIX, prefix)
     metadata = getattr(state, "_metadata", None)
     if metadata is not None:
@@ -155,9 +150,6 @@ def _strip_prefix(module: nn.Module, state: dict[str, Any], prefix: str, local_m
 
 
 def _add_prefix(module: nn.Module, state: dict[str, Any], prefix: str, *_: Any) -> None:
-    """load_state_dict pre-hook: plain keys are routed to the wrapped model.
-
-    Only the keys are renamed: the metadata object is the caller's, and without its version entries a
-    module loads as its current version.
-    """
+    """load_state_dict pre-hook: plain keys are routed to the wrapped model (only the keys: the metadata
+    is the caller's, and without its version entries a module loads as its current version)."""
     _rename(state, prefix, prefix + _PREFIX)

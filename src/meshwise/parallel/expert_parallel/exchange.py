@@ -1,19 +1,14 @@
 """The expert-parallel exchange: tokens go to the rank holding their expert and come back, exactly.
 
-:class:`~meshwise.models.moe.MixtureOfExperts` groups its kept assignments by global expert and hands
-them to its ``exchange``. :class:`AllToAllExchange` is that hook on ``ep`` ranks, each holding a
-contiguous block of E/ep experts:
+A :class:`~meshwise.models.moe.MixtureOfExperts` hands its kept assignments, grouped by global expert, to
+its ``exchange``; :class:`AllToAllExchange` is that hook on ``ep`` ranks holding E/ep experts each:
+(1) an all-to-all of counts tells each rank how many rows every rank sends to each of its experts;
+(2) an uneven all-to-all of the rows, source-major; (3) a regroup to expert-major order, the local
+experts, the inverse regroup; (4) the reverse all-to-all brings each row back to where it came from.
 
-1. an all-to-all of counts: rank j learns how many rows every rank sends to each of j's experts;
-2. an all-to-all of the rows (uneven: the sizes are the data-dependent counts), source-major;
-3. a local regroup to expert-major order, the local experts run, the inverse regroup;
-4. the reverse all-to-all brings each row back to the rank and position it came from, where
-   :func:`~meshwise.models.moe.combine` weights it by its router probability.
-
-The backward is exact because every step is: the all-to-all's gradient is the all-to-all with the send
-and receive sizes swapped (:class:`_AllToAllRows`), and the regroups are index permutations autograd
-differentiates. Every rank calls every collective even with nothing to send, so the forward and
-backward collectives pair up on every rank in the same order.
+Every step has an exact backward — the all-to-all's gradient is the all-to-all with the sizes swapped
+(:class:`_AllToAllRows`), the regroups are permutations — and every rank calls every collective even
+with nothing to send, so forward and backward collectives pair up on every rank in the same order.
 """
 
 from __future__ import annotations

@@ -66,33 +66,6 @@ def replay_aware(owners: Sequence[nn.Module]) -> list[nn.Module]:
     return list(found.values())
 
 
-class RandomSnapshot:
-    """Every random state a region may draw from, as it was when the region first ran."""
-
-    def __init__(self, device: torch.device, sources: Sequence[RandomSource]) -> None:
-        self.device = device
-        self.sources = list(sources)
-        self.cpu = torch.get_rng_state()
-        self.cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-        self.own = [source.get_state() for source in self.sources]
-
-    @contextmanager
-    def replayed(self) -> Iterator[None]:
-        """Inside: the captured states. After: the states from before entering, untouched by the replay."""
-        own = [source.get_state() for source in self.sources]
-        with torch.random.fork_rng(devices=[self.device] if self.cuda is not None else []):
-            torch.set_rng_state(self.cpu)
-            if self.cuda is not None:
-                torch.cuda.set_rng_state(self.cuda, self.device)
-            for source, state in zip(self.sources, self.own, strict=True):
-                source.set_state(state)
-            try:
-                yield
-            finally:
-                for source, state in zip(self.sources, own, strict=True):
-                    source.set_state(state)
-
-
 @contextmanager
 def recomputing(modules: Sequence[nn.Module]) -> Iterator[None]:
     """Inside: every one of ``modules`` has ``recomputing = True``; after: the values from before."""
@@ -112,8 +85,12 @@ class _Region:
     def __init__(self, fn: Callable[..., Any], inputs: Sequence[torch.Tensor], owners: Sequence[nn.Module]):
         self.fn = fn
         self.inputs = tuple(inputs)
-        device = inputs[0].device
-        self.random = RandomSnapshot(device, random_sources(owners))
+        self.device = device = inputs[0].device
+        # every random state the region may draw from, as it was when it first ran
+        self.sources = random_sources(owners)
+        self.cpu = torch.get_rng_state()
+        self.cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+        self.own = [source.get_state() for source in self.sources]
         kind = device.type  # the autocast the region ran under, entered again for the recomputation
         self.autocast = partial(
             torch.autocast,
@@ -124,6 +101,22 @@ class _Region:
         self.replay_aware = replay_aware(owners)
         self.saved = 0  # tickets handed out by the first run
         self.recomputed: list[torch.Tensor | None] = []
+
+    @contextmanager
+    def replayed(self) -> Iterator[None]:
+        """Inside: the captured random states. After: the states from before entering, untouched."""
+        own = [source.get_state() for source in self.sources]
+        with torch.random.fork_rng(devices=[self.device] if self.cuda is not None else []):
+            torch.set_rng_state(self.cpu)
+            if self.cuda is not None:
+                torch.cuda.set_rng_state(self.cuda, self.device)
+            for source, state in zip(self.sources, self.own, strict=True):
+                source.set_state(state)
+            try:
+                yield
+            finally:
+                for source, state in zip(self.sources, own, strict=True):
+                    source.set_state(state)
 
     def pack(self, _tensor: torch.Tensor) -> int:
         self.saved += 1
@@ -150,24 +143,20 @@ class _Region:
         inputs = [x.detach().requires_grad_(x.requires_grad) for x in self.inputs]
         hooks = torch.autograd.graph.saved_tensors_hooks(collect, fresh.__getitem__)
         replaying = recomputing(self.replay_aware)
-        with torch.enable_grad(), self.random.replayed(), self.autocast(), replaying, hooks:
+        with torch.enable_grad(), self.replayed(), self.autocast(), replaying, hooks:
             self.fn(*inputs)
         if len(fresh) != self.saved:
             raise RuntimeError(
                 f"recomputation saved {len(fresh)} tensors for backward where the first run saved "
-                f"{self.saved}: "
-                f"{getattr(self.fn, '__qualname__', self.fn)} must compute the same thing when run again"
+                f"{self.saved}: {getattr(self.fn, '__qualname__', self.fn)} must compute the same thing when "
+                "run again"
             )
         self.recomputed = list(fresh)
 
 
 def recomputed(fn: Callable[..., Any], *inputs: torch.Tensor, owners: Sequence[nn.Module] = ()) -> Any:
-    """``fn(*inputs)``, keeping only ``inputs`` for backward and recomputing the rest when it is needed.
-
-    ``owners`` are the modules ``fn`` runs (their own random states are replayed, their ``recomputing``
-    flags set during the second run). Without autograd
-    (evaluation, ``torch.no_grad``) it is simply ``fn(*inputs)``.
-    """
+    """``fn(*inputs)``, keeping only ``inputs`` for backward and recomputing the rest when it is needed;
+    ``owners``: the modules ``fn`` runs (module docstring). Without autograd simply ``fn(*inputs)``."""
     if not torch.is_grad_enabled():
         return fn(*inputs)
     region = _Region(fn, inputs, owners)

@@ -1,13 +1,10 @@
 """What autograd keeps for backward, measured: bytes per layer through saved-tensor hooks.
 
-While a :class:`SavedBytes` is recording, every tensor an operation saves for its backward passes through
-its pack hook and is counted once per storage (the q, k and v views of one projection output, or a tensor
-saved by two operations, cost their memory once) — parameters excluded, since they are held anyway.
-:meth:`SavedBytes.per_layer` attributes the saves to the layer whose forward is running, per call, so a
-layer run on several micro-batches reports its bytes per micro-batch.
-
-A recomputed region (:mod:`.region`) hides what it drops from the hooks (its own hooks are innermost) and
-reports what it keeps through :func:`note_kept`, so a measurement is of what is really held.
+While a :class:`SavedBytes` records, every tensor saved for backward passes its pack hook and is counted
+once per storage (q, k and v views of one projection output cost their memory once), parameters excluded
+since they are held anyway; :meth:`SavedBytes.per_layer` attributes saves to the running layer, per call
+(so per micro-batch). A recomputed region (:mod:`.region`) hides what it drops (its hooks are innermost)
+and reports what it keeps through :func:`note_kept`, so a measurement is of what is really held.
 """
 
 from __future__ import annotations
