@@ -41,9 +41,9 @@ class Placement:
     def counted_at(self, coordinates: Mapping[str, int]) -> bool:
         """Whether this rank's copy counts in a sum over the whole model: not a tied copy, and the first
         of its replicas along every axis it is replicated over."""
-        if self.tied_to is not None:
-            return False
-        return all(coordinates[axis] == 0 for axis in AXES if axis not in self.divided)
+        return self.tied_to is None and all(
+            coordinates[axis] == 0 for axis in AXES if axis not in self.divided
+        )
 
 
 def place(

@@ -63,8 +63,7 @@ class Part:
 @dataclass(frozen=True)
 class Held:
     """A tensor the optimizer steps (a parameter, or ZeRO's flat master shard) and the plain tensors it
-    holds parts of; ``loaded`` runs after a ``dcp.load`` wrote into it (ZeRO: refresh compute copies);
-    ``placement``: how it lies on the mesh, which says whether this rank counts it (:func:`gather_plain`)."""
+    holds parts of; ``loaded`` runs after a ``dcp.load`` into it; ``placement`` says whether it counts."""
 
     tensor: torch.Tensor
     parts: tuple[Part, ...]

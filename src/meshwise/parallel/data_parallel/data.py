@@ -40,12 +40,12 @@ class DataParallel(nn.Module):
     ``comm`` defaults to ``meshwise.current_world().comm``. ``bucket_mb`` and ``first_bucket_mb`` cap the
     buckets in MiB. ``find_unused_parameters=True`` accepts parameters that get no gradient in a step
     (they count as zeros; those unused on every rank keep ``.grad`` None, as without the wrapper);
-    otherwise such a parameter raises :class:`~meshwise.parallel.UnusedParametersError` naming
-    it, after the step's collectives completed on this rank so that no peer is left waiting. ``compress``
-    (``"bf16"`` or ``"fp16"``) rounds float32 gradients to half precision for the all-reduce: half the
-    bytes on shm, while gloo, nccl and mpi widen halves back to float32 to reduce them (docs/training.md).
-    ``experts`` (a model whose experts are cut over ``ep``): expert gradients average over their own
-    replicas instead (:func:`~meshwise.parallel.expert_parallel.replica_groups`), each group its own reducer.
+    otherwise such a parameter raises :class:`~meshwise.parallel.UnusedParametersError` naming it, after
+    the step's collectives completed on this rank so that no peer is left waiting. ``compress`` (``"bf16"``
+    or ``"fp16"``) rounds float32 gradients to half precision for the all-reduce: half the bytes on shm,
+    while gloo, nccl and mpi widen halves back to float32 to reduce them (docs/training.md). ``experts``
+    (experts cut over ``ep``): expert gradients average over their own replicas, dense ones over
+    ``comm`` (:func:`~meshwise.parallel.expert_parallel.replica_groups`), each group its own reducer.
     """
 
     def __init__(

@@ -104,10 +104,9 @@ class GradReducer:
             handle.remove()
 
     def prepare(self, sync: bool) -> None:
-        """Called at forward: whether the coming backward averages. A synchronised backward that died
-        half-way (an exception in the model's backward drops autograd's end callback) left its state
-        behind; it is cleared here so that the next step is not silently left unsynchronised, after the
-        all-reduces it had launched (their peers launched them too) have landed in the buffers."""
+        """Called at forward: whether the coming backward averages. The state a synchronised backward that
+        died half-way left (an exception drops autograd's end callback) is cleared, so the next step is
+        not silently unsynchronised — after the all-reduces it launched (its peers did too) have landed."""
         if self._queued:
             for bucket in self._buckets:
                 if bucket.work is not None:

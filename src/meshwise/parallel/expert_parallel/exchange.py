@@ -60,8 +60,7 @@ def _timed(timer: ExchangeTimer | None, part: str, tensor: Tensor) -> AbstractCo
 
 
 class _AllToAllRows(torch.autograd.Function):
-    """:func:`all_to_all_rows` with its exact gradient, the same exchange with the sizes swapped (timed as
-    ``part`` of the exchange when ``timer`` is set)."""
+    """:func:`all_to_all_rows` with its exact gradient (the sizes swapped), timed as ``part`` if ``timer``."""
 
     @staticmethod
     def forward(

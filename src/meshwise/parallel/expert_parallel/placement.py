@@ -50,11 +50,9 @@ def local_experts(experts: int, ep: int, ep_rank: int) -> range:
 
 
 def apply_expert_parallel(model: nn.Module, ep_comm: Communicator) -> nn.Module:
-    """Keep only this rank's experts in every expert layer of ``model`` and route through ``ep_comm``.
-
-    ``model`` must be built identically on every ep rank (same seed): the experts kept are then the
-    one-process model's, under the same parameter names. Returns ``model``, changed in place.
-    """
+    """Keep only this rank's experts in every expert layer of ``model`` (in place) and route through
+    ``ep_comm``. Built identically on every ep rank (same seed), the experts kept are the one-process
+    model's, under the same parameter names."""
     for layer in expert_layers(model):
         check_expert_parallel(layer.num_experts, ep_comm.world_size)
         mine = {str(e) for e in local_experts(layer.num_experts, ep_comm.world_size, ep_comm.rank)}

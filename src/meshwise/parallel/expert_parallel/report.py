@@ -18,11 +18,9 @@ from meshwise.parallel.protocols import expert_layers
 
 @dataclass(frozen=True)
 class MoEReport:
-    """Router statistics since the last report, summed over the data ranks of ``comm``.
-
-    ``tokens_*`` are over every (layer, expert) pair: assignments the router chose it for (before any
-    capacity); ``dropped`` is the assignments over capacity; the losses are means per layer and forward.
-    """
+    """Router statistics since the last report, summed over the data ranks: ``tokens_*`` over every (layer,
+    expert) pair, the assignments the router chose it for (before any capacity); ``dropped`` the
+    assignments over capacity; the losses are means per layer and forward."""
 
     tokens_min: int
     tokens_mean: float

@@ -48,10 +48,8 @@ def check_recompute(mode: str, layers: int | None, stage_blocks: int | None = No
 
 
 def apply_recompute(blocks: Sequence[RecomputableBlock], mode: str, layers: int | None = None) -> None:
-    """Set how each of ``blocks`` (one stage's, in forward order) runs: see the module docstring.
-
-    Idempotent and reversible (``mode="none"`` restores plain forwards); parameters are not touched.
-    """
+    """Set how each of ``blocks`` (one stage's, in forward order) runs; idempotent and reversible
+    (``mode="none"`` restores plain forwards), parameters untouched."""
     check_recompute(mode, layers, len(blocks))
     full = len(blocks) if layers is None else layers
     for index, block in enumerate(blocks):

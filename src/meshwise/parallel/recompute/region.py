@@ -66,19 +66,6 @@ def replay_aware(owners: Sequence[nn.Module]) -> list[nn.Module]:
     return list(found.values())
 
 
-@contextmanager
-def recomputing(modules: Sequence[nn.Module]) -> Iterator[None]:
-    """Inside: every one of ``modules`` has ``recomputing = True``; after: the values from before."""
-    before = [module.recomputing for module in modules]
-    for module in modules:
-        module.recomputing = True
-    try:
-        yield
-    finally:
-        for module, value in zip(modules, before, strict=True):
-            module.recomputing = value
-
-
 class _Region:
     """One run of a recomputed function: its inputs, its states, and the tensors of its recomputation."""
 
@@ -103,20 +90,26 @@ class _Region:
         self.recomputed: list[torch.Tensor | None] = []
 
     @contextmanager
-    def replayed(self) -> Iterator[None]:
-        """Inside: the captured random states. After: the states from before entering, untouched."""
+    def replaying(self) -> Iterator[None]:
+        """Inside: the captured random states, and ``recomputing`` True on the replay-aware modules.
+        After: the states and flags from before entering, untouched by the replay."""
         own = [source.get_state() for source in self.sources]
+        flags = [module.recomputing for module in self.replay_aware]
         with torch.random.fork_rng(devices=[self.device] if self.cuda is not None else []):
             torch.set_rng_state(self.cpu)
             if self.cuda is not None:
                 torch.cuda.set_rng_state(self.cuda, self.device)
             for source, state in zip(self.sources, self.own, strict=True):
                 source.set_state(state)
+            for module in self.replay_aware:
+                module.recomputing = True
             try:
                 yield
             finally:
                 for source, state in zip(self.sources, own, strict=True):
                     source.set_state(state)
+                for module, flag in zip(self.replay_aware, flags, strict=True):
+                    module.recomputing = flag
 
     def pack(self, _tensor: torch.Tensor) -> int:
         self.saved += 1
@@ -142,8 +135,7 @@ class _Region:
 
         inputs = [x.detach().requires_grad_(x.requires_grad) for x in self.inputs]
         hooks = torch.autograd.graph.saved_tensors_hooks(collect, fresh.__getitem__)
-        replaying = recomputing(self.replay_aware)
-        with torch.enable_grad(), self.replayed(), self.autocast(), replaying, hooks:
+        with torch.enable_grad(), self.replaying(), self.autocast(), hooks:
             self.fn(*inputs)
         if len(fresh) != self.saved:
             raise RuntimeError(

@@ -1,9 +1,8 @@
 """Tensor and sequence parallelism (Megatron-LM style) over any Communicator.
 
 ``regions`` holds the autograd communication ops, ``layers`` the column/row-parallel linears, ``vocab``
-the vocabulary-parallel embedding and cross-entropy, and ``shards`` reassembles full tensors. Which of a
-model's layers become which is the model's own plan (the GPT's: :mod:`meshwise.models.gpt_plan`).
-See docs/tensor_parallel.md.
+the vocabulary-parallel embedding and cross-entropy, ``shards`` reassembles full tensors; which layers
+become which is the model's own plan (:mod:`meshwise.models.gpt_plan`). See docs/tensor_parallel.md.
 """
 
 from meshwise.parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, shard_dim

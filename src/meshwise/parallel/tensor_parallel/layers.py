@@ -72,10 +72,8 @@ def leave_region(x: torch.Tensor, comm: Communicator, sequence_parallel: bool) -
 
 class ColumnParallelLinear(nn.Module):
     """``in → out/t`` per rank; ``gather_output=True`` concatenates the ranks' outputs (all-gather).
-
-    ``enter_region=False`` is for layers that share one input already brought into the region (attention's
-    q, k and v): one all-reduce backward for the three instead of three.
-    """
+    ``enter_region=False``: layers sharing one input already in the region (attention's q, k and v) pay
+    one all-reduce backward for the three instead of three."""
 
     def __init__(
         self,
@@ -125,9 +123,7 @@ class ColumnParallelLinear(nn.Module):
 
 class RowParallelLinear(nn.Module):
     """``in/t → out`` partial sums per rank, reduced across the group; the bias is added after the sum.
-
-    ``input_is_parallel=False`` takes a replicated input and keeps this rank's slice of it first.
-    """
+    ``input_is_parallel=False`` takes a replicated input and keeps this rank's slice of it first."""
 
     def __init__(
         self,

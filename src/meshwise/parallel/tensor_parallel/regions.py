@@ -139,11 +139,9 @@ def gathered_linears(
     layers: list[tuple[torch.Tensor, torch.Tensor | None]],
     dim: int = 1,
 ) -> tuple[torch.Tensor, ...]:
-    """``F.linear(gather_from_sequence(x), w, b)`` for every ``(w, b)`` in ``layers``, saving only the shard.
-
-    Forward: one all-gather. Backward: one all-gather (the re-gather) and one reduce-scatter of the summed
-    input gradients, however many layers share the input (attention's q, k and v are three).
-    """
+    """``F.linear(gather_from_sequence(x), w, b)`` for every ``(w, b)`` in ``layers``, saving only the shard:
+    one all-gather forward; backward one all-gather (the re-gather) and one reduce-scatter of the summed
+    input gradients, however many layers share the input (attention's q, k and v are three)."""
     if comm.world_size == 1:
         return tuple(F.linear(x, w, b) for w, b in layers)
     return _GatheredLinears.apply(x, comm, dim, *(t for layer in layers for t in layer))

@@ -1,6 +1,5 @@
-"""Full tensors from a tensor-parallel model's shards, under the original names: what a parity test
-compares with one process (training gathers any layout with ``parallel/state_dict.py``'s gather_plain).
-Each sharded tensor is one all-gather over the group, vocabulary padding removed."""
+"""Full tensors from a tensor-parallel model's shards, for parity tests (training gathers any layout with
+``state_dict.gather_plain``): each sharded tensor one all-gather over the group, padding removed."""
 
 from __future__ import annotations
 

@@ -39,11 +39,9 @@ def vocab_range(vocab: int, comm: Communicator) -> tuple[int, int]:
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Token embedding whose rows are split across the tensor-parallel ranks.
-
-    ``weight`` is this rank's ``padded_vocab/t`` rows (:meth:`from_embedding`); ``vocab`` is the true
-    vocabulary size. The output is the full embedding, replicated or as this rank's sequence shard.
-    """
+    """Token embedding whose rows are split across the tensor-parallel ranks: ``weight`` is this rank's
+    ``padded_vocab/t`` rows (:meth:`from_embedding`), ``vocab`` the true size. The output is the full
+    embedding, replicated or as this rank's sequence shard."""
 
     def __init__(
         self, weight: nn.Parameter, vocab: int, comm: Communicator, *, sequence_parallel: bool

@@ -1,7 +1,5 @@
-"""``train gpt --recompute none|selective|full [--recompute-layers K]``: checked before launch, applied to
-the blocks each rank runs once its strategy has cut the model (so it works under dp, ZeRO, tp and pp).
-
-:func:`recompute_step` is the one entry point the strategy seam calls after building a step.
+"""``train gpt --recompute none|selective|full [--recompute-layers K]``: checked before launch, applied
+(:func:`recompute_step`) to the blocks each rank runs once its strategy has cut the model.
 """
 
 from __future__ import annotations
