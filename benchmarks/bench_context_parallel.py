@@ -35,7 +35,8 @@ from meshwise.comm.api import Communicator
 from meshwise.comm.mesh import MeshShape
 from meshwise.models.gpt import GPT, GPTConfig, gpt_config, language_model_loss
 from meshwise.parallel.context_parallel import apply_context_parallel, average_gradients, split_sequence
-from meshwise.parallel.recompute import MODES, SavedBytes, apply_recompute, stage_blocks
+from meshwise.parallel.protocols import recomputable_blocks
+from meshwise.parallel.recompute import MODES, SavedBytes, apply_recompute
 from meshwise.runtime.spawn import spawn
 
 TARGET_MEMORY_RATIO = 0.55  # cp2 per-rank activations at 2L vs one process at 2L, at most
@@ -46,7 +47,7 @@ def _model(config: GPTConfig, comm: Communicator | None, mode: str) -> GPT:
     model = GPT(config).train()
     if comm is not None:
         apply_context_parallel(model, comm)
-    apply_recompute(stage_blocks(model), mode)
+    apply_recompute(recomputable_blocks(model), mode)
     return model
 
 

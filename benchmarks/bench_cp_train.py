@@ -42,7 +42,8 @@ import meshwise
 from meshwise.comm.api import ReduceOp
 from meshwise.comm.mesh import Mesh
 from meshwise.models.gpt import Block
-from meshwise.parallel.recompute import MODES, SavedBytes, apply_recompute, stage_blocks
+from meshwise.parallel.protocols import recomputable_blocks
+from meshwise.parallel.recompute import MODES, SavedBytes, apply_recompute
 from meshwise.runtime.spawn import spawn
 from meshwise.train.gpt import GPTTrainConfig
 from meshwise.train.gpt.loop import GPTTrainer
@@ -78,7 +79,7 @@ def _measured_step(trainer: GPTTrainer, step: int, mode: str) -> dict[str, float
     """One training step under recomputation ``mode``: bytes saved for backward on this rank (in all, and
     the largest block's) and the step's seconds."""
     model = trainer.step_runner.model
-    apply_recompute(stage_blocks(model), mode)
+    apply_recompute(recomputable_blocks(model), mode)
     measurement = SavedBytes(exclude=model.parameters())
     handles = measurement.per_layer([(n, m) for n, m in model.named_modules() if isinstance(m, Block)])
     try:

@@ -148,7 +148,8 @@ def _two_ranks(name: str, batch: int, seq: int, rounds: int, steps: int, warmup:
     # A/B of the reducer's choice: the same DataParallel launching each bucket as soon as it is complete
     # (as over gloo), although the shm all-reduce blocks backward until the peer arrives
     eager = parallelize(models["ours/shm, mid-backward"], world.mesh, run)
-    eager.model._reducer._launch_during_backward = True
+    (reducer,) = eager.model._reducers
+    reducer._launch_during_backward = True
     wrapped = {
         "torch DDP/gloo": DistributedDataParallel(models["torch DDP/gloo"]),
         "ours/shm": runner.model,

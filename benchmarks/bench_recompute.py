@@ -34,7 +34,8 @@ import torch
 from bench_ddp import _medians, _paired_ratios
 
 from meshwise.models.gpt import GPT, gpt_config, language_model_loss
-from meshwise.parallel.recompute import MODES, SavedBytes, apply_recompute, saved_bytes, stage_blocks
+from meshwise.parallel.protocols import recomputable_blocks
+from meshwise.parallel.recompute import MODES, SavedBytes, apply_recompute, saved_bytes
 from meshwise.parallel.recompute.formulas import attention_keeps_scores, layer_saved_bytes, paper_layer_bytes
 
 TARGETS = {"none": 1.0, "selective": 1.10, "full": 1.40}  # step time vs none, at most
@@ -47,7 +48,7 @@ class Run:
     def __init__(self, config, mode: str, tokens: torch.Tensor) -> None:  # type: ignore[no-untyped-def]
         torch.manual_seed(0)
         self.model = GPT(config).train()
-        apply_recompute(stage_blocks(self.model), mode)
+        apply_recompute(recomputable_blocks(self.model), mode)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
         self.tokens = tokens
         self.losses: list[float] = []

@@ -22,7 +22,7 @@ from meshwise.models.moe import combine, group_by_expert, moe_layers, route, wit
 from meshwise.parallel import DataParallel
 from meshwise.parallel.expert_parallel import (
     AllToAllExchange,
-    ExpertDataParallel,
+    ExpertReplicas,
     apply_expert_parallel,
     is_expert_parameter,
     local_experts,
@@ -66,12 +66,12 @@ def identity_round_trip(comm: Communicator, experts: int = 8, top_k: int = 2, to
 
 def _expert_data_parallel(
     model: torch.nn.Module, data_comm: Communicator, expert_data_comm: Communicator | None, ep: int
-) -> ExpertDataParallel:
+) -> DataParallel:
     """``model`` (its experts cut over ep) with dense gradients averaged over ``data_comm`` and expert ones
     over ``expert_data_comm`` (None: each expert lives on one rank, a group of one)."""
     experts = expert_data_comm if expert_data_comm is not None else data_comm.split([data_comm.rank])
     assert experts is not None
-    return ExpertDataParallel(model, data_comm, experts, ep)
+    return DataParallel(model, data_comm, experts=ExpertReplicas(experts, ep))
 
 
 def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:

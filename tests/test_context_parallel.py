@@ -34,7 +34,8 @@ from meshwise.parallel.context_parallel import (
 )
 from meshwise.parallel.context_parallel.blockwise import fused_backward, fused_forward, masked_attention
 from meshwise.parallel.pipeline_parallel.builder import build_pipeline, micro_batches_of
-from meshwise.parallel.recompute import apply_recompute, stage_blocks
+from meshwise.parallel.protocols import recomputable_blocks
+from meshwise.parallel.recompute import apply_recompute
 from meshwise.parallel.tensor_parallel import full_tensors, vocab_parallel_cross_entropy
 from meshwise.runtime.spawn import spawn
 
@@ -111,7 +112,7 @@ def _gpt_parity(comm, *, recompute: str = "none") -> dict[str, float]:
     reference = GPT(config)
     torch.manual_seed(0)
     model = apply_context_parallel(GPT(config), comm)
-    apply_recompute(stage_blocks(model), recompute)
+    apply_recompute(recomputable_blocks(model), recompute)
     expected = language_model_loss(reference(inputs), targets)
     expected.backward()
     local = language_model_loss(model(split_sequence(inputs, cp, rank)), split_sequence(targets, cp, rank))

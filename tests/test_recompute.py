@@ -18,7 +18,8 @@ import torch
 import meshwise
 from meshwise.cli import main
 from meshwise.models.gpt import GPT, gpt_config, language_model_loss
-from meshwise.parallel.recompute import SavedBytes, apply_recompute, recomputed, saved_bytes, stage_blocks
+from meshwise.parallel.protocols import recomputable_blocks
+from meshwise.parallel.recompute import SavedBytes, apply_recompute, recomputed, saved_bytes
 from meshwise.parallel.recompute.formulas import attention_keeps_scores, layer_saved_bytes, paper_layer_bytes
 from meshwise.runtime.spawn import spawn
 from meshwise.train.gpt import GPTTrainConfig
@@ -32,7 +33,7 @@ CONFIG = replace(gpt_config("gpt-tiny"), dropout=0.1)
 def _one_process(mode: str, layers: int | None = None) -> tuple[float, dict[str, torch.Tensor], torch.Tensor]:
     torch.manual_seed(0)
     model = GPT(CONFIG)
-    apply_recompute(stage_blocks(model), mode, layers)
+    apply_recompute(recomputable_blocks(model), mode, layers)
     tokens = torch.randint(0, CONFIG.vocab, (3, 33), generator=torch.Generator().manual_seed(1))
     torch.manual_seed(2)
     loss = language_model_loss(model(tokens[:, :-1]), tokens[:, 1:])
@@ -59,7 +60,7 @@ def test_bf16_autocast_is_replayed(mode: str) -> None:
     def grads(recompute: str) -> dict[str, torch.Tensor]:
         torch.manual_seed(0)
         model = GPT(CONFIG)
-        apply_recompute(stage_blocks(model), recompute)
+        apply_recompute(recomputable_blocks(model), recompute)
         tokens = torch.randint(0, CONFIG.vocab, (2, 33), generator=torch.Generator().manual_seed(1))
         torch.manual_seed(2)
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -73,7 +74,7 @@ def test_bf16_autocast_is_replayed(mode: str) -> None:
 
 def test_layers_choose_the_first_blocks_and_none_restores() -> None:
     model = GPT(CONFIG)
-    blocks = stage_blocks(model)
+    blocks = recomputable_blocks(model)
     apply_recompute(blocks, "full", 2)
     assert [b.run_body is not None for b in blocks] == [True, True, False, False]
     apply_recompute(blocks, "selective")
@@ -83,7 +84,7 @@ def test_layers_choose_the_first_blocks_and_none_restores() -> None:
 
 
 def test_bad_recompute_layers_named_before_any_work() -> None:
-    blocks = stage_blocks(GPT(CONFIG))
+    blocks = recomputable_blocks(GPT(CONFIG))
     with pytest.raises(ValueError, match="larger than the 4 blocks of a stage"):
         apply_recompute(blocks, "full", 5)
     with pytest.raises(ValueError, match="add --recompute full"):
@@ -118,7 +119,7 @@ def test_saved_bytes_per_layer_match_the_formula(mode: str, dropout: float) -> N
     """Exact up to LayerNorm's per-token statistics (2 × 2 floats per token: < 1 % here)."""
     config = replace(CONFIG, dropout=dropout)
     model = GPT(config).train()
-    apply_recompute(stage_blocks(model), mode)
+    apply_recompute(recomputable_blocks(model), mode)
     x = torch.randn(2, config.seq_len, config.hidden, requires_grad=True)
     measured = saved_bytes(model.blocks[0], x)
     mask = saved_bytes(torch.nn.Dropout(0.1), x) // x.numel()  # float on CPU, bool on CUDA
@@ -187,7 +188,7 @@ def _strategy_rank(flags: dict) -> dict[str, float]:
                 world.mesh,
                 resolve(config.with_flags(recompute=mode)),
             )
-            assert all(b.run_body is not None for b in stage_blocks(step.model)) == (mode == "full")
+            assert all(b.run_body is not None for b in recomputable_blocks(step.model)) == (mode == "full")
             torch.manual_seed(7)
             loss = step.forward_backward(batches)
             grads = {n: p.grad.clone() for n, p in step.model.named_parameters() if p.grad is not None}

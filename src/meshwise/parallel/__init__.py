@@ -1,7 +1,5 @@
-"""Parallel training strategies over a Communicator, one folder per strategy.
-
-``data_parallel/`` (DDP) and ``zero/`` (ZeRO stages 1–3) are here; tensor and pipeline parallelism get
-folders of their own beside them.
+"""Parallel training strategies over a Communicator, one folder per strategy; the data-parallel wrapper
+is exported here.
 """
 
 from meshwise.lazy import lazy_names
@@ -11,7 +9,6 @@ __getattr__, __dir__ = lazy_names(
     __name__,
     {
         "meshwise.parallel.data_parallel": (
-            "Bucket",
             "DataParallel",
             "UnusedParametersError",
             "broadcast_module_state",
@@ -20,4 +17,4 @@ __getattr__, __dir__ = lazy_names(
     },
 )
 
-__all__ = ["Bucket", "DataParallel", "UnusedParametersError", "broadcast_module_state", "plan_buckets"]
+__all__ = ["DataParallel", "UnusedParametersError", "broadcast_module_state", "plan_buckets"]

@@ -1,16 +1,11 @@
 """Where each parameter lies on the mesh — one record per parameter — and what is computed from it once.
 
-After the strategies have cut a model, a rank holds *local* parameters: a tensor-parallel shard of a
-weight, a pipeline stage's layers, a copy of a tied matrix, or (under ZeRO) a flat range of them. A
-:class:`Placement` says, for one parameter of the plain model, over which mesh axes its elements are
-*divided* (each element held by exactly one rank of that axis: ``tp`` — a tensor dimension,
-``pp`` — the stage that owns it, ``dp`` — ZeRO's flat shard) and whether this copy is *tied* to another
-parameter (the last stage's head copy of the embedding). Along every other axis it is *replicated*:
-the ranks hold equal values.
-
-That is enough to write once, for every layout, what each strategy used to redo: the global gradient
-norm counts each element of the plain model exactly once — on the rank at coordinate 0 of every axis it is
-replicated over, never on a tied copy — and one all-reduce over the job sums those counts.
+A :class:`Placement` says, for one parameter of the plain model, over which mesh axes a rank's local copy
+is *divided* (each element held by exactly one rank of the axis: ``tp`` a tensor dimension, ``pp`` the
+owning stage, ``dp`` ZeRO's flat shard) and whether it is *tied* to another parameter (the last stage's
+head copy of the embedding); along every other axis it is replicated. So the global gradient norm is
+written once for every layout: each element counted on the rank at coordinate 0 of every axis it is
+replicated over, never on a tied copy, and one all-reduce over the job sums the counts.
 """
 
 from __future__ import annotations
@@ -46,9 +41,9 @@ class Placement:
     def counted_at(self, coordinates: Mapping[str, int]) -> bool:
         """Whether this rank's copy counts in a sum over the whole model: not a tied copy, and the first
         of its replicas along every axis it is replicated over."""
-        if self.tied_to is not None:
-            return False
-        return all(coordinates[axis] == 0 for axis in AXES if axis not in self.divided)
+        return self.tied_to is None and all(
+            coordinates[axis] == 0 for axis in AXES if axis not in self.divided
+        )
 
 
 def place(
@@ -73,20 +68,6 @@ def place(
     return result
 
 
-def global_grad_norm(
-    grads: Sequence[tuple[torch.Tensor | None, Placement]], coordinates: Mapping[str, int], job: Communicator
-) -> float:
-    """The 2-norm of the whole plain model's gradient from every rank's local pieces: each element counted
-    once (:meth:`Placement.counted_at`), the squares summed in float64, then over the ``job`` (every rank
-    of the mesh calls it)."""
-    total = torch.zeros(1, dtype=torch.float64)
-    for grad, placement in grads:
-        if grad is not None and placement.counted_at(coordinates):
-            total += grad.detach().double().square().sum()
-    job.all_reduce(total, ReduceOp.SUM)
-    return math.sqrt(total.item())
-
-
 def clip_gradients_(
     grads: Sequence[tuple[torch.Tensor | None, Placement]],
     max_norm: float,
@@ -95,8 +76,15 @@ def clip_gradients_(
 ) -> float:
     """Scale every local gradient (a parameter's, or a ZeRO gradient shard) so the whole model's norm is
     at most ``max_norm`` (0: only measure), by torch's ``clip_grad_norm_`` rule (``max_norm / (norm +
-    1e-6)`` when below 1); returns the norm. Tied copies are scaled too, counted once."""
-    norm = global_grad_norm(grads, coordinates, job)
+    1e-6)`` when below 1); returns the norm. Collective over ``job`` (every rank of the mesh): each element
+    is counted once (:meth:`Placement.counted_at`, so tied copies are scaled but not counted), the squares
+    summed in float64."""
+    total = torch.zeros(1, dtype=torch.float64)
+    for grad, placement in grads:
+        if grad is not None and placement.counted_at(coordinates):
+            total += grad.detach().double().square().sum()
+    job.all_reduce(total, ReduceOp.SUM)
+    norm = math.sqrt(total.item())
     coefficient = max_norm / (norm + 1e-6)
     if max_norm > 0 and coefficient < 1:
         for grad, _ in grads:

@@ -1,21 +1,11 @@
 """``ParallelPlan``: what a model declares so that every strategy can cut it without knowing it.
 
-The strategies in :mod:`meshwise.parallel` know layers (column/row-parallel linears, a vocabulary-parallel
-embedding), flat shards and schedules — never a particular model. A model says, beside its own code (as
-torchtitan does for its models; ours is :mod:`meshwise.models.gpt_plan`), how it may be cut:
-
-- **layers**: the ``ModuleList`` of repeated layers. Pipeline stages are cut between them, ZeRO-3 gathers
-  them one at a time (its units);
-- **first / last**: the modules that run before and after the layers (embeddings; final norm and head),
-  with the functions that run them — a pipeline's first and last stage call these;
-- **tied**: parameters that are one tensor in the plain model (an embedding and the output head). When a
-  pipeline puts the two on different ranks each holds a copy whose gradients are summed;
-- **tensor_parallel**: the in-place conversion of the model into one rank's tensor-parallel shard — which
-  linears are column-, which row-parallel, which embedding is vocabulary-parallel — built from
-  :mod:`meshwise.parallel.tensor_parallel`'s layers, with the loss over the sharded output and the sizes
-  check that runs before any rank starts.
-
-A plan is plain data (names and functions), so users' own models get every strategy by writing one.
+The strategies know layers, flat shards and schedules, never a particular model; a model says beside its
+own code how it may be cut (as torchtitan does; ours is :mod:`meshwise.models.gpt_plan`): its repeated
+**layers** (pipeline cut points, ZeRO-3's units), the **first / last** modules around them with the
+functions that run them (a pipeline's first and last stage), the **tied** parameters (a copy on each of
+two stages, gradients summed) and its **tensor_parallel** conversion, loss and check. A plan is plain
+data, so users' own models get every strategy by writing one.
 """
 
 from __future__ import annotations

@@ -1,17 +1,13 @@
-"""What the strategies need of a model's own modules: three small structural contracts, no model classes.
+"""What the strategies need of a model's own modules: small structural contracts, no model classes.
 
-A strategy that changes how part of a layer runs — recomputation re-running a block or its attention
-core, context parallelism swapping the attention core for one over the cp group, expert parallelism
-routing a mixture of experts' tokens through an all-to-all — finds that part by what it *has*, never by
-its class, so ``parallel/`` imports no model and a user's own model gets these strategies by giving its
-modules the members below (ours do: :mod:`meshwise.models.gpt`'s ``Block`` and
-``CausalSelfAttention``, :mod:`meshwise.models.moe`'s ``MixtureOfExperts``). What a model declares as a
-whole — its repeated layers, stage cuts, tied weights, tensor-parallel layers — is its
-:class:`~meshwise.parallel.plan.ParallelPlan`.
-
-The finders test members with ``hasattr`` rather than ``isinstance(module, Protocol)``: a submodule (an
-expert layer's ``experts``) lives in ``nn.Module._modules``, which a runtime protocol check does not see
-on every Python version.
+Recomputation (re-running a block or its attention core), context parallelism (swapping the attention
+core) and expert parallelism (routing a mixture of experts through an all-to-all) find the part they
+change by what it *has*, never its class, so ``parallel/`` imports no model and a user's model gets these
+strategies by giving its modules the members below (as :mod:`meshwise.models.gpt` and
+:mod:`meshwise.models.moe` do). What a model declares as a whole is its
+:class:`~meshwise.parallel.plan.ParallelPlan`. The finders test members with ``hasattr``: a submodule
+(an expert layer's ``experts``) lives in ``nn.Module._modules``, which a runtime protocol check does not
+see on every Python version.
 """
 
 from __future__ import annotations
@@ -29,11 +25,9 @@ Exchange = Callable[[Tensor, Tensor, RunExperts], Tensor]
 
 
 class SplitAttention(Protocol):
-    """An attention whose core — softmax(q·kᵀ)·v, causal, with dropout — is one replaceable step.
-
-    ``core(q, k, v)`` takes and returns (batch, heads, seq, head dim); the attention calls
-    ``run_core(core, q, k, v)`` instead when that is set. Selective recomputation sets ``run_core``;
-    context parallelism replaces ``core`` (reading ``dropout`` and ``training``)."""
+    """An attention whose core — softmax(q·kᵀ)·v, causal, with dropout — is one replaceable step:
+    ``core(q, k, v)`` on (batch, heads, seq, head dim), called as ``run_core(core, q, k, v)`` when that is
+    set (selective recomputation); context parallelism replaces ``core`` (reading dropout and training)."""
 
     dropout: float
     training: bool
@@ -62,11 +56,9 @@ class RouterCounts(Protocol):
 
 
 class ExpertLayer(Protocol):
-    """A mixture of experts that expert parallelism can spread over ranks.
-
-    ``experts`` is keyed by *global* expert index (so a rank holding some keeps the plain names);
-    ``exchange(grouped, counts, run_local_experts)`` is the step between grouping tokens by expert and
-    combining the outputs — expert parallelism replaces it with an all-to-all."""
+    """A mixture of experts that expert parallelism can spread over ranks: ``experts`` keyed by *global*
+    expert index (a rank holding some keeps the plain names); ``exchange(grouped, counts, run)``, the step
+    between grouping tokens by expert and combining, becomes an all-to-all."""
 
     num_experts: int
     experts: nn.ModuleDict

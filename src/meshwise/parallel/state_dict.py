@@ -1,41 +1,30 @@
 """Checkpoint state written once for every layout: each rank's tensors under the plain model's names, as
 the pieces of the plain tensors it holds.
 
-``torch.distributed.checkpoint`` (DCP) reshards by name, offset and shape: a checkpoint written by one
-layout loads into any other when every layout describes the *same logical tensors* — the plain model's
-state dict and AdamW's state under its parameter names — and each rank says which pieces of them it
-holds. So no strategy writes its own layout. A rank describes what it holds as :class:`Held` records
-(a tensor the optimizer steps, and the :class:`Part` of a plain tensor each range of it is):
+``torch.distributed.checkpoint`` (DCP) reshards by name, offset and shape, so a checkpoint of one layout
+loads into any other when every layout describes the *same logical tensors* — the plain model's state dict
+and AdamW's state under its parameter names — and each rank says which pieces it holds: no strategy writes
+its own layout. A rank's :class:`Held` records (a tensor the optimizer steps, and the :class:`Part` of a
+plain tensor each range of it is) cover every case: a replicated parameter is one chunk at offset 0
+(written plain: DCP writes replicas once); a tensor-parallel shard one chunk at ``tp_rank · local_size``
+along its tp dimension, clipped to the plain shape (vocabulary padding is never written); a pipeline
+stage holds only its names, a tied copy writes the original's chunks (DCP keeps one of identical chunks);
+experts carry their global names; ZeRO's flat master shard holds the rectangles of its range of each
+parameter (:func:`~meshwise.parallel.zero.state_dict.zero_held`), shifted by the same tp rule.
 
-- a replicated parameter is one chunk at offset 0 (written as a plain tensor: DCP writes replicas once);
-- a tensor-parallel shard is one chunk at ``tp_rank · local_size`` along its tp dimension, clipped to the
-  plain shape (vocabulary padding is never written) — :func:`plain_chunks`, from its
-  :class:`~meshwise.parallel.placement.Placement`;
-- a pipeline stage holds only its own names; a tied copy (the last stage's head) writes under the tied
-  parameter's keys the same chunks as the original, and DCP keeps one of identical chunks;
-- experts under expert parallelism carry their global names already;
-- ZeRO's flat master shard holds the rectangles of its range of each parameter
-  (:func:`~meshwise.parallel.zero.state_dict.zero_held`), shifted by the same tp rule.
+Weights and every per-element AdamW state are views of what the rank holds, so ``dcp.save`` writes only
+this rank's elements and ``dcp.load`` writes into them in place (a Held's ``loaded`` finishes, e.g. ZeRO
+refreshing its compute copies); scalar state and buffers are replicated. Every rank computes its chunks
+from its placements and mesh coordinates: nothing is gathered, no metadata exchanged.
 
-The model's weights *and* every per-element AdamW state tensor are the same views of what the rank
-holds, so ``dcp.save`` writes only this rank's elements and ``dcp.load`` writes into them in place;
-scalar state (AdamW's ``step``) and buffers are replicated. Nothing is gathered and no metadata exchanged:
-every rank computes its chunks from its placements and mesh coordinates. A Held's ``loaded`` callback
-finishes a load (ZeRO pushes the loaded masters to its compute copies). ``param_groups`` name the whole
-plain model's parameters in the one-process order (:class:`PlainLayout`), identical in every layout.
+Divided tensors are DTensors of ``LocalShardsWrapper``: a rank's piece of a ZeRO-sharded parameter is up
+to ``2·N − 1`` rectangles, which no DTensor placement describes, while DTensor's checkpoint protocol defers
+to its local tensor and ``LocalShardsWrapper`` holds several rectangles with their offsets. DCP writes
+them as plain tensor chunks, which ``dcp_to_torch_save`` reads with torch alone (no ``ShardedTensor``).
 
-Why DTensors of ``LocalShardsWrapper`` for the divided tensors: a rank's piece of a ZeRO-sharded
-parameter is up to ``2·N − 1`` rectangles, which no DTensor placement describes; DTensor's checkpoint
-protocol defers to its local tensor, and ``LocalShardsWrapper`` holds several rectangles with their
-offsets. DCP writes exactly these chunks as plain tensor chunks, which ``dcp_to_torch_save`` reads with
-torch alone (no deprecated ``ShardedTensor``).
-
-The same descriptions reassemble the plain model (:func:`gather_plain`, for ``--sample``,
-``--export-hf`` and parity checks): every rank writes the chunks it *counts* (its Held's
-:meth:`~meshwise.parallel.placement.Placement.counted_at`: the first replica along every axis the tensor
-is replicated over, never a tied copy) into zeros, and one all-reduce over the job sums them. Each element
-is written by exactly one rank, so the sum is exact; whatever the layout (tp, pp stages, ep experts, ZeRO
-ranges, any mix), no strategy gathers its own way.
+The same descriptions reassemble the plain model (:func:`gather_plain`: ``--sample``, ``--export-hf``,
+parity checks): every rank writes the chunks it *counts* (``Placement.counted_at``) into zeros and one
+all-reduce sums them — each element written by exactly one rank, so the sum is exact whatever the layout.
 """
 
 from __future__ import annotations
@@ -74,8 +63,7 @@ class Part:
 @dataclass(frozen=True)
 class Held:
     """A tensor the optimizer steps (a parameter, or ZeRO's flat master shard) and the plain tensors it
-    holds parts of; ``loaded`` runs after a ``dcp.load`` wrote into it (ZeRO: refresh compute copies);
-    ``placement``: how it lies on the mesh, which says whether this rank counts it (:func:`gather_plain`)."""
+    holds parts of; ``loaded`` runs after a ``dcp.load`` into it; ``placement`` says whether it counts."""
 
     tensor: torch.Tensor
     parts: tuple[Part, ...]
@@ -152,9 +140,8 @@ def sharded_state_dict(
     held: Sequence[Held], optimizer: torch.optim.Optimizer, module: nn.Module, plain: PlainLayout
 ) -> dict[str, Any]:
     """``{"model": …, "optim": {"state": …, "param_groups": …}}`` under the plain model's names, every
-    tensor a view of what this rank holds (see the module docstring); ``module``'s persistent buffers
-    (under the plain names) join ``model``. The optimizer's state is created first (zeros) so a fresh run
-    has views to load into. :func:`finish_load` completes a ``dcp.load`` into it."""
+    tensor a view of what this rank holds, with ``module``'s persistent buffers; the optimizer's state is
+    created first (zeros) so a fresh run has views to load into (:func:`finish_load` completes a load)."""
     init_optimizer_state(optimizer)
     model: dict[str, Any] = {}
     state: dict[str, dict[str, Any]] = {}
@@ -192,10 +179,9 @@ def finish_load(held: Sequence[Held]) -> None:
 def gather_plain(
     held: Sequence[Held], plain: PlainLayout, coordinates: Mapping[str, int], job: Communicator
 ) -> dict[str, torch.Tensor]:
-    """Collective over ``job`` (every rank of the mesh): the plain model's parameters, whole, on every
-    rank, keyed like its state dict (tied keys share a tensor; buffers are not parameters: a fresh plain
-    model's own). Each rank writes the chunks of the Held it counts into zeros (float32, on the held
-    tensors' device) and one all-reduce sums them."""
+    """Collective over ``job``: the plain model's parameters, whole, on every rank, keyed like its state
+    dict (tied keys share a tensor; buffers are a fresh plain model's own). Each rank writes the chunks of
+    the Held it counts into float32 zeros and one all-reduce sums them."""
     keys = [name for names in plain.group_names for name in names]  # every parameter, once
     sizes = [plain.shapes[key].numel() for key in keys]
     device = held[0].tensor.device if held else torch.device("cpu")
@@ -207,10 +193,10 @@ def gather_plain(
         for part in entry.parts:
             target = whole[plain.canonical[part.name]]
             for view, offsets in part.cut(entry.tensor.detach()):
-                box = target
-                for dim, (start, size) in enumerate(zip(offsets, view.shape, strict=True)):
-                    box = box.narrow(dim, start, size)
-                box.copy_(view)
+                box = tuple(
+                    slice(start, start + size) for start, size in zip(offsets, view.shape, strict=True)
+                )
+                target[box].copy_(view)
     job.all_reduce(flat, ReduceOp.SUM)
     return {key: whole[plain.canonical[key]] for key in plain.shapes if plain.canonical[key] in whole}
 
@@ -231,12 +217,10 @@ def _stored(part: Part, tensor: torch.Tensor, shape: torch.Size) -> torch.Tensor
 
 def as_dtensor(chunks: Sequence[Chunk], shape: torch.Size, like: torch.Tensor) -> DTensor:
     """A DTensor of global ``shape`` whose local pieces are ``chunks`` (views, written and read in place)
-    of a tensor ``like`` (its dtype and device).
-    It lives on a 1-D mesh over the job (``Shard(0)``: each rank holds its own part); the chunks' offsets,
-    not the placement, say which part. The mesh only describes (DCP asks the pieces, never the mesh's
-    process groups), so it is built without any — creating them is collective. Built from its spec rather
-    than ``DTensor.from_local``, which would view the pieces as one tensor and refuse pieces of a tensor of
-    more than two dimensions (a convolution's weight)."""
+    of a tensor ``like``. Its 1-D mesh over the job only describes (the chunks' offsets say which part;
+    DCP never asks the mesh's process groups), so it is built without any — creating them is collective.
+    Built from its spec: ``DTensor.from_local`` would view the pieces as one tensor and refuse pieces of a
+    tensor of more than two dimensions (a convolution's weight)."""
     local = [view for view, _ in chunks]
     offsets = [offset for _, offset in chunks]
     if not local:  # DCP mishandles a key some rank holds nothing of (it then reads nested keys the

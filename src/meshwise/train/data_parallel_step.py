@@ -3,7 +3,7 @@
 
 ``meshwise train mlp|cnn|deep-mlp`` runs it over every rank; ``meshwise train gpt`` over dp (and the cp
 ranks, which hold the same weights for other tokens) of what tensor and expert parallelism left this rank,
-with ExpertDataParallel as the wrapper under ``--ep``."""
+with DataParallel(experts=...) as the wrapper under ``--ep``."""
 
 from __future__ import annotations
 

@@ -1,22 +1,17 @@
 """Causal attention over a sequence split across a context-parallel group (an all-gather design).
 
 Each rank holds the queries, keys and values of its two chunks (:mod:`.chunks`). Forward: the ranks
-all-gather keys and values (one collective for both), reorder them into sequence order, and each of the
-rank's query chunks ``g`` attends to the keys of chunks ``0..g`` with the causal mask of its own diagonal
-block — ``2N + 1`` chunk-pairs of work on every rank, each in memory linear in the sequence
-(:mod:`.blockwise`). Backward: the gradient of an all-gather is a reduce-scatter, so every rank's
-contributions to each key and value are summed onto the rank that owns it
-(:func:`~meshwise.parallel.tensor_parallel.gather_from_sequence`, the conjugate pair sequence parallelism
-uses). Queries never leave their rank, so dQ needs no communication.
+all-gather keys and values (one collective for both), put them in sequence order, and each query chunk
+``g`` attends to the keys of chunks ``0..g`` (:mod:`.blockwise`, memory linear in the sequence). Backward:
+the all-gather's gradient is a reduce-scatter (``gather_from_sequence``, sequence parallelism's pair),
+summing every rank's contributions to a key or value onto its owner; queries never leave their rank, so
+dQ needs no communication.
 
-Memory: the gathered keys and values are the whole sequence's (``2·s·h`` values per layer against the
-``8·s·h`` a layer's other activations take per rank at cp2). With the fused CPU kernel they are not kept:
-the attention saves the rank's own keys and values and gathers them again in backward — one more
-all-gather per layer instead of holding the sequence (the memory a ring design keeps, without its
-overlap). On the explicit-mask path (other devices, attention dropout) autograd keeps the gathered ones.
-
-Correct gradients are the bar: ring-attention implementations have shipped a right forward with wrong
-dK/dV. The tests compare output, dQ, dK and dV with one-process attention for cp 2, 3 and 4.
+With the fused CPU kernel the gathered keys and values (the whole sequence's) are not kept: the rank's own
+are, and gathered again in backward — one more all-gather per layer instead of holding the sequence. On
+the explicit-mask path (other devices, attention dropout) autograd keeps the gathered ones. Ring-attention
+implementations have shipped a right forward with wrong dK/dV: the tests compare output, dQ, dK and dV
+with one-process attention for cp 2, 3 and 4.
 """
 
 from __future__ import annotations

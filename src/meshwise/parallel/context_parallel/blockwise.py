@@ -1,21 +1,18 @@
 """Causal attention of one query chunk over the keys before it, in memory linear in the sequence.
 
-Query chunk ``g`` sees every key of chunks ``0..g−1`` and, in its own chunk, the keys up to itself: a
-mask aligned to the *lower right* of a (c × (g+1)c) block. PyTorch's fused CPU kernel applies only the
-top-left causal mask (``is_causal``) without materialising scores; given an explicit mask it falls back to
-the kernel that keeps the (c × (g+1)c) probabilities for backward — memory quadratic in the sequence, the
-very thing context parallelism is for. So :func:`fused_forward` computes the block as two fused calls, as
-ring attention does — the past chunks without a mask, the own chunk with ``is_causal`` — merged by their
-log-sum-exps:
+Query chunk ``g`` sees every key of chunks ``0..g−1`` and its own chunk's keys up to itself: a mask aligned
+to the *lower right* of a (c × (g+1)c) block. PyTorch's fused CPU kernel applies only the top-left causal
+mask (``is_causal``); given an explicit mask it falls back to keeping the (c × (g+1)c) probabilities —
+memory quadratic in the sequence, what context parallelism is for. So :func:`fused_forward` makes the block
+two fused calls, as ring attention does (the past chunks unmasked, the own chunk ``is_causal``), merged by
+their log-sum-exps::
 
     out = o_past·exp(lse_past − lse) + o_own·exp(lse_own − lse),   lse = logaddexp(lse_past, lse_own)
 
-and :func:`fused_backward` needs no merge: each part's gradients are that part's fused backward called with
-the *merged* output and log-sum-exp (the softmax over all keys is what each part's probabilities belong
-to). What backward needs is then q, the keys and values, the output and the log-sum-exp — O(s).
-
-Off the CPU, or with attention dropout (whose masks two calls could not share), :func:`masked_attention`
-is the plain explicit-mask path (autograd keeps what the kernel saves).
+:func:`fused_backward` needs no merge: each part's fused backward is called with the *merged* output and
+log-sum-exp (each part's probabilities belong to the softmax over all keys), so backward keeps q, keys,
+values, output and log-sum-exp — O(s). Off the CPU, or with attention dropout (whose masks two calls
+could not share), :func:`masked_attention` is the plain explicit-mask path.
 """
 
 from __future__ import annotations

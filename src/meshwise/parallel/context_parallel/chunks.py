@@ -1,10 +1,9 @@
 """Which tokens a context-parallel rank holds: plain arithmetic, testable without processes.
 
-A sequence of ``s`` tokens over ``N`` ranks is cut into ``2N`` chunks of ``c = s / 2N``; rank ``r`` holds
-chunks ``r`` and ``2N − 1 − r``. Under a causal mask a query in chunk ``g`` attends to ``g + 1`` chunks of
-keys, so rank ``r`` does ``(r + 1) + (2N − r) = 2N + 1`` chunk-pairs of attention work — the same on every
-rank — where giving rank ``r`` the contiguous ``r``-th ``N``-th of the sequence would leave the last rank
-with ``2N − 1`` times the first one's work.
+``s`` tokens over ``N`` ranks are cut into ``2N`` chunks of ``c = s / 2N``; rank ``r`` holds chunks ``r``
+and ``2N − 1 − r``. A query in chunk ``g`` attends to ``g + 1`` chunks of keys, so every rank does
+``(r + 1) + (2N − r) = 2N + 1`` chunk-pairs of causal attention, where contiguous ``N``-ths of the
+sequence would give the last rank ``2N − 1`` times the first one's work.
 """
 
 from __future__ import annotations

@@ -1,26 +1,23 @@
 """``apply_context_parallel(model, cp_comm)``: make a model run on this rank's chunks of every sequence.
 
-In place, on every rank of the cp group (same weights on each; nothing is sharded — context parallelism
-splits activations, not parameters):
-
-- each attention's core (every :class:`~meshwise.parallel.protocols.SplitAttention` in the model: our
-  GPT's, or a user's own with the same members) becomes :func:`.attention.context_parallel_attention`
-  over ``cp_comm`` (it composes with tensor parallelism, which only changes how many heads reach the
-  core, and with selective recomputation, which re-runs the core — collective included — in backward);
-- the position table returns the rows of the rank's tokens (:func:`.chunks.local_positions`): the model is
-  fed ``split_sequence(tokens, cp, rank)`` and everything between embedding and head is per token.
-
-The loss of each rank is the mean over its tokens; every rank holds the same number, so the mean over the
-group's tokens is the mean of the ranks' losses, and its gradient is the average of the ranks' gradients:
-cp ranks average gradients together with the dp ranks (:mod:`.loss`).
+In place, on every rank of the cp group (same weights on each: context parallelism splits activations,
+not parameters): each attention's core (every :class:`~meshwise.parallel.protocols.SplitAttention`)
+becomes :func:`.attention.context_parallel_attention` over ``cp_comm`` — composing with tensor parallelism
+(fewer heads reach the core) and selective recomputation (which re-runs it, collective included) — and the
+position table returns the rows of the rank's tokens (:func:`.chunks.local_positions`), the model being
+fed ``split_sequence(tokens, cp, rank)``. Every rank holds as many tokens, so the group's mean loss is the
+mean of the ranks', and its gradient the mean of theirs: in training cp ranks join data parallelism's
+gradient average; :func:`group_mean` and :func:`average_gradients` do the cp part alone.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 from torch import nn
 
-from meshwise.comm.api import Communicator
+from meshwise.comm.api import Communicator, ReduceOp
 from meshwise.parallel.context_parallel.attention import context_parallel_attention
 from meshwise.parallel.context_parallel.chunks import check_context_parallel, local_positions
 from meshwise.parallel.protocols import SplitAttention, split_attentions
@@ -38,14 +35,11 @@ class ContextParallelCore:
 
 
 class ContextParallelPositions(nn.Embedding):
-    """The position table (the same parameter, under the same name), looked up at this rank's positions in
-    the sequence.
+    """The position table (the same Parameter, under its plain name), looked up at this rank's positions.
 
-    The lookup is the replaced table's own ``forward`` (kept as a bound method, not a submodule, so the
-    parameter keeps its plain name ``wpe.weight``): on a plain table the rows, under sequence parallelism
-    the rows of this tp rank's shard of the cp rank's tokens — the two compose, cp choosing the tokens and
-    sp splitting them. Both share one Parameter object (strategies that shard it change its ``.data``).
-    """
+    The lookup is the replaced table's own ``forward``, kept as a bound method rather than a submodule so
+    the name stays ``wpe.weight``; under sequence parallelism it returns this tp rank's shard of the cp
+    rank's tokens (cp chooses the tokens, sp splits them)."""
 
     def __init__(self, full: nn.Embedding, comm: Communicator) -> None:
         super().__init__(*full.weight.shape, device="meta")
@@ -75,3 +69,17 @@ def apply_context_parallel(model: nn.Module, cp_comm: Communicator, positions: s
     if isinstance(table, nn.Embedding):
         setattr(model, positions, ContextParallelPositions(table, cp_comm))
     return model
+
+
+def group_mean(local_mean: torch.Tensor | float, comm: Communicator) -> float:
+    """The mean over the group's tokens of a per-rank mean over equally many tokens (for reporting)."""
+    value = torch.tensor([float(torch.as_tensor(local_mean).detach())], dtype=torch.float64)
+    comm.all_reduce(value, ReduceOp.AVG)
+    return value.item()
+
+
+def average_gradients(parameters: Iterable[nn.Parameter], comm: Communicator) -> None:
+    """Average ``.grad`` over the group in place: the gradient of the group-mean loss."""
+    for param in parameters:
+        if param.grad is not None:
+            comm.all_reduce(param.grad, ReduceOp.AVG)

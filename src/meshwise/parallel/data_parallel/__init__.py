@@ -4,8 +4,8 @@
 ``data`` is the :class:`DataParallel` wrapper that ties them to a module.
 """
 
-from meshwise.parallel.data_parallel.buckets import Bucket, plan_buckets
+from meshwise.parallel.data_parallel.buckets import plan_buckets
 from meshwise.parallel.data_parallel.data import DataParallel, broadcast_module_state
 from meshwise.parallel.data_parallel.reducer import UnusedParametersError
 
-__all__ = ["Bucket", "DataParallel", "UnusedParametersError", "broadcast_module_state", "plan_buckets"]
+__all__ = ["DataParallel", "UnusedParametersError", "broadcast_module_state", "plan_buckets"]

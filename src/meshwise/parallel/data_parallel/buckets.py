@@ -1,15 +1,12 @@
 """Which gradients share an all-reduce, and in which order: bucket planning as plain data.
 
-Gradients become ready roughly in reverse parameter order (backward runs from the last layer to the
-first), so buckets are filled walking the parameters backwards: the first bucket holds the last layers and
-can be reduced while backward is still computing the early ones. As in torch's DDP, a bucket closes once
-it reaches its cap (so it overshoots by at most one tensor), the first bucket of each dtype/device gets a
-small cap (1 MiB by default) so that communication starts as early as possible, and the later ones a large
-cap (25 MiB) so that per-message latency is paid rarely. A bucket only ever holds one dtype on one device,
-because it is reduced as one flat tensor.
-
-Planning depends only on the parameter list, so every rank computes the same buckets in the same order
-without talking to the others: that order is the order the all-reduces are issued in.
+Backward produces gradients roughly in reverse parameter order, so buckets fill walking the parameters
+backwards: the first holds the last layers and is reduced while backward computes the early ones. As in
+torch's DDP a bucket closes once it reaches its cap (overshooting by at most one tensor), the first of
+each dtype/device with a small cap (1 MiB) so communication starts early and the rest a large one
+(25 MiB) so latency is paid rarely; a bucket holds one dtype on one device, being reduced as one flat
+tensor. The plan depends only on the parameter list, so every rank computes the same buckets in the same
+order without talking: the order the all-reduces are issued in.
 """
 
 from __future__ import annotations

@@ -1,25 +1,18 @@
 """Gradient averaging driven by autograd hooks: a bucket is reduced once its last gradient has landed.
 
-Every bucket owns one flat buffer and the parameters' ``.grad`` tensors are views into it, so autograd
-accumulates straight into the buffer that is reduced: no copy into a bucket before the all-reduce and none
-back after it. A gradient that arrives as a fresh tensor (the first backward, or after
-``zero_grad(set_to_none=True)``) is copied into its view once and the view becomes ``.grad`` again.
+The parameters' ``.grad`` are views into their bucket's flat buffer, so autograd accumulates straight into
+what is reduced (a gradient arriving as a fresh tensor is copied into its view once, which becomes
+``.grad`` again). Buckets launch strictly in plan order, so every rank issues the same all-reduces in the
+same order whatever order autograd finishes them in. They launch during backward only over a communicator
+whose collectives progress in the background (``Communicator.overlaps_compute``); on shm an all-reduce
+completes on the calling thread, so launching mid-backward overlaps nothing and makes the ranks meet once
+per bucket, paying their skew each time (gpt-nano's backward took 1.5–1.8× as long, benchmarks/RESULTS.md):
+there every bucket launches when backward ends, one meeting per step.
 
-Buckets are launched strictly in plan order: a complete bucket waits until every earlier one has been
-launched, so all ranks issue the same all-reduces in the same order even when autograd finishes their
-gradients in a different order. They are launched during backward only over a communicator whose
-collectives progress in the background (``Communicator.overlaps_compute``: gloo, nccl, mpi). On shm an
-all-reduce completes on the calling thread, so launching one mid-backward overlaps nothing and makes the
-ranks wait for one another once per bucket; every wait costs whatever skew the ranks have at that moment
-(on a busy 2-core machine gpt-nano's backward took 1.5–1.8× as long as with no communication at all, see
-benchmarks/RESULTS.md). There the buckets are all launched when backward ends: one meeting per step.
-
-A callback queued on the autograd engine runs when backward ends; it launches whatever is left, waits for
-every bucket, and so ``loss.backward()`` returns with averaged gradients, ready for ``optimizer.step()``.
-A driver whose gradients of one step arrive over several backward calls (a pipeline stage's last
-micro-batch: its input-gradient pass, then its weight-gradient pass) sets ``end_with_backward=False`` and
-calls :meth:`GradReducer.flush` when the last gradient is in and :meth:`GradReducer.wait` when it needs
-the averages, so the reduction also overlaps whatever the driver runs in between.
+A callback queued on the autograd engine launches what is left when backward ends and waits for every
+bucket, so ``loss.backward()`` returns averaged gradients. A driver whose step's gradients arrive over
+several backward calls (a pipeline stage's split backward) sets ``end_with_backward=False`` and calls
+:meth:`GradReducer.flush` and :meth:`GradReducer.wait` itself, overlapping whatever it runs in between.
 """
 
 from __future__ import annotations
@@ -54,11 +47,8 @@ class _BucketBuffer:
         self.work: Work | None = None
 
     def launch(self, comm: Communicator) -> None:
-        if self.wire is None:
-            self.work = comm.all_reduce(self.flat, ReduceOp.AVG, async_op=True)
-        else:
-            self.wire.copy_(self.flat)
-            self.work = comm.all_reduce(self.wire, ReduceOp.AVG, async_op=True)
+        sent = self.flat if self.wire is None else self.wire.copy_(self.flat)
+        self.work = comm.all_reduce(sent, ReduceOp.AVG, async_op=True)
 
     def wait(self) -> None:
         assert self.work is not None
@@ -114,10 +104,9 @@ class GradReducer:
             handle.remove()
 
     def prepare(self, sync: bool) -> None:
-        """Called at forward: whether the coming backward averages. A synchronised backward that died
-        half-way (an exception in the model's backward drops autograd's end callback) left its state
-        behind; it is cleared here so that the next step is not silently left unsynchronised, after the
-        all-reduces it had launched (their peers launched them too) have landed in the buffers."""
+        """Called at forward: whether the coming backward averages. The state a synchronised backward that
+        died half-way left (an exception drops autograd's end callback) is cleared, so the next step is
+        not silently unsynchronised — after the all-reduces it launched (its peers did too) have landed."""
         if self._queued:
             for bucket in self._buckets:
                 if bucket.work is not None:

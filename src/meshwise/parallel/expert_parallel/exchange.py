@@ -1,29 +1,21 @@
 """The expert-parallel exchange: tokens go to the rank holding their expert and come back, exactly.
 
-:class:`~meshwise.models.moe.MixtureOfExperts` groups its kept assignments by global expert and hands
-them to its ``exchange``. :class:`AllToAllExchange` is that hook on ``ep`` ranks, each holding a
-contiguous block of E/ep experts:
+A :class:`~meshwise.models.moe.MixtureOfExperts` hands its kept assignments, grouped by global expert, to
+its ``exchange``; :class:`AllToAllExchange` is that hook on ``ep`` ranks holding E/ep experts each:
+(1) an all-to-all of counts tells each rank how many rows every rank sends to each of its experts;
+(2) an uneven all-to-all of the rows, source-major; (3) a regroup to expert-major order, the local
+experts, the inverse regroup; (4) the reverse all-to-all brings each row back to where it came from.
 
-1. an all-to-all of counts: rank j learns how many rows every rank sends to each of j's experts;
-2. an all-to-all of the rows (uneven: the sizes are the data-dependent counts), source-major;
-3. a local regroup to expert-major order, the local experts run, the inverse regroup;
-4. the reverse all-to-all brings each row back to the rank and position it came from, where
-   :func:`~meshwise.models.moe.combine` weights it by its router probability.
-
-The backward is exact because every step is: the all-to-all's gradient is the all-to-all with the send
-and receive sizes swapped (:class:`_AllToAllRows`), and the regroups are index permutations autograd
-differentiates. Every rank calls every collective even with nothing to send, so the forward and
-backward collectives pair up on every rank in the same order.
-
-With :attr:`AllToAllExchange.timer` set (``--profile``), the wall time of the dispatch (steps 1–2, and
-its gradient's all-to-all in backward) and of the combine (step 4, and its gradient's) is added up in it.
+Every step has an exact backward — the all-to-all's gradient is the all-to-all with the sizes swapped
+(:class:`_AllToAllRows`), the regroups are permutations — and every rank calls every collective even
+with nothing to send, so forward and backward collectives pair up on every rank in the same order.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -63,12 +55,12 @@ class ExchangeTimer:
             self.seconds[part] += time.perf_counter() - started
 
 
-def _timed(timer: ExchangeTimer | None, part: str, tensor: Tensor) -> Any:
+def _timed(timer: ExchangeTimer | None, part: str, tensor: Tensor) -> AbstractContextManager[None]:
     return nullcontext() if timer is None else timer.time(part, tensor.device)
 
 
 class _AllToAllRows(torch.autograd.Function):
-    """:func:`all_to_all_rows` with its exact gradient: the same exchange with the sizes swapped."""
+    """:func:`all_to_all_rows` with its exact gradient (the sizes swapped), timed as ``part`` if ``timer``."""
 
     @staticmethod
     def forward(
@@ -77,42 +69,26 @@ class _AllToAllRows(torch.autograd.Function):
         comm: Communicator,
         send_rows: list[int],
         recv_rows: list[int],
-        timer: tuple[ExchangeTimer, str] | None,
+        timer: ExchangeTimer | None,
+        part: str,
     ) -> Tensor:
-        ctx.comm, ctx.send_rows, ctx.recv_rows, ctx.timer = comm, send_rows, recv_rows, timer
+        ctx.comm, ctx.send_rows, ctx.recv_rows, ctx.timer, ctx.part = comm, send_rows, recv_rows, timer, part
         return all_to_all_rows(comm, tensor, send_rows, recv_rows)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None, None]:
-        timed = nullcontext() if ctx.timer is None else ctx.timer[0].time(ctx.timer[1], grad.device)
-        with timed:
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        with _timed(ctx.timer, ctx.part, grad):
             back = all_to_all_rows(ctx.comm, grad, ctx.recv_rows, ctx.send_rows)
-        return back, None, None, None, None
-
-
-def exchange_rows(
-    comm: Communicator,
-    tensor: Tensor,
-    send_rows: list[int],
-    recv_rows: list[int],
-    timer: tuple[ExchangeTimer, str] | None = None,
-) -> Tensor:
-    """Differentiable :func:`all_to_all_rows`; ``timer`` = (timer, part) times it and its gradient."""
-    return _AllToAllRows.apply(tensor, comm, send_rows, recv_rows, timer)
+        return back, None, None, None, None, None
 
 
 def expert_major_order(counts: Tensor) -> Tensor:
     """The permutation that turns rows laid out source-major — ``counts[i, e]`` rows from rank i for
-    local expert e, i outer — into expert-major order (e outer, then source rank)."""
+    local expert e, i outer — into expert-major order (e outer, then source rank): a stable sort of the
+    rows by their expert keeps each expert's rows in source order."""
     sources, experts = counts.shape
-    starts = torch.cumsum(counts.reshape(-1), 0) - counts.reshape(-1)
-    starts = starts.reshape(sources, experts)
-    pieces = [
-        torch.arange(int(starts[i, e]), int(starts[i, e] + counts[i, e]))
-        for e in range(experts)
-        for i in range(sources)
-    ]
-    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)
+    expert_of_row = torch.arange(experts).repeat(sources).repeat_interleave(counts.reshape(-1))
+    return torch.argsort(expert_of_row, stable=True)
 
 
 class AllToAllExchange:
@@ -133,15 +109,11 @@ class AllToAllExchange:
             send_rows = counts.reshape(ranks, local).sum(dim=1).tolist()
             recv_rows = matrix.sum(dim=1).tolist()
             # 2. rows to the experts' ranks, source-major
-            arrived = exchange_rows(
-                self.comm, grouped, send_rows, recv_rows, None if timer is None else (timer, "dispatch")
-            )
+            arrived = _AllToAllRows.apply(grouped, self.comm, send_rows, recv_rows, timer, "dispatch")
         # 3. regroup, run, regroup back.
         order = expert_major_order(matrix).to(arrived.device)
         outputs = run(arrived.index_select(0, order), matrix.sum(dim=0).tolist())
         back = outputs.index_select(0, torch.argsort(order))
         # 4. results home, in the order they were sent.
         with _timed(timer, "combine", back):
-            return exchange_rows(
-                self.comm, back, recv_rows, send_rows, None if timer is None else (timer, "combine")
-            )
+            return _AllToAllRows.apply(back, self.comm, recv_rows, send_rows, timer, "combine")

@@ -18,11 +18,9 @@ from meshwise.parallel.protocols import expert_layers
 
 @dataclass(frozen=True)
 class MoEReport:
-    """Router statistics since the last report, summed over the data ranks of ``comm``.
-
-    ``tokens_*`` are over every (layer, expert) pair: assignments the router chose it for (before any
-    capacity); ``dropped`` is the assignments over capacity; the losses are means per layer and forward.
-    """
+    """Router statistics since the last report, summed over the data ranks: ``tokens_*`` over every (layer,
+    expert) pair, the assignments the router chose it for (before any capacity); ``dropped`` the
+    assignments over capacity; the losses are means per layer and forward."""
 
     tokens_min: int
     tokens_mean: float
@@ -37,14 +35,11 @@ class MoEReport:
         """Busiest expert over the mean: 1.0 is perfect balance, E means all on one expert."""
         return self.tokens_max / self.tokens_mean if self.tokens_mean else 0.0
 
-    @property
-    def dropped_fraction(self) -> float:
-        return self.dropped / self.assignments if self.assignments else 0.0
-
     def line(self) -> str:
+        dropped = self.dropped / self.assignments if self.assignments else 0.0
         return (
             f"experts: tokens min/mean/max {self.tokens_min}/{self.tokens_mean:.1f}/{self.tokens_max} "
-            f"(max/mean {self.imbalance:.2f}), dropped {self.dropped} ({100 * self.dropped_fraction:.1f}%), "
+            f"(max/mean {self.imbalance:.2f}), dropped {self.dropped} ({100 * dropped:.1f}%), "
             f"balance loss {self.balance_loss:.3f}, z-loss {self.z_loss:.3f}"
         )
 
@@ -55,10 +50,9 @@ def moe_report(
     *,
     stages: tuple[Communicator, Sequence[int], int] | None = None,
 ) -> MoEReport | None:
-    """The report of ``model``'s MoE layers (None without any), their tallies then reset; collective
-    over ``comm`` (every data rank calls it) when given. A pipeline stage holds only some layers:
-    ``stages`` = (the pp communicator, each local layer's index among all, how many there are) puts
-    them in their rows and sums the stages, so every stage reports the whole model."""
+    """The report of ``model``'s MoE layers (None without any), their tallies then reset; collective over
+    ``comm`` when given. ``stages`` = (the pp communicator, each local layer's index among all, how many
+    there are) sums a pipeline's stages, so every stage reports the whole model."""
     layers = expert_layers(model)
     if not layers:
         return None

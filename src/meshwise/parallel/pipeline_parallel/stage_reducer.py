@@ -8,10 +8,10 @@ micro-batch only accumulating (``no_sync``). The averages are awaited once the r
 no reduction sits between a backward and the send of its input gradient (the critical path).
 
 With experts spread over ``ep`` a chunk has two reducers, split by
-:func:`~meshwise.parallel.expert_parallel.replica_groups` as ExpertDataParallel splits a whole model.
-Every replica runs the same program, so the buckets launch in the same order on each; a failing rank
-launches what it has not (:meth:`StageReducers.abort`) before the executor's failure all-reduce, so
-every collective meets its match.
+:func:`~meshwise.parallel.expert_parallel.replica_groups` as :class:`~meshwise.parallel.DataParallel`
+splits a whole model. Every replica runs the same program, so the buckets launch in the same order on
+each; a failing rank launches what it has not (:meth:`StageReducers.abort`) before the executor's failure
+all-reduce, so every collective meets its match.
 """
 
 from __future__ import annotations

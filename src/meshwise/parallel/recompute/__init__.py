@@ -11,9 +11,9 @@ from meshwise.lazy import lazy_names
 __getattr__, __dir__ = lazy_names(
     __name__,
     {
-        "meshwise.parallel.recompute.policy": ("MODES", "apply_recompute", "check_recompute", "stage_blocks"),
+        "meshwise.parallel.recompute.policy": ("MODES", "apply_recompute", "check_recompute"),
         "meshwise.parallel.recompute.region": ("recomputed",),
-        "meshwise.parallel.recompute.saved": ("SavedBytes", "note_kept", "saved_bytes"),
+        "meshwise.parallel.recompute.saved": ("SavedBytes", "saved_bytes"),
     },
 )
 
@@ -22,8 +22,6 @@ __all__ = [
     "SavedBytes",
     "apply_recompute",
     "check_recompute",
-    "note_kept",
     "recomputed",
     "saved_bytes",
-    "stage_blocks",
 ]

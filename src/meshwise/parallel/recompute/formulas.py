@@ -78,8 +78,7 @@ def attention_keeps_scores(
     dropout: float, device: torch.device | str = "cpu", dtype: torch.dtype | None = None
 ) -> bool:
     """Whether this installation's attention saves an (s × s) tensor for backward with ``dropout``
-    (``dtype`` None: float32). The formulas above need no torch (the planner prices with them), so only
-    this measurement imports it."""
+    (``dtype`` None: float32); only this measurement imports torch (the planner prices without it)."""
     import torch
     import torch.nn.functional as F
 

@@ -1,22 +1,17 @@
 """Which parts of a transformer are recomputed: ``none``, ``selective``, ``full``, or full on the first K.
 
-- ``selective`` (Korthikanti et al. 2022): the attention core — softmax(q·kᵀ)·v with its mask and dropout —
-  is run again in backward; it keeps the (batch, heads, seq, seq) tensors that grow with the square of
-  the sequence, while its flops are a small share of the layer's. The matmul outputs (q, k, v and
-  everything else) stay saved. Per layer ``34·sbh`` (16-bit, /t under tensor + sequence parallelism)
-  instead of ``sbh(34 + 5as/h)``.
-- ``full``: each block keeps only its input (``2sbh`` per layer, 16-bit) and runs its whole forward again
-  in backward — about one more forward per step.
-- ``layers=K`` with ``full``: only the first K blocks of each stage (the blocks this rank runs) are
-  recomputed in full, the rest keep everything — the knob between the two costs.
+- ``selective`` (Korthikanti et al. 2022): the attention core — softmax(q·kᵀ)·v with mask and dropout —
+  runs again in backward: it keeps the (batch, heads, seq, seq) tensors that grow with the square of the
+  sequence for a small share of the layer's flops; the matmul outputs stay saved (``34·sbh`` per layer
+  instead of ``sbh(34 + 5as/h)``).
+- ``full``: each block keeps only its input (``2sbh``) and runs its forward again, about one more forward
+  per step; ``layers=K`` recomputes only the first K blocks of each stage, the knob between the two costs.
 
-The policy is applied to the blocks a rank holds after the model has been parallelized (tensor-parallel
-layers replaced, pipeline stages cut), so it composes with every strategy: it changes how a block's
-forward is run, never which parameters or collectives it has (a recomputed block with expert
-parallelism's all-to-alls runs them again, in the same order on every rank). A block is any
-:class:`~meshwise.parallel.protocols.RecomputableBlock` (``run_body``/``body``), its attention cores the
-:class:`~meshwise.parallel.protocols.SplitAttention` modules inside it (our GPT's ``Block`` and
-``CausalSelfAttention``; a user's own layers qualify by having the same members).
+It is applied to the blocks a rank holds once the model is cut (tensor-parallel layers, pipeline stages),
+so it composes with every strategy: it changes how a block's forward runs, never its parameters or
+collectives (a recomputed block runs expert parallelism's all-to-alls again, in the same order on every
+rank). A block is any :class:`~meshwise.parallel.protocols.RecomputableBlock`, its attention cores the
+:class:`~meshwise.parallel.protocols.SplitAttention` modules inside it.
 """
 
 from __future__ import annotations
@@ -26,7 +21,7 @@ from functools import partial
 
 from torch import Tensor, nn
 
-from meshwise.parallel.protocols import RecomputableBlock, recomputable_blocks, split_attentions
+from meshwise.parallel.protocols import RecomputableBlock, split_attentions
 from meshwise.parallel.recompute.region import recomputed
 
 MODES = ("none", "selective", "full")
@@ -52,16 +47,9 @@ def check_recompute(mode: str, layers: int | None, stage_blocks: int | None = No
         )
 
 
-def stage_blocks(model: nn.Module) -> list[RecomputableBlock]:
-    """The recomputable blocks under ``model`` in forward order (a whole model, a stage, a wrapper)."""
-    return recomputable_blocks(model)
-
-
 def apply_recompute(blocks: Sequence[RecomputableBlock], mode: str, layers: int | None = None) -> None:
-    """Set how each of ``blocks`` (one stage's, in forward order) runs: see the module docstring.
-
-    Idempotent and reversible (``mode="none"`` restores plain forwards); parameters are not touched.
-    """
+    """Set how each of ``blocks`` (one stage's, in forward order) runs; idempotent and reversible
+    (``mode="none"`` restores plain forwards), parameters untouched."""
     check_recompute(mode, layers, len(blocks))
     full = len(blocks) if layers is None else layers
     for index, block in enumerate(blocks):

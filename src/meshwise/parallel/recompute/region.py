@@ -1,42 +1,34 @@
 """``recomputed(fn, *inputs)``: run ``fn`` now, keep only its inputs, run it again when backward needs it.
 
-Autograd normally keeps every tensor an operation saves for its backward (a matmul's input, a softmax's
-output) until that backward has run. Inside a recomputed region those tensors are dropped as they are
-saved — a saved-tensor *pack* hook hands autograd a numbered ticket instead — and the region's inputs are
-held instead. The first time backward asks for one of the tickets (the *unpack* hook), ``fn`` is run once
-more on the same inputs under the same random state and autocast, with a pack hook that collects the
-fresh saved tensors in order; every ticket of the region then resolves to its twin.
+Inside a recomputed region each tensor autograd saves for backward is replaced, as it is saved, by a
+numbered ticket (a saved-tensor *pack* hook); the region's inputs are held instead. The first ticket
+backward asks for (the *unpack* hook) runs ``fn`` again on the same inputs under the same random state
+and autocast, collecting the fresh saved tensors in order; every ticket then resolves to its twin.
 
-Why this shape rather than an autograd Function that re-runs the forward inside its backward:
+Why not an autograd Function that re-runs the forward in its backward: the graph of the first forward
+stays the graph backward walks, so everything that hooks autograd sees no region — data parallelism's and
+ZeRO's accumulation hooks and end-of-backward callbacks fire once, on the outer pass; sequence
+parallelism's parameter hooks fire once; a split backward (zero-bubble pipelines) still finds a Linear's
+output in the graph. Parameters are read, not saved, so ZeRO-3's gather before a unit's backward has them
+present when the recomputation runs.
 
-- the graph built by the first forward stays the graph backward walks, so the region is invisible to
-  everything that hooks autograd — gradient-accumulation hooks of data parallelism and ZeRO fire once, in
-  the outer backward, with their end-of-backward callbacks queued on the outer pass; tensor hooks on
-  parameters (sequence parallelism's gradient sums) fire once; a split backward that asks for the
-  gradient of a Linear's output (zero-bubble pipelines) still finds that output in the graph;
-- parameters need no special treatment: they are read, not saved, so ZeRO-3's gather before a unit's
-  backward makes them present when the recomputation runs.
+**Random state**: the CPU generator (and the CUDA one of the inputs' device), and every ``random``
+attribute with ``get_state``/``set_state`` of a module under ``owners`` (tensor parallelism's per-rank
+state), are captured before the first run and set for the second, then put back: the masks are identical
+and the training's sequence of random numbers undisturbed.
 
-**Random state** (dropout): the CPU generator (and the CUDA one of the inputs' device) is captured before
-the first run and set for the second, then put back, so masks are identical and the training sequence of
-random numbers is not disturbed. Modules may draw from states of their own (tensor parallelism's
-per-rank state): any ``random`` attribute of a module in ``owners`` with ``get_state``/``set_state`` is
-captured and replayed the same way.
-
-**Side effects** (a mixture of experts' router tally, its last routing for the auxiliary losses): the
-recomputation must not repeat them. Any module under ``owners`` with a boolean ``recomputing`` attribute
-has it set to True while its forward runs again (:func:`recomputing`), and skips what it already did;
-the auxiliary losses need nothing more — the first run's graph, which backward walks, holds them once.
-Collectives in the recomputed forward (expert parallelism's all-to-alls) run again in their order, at
+**Side effects** (a mixture of experts' router tally, its last routing): modules under ``owners`` with a
+boolean ``recomputing`` attribute have it True while their forward runs again, and skip what they already
+did. Collectives in the recomputed forward (expert parallelism's all-to-alls) run again in their order at
 the first ticket backward asks for; every rank walks the same graph, so they meet at the same point.
-
-Saved-bytes measurement (:mod:`.saved`) sees the region's kept inputs through :func:`note_kept`.
+Saved-bytes measurement (:mod:`.saved`) sees the kept inputs through :func:`note_kept`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from functools import partial
 from typing import Any, Protocol
 
 import torch
@@ -64,36 +56,6 @@ def random_sources(owners: Sequence[nn.Module]) -> list[RandomSource]:
     return list(found.values())
 
 
-class RandomSnapshot:
-    """Every random state a region may draw from, as it was when the region first ran."""
-
-    def __init__(self, device: torch.device, sources: Sequence[RandomSource]) -> None:
-        self.device = device
-        self.sources = list(sources)
-        self.cpu = torch.get_rng_state()
-        self.cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-        self.own = [source.get_state() for source in self.sources]
-
-    @contextmanager
-    def replayed(self) -> Iterator[None]:
-        """Inside: the captured states. After: the states from before entering, untouched by the replay."""
-        cpu, own = torch.get_rng_state(), [source.get_state() for source in self.sources]
-        cuda = torch.cuda.get_rng_state(self.device) if self.cuda is not None else None
-        torch.set_rng_state(self.cpu)
-        if self.cuda is not None:
-            torch.cuda.set_rng_state(self.cuda, self.device)
-        for source, state in zip(self.sources, self.own, strict=True):
-            source.set_state(state)
-        try:
-            yield
-        finally:
-            torch.set_rng_state(cpu)
-            if cuda is not None:
-                torch.cuda.set_rng_state(cuda, self.device)
-            for source, state in zip(self.sources, own, strict=True):
-                source.set_state(state)
-
-
 def replay_aware(owners: Sequence[nn.Module]) -> list[nn.Module]:
     """The modules under ``owners`` that declare a ``recomputing`` flag (each once, in module order)."""
     found: dict[int, nn.Module] = {}
@@ -104,43 +66,50 @@ def replay_aware(owners: Sequence[nn.Module]) -> list[nn.Module]:
     return list(found.values())
 
 
-@contextmanager
-def recomputing(modules: Sequence[nn.Module]) -> Iterator[None]:
-    """Inside: every one of ``modules`` has ``recomputing = True``; after: the values from before."""
-    before = [module.recomputing for module in modules]
-    for module in modules:
-        module.recomputing = True
-    try:
-        yield
-    finally:
-        for module, value in zip(modules, before, strict=True):
-            module.recomputing = value
-
-
-class AutocastSnapshot:
-    """The autocast setting of the device a region ran on, re-entered for the recomputation."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device_type = device.type
-        self.enabled = torch.is_autocast_enabled(self.device_type)
-        self.dtype = torch.get_autocast_dtype(self.device_type)
-
-    def entered(self) -> torch.autocast:
-        return torch.autocast(self.device_type, dtype=self.dtype, enabled=self.enabled)
-
-
 class _Region:
     """One run of a recomputed function: its inputs, its states, and the tensors of its recomputation."""
 
     def __init__(self, fn: Callable[..., Any], inputs: Sequence[torch.Tensor], owners: Sequence[nn.Module]):
         self.fn = fn
         self.inputs = tuple(inputs)
-        device = inputs[0].device
-        self.random = RandomSnapshot(device, random_sources(owners))
-        self.autocast = AutocastSnapshot(device)
+        self.device = device = inputs[0].device
+        # every random state the region may draw from, as it was when it first ran
+        self.sources = random_sources(owners)
+        self.cpu = torch.get_rng_state()
+        self.cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+        self.own = [source.get_state() for source in self.sources]
+        kind = device.type  # the autocast the region ran under, entered again for the recomputation
+        self.autocast = partial(
+            torch.autocast,
+            kind,
+            dtype=torch.get_autocast_dtype(kind),
+            enabled=torch.is_autocast_enabled(kind),
+        )
         self.replay_aware = replay_aware(owners)
         self.saved = 0  # tickets handed out by the first run
         self.recomputed: list[torch.Tensor | None] = []
+
+    @contextmanager
+    def replaying(self) -> Iterator[None]:
+        """Inside: the captured random states, and ``recomputing`` True on the replay-aware modules.
+        After: the states and flags from before entering, untouched by the replay."""
+        own = [source.get_state() for source in self.sources]
+        flags = [module.recomputing for module in self.replay_aware]
+        with torch.random.fork_rng(devices=[self.device] if self.cuda is not None else []):
+            torch.set_rng_state(self.cpu)
+            if self.cuda is not None:
+                torch.cuda.set_rng_state(self.cuda, self.device)
+            for source, state in zip(self.sources, self.own, strict=True):
+                source.set_state(state)
+            for module in self.replay_aware:
+                module.recomputing = True
+            try:
+                yield
+            finally:
+                for source, state in zip(self.sources, own, strict=True):
+                    source.set_state(state)
+                for module, flag in zip(self.replay_aware, flags, strict=True):
+                    module.recomputing = flag
 
     def pack(self, _tensor: torch.Tensor) -> int:
         self.saved += 1
@@ -166,25 +135,20 @@ class _Region:
 
         inputs = [x.detach().requires_grad_(x.requires_grad) for x in self.inputs]
         hooks = torch.autograd.graph.saved_tensors_hooks(collect, fresh.__getitem__)
-        replaying = recomputing(self.replay_aware)
-        with torch.enable_grad(), self.random.replayed(), self.autocast.entered(), replaying, hooks:
+        with torch.enable_grad(), self.replaying(), self.autocast(), hooks:
             self.fn(*inputs)
         if len(fresh) != self.saved:
             raise RuntimeError(
                 f"recomputation saved {len(fresh)} tensors for backward where the first run saved "
-                f"{self.saved}: "
-                f"{getattr(self.fn, '__qualname__', self.fn)} must compute the same thing when run again"
+                f"{self.saved}: {getattr(self.fn, '__qualname__', self.fn)} must compute the same thing when "
+                "run again"
             )
         self.recomputed = list(fresh)
 
 
 def recomputed(fn: Callable[..., Any], *inputs: torch.Tensor, owners: Sequence[nn.Module] = ()) -> Any:
-    """``fn(*inputs)``, keeping only ``inputs`` for backward and recomputing the rest when it is needed.
-
-    ``owners`` are the modules ``fn`` runs (their own random states are replayed, their ``recomputing``
-    flags set during the second run). Without autograd
-    (evaluation, ``torch.no_grad``) it is simply ``fn(*inputs)``.
-    """
+    """``fn(*inputs)``, keeping only ``inputs`` for backward and recomputing the rest when it is needed;
+    ``owners``: the modules ``fn`` runs (module docstring). Without autograd simply ``fn(*inputs)``."""
     if not torch.is_grad_enabled():
         return fn(*inputs)
     region = _Region(fn, inputs, owners)

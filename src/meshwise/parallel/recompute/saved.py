@@ -1,13 +1,10 @@
 """What autograd keeps for backward, measured: bytes per layer through saved-tensor hooks.
 
-While a :class:`SavedBytes` is recording, every tensor an operation saves for its backward passes through
-its pack hook and is counted once per storage (the q, k and v views of one projection output, or a tensor
-saved by two operations, cost their memory once) — parameters excluded, since they are held anyway.
-:meth:`SavedBytes.per_layer` attributes the saves to the layer whose forward is running, per call, so a
-layer run on several micro-batches reports its bytes per micro-batch.
-
-A recomputed region (:mod:`.region`) hides what it drops from the hooks (its own hooks are innermost) and
-reports what it keeps through :func:`note_kept`, so a measurement is of what is really held.
+While a :class:`SavedBytes` records, every tensor saved for backward passes its pack hook and is counted
+once per storage (q, k and v views of one projection output cost their memory once), parameters excluded
+since they are held anyway; :meth:`SavedBytes.per_layer` attributes saves to the running layer, per call
+(so per micro-batch). A recomputed region (:mod:`.region`) hides what it drops (its hooks are innermost)
+and reports what it keeps through :func:`note_kept`, so a measurement is of what is really held.
 """
 
 from __future__ import annotations
@@ -15,6 +12,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 import torch
@@ -61,41 +59,29 @@ class SavedBytes:
         finally:
             _RECORDING.remove(self)
 
-    @contextmanager
-    def scope(
-        self, name: str, module: nn.Module | None = None, shape: Sequence[int] | None = None
-    ) -> Iterator[None]:
-        """Attribute the saves inside to ``name`` (one more call of it); ``module``'s parameters excluded."""
-        outer, outer_excluded = self._scope, self._scope_excluded
-        call = self._calls.get(name, 0)
-        self._calls[name] = call + 1
-        self._scope = (name, call)
-        self._scope_excluded = {_storage_key(p) for p in module.parameters()} if module is not None else set()
-        if shape is not None:
-            self.shapes[name] = tuple(shape)
-        try:
-            yield
-        finally:
-            self._scope, self._scope_excluded = outer, outer_excluded
-
     def per_layer(self, layers: Sequence[tuple[str, nn.Module]]) -> Any:
-        """Scopes around each named layer's forward (forward hooks); the returned handles remove them."""
+        """Attribute the saves inside each named layer's forward to it (one more call of it each time), its
+        parameters excluded, through forward hooks; the returned handles remove them."""
+        outer: list[tuple[tuple[str, int], set[int]]] = []
+
+        def before(module: nn.Module, args: tuple[Any, ...], name: str) -> None:
+            outer.append((self._scope, self._scope_excluded))
+            call = self._calls.get(name, 0)
+            self._calls[name] = call + 1
+            self._scope = (name, call)
+            self._scope_excluded = {_storage_key(p) for p in module.parameters()}
+            if args and isinstance(args[0], torch.Tensor):
+                self.shapes[name] = tuple(args[0].shape)
+
+        def after(*_: Any) -> None:
+            self._scope, self._scope_excluded = outer.pop()
+
         handles = []
         for name, layer in layers:
-            entered: list[Any] = []
-
-            def before(
-                module: nn.Module, args: tuple[Any, ...], name: str = name, entered: list = entered
-            ) -> None:
-                shape = args[0].shape if args and isinstance(args[0], torch.Tensor) else None
-                context = self.scope(name, module, shape)
-                context.__enter__()
-                entered.append(context)
-
-            def after(_module: nn.Module, _args: Any, _output: Any, entered: list = entered) -> None:
-                entered.pop().__exit__(None, None, None)
-
-            handles += [layer.register_forward_pre_hook(before), layer.register_forward_hook(after)]
+            handles += [
+                layer.register_forward_pre_hook(partial(before, name=name)),
+                layer.register_forward_hook(after),
+            ]
         return _Handles(handles)
 
     def bytes_per_call(self) -> dict[str, float]:

@@ -1,9 +1,8 @@
 """Tensor and sequence parallelism (Megatron-LM style) over any Communicator.
 
 ``regions`` holds the autograd communication ops, ``layers`` the column/row-parallel linears, ``vocab``
-the vocabulary-parallel embedding and cross-entropy, and ``shards`` reassembles full tensors. Which of a
-model's layers become which is the model's own plan (the GPT's: :mod:`meshwise.models.gpt_plan`).
-See docs/tensor_parallel.md.
+the vocabulary-parallel embedding and cross-entropy, ``shards`` reassembles full tensors; which layers
+become which is the model's own plan (:mod:`meshwise.models.gpt_plan`). See docs/tensor_parallel.md.
 """
 
 from meshwise.parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, shard_dim
@@ -12,32 +11,23 @@ from meshwise.parallel.tensor_parallel.regions import (
     gather_from_sequence,
     gather_last,
     reduce_from_region,
-    replicate_sequence,
     scatter_to_sequence,
-    shard_sequence,
     split_last,
 )
 from meshwise.parallel.tensor_parallel.shards import full_tensors
-from meshwise.parallel.tensor_parallel.vocab import (
-    VocabParallelEmbedding,
-    padded_vocab,
-    vocab_parallel_cross_entropy,
-)
+from meshwise.parallel.tensor_parallel.vocab import padded_vocab, vocab_parallel_cross_entropy
 
 __all__ = [
     "ColumnParallelLinear",
     "RowParallelLinear",
-    "VocabParallelEmbedding",
     "copy_to_region",
     "full_tensors",
     "gather_from_sequence",
     "gather_last",
     "padded_vocab",
     "reduce_from_region",
-    "replicate_sequence",
     "scatter_to_sequence",
     "shard_dim",
-    "shard_sequence",
     "split_last",
     "vocab_parallel_cross_entropy",
 ]

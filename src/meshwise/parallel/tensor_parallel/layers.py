@@ -1,24 +1,15 @@
-"""Column- and row-parallel linear layers, built from a full ``nn.Linear`` or from scratch.
+"""Column- and row-parallel linear layers (``Y = X·Wᵀ + b``, ``W`` of shape (out, in)).
 
-For ``Y = X·Wᵀ + b`` with ``W`` of shape (out, in):
+- **column parallel** keeps ``out/t`` rows of ``W`` (and of the bias) and computes those output columns
+  from the full input; entering the region (``copy_to_region``, or under sequence parallelism the fused
+  ``gathered_linears``) sums the input's partial gradients backward.
+- **row parallel** keeps ``in/t`` columns, multiplies a column layer's output shard and sums the partial
+  ``Y`` over the ranks (all-reduce, or reduce-scatter into sequence shards); the bias, replicated, is added
+  once after the sum.
 
-- **column parallel** splits ``W`` by output rows: rank ``r`` holds ``out/t`` rows and the matching bias
-  slice, and computes its ``out/t`` output columns from the full input. Nothing is communicated
-  forward unless ``gather_output=True``; the input's gradient is a partial sum, so the region entry
-  (``copy_to_region``) all-reduces it backward. Under sequence parallelism the entry all-gathers the
-  sequence shards instead, fused with the linear (``gathered_linears``) so only the shard is saved.
-- **row parallel** splits ``W`` by input columns: rank ``r`` multiplies its ``in/t`` input columns (the
-  output of a column-parallel layer, ``input_is_parallel=True``) and produces a partial ``Y`` that is
-  summed across ranks (all-reduce, or reduce-scatter into sequence shards). The bias is added once,
-  after the sum, so it is replicated.
-
-Column then row is the pairing Megatron-LM uses for attention (q/k/v column, out row) and the MLP
-(fc column, proj row): the nonlinearity between them is element-wise on the column shards, so a layer
-needs one collective in each direction per pair.
-
-Sharded parameters carry ``tp_shard_dim`` (the dimension they were cut along); every other parameter of a
-tensor-parallel model is replicated. :mod:`~meshwise.parallel.tensor_parallel.shards` uses the mark to
-reassemble full weights and gradients.
+Column then row (attention's q/k/v then ``out``, the MLP's fc then proj) needs one collective each way per
+pair, since the nonlinearity between them is element-wise on the shards. Sharded parameters carry
+``tp_shard_dim``; every other parameter of a tensor-parallel model is replicated.
 """
 
 from __future__ import annotations
@@ -81,10 +72,8 @@ def leave_region(x: torch.Tensor, comm: Communicator, sequence_parallel: bool) -
 
 class ColumnParallelLinear(nn.Module):
     """``in → out/t`` per rank; ``gather_output=True`` concatenates the ranks' outputs (all-gather).
-
-    ``enter_region=False`` is for layers that share one input already brought into the region (attention's
-    q, k and v): one all-reduce backward for the three instead of three.
-    """
+    ``enter_region=False``: layers sharing one input already in the region (attention's q, k and v) pay
+    one all-reduce backward for the three instead of three."""
 
     def __init__(
         self,
@@ -134,9 +123,7 @@ class ColumnParallelLinear(nn.Module):
 
 class RowParallelLinear(nn.Module):
     """``in/t → out`` partial sums per rank, reduced across the group; the bias is added after the sum.
-
-    ``input_is_parallel=False`` takes a replicated input and keeps this rank's slice of it first.
-    """
+    ``input_is_parallel=False`` takes a replicated input and keeps this rank's slice of it first."""
 
     def __init__(
         self,

@@ -17,23 +17,15 @@ op                          forward                        backward
 ``replicate_sequence``      slice of the sequence
 ==========================  =============================  ==========================================
 
-Without sequence parallelism a transformer layer enters its parallel region twice
-(``copy_to_region`` before attention's q/k/v and before the MLP's fc) and leaves it twice
-(``reduce_from_region`` after ``out`` and ``proj``): two all-reduces forward, two backward. With
-sequence parallelism the residual stream is split along the sequence between the regions, and each
-all-reduce becomes the all-gather / reduce-scatter pair it is made of (a ring all-reduce *is* a
-reduce-scatter then an all-gather), so the bytes on the wire stay the same while LayerNorm, dropout and
-the residual adds run on ``1/t`` of the tokens.
+A transformer layer enters its region twice (``copy_to_region`` before q/k/v and before the MLP's fc)
+and leaves it twice (``reduce_from_region`` after ``out`` and ``proj``). Sequence parallelism splits each
+all-reduce into the reduce-scatter and all-gather it is made of: the same bytes on the wire, while
+LayerNorm, dropout and the residual adds run on ``1/t`` of the tokens. An all-gathered input would be
+saved whole by the linears that read it, so :func:`gathered_linears` saves only the shard and gathers
+again in backward (Korthikanti et al. 2022, §4.2.2), as the ``(sbh/t)(34 + 5as/h)`` formula assumes.
 
-Entering a region from sequence shards has a memory catch: a linear saves its input for the weight
-gradient, and after the all-gather that input is the full sequence again. :func:`gathered_linears`
-fuses the all-gather with the column-parallel linears that read it, saves only the shard and gathers it
-again in backward (Korthikanti et al. 2022, §4.2.2): one more all-gather per region entry in backward
-buys activations that are all ``1/t``, which is what the ``(sbh/t)(34 + 5as/h)`` formula assumes.
-
-Activations are batch-first ``(batch, seq, hidden)`` as in our GPT, so the sequence dimension is 1;
-the ops take ``dim`` so they work for any layout. With ``t = 1`` every op is the identity and sends
-nothing.
+Activations are batch-first, so the sequence dimension defaults to 1. With ``t = 1`` every op is the
+identity and sends nothing.
 """
 
 from __future__ import annotations
@@ -147,11 +139,9 @@ def gathered_linears(
     layers: list[tuple[torch.Tensor, torch.Tensor | None]],
     dim: int = 1,
 ) -> tuple[torch.Tensor, ...]:
-    """``F.linear(gather_from_sequence(x), w, b)`` for every ``(w, b)`` in ``layers``, saving only the shard.
-
-    Forward: one all-gather. Backward: one all-gather (the re-gather) and one reduce-scatter of the summed
-    input gradients, however many layers share the input (attention's q, k and v are three).
-    """
+    """``F.linear(gather_from_sequence(x), w, b)`` for every ``(w, b)`` in ``layers``, saving only the shard:
+    one all-gather forward; backward one all-gather (the re-gather) and one reduce-scatter of the summed
+    input gradients, however many layers share the input (attention's q, k and v are three)."""
     if comm.world_size == 1:
         return tuple(F.linear(x, w, b) for w, b in layers)
     return _GatheredLinears.apply(x, comm, dim, *(t for layer in layers for t in layer))

@@ -1,14 +1,11 @@
 """Dropout randomness under tensor parallelism: equal masks where activations are replicated, different
 masks where each rank holds different data.
 
-Without sequence parallelism the residual stream is replicated across the group, so its dropout (after
-attention and the MLP, on the embeddings) must draw the same mask on every rank or the replicas diverge:
-:func:`share_cpu_random_state` gives every rank the group's first rank's CPU random state, and identical
-shapes then draw identical masks. Attention-probability dropout acts on different heads on each rank, and
-under sequence parallelism the residual dropouts act on different tokens; drawing those from the shared
-state would reuse one pattern across ranks (valid dropout, but correlated). They use a
-:class:`RankRandomState` — a generator state of the rank's own, swapped in around those calls — as
-Megatron-LM's model-parallel RNG tracker does. CPU only: on CUDA the default generator is used as is.
+The replicated residual stream's dropouts must draw the same mask on every rank or the replicas diverge
+(:func:`share_cpu_random_state`). Attention-probability dropout (different heads per rank) and, under
+sequence parallelism, the residual dropouts (different tokens) would reuse one pattern across ranks from
+the shared state — valid, but correlated — so they draw from a :class:`RankRandomState` of the rank's own,
+as Megatron-LM's model-parallel RNG tracker does. CPU only: on CUDA the default generator is used as is.
 """
 
 from __future__ import annotations

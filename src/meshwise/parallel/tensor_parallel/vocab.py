@@ -1,22 +1,18 @@
 """Vocabulary-parallel embedding and cross-entropy: the (vocab × hidden) matrix split by rows.
 
-The token embedding and the tied output head are the largest matrices of a small-hidden language model
-(GPT-2: 38.6M of 124M parameters) and its logits are the largest activation ((b·s) × vocab). Megatron-LM
-splits the vocabulary across the tensor-parallel ranks and never assembles the full logits:
+The embedding and the tied head are the largest matrices of a small-hidden language model and the logits
+its largest activation, so, as Megatron-LM, the vocabulary is split and the full logits never assembled:
 
-- **embedding**: rank ``r`` holds rows ``[r·V/t, (r+1)·V/t)``; a token outside its range looks up zeros,
-  so summing the ranks' outputs (all-reduce, or reduce-scatter into sequence shards) gives the embedding.
-- **cross-entropy** from vocab-sharded logits: the max over the vocabulary (for a stable softmax) is an
-  all-reduce MAX of per-rank maxima; the target's logit (found on exactly one rank), the sum of
-  exponentials and — for label smoothing — the sum of logits are one all-reduce SUM of three numbers per
-  token. Backward needs no communication: the gradient of a rank's logits is its slice of
-  ``softmax − one_hot``, computed from the saved local softmax.
+- **embedding**: a rank looks up only its rows (zeros for other tokens); summing the ranks' outputs
+  (all-reduce, or reduce-scatter into sequence shards) gives the embedding.
+- **cross-entropy**: the softmax's max is an all-reduce MAX; the target's logit (on one rank), the sum of
+  exponentials and (label smoothing) the sum of logits one all-reduce SUM. Backward is local: a rank's
+  slice of ``softmax − one_hot`` from its saved softmax.
 
-**Padding.** The vocabulary is padded to a multiple of ``t`` so every rank holds the same number of rows
-(GPT-2's 50,257 is prime to most sizes). Padded rows start at zero, are never looked up (token ids are
-``< vocab``), and their logits are masked to −∞ in the loss, so they get zero gradient and stay zero:
-the model computes exactly what the unpadded one does. Megatron pads further (to a multiple of 128·t) for
-matmul efficiency; we pad only as much as the split needs so the shapes stay comparable with one process.
+**Padding**: the vocabulary is padded to a multiple of ``t`` (GPT-2's 50,257 is prime to most sizes) with
+zero rows that are never looked up and whose logits are masked to −∞, so they get no gradient and the model
+computes exactly what the unpadded one does. Only as much as the split needs (not Megatron's 128·t), so
+the shapes stay comparable with one process.
 """
 
 from __future__ import annotations
@@ -43,23 +39,19 @@ def vocab_range(vocab: int, comm: Communicator) -> tuple[int, int]:
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Token embedding whose rows are split across the tensor-parallel ranks.
-
-    ``weight`` is this rank's ``padded_vocab/t`` rows; ``vocab`` is the true vocabulary size. The output is
-    the full embedding, replicated (``sequence_parallel=False``) or as this rank's sequence shard.
-    """
+    """Token embedding whose rows are split across the tensor-parallel ranks: ``weight`` is this rank's
+    ``padded_vocab/t`` rows (:meth:`from_embedding`), ``vocab`` the true size. The output is the full
+    embedding, replicated or as this rank's sequence shard."""
 
     def __init__(
-        self, weight: torch.Tensor, vocab: int, comm: Communicator, *, sequence_parallel: bool
+        self, weight: nn.Parameter, vocab: int, comm: Communicator, *, sequence_parallel: bool
     ) -> None:
         super().__init__()
         self.vocab = vocab
         self.comm = comm
         self.sequence_parallel = sequence_parallel
         self.start, self.end = vocab_range(vocab, comm)
-        if weight.shape[0] != self.end - self.start:
-            raise ValueError(f"weight has {weight.shape[0]} rows; this rank holds {self.end - self.start}")
-        self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight)
+        self.weight = weight
         setattr(self.weight, SHARD_DIM, 0)
 
     @classmethod

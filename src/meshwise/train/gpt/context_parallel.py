@@ -1,12 +1,9 @@
-"""``train gpt --cp N``: context parallelism on the training path — its checks before launch, and the
-cut of each batch into this rank's tokens.
+"""``train gpt --cp N``: context parallelism's checks before launch, and the cut of each batch into this
+rank's tokens (the model side is :func:`~meshwise.parallel.context_parallel.apply_context_parallel`).
 
-The model side is :func:`~meshwise.parallel.context_parallel.apply_context_parallel` (step 2 of
-:func:`~meshwise.train.gpt.parallelize.parallelize`); what the loop needs is here: every cp rank reads the
-same sequences as the others of its group (``mesh.batch`` leaves ``cp`` out) and keeps chunks ``r`` and
-``2·cp−1−r`` of each, inputs and targets alike. Its loss is then the mean over its own tokens — the same
-count on every cp rank — so averaging losses and gradients over ``mesh.replicas`` (dp·ep·cp) gives the
-mean over the global batch's tokens, as one process computes it.
+Every cp rank reads the same sequences as the rest of its group (``mesh.batch`` leaves ``cp`` out) and
+keeps chunks ``r`` and ``2·cp−1−r`` of each, inputs and targets alike: as many tokens on every cp rank, so
+averaging losses and gradients over ``mesh.replicas`` (dp·ep·cp) gives the global batch's token mean.
 """
 
 from __future__ import annotations

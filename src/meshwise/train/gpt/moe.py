@@ -1,15 +1,11 @@
-"""``meshwise train gpt --experts E [--ep N]``: the mixture-of-experts flags, their checks, and the router
-report.
+"""``meshwise train gpt --experts E [--ep N]``: the mixture-of-experts flags, their checks, the router
+report and the exchange's profile.
 
-A MoE GPT trains on one process, data parallel, tensor parallel (experts whole on every tp rank: tp cuts
-attention, whose cost grows with the context; each tp rank then runs the same experts on the same tokens
-rather than exchanging slices of every expert's matmuls — under ``--sp`` too: a MoE layer gathers the
-whole sequence) and pipeline parallel with any schedule (each stage's MoE layers add their auxiliary
-losses' gradient themselves). ``--ep N`` spreads every layer's experts over N of the data ranks
-(:mod:`meshwise.parallel.expert_parallel`, step 2b of the mesh's ``parallelize``); ``--zero`` then
-shards the dense weights over their replicas and the experts over theirs (``train/gpt/zero_step.py``,
-on each pipeline stage ``pipeline_step.stage_zero``).
-What cannot be combined yet is refused here, before any rank starts, in one line.
+A MoE GPT trains data, tensor (experts whole on every tp rank, which run the same experts on the same
+tokens — under ``--sp`` a MoE layer gathers the whole sequence) and pipeline parallel with any schedule;
+``--ep N`` spreads every layer's experts over N of the data ranks (:mod:`meshwise.parallel.expert_parallel`)
+and ``--zero`` then shards dense weights and experts over their own replicas. What cannot be combined yet
+is refused here, before any rank starts, in one line.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ the strategies in one fixed order (tensor → context → experts → pipeline �
 ZeRO), and :func:`check_supported` refuses, before any rank starts, a combination that cannot be built.
 The data-parallel and ZeRO steps are the model-agnostic ones of :mod:`meshwise.train.data_parallel_step`
 and :mod:`meshwise.train.zero_step`; what is the GPT's is supplied here — the (vocabulary-parallel) loss
-and a MoE's auxiliary losses (:class:`LayerSharded`), its AdamW groups, ExpertDataParallel under ``--ep``,
+and a MoE's auxiliary losses (:class:`LayerSharded`), its AdamW groups, expert replicas under ``--ep``,
 the plain GPT's meta shape for the checkpoint layout, and a plain copy for sampling under ``--cp``.
 
 Under ``--profile`` the loop times the whole ``forward_backward`` as one phase, so a new strategy is
@@ -27,8 +27,9 @@ from meshwise.comm.mesh import Mesh
 from meshwise.models.gpt import GPT, language_model_loss
 from meshwise.models.gpt_plan import gpt_plan
 from meshwise.models.moe import moe_layers, with_auxiliary_losses
+from meshwise.parallel import DataParallel
 from meshwise.parallel.context_parallel import apply_context_parallel
-from meshwise.parallel.expert_parallel import ExchangeTimer, ExpertDataParallel, apply_expert_parallel
+from meshwise.parallel.expert_parallel import ExchangeTimer, ExpertReplicas, apply_expert_parallel
 from meshwise.parallel.plan import ParallelPlan
 from meshwise.parallel.state_dict import PlainLayout
 from meshwise.train.data_parallel_step import DataParallelStep
@@ -88,14 +89,14 @@ def plain_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "me
 class GPTDataParallelStep(DataParallelStep):
     """:class:`~meshwise.train.data_parallel_step.DataParallelStep` of this rank's GPT — the whole model,
     or with ``--tp`` its tensor-parallel shard — over ``mesh.replicas``. With ``--ep`` the model holds E/ep
-    experts per layer and :class:`~meshwise.parallel.expert_parallel.ExpertDataParallel` averages dense
-    gradients over ``mesh.replicas`` and expert gradients over ``mesh.expert_replicas``."""
+    experts per layer and :class:`~meshwise.parallel.DataParallel` averages dense gradients over
+    ``mesh.replicas`` and expert gradients over ``mesh.expert_replicas``."""
 
     def __init__(self, sharded: LayerSharded, mesh: Mesh, config: GPTTrainConfig) -> None:
         ep = mesh.ep.world_size
 
         def experts(model: nn.Module) -> nn.Module:
-            return ExpertDataParallel(model, mesh.replicas, mesh.expert_replicas, ep)
+            return DataParallel(model, mesh.replicas, experts=ExpertReplicas(mesh.expert_replicas, ep))
 
         optimizer = partial(build_optimizer, config=config.optimizer)
         dtype = config.model.torch_dtype

@@ -1,7 +1,5 @@
-"""``train gpt --recompute none|selective|full [--recompute-layers K]``: checked before launch, applied to
-the blocks each rank runs once its strategy has cut the model (so it works under dp, ZeRO, tp and pp).
-
-:func:`recompute_step` is the one entry point the strategy seam calls after building a step.
+"""``train gpt --recompute none|selective|full [--recompute-layers K]``: checked before launch, applied
+(:func:`recompute_step`) to the blocks each rank runs once its strategy has cut the model.
 """
 
 from __future__ import annotations
@@ -11,7 +9,8 @@ import torch
 from meshwise.models.gpt import GPT
 from meshwise.models.gpt_plan import gpt_plan
 from meshwise.parallel.pipeline_parallel.partition import balanced_split, block_weights
-from meshwise.parallel.recompute import apply_recompute, check_recompute, stage_blocks
+from meshwise.parallel.protocols import recomputable_blocks
+from meshwise.parallel.recompute import apply_recompute, check_recompute
 from meshwise.train.gpt.resolve import GPTRun
 from meshwise.train.gpt.sections import GPTMeshSection
 
@@ -37,4 +36,4 @@ def check_recompute_config(run: GPTRun) -> None:
 def recompute_step(model: torch.nn.Module, mesh: GPTMeshSection) -> None:
     """Apply the mesh section's recomputation to the blocks of ``model`` (a rank's model, wrapped or not)."""
     if mesh.recompute != "none":
-        apply_recompute(stage_blocks(model), mesh.recompute, mesh.recompute_layers)
+        apply_recompute(recomputable_blocks(model), mesh.recompute, mesh.recompute_layers)

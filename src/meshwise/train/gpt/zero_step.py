@@ -18,7 +18,7 @@ replicated over different ranks: the dense ones over ``mesh.replicas`` (dp·ep·
 only over ``mesh.expert_replicas`` (dp·cp). ZeRO shards each kind over its own ranks
 (:func:`expert_replicas`, a :class:`~meshwise.parallel.zero.replicas.ReplicaGroup`): expert flat groups
 reduce-scatter and all-gather over dp·cp, their averaged gradient divided by ep (as
-:class:`~meshwise.parallel.expert_parallel.ExpertDataParallel` does), the optimizer steps on each kind's
+:class:`~meshwise.parallel.DataParallel` does), the optimizer steps on each kind's
 shards, the global norm counts every expert once (an expert shard is divided over dp·cp and ep), and the
 checkpoint holds each expert under its plain name (its global index) in the pieces of its dp·cp ranks, so
 it resumes as plain ``--ep``, another stage, or one process. Under ``--pp`` each stage's ZeRO shards its
@@ -71,7 +71,7 @@ class GPTZeroStep(ZeroStep):
 def expert_replicas(mesh: Mesh) -> tuple[ReplicaGroup, ...]:
     """Under ``--ep``: the experts, replicated over ``mesh.expert_replicas`` (dp·cp) only, their
     gradients there averaged and divided by ep (the combine's backward all-to-all already summed the ep
-    ranks' tokens into each expert: see :mod:`~meshwise.parallel.expert_parallel.data_parallel`)."""
+    ranks' tokens into each expert: see :mod:`~meshwise.parallel.expert_parallel.placement`)."""
     ep = mesh.ep.world_size
     if ep == 1:
         return ()
