@@ -123,10 +123,6 @@ class FlatGroup:
             work, self._gather_work = self._gather_work, None
             work.wait()
 
-    @property
-    def gathering(self) -> bool:
-        return self._gather_work is not None
-
     def free(self) -> None:
         """Drop the full parameters' storage (stage 3); views autograd saved keep pointing at it."""
         if not self.gathered:

@@ -51,7 +51,7 @@ class GradientSync:
         for group, unit in zip(self.groups, self._unit_of, strict=True):
             self._unit_size[unit] = self._unit_size.get(unit, 0) + len(group.params)
         self._reset()
-        self._unreduced: set[int] = set()  # groups that accumulated since their last reduction
+        self._unreduced: set[FlatGroup] = set()  # groups that accumulated since their last reduction
         this = weakref.ref(self)
         self._handles = [
             param.register_post_accumulate_grad_hook(_hook(this, gi, pi))
@@ -86,7 +86,7 @@ class GradientSync:
         self._unit_pending[unit] -= 1
         if self._unit_pending[unit] == 0:
             self._on_unit_done(unit)
-        self._unreduced.add(gi)
+        self._unreduced.add(group)
         if not self.sync:
             return
         self._pending[gi] -= 1
@@ -107,7 +107,7 @@ class GradientSync:
 
     def _finish_reduce(self, group: FlatGroup) -> None:
         group.finish_reduce(keep_full=self.stage == 1)
-        self._unreduced.discard(self.groups.index(group))
+        self._unreduced.discard(group)
 
     def _finish(self) -> None:
         """End of backward: every group is reduce-scattered (when synchronised) and awaited."""
@@ -131,13 +131,11 @@ class GradientSync:
     def reduce_accumulated(self, groups: Sequence[FlatGroup]) -> None:
         """Reduce-scatter now what backward accumulated under ``no_sync`` in ``groups`` (any stage: for a
         caller whose backward passes all ran under ``no_sync``, e.g. a pipeline's micro-batches)."""
-        asked = {id(group) for group in groups}
-        chosen = [gi for gi, g in enumerate(self.groups) if gi in self._unreduced and id(g) in asked]
-        for gi in chosen:
-            self.groups[gi].launch_reduce()
-        for gi in chosen:
-            self.groups[gi].finish_reduce(keep_full=self.stage == 1)
-            self._unreduced.discard(gi)
+        chosen = [group for group in groups if group in self._unreduced]
+        for group in chosen:
+            group.launch_reduce()
+        for group in chosen:
+            self._finish_reduce(group)
 
 
 def _hook(sync: weakref.ref[GradientSync], gi: int, pi: int) -> Callable[[torch.Tensor], None]:

@@ -1,36 +1,24 @@
 """Per-rank memory of sharded training, measured from the tensors held, and the ZeRO formulas.
 
 The ZeRO paper counts, per parameter, ``b_p`` bytes of parameters and ``b_g`` of gradients in the
-compute precision and ``K`` bytes of optimizer state (mixed-precision Adam: the float32 master copy plus
-two float32 moments, K = 12, so b_p = b_g = 2). With Ψ parameters on N ranks:
+compute precision and ``K`` bytes of optimizer state (mixed-precision Adam: a float32 master copy plus two
+float32 moments, K = 12; full-precision Adam: K = 8, the parameter being its own master). Stage 1 divides
+the optimizer state by N, stage 2 also the gradients, stage 3 also the parameters (the table in
+docs/zero.md). The report matches :func:`zero_formula` *exactly* once Ψ/N is read as the elements a rank
+really holds — Σ⌈Ψ_g/N⌉ over flat groups g — and Ψ as N times that: padding adds fewer than N elements per
+group, a rounding the paper ignores. A model with replica groups (an expert-parallel model's experts) is
+the sum of the table over its groups, each with its own Ψ and N.
 
-=========  ===========================  ======================  =======================
-stage      parameters                   gradients               optimizer state
-=========  ===========================  ======================  =======================
-0 (DDP)    b_p·Ψ                        b_g·Ψ                   K·Ψ
-1          b_p·Ψ                        b_g·Ψ                   K·Ψ/N
-2          b_p·Ψ                        b_g·Ψ/N                 K·Ψ/N
-3          b_p·Ψ/N                      b_g·Ψ/N                 K·Ψ/N
-=========  ===========================  ======================  =======================
-
-i.e. 16Ψ, 4Ψ + KΨ/N, 2Ψ + (2+K)Ψ/N and (4+K)Ψ/N. Full-precision Adam is the analogous 4 + 4 + 8 (the
-float32 parameter is its own master copy, so K = 8). The report matches the table *exactly* once Ψ/N is
-read as the elements a rank really holds — Σ⌈Ψ_g/N⌉ over flat groups g — and Ψ as N times that (the
-padded flat vectors): padding adds fewer than N elements per group, a rounding the paper ignores. A model
-with replica groups (an expert-parallel model's experts, sharded over their own N) is the sum of the
-table over its groups, each with its own Ψ and N.
-
-Optimizer state counts the tensors an optimizer keeps per element (Adam's moments, SGD's momentum) and a
-separate master copy; scalar state such as Adam's step counter is not per-element and is left out, as
-the formulas leave it out. ``peak_gathered`` is the most bytes of transient full-size buffers (gathered
-parameters, unsharded gradients) alive at once since the last :meth:`Tracker.reset_peak`; activations
-are not counted.
+Optimizer state counts the per-element tensors (Adam's moments, SGD's momentum) and a separate master
+copy; scalar state such as Adam's step counter is left out, as the formulas leave it out.
+``peak_gathered`` is the most bytes of transient full-size buffers (gathered parameters, unsharded
+gradients) alive at once since the last :meth:`Tracker.reset_peak`; activations are not counted.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -61,9 +49,6 @@ class MemoryReport:
             f"peak gathered {format_bytes(self.peak_gathered)}"
         )
 
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self) | {"total": self.total}
-
 
 def format_bytes(nbytes: float) -> str:
     """Bytes in the largest binary unit that keeps the number ≥ 1 (B, KiB, MiB, GiB)."""
@@ -77,7 +62,7 @@ def format_bytes(nbytes: float) -> str:
 def zero_formula(
     stage: int, shard_numel: int, world_size: int, *, param_bytes: int, grad_bytes: int, k: int
 ) -> tuple[int, int, int]:
-    """(parameters, gradients, optimizer state) bytes per rank from the ZeRO table above."""
+    """(parameters, gradients, optimizer state) bytes per rank by the ZeRO paper's table (stage 0: DDP)."""
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0..3, got {stage}")
     full, part = shard_numel * world_size, shard_numel
@@ -136,11 +121,9 @@ def rank_lines(
     for rank, values in enumerate(every.view(-1, len(fields)).tolist()):
         lines.append(f"rank {rank}: {replace(report, **dict(zip(fields, values, strict=True))).line()}")
     if k is not None:
-        group = model.groups[0]
-        param_bytes = group.full.element_size()
-        grad_bytes = torch.empty((), dtype=group.grad_dtype).element_size()
-        p = g = o = 0
-        worlds = []
+        param_bytes = model.groups[0].full.element_size()
+        grad_bytes = torch.empty((), dtype=model.groups[0].grad_dtype).element_size()
+        total, worlds = [0, 0, 0], []
         for index, replicas in enumerate(model.replica_groups):  # each sharded over its own N
             held = [grp for grp, of in zip(model.groups, model.replica_of, strict=True) if of == index]
             if held or index == 0:
@@ -149,8 +132,9 @@ def rank_lines(
                 parts = zero_formula(
                     model.stage, shard_numel, n, param_bytes=param_bytes, grad_bytes=grad_bytes, k=k
                 )
-                p, g, o = p + parts[0], g + parts[1], o + parts[2]
+                total = [a + b for a, b in zip(total, parts, strict=True)]
                 worlds.append(f"N = {n}" if index == 0 else f"{replicas.name} N = {n}")
+        p, g, o = total
         lines.append(
             f"formula: parameters {format_bytes(p)}, gradients {format_bytes(g)}, optimizer state "
             f"{format_bytes(o)} (total {format_bytes(p + g + o)}; stage {model.stage}, "

@@ -10,19 +10,15 @@ are this rank's float32 master shards, one per flat group::
     optimizer.step()                                            # then updated shards are re-gathered
 
 Any ``torch.optim`` optimizer works because it only ever sees ordinary parameters (the shards) with
-ordinary gradients: a hook around every optimizer step hands each shard its reduced gradient just before
-the step and, just after it, pushes the updated shard to the compute copies (stages 1/2 all-gather it;
-stage 3 gathers it when the unit next runs). An optimizer that still holds the original, unsharded
-parameters is refused at its first step, before it changes anything.
+ordinary gradients: optimizer-step hooks, registered once when this module is imported, hand each shard
+its reduced gradient just before the step and, just after it, push the updated shard to the compute
+copies (stages 1/2 all-gather it; stage 3 gathers it when the unit next runs). An optimizer that still
+holds the original, unsharded parameters is refused at its first step, before it changes anything.
 
-Parameters replicated over other ranks than ``comm`` — an expert-parallel model's experts — are named by
-``replica_groups`` (:mod:`~meshwise.parallel.zero.replicas`): their flat groups are sharded, reduced and
-gathered over their own ranks, with their own gradient scale.
-
-``state_dict()``/``load_state_dict()`` speak the plain model's full state dict (collective: every rank
-calls them; a replica group's parameters are this rank's, gathered over its replicas); a sharded state
-dict under the plain model's names, which DCP writes and reshards shard by shard, is
-:mod:`meshwise.parallel.zero.state_dict`'s.
+Parameters replicated over other ranks than ``comm`` (an expert-parallel model's experts:
+:mod:`~meshwise.parallel.zero.replicas`) are sharded, reduced and gathered over their own ranks.
+``state_dict()``/``load_state_dict()`` speak the plain model's full state dict (collective); the sharded
+one DCP writes is :mod:`meshwise.parallel.zero.state_dict`'s.
 """
 
 from __future__ import annotations
@@ -35,6 +31,8 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from torch.utils._pytree import tree_map_only
 
 from meshwise.comm.api import Communicator, ReduceOp
 from meshwise.parallel.data_parallel.buckets import MIB
@@ -45,9 +43,11 @@ from meshwise.parallel.zero.memory import MemoryReport, measure
 from meshwise.parallel.zero.precision import MixedPrecision
 from meshwise.parallel.zero.replicas import ReplicaGroup, replica_index
 from meshwise.parallel.zero.schedule import UnitSchedule
-from meshwise.parallel.zero.stepping import ORIGINAL, OWNER
 from meshwise.parallel.zero.units import ROOT, SeparateBy, default_units, plan_buckets_as_groups, plan_stage3
 from meshwise.world import current_world
+
+OWNER = "_meshwise_zero_owner"  # on a master shard: (weakref to its ShardedModel, group index)
+ORIGINAL = "_meshwise_zero_sharded"  # on a module parameter taken over by shard(): its name
 
 
 class ShardedModel(nn.Module):
@@ -128,7 +128,7 @@ class ShardedModel(nn.Module):
             on_backward_end=self._backward_done,
         )
         if stage < 3:
-            self._handles = _wait_before_use(module, self.groups)
+            _wait_before_use(module, self.groups)
         if stage == 3:
             self.schedule = UnitSchedule(
                 chosen, self.groups, unit_of, prefetch=prefetch,
@@ -155,7 +155,7 @@ class ShardedModel(nn.Module):
     # ------------------------------------------------------------------ forward / backward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.schedule is not None:
-            self.schedule.gather_root()
+            self.schedule.gather(ROOT)
         if self.precision is not None:
             args, kwargs = _cast((args, kwargs), self.precision.param_dtype)
         output = self.module(*args, **kwargs)
@@ -190,7 +190,7 @@ class ShardedModel(nn.Module):
         try:
             for group in self.groups:
                 group.gather()
-            self.schedule.gather_root()
+            self.schedule.gather(ROOT)
             yield
         finally:
             self.schedule.holding = False
@@ -299,17 +299,12 @@ class ShardedModel(nn.Module):
         return measure(self, optimizer)
 
     @torch.no_grad()
-    def full_flat(self, group: FlatGroup) -> torch.Tensor:
-        """The group's whole flat vector in the master dtype, gathered from its replicas' master shards."""
-        out = torch.empty(group.layout.padded_numel, dtype=group.master.dtype, device=group.device)
-        group.comm.all_gather(out, group.master.detach().contiguous())
-        return out
-
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
         """The plain model's full state dict in its own dtypes (collective: call it on every rank)."""
         values: dict[int, torch.Tensor] = {}
         for group in self.groups:
-            flat = self.full_flat(group)
+            flat = torch.empty(group.layout.padded_numel, dtype=group.master.dtype, device=group.device)
+            group.comm.all_gather(flat, group.master.detach().contiguous())
             for param, offset in zip(group.params, group.layout.offsets, strict=True):
                 values[id(param)] = flat[offset : offset + param.numel()].view(param.shape).clone()
         state = {}
@@ -336,22 +331,14 @@ class ShardedModel(nn.Module):
             if not isinstance(target, nn.Parameter):
                 target.copy_(value)
         for group, names in zip(self.groups, self.param_names, strict=True):
+            start, end = group.layout.shard_range(group.comm.rank)
             flat = torch.zeros(group.layout.padded_numel, dtype=group.master.dtype, device=group.device)
             for name, offset, numel in zip(names, group.layout.offsets, group.layout.numels, strict=True):
                 flat[offset : offset + numel].copy_(state_dict[name].reshape(-1))
-            self.load_flat(group, flat)
+            group.wait_gathered()
+            group.master.copy_(flat[start:end])
+            group.refresh()  # the compute copies: all-gathered (stages 1/2) or the compute shard (3)
         return nn.modules.module._IncompatibleKeys(missing, unexpected)
-
-    @torch.no_grad()
-    def load_flat(self, group: FlatGroup, flat: torch.Tensor) -> None:
-        """Set a group's parameters from its whole flat vector (present on every rank)."""
-        start, end = group.layout.shard_range(group.comm.rank)
-        group.wait_gathered()
-        group.master.copy_(flat[start:end])
-        if group.persistent:
-            group.full.copy_(flat)
-        elif group.compute_shard is not None and group.master_is_separate:
-            group.compute_shard.copy_(group.master)
 
 
 def shard(
@@ -420,30 +407,55 @@ def _check_parameters(named: Mapping[str, nn.Parameter], precision: MixedPrecisi
             )
 
 
-def _wait_before_use(module: nn.Module, groups: Sequence[FlatGroup]) -> list[Any]:
+def _wait_before_use(module: nn.Module, groups: Sequence[FlatGroup]) -> None:
     """Stages 1/2: forward pre-hooks that wait, module by module, for the all-gathers started after the
     last step, so the gather of later layers overlaps the forward of earlier ones."""
     group_of = {id(param): group for group in groups for param in group.params}
-    handles = []
     for sub in module.modules():
-        mine = {id(group_of[id(p)]): group_of[id(p)] for p in sub.parameters(recurse=False)}
-        if mine:
-            needed = list(mine.values())
+        needed = list({id(group_of[id(p)]): group_of[id(p)] for p in sub.parameters(recurse=False)}.values())
+        if needed:
 
             def hook(_module: nn.Module, _args: Any, needed: list[FlatGroup] = needed) -> None:
                 for group in needed:
                     group.wait_gathered()
 
-            handles.append(sub.register_forward_pre_hook(hook))
-    return handles
+            sub.register_forward_pre_hook(hook)
 
 
 def _cast(value: Any, dtype: torch.dtype) -> Any:
-    """Floating tensors in nested tuples/lists/dicts cast to ``dtype``; everything else unchanged."""
-    if isinstance(value, torch.Tensor):
-        return value.to(dtype) if value.is_floating_point() else value
-    if isinstance(value, tuple | list):
-        return type(value)(_cast(v, dtype) for v in value)
-    if isinstance(value, dict):
-        return {k: _cast(v, dtype) for k, v in value.items()}
-    return value
+    """Floating tensors anywhere in ``value`` (nested tuples/lists/dicts) cast to ``dtype``."""
+    return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, value)
+
+
+def _sharded_groups(optimizer: torch.optim.Optimizer) -> list[tuple[ShardedModel, list[FlatGroup]]]:
+    """The sharded models whose shards ``optimizer`` holds, each with those groups (in group order)."""
+    found: dict[int, tuple[ShardedModel, set[int]]] = {}
+    for param_group in optimizer.param_groups:
+        for param in param_group["params"]:
+            owner = getattr(param, OWNER, None)
+            if owner is None:
+                name = getattr(param, ORIGINAL, None)
+                if name is not None:
+                    raise RuntimeError(
+                        f"{type(optimizer).__name__} holds the unsharded parameter {name!r} of a model that "
+                        "was sharded: build the optimizer after shard(), on the sharded model's "
+                        "parameters, e.g. torch.optim.AdamW(sharded.parameters(), ...)"
+                    )
+                continue
+            model = owner[0]()
+            if model is not None:
+                found.setdefault(id(model), (model, set()))[1].add(owner[1])
+    return [(model, [model.groups[i] for i in sorted(indices)]) for model, indices in found.values()]
+
+
+def _pre_step(optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+    for model, groups in _sharded_groups(optimizer):
+        model.before_step(groups)
+
+
+def _post_step(optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+    for model, groups in _sharded_groups(optimizer):
+        model.after_step(groups)
+
+
+_HOOKS = (register_optimizer_step_pre_hook(_pre_step), register_optimizer_step_post_hook(_post_step))

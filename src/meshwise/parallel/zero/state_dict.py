@@ -1,7 +1,7 @@
 """ZeRO's flat shards described for the one checkpoint writer (:mod:`meshwise.parallel.state_dict`).
 
 A flat master shard cuts parameters at arbitrary element offsets, so this rank's piece of a parameter is
-the few rectangular boxes covering its range (:func:`~.rectangles.boxes`), computed from the layout every
+the few rectangular boxes covering its range (:func:`~.layout.boxes`), computed from the layout every
 rank knows: no metadata is exchanged, padding is never written, and no rank ever holds a whole tensor —
 the point of ZeRO when a model does not fit. Each flat group is one
 :class:`~meshwise.parallel.state_dict.Held` whose parts are its parameters' rectangles: views of the
@@ -21,7 +21,7 @@ import torch
 from meshwise.parallel.placement import Placement
 from meshwise.parallel.state_dict import Chunk, Held, Part, PlainLayout, plain_chunks
 from meshwise.parallel.zero.flat import FlatGroup
-from meshwise.parallel.zero.rectangles import boxes
+from meshwise.parallel.zero.layout import boxes
 from meshwise.parallel.zero.sharded import ShardedModel
 
 

@@ -37,10 +37,9 @@ SeparateBy = Callable[[str, nn.Parameter], Hashable]
 
 @dataclass(frozen=True)
 class GroupPlan:
-    """One flat group: parameter names (module order), whether they train, the unit that gathers them."""
+    """One flat group: parameter names (module order) and the unit that gathers them."""
 
     names: tuple[str, ...]
-    trainable: bool
     unit: int = ROOT
 
 
@@ -58,27 +57,24 @@ def default_units(model: nn.Module) -> list[nn.Module]:
     return units
 
 
-def unit_names(model: nn.Module, units: Sequence[nn.Module]) -> list[str]:
-    """The module path of each unit; a clear error for a module that is not part of ``model``."""
-    paths = {id(module): name for name, module in model.named_modules()}
-    names = []
+def _check_units(model: nn.Module, units: Sequence[nn.Module]) -> None:
+    """A clear error for a unit that is not a module of ``model``."""
+    inside = {id(module) for module in model.modules()}
     for index, unit in enumerate(units):
         if not isinstance(unit, nn.Module):
             raise TypeError(f"units[{index}] is a {type(unit).__name__}, not an nn.Module")
-        if unit is model or id(unit) not in paths:
+        if unit is model or id(unit) not in inside:
             raise ValueError(
                 f"units[{index}] ({type(unit).__name__}) is not a submodule of the model being sharded: "
                 "pass modules taken from the model itself (e.g. list(model.blocks))"
             )
-        names.append(paths[id(unit)])
-    return names
 
 
 def plan_stage3(
     model: nn.Module, units: Sequence[nn.Module], separate_by: SeparateBy | None = None
 ) -> list[GroupPlan]:
     """Groups per unit (index 1.. in forward order), root (index 0) last, in gradient-ready order."""
-    unit_names(model, units)
+    _check_units(model, units)
     named = dict(model.named_parameters())
     owner_of: dict[str, int] = {}
     by_id = {id(p): name for name, p in named.items()}
@@ -121,4 +117,4 @@ def _split(
         mine = separate_by(name, param) if separate_by is not None else None
         key = (not param.requires_grad, str(param.dtype), str(param.device), mine)
         keyed.setdefault(key, []).append(name)
-    return [GroupPlan(tuple(members), not key[0], unit) for key, members in keyed.items()]
+    return [GroupPlan(tuple(members), unit) for members in keyed.values()]
