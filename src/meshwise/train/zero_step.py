@@ -1,18 +1,14 @@
 """The ZeRO :class:`~meshwise.train.step.ParallelStep` (``--zero 1|2|3`` of ``meshwise train``): any
-model sharded by :func:`~meshwise.parallel.zero.shard` over ``mesh.replicas``.
-
-How it meets the seam's contract, whatever the model:
+model sharded by :func:`~meshwise.parallel.zero.shard` over ``mesh.replicas``, whatever the model:
 
 - the optimizer (the caller's factory) steps this rank's float32 master shards;
-- the gradient norm for clipping is the whole model's, each flat group's shard counted by its
+- the clipping norm is the whole model's, each flat group's shard counted by its
   :class:`~meshwise.parallel.placement.Placement` (:func:`shard_axes`);
-- under mixed precision the model computes with bf16/fp16 copies of the masters; fp16 adds a
-  :class:`~meshwise.parallel.zero.LossScaler`, and a step whose gradient overflowed on any rank is skipped
-  on every rank;
-- checkpoints are the seam's one writer fed with the rectangles of this rank's flat ranges
-  (:meth:`ZeroStep.held`): the plain model's names and shapes, so a run resumes under any stage, as plain
-  data parallelism, or on another number of ranks, while every rank writes and reads only its own
-  elements.
+- fp16 adds a :class:`~meshwise.parallel.zero.LossScaler`; a step whose gradient overflowed on any rank
+  is skipped on every rank;
+- checkpoints are the seam's one writer fed with the rectangles of this rank's flat ranges, under the
+  plain model's names and shapes: a run resumes under any stage, as plain data parallelism, or on
+  another number of ranks, while every rank writes and reads only its own elements.
 
 What is model-specific arrives as :func:`~meshwise.parallel.zero.shard`'s options (the GPT's:
 :mod:`meshwise.train.gpt.zero_step`).

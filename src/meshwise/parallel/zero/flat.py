@@ -38,11 +38,9 @@ class Tracker:
         self.peak = 0
 
     def add(self, nbytes: int) -> None:
+        """Count ``nbytes`` more (fewer, when negative) alive now."""
         self.current += nbytes
         self.peak = max(self.peak, self.current)
-
-    def sub(self, nbytes: int) -> None:
-        self.current -= nbytes
 
     def reset_peak(self) -> None:
         self.peak = self.current
@@ -60,7 +58,7 @@ class FlatGroup:
         *,
         compute_dtype: torch.dtype,
         grad_dtype: torch.dtype,
-        persistent: bool,
+        stage: int,
         tracker: Tracker,
         grad_scale: float = 1.0,
     ) -> None:
@@ -69,7 +67,8 @@ class FlatGroup:
         self.comm = comm
         self.layout = FlatLayout(tuple(p.numel() for p in self.params), comm.world_size)
         self.trainable = self.params[0].requires_grad
-        self.persistent = persistent
+        self.persistent = stage < 3  # the full parameters stay gathered between steps
+        self.keeps_full_grad = stage == 1  # the ZeRO-1 memory model: unsharded gradients stay
         self.grad_dtype = grad_dtype
         self.grad_scale = grad_scale  # its replica group's factor on every local gradient (1/ep: experts)
         self.tracker = tracker
@@ -79,12 +78,12 @@ class FlatGroup:
             for param, offset in zip(self.params, self.layout.offsets, strict=True):
                 flat[offset : offset + param.numel()].copy_(param.detach().reshape(-1))
         start, end = self.layout.shard_range(comm.rank)
-        self.master_is_separate = compute_dtype != master_dtype or not persistent
+        self.master_is_separate = compute_dtype != master_dtype or not self.persistent
         master = flat[start:end].clone() if self.master_is_separate else flat[start:end]
         self.master = nn.Parameter(master, requires_grad=self.trainable)
         self.full = flat if compute_dtype == master_dtype else flat.to(compute_dtype)
         self.compute_shard: torch.Tensor | None = None
-        if not persistent:
+        if not self.persistent:
             same = compute_dtype == master_dtype
             self.compute_shard = self.master.detach() if same else self.master.detach().to(compute_dtype)
         for param, offset in zip(self.params, self.layout.offsets, strict=True):
@@ -98,9 +97,14 @@ class FlatGroup:
         self.exposed = False  # ... and is already master.grad (possibly unscaled: not to be exposed again)
         self._reduce_work: Work | None = None
         self._reduce_out: torch.Tensor | None = None
-        if not persistent:
+        if not self.persistent:
             self.tracker.add(self._full_bytes)  # counted while gathered, like every later gather
             self.free()
+        if self.trainable:  # the gradient buffer the stage keeps, up front so the memory report is exact
+            if self.keeps_full_grad:
+                self.flat_grad = torch.zeros(self.layout.padded_numel, dtype=grad_dtype, device=device)
+            else:
+                self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=grad_dtype, device=device)
 
     # ------------------------------------------------------------------ parameters
     @property
@@ -129,7 +133,7 @@ class FlatGroup:
             return
         self.wait_gathered()
         self.full.untyped_storage().resize_(0)
-        self.tracker.sub(self._full_bytes)
+        self.tracker.add(-self._full_bytes)
         self.gathered = False
 
     def refresh(self) -> None:
@@ -147,15 +151,6 @@ class FlatGroup:
             self._gather_work = self.comm.all_gather(self.full, self.slot, async_op=True)
 
     # ------------------------------------------------------------------ gradients
-    def allocate_gradients(self, keep_full: bool) -> None:
-        """The buffers a stage keeps between steps, allocated up front so the memory report is exact."""
-        if not self.trainable:
-            return
-        if keep_full:
-            self.flat_grad = torch.zeros(self.layout.padded_numel, dtype=self.grad_dtype, device=self.device)
-        else:
-            self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=self.grad_dtype, device=self.device)
-
     @property
     def device(self) -> torch.device:
         return self.master.device
@@ -187,7 +182,7 @@ class FlatGroup:
     def reduce_landed(self) -> bool:
         return self._reduce_work is not None and self._reduce_work.is_completed()
 
-    def finish_reduce(self, keep_full: bool) -> None:
+    def finish_reduce(self) -> None:
         """Wait for the reduce-scatter; add the result to the gradient shard; drop or zero the full one."""
         assert self._reduce_work is not None and self._reduce_out is not None
         self._reduce_work.wait()
@@ -198,10 +193,10 @@ class FlatGroup:
             self.grad_shard.add_(out)
         self.has_grad = True
         assert self.flat_grad is not None
-        if keep_full:
+        if self.keeps_full_grad:
             self.flat_grad.zero_()
         else:
-            self.tracker.sub(self.flat_grad.untyped_storage().nbytes())
+            self.tracker.add(-self.flat_grad.untyped_storage().nbytes())
             self.flat_grad = None
 
     def expose_gradient(self, float32: bool = False) -> torch.Tensor | None:
@@ -225,13 +220,13 @@ class FlatGroup:
             return self.master.grad
         return self.grad_shard if self.has_grad else None
 
-    def release_gradient(self, keep_shard: bool) -> None:
+    def release_gradient(self) -> None:
         """After the step (or instead of a skipped one): the gradient was consumed."""
         self.master.grad = None
         self.has_grad = False
         self.exposed = False
         if self.grad_shard is not None:
-            if keep_shard:
+            if not self.keeps_full_grad:  # stages 2/3 keep their gradient shard
                 self.grad_shard.zero_()
             else:
                 self.grad_shard = None

@@ -22,6 +22,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from itertools import accumulate
 from typing import NamedTuple
 
 
@@ -63,7 +64,7 @@ class FlatLayout:
     @cached_property
     def offsets(self) -> tuple[int, ...]:
         """Element offset of each parameter in the flat vector."""
-        return tuple(sum(self.numels[:index]) for index in range(len(self.numels)))
+        return tuple(accumulate(self.numels[:-1], initial=0))
 
     @property
     def numel(self) -> int:

@@ -30,8 +30,6 @@ if TYPE_CHECKING:
 class MemoryReport:
     """Bytes one rank holds between steps, by kind, and the transient peak during a step."""
 
-    stage: int
-    world_size: int
     shard_numel: int  # elements this rank holds of every group (Σ⌈Ψ_g/N⌉); Ψ = N · shard_numel
     parameters: int
     gradients: int
@@ -96,8 +94,6 @@ def measure(model: ShardedModel, optimizer: torch.optim.Optimizer | None) -> Mem
                 if isinstance(value, torch.Tensor) and value.numel() == master.numel():
                     optimizer_state += value.numel() * value.element_size()
     return MemoryReport(
-        stage=model.stage,
-        world_size=model.comm.world_size,
         shard_numel=sum(g.layout.shard_numel for g in model.groups),
         parameters=parameters,
         gradients=gradients,
@@ -120,21 +116,20 @@ def rank_lines(
     lines = []
     for rank, values in enumerate(every.view(-1, len(fields)).tolist()):
         lines.append(f"rank {rank}: {replace(report, **dict(zip(fields, values, strict=True))).line()}")
-    if k is not None:
+    if k is not None:  # the table per flat group (each sharded over its replica group's N), summed
         param_bytes = model.groups[0].full.element_size()
         grad_bytes = torch.empty((), dtype=model.groups[0].grad_dtype).element_size()
-        total, worlds = [0, 0, 0], []
-        for index, replicas in enumerate(model.replica_groups):  # each sharded over its own N
-            held = [grp for grp, of in zip(model.groups, model.replica_of, strict=True) if of == index]
-            if held or index == 0:
-                n = replicas.comm.world_size
-                shard_numel = sum(grp.layout.shard_numel for grp in held)
-                parts = zero_formula(
-                    model.stage, shard_numel, n, param_bytes=param_bytes, grad_bytes=grad_bytes, k=k
-                )
-                total = [a + b for a, b in zip(total, parts, strict=True)]
-                worlds.append(f"N = {n}" if index == 0 else f"{replicas.name} N = {n}")
-        p, g, o = total
+        parts = [
+            zero_formula(model.stage, group.layout.shard_numel, group.comm.world_size,
+                         param_bytes=param_bytes, grad_bytes=grad_bytes, k=k)
+            for group in model.groups
+        ]  # fmt: skip
+        p, g, o = (sum(column) for column in zip(*parts, strict=True))
+        worlds = [
+            f"{'' if index == 0 else replicas.name + ' '}N = {replicas.comm.world_size}"
+            for index, replicas in enumerate(model.replica_groups)
+            if index == 0 or index in model.replica_of
+        ]
         lines.append(
             f"formula: parameters {format_bytes(p)}, gradients {format_bytes(g)}, optimizer state "
             f"{format_bytes(o)} (total {format_bytes(p + g + o)}; stage {model.stage}, "

@@ -30,7 +30,6 @@ if TYPE_CHECKING:
     from meshwise.parallel.zero.sharded import ShardedModel
 
 _NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-_HALF = (torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True)
@@ -45,9 +44,7 @@ class MixedPrecision:
     def __post_init__(self) -> None:
         for name in ("param_dtype", "reduce_dtype", "output_dtype"):
             value = getattr(self, name)
-            if value is None:
-                continue
-            if value not in (*_HALF, torch.float32):
+            if value is not None and value not in _NAMES.values():
                 raise ValueError(f"{name} must be torch.bfloat16, float16 or float32, got {value}")
 
     @property

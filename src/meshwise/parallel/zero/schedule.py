@@ -16,6 +16,7 @@ ends, or at the end of a forward without autograd (evaluation).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -47,8 +48,8 @@ class UnitSchedule:
         #: set by :meth:`ShardedModel.gathered`: every unit stays gathered, the hooks free nothing
         self.holding = False
         for index, module in enumerate(units, start=1):
-            module.register_forward_pre_hook(self._before_forward(index))
-            module.register_forward_hook(self._after_forward(index))
+            module.register_forward_pre_hook(partial(self._before_forward, index))
+            module.register_forward_hook(partial(self._after_forward, index))
 
     def gather(self, unit: int, wait: bool = True) -> None:
         """Start ``unit``'s gather (if no prefetch did) and, with ``wait``, make its parameters usable now."""
@@ -67,32 +68,22 @@ class UnitSchedule:
         for unit in self._groups:
             self.free(unit)
 
-    def _before_forward(self, index: int) -> Callable[..., None]:
-        def hook(_module: nn.Module, _args: Any) -> None:
-            self.gather(index)
-            for ahead in range(index + 1, min(index + self.prefetch, len(self._groups) - 1) + 1):
-                self.gather(ahead, wait=False)
+    def _before_forward(self, index: int, _module: nn.Module, _args: Any) -> None:
+        self.gather(index)
+        for ahead in range(index + 1, min(index + self.prefetch, len(self._groups) - 1) + 1):
+            self.gather(ahead, wait=False)
 
-        return hook
+    def _after_forward(self, index: int, _module: nn.Module, _args: Any, output: Any) -> None:
+        if torch.is_grad_enabled():
+            for tensor in tree_leaves(output):
+                if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                    tensor.register_hook(partial(self._before_backward, index))
+        if self.reshard_after_forward or not torch.is_grad_enabled():
+            self.free(index)
 
-    def _after_forward(self, index: int) -> Callable[..., None]:
-        def hook(_module: nn.Module, _args: Any, output: Any) -> None:
-            if torch.is_grad_enabled():
-                for tensor in tree_leaves(output):
-                    if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
-                        tensor.register_hook(self._before_backward(index))
-            if self.reshard_after_forward or not torch.is_grad_enabled():
-                self.free(index)
-
-        return hook
-
-    def _before_backward(self, index: int) -> Callable[[torch.Tensor], None]:
+    def _before_backward(self, index: int, _grad: torch.Tensor) -> None:
         """A hook on the unit's outputs: their gradient is ready, so the unit's backward is next."""
-
-        def hook(_grad: torch.Tensor) -> None:
-            self._on_backward_start()
-            self.gather(index)
-            for behind in range(index - 1, max(index - self.prefetch, 1) - 1, -1):
-                self.gather(behind, wait=False)
-
-        return hook
+        self._on_backward_start()
+        self.gather(index)
+        for behind in range(index - 1, max(index - self.prefetch, 1) - 1, -1):
+            self.gather(behind, wait=False)

@@ -78,11 +78,11 @@ class ShardedModel(nn.Module):
         self.tracker = Tracker()
         #: index 0: the model's own replicas (``comm``, every parameter no other group owns)
         self.replica_groups = [ReplicaGroup("model", comm, lambda _name, _param: True), *replica_groups]
+        replica_of = {name: replica_index(replica_groups, name, param) for name, param in named.items()}
 
         def separate(name: str, param: nn.Parameter) -> tuple[int, Any]:
             """Never one flat group over two replica groups (nor two of the caller's kinds)."""
-            mine = separate_by(name, param) if separate_by is not None else None
-            return replica_index(replica_groups, name, param), mine
+            return replica_of[name], separate_by(name, param) if separate_by is not None else None
 
         if stage == 3:
             chosen = list(units) if units is not None else default_units(module)
@@ -93,15 +93,13 @@ class ShardedModel(nn.Module):
         # every rank starts from its replica group's first rank's weights (buffers: the model's)
         members: list[list[torch.Tensor]] = [[] for _ in self.replica_groups]
         for name, param in named.items():
-            members[replica_index(replica_groups, name, param)].append(param)
+            members[replica_of[name]].append(param)
         members[0] += list(module.buffers())
         for replicas, tensors in zip(self.replica_groups, members, strict=True):
             broadcast_tensors(tensors, replicas.comm)
         self.groups: list[FlatGroup] = []
         #: each flat group's replica group (an index into :attr:`replica_groups`)
-        self.replica_of = [
-            replica_index(replica_groups, plan.names[0], named[plan.names[0]]) for plan in plans
-        ]
+        self.replica_of = [replica_of[plan.names[0]] for plan in plans]
         for index, plan in enumerate(plans):
             params = [named[name] for name in plan.names]
             first = params[0]
@@ -110,9 +108,8 @@ class ShardedModel(nn.Module):
             grad = mixed_precision.gradient_dtype if mixed_precision else first.dtype
             group = FlatGroup(
                 f"shard{index}", params, replicas.comm, compute_dtype=compute, grad_dtype=grad,
-                persistent=stage < 3, tracker=self.tracker, grad_scale=replicas.grad_scale,
+                stage=stage, tracker=self.tracker, grad_scale=replicas.grad_scale,
             )  # fmt: skip
-            group.allocate_gradients(keep_full=stage == 1)
             setattr(group.master, OWNER, (weakref.ref(self), index))
             for name, param in zip(plan.names, params, strict=True):
                 setattr(param, ORIGINAL, name)
@@ -120,20 +117,14 @@ class ShardedModel(nn.Module):
         self.param_names = [plan.names for plan in plans]
         unit_of = [plan.unit for plan in plans]
         self.schedule: UnitSchedule | None = None
-        self._grads = GradientSync(
-            self.groups,
-            stage=stage,
-            unit_of=unit_of,
-            on_unit_done=self._unit_done,
-            on_backward_end=self._backward_done,
-        )
-        if stage < 3:
-            _wait_before_use(module, self.groups)
         if stage == 3:
             self.schedule = UnitSchedule(
-                chosen, self.groups, unit_of, prefetch=prefetch,
-                reshard_after_forward=reshard_after_forward, on_backward_start=self._grads.ensure_callback,
+                chosen, self.groups, unit_of, prefetch=prefetch, reshard_after_forward=reshard_after_forward,
+                on_backward_start=lambda: self._grads.ensure_callback(),
             )  # fmt: skip
+        else:
+            _wait_before_use(module, self.groups)
+        self._grads = GradientSync(self.groups, stage=stage, unit_of=unit_of, schedule=self.schedule)
 
     # ------------------------------------------------------------------ parameters the optimizer sees
     def named_parameters(
@@ -177,11 +168,9 @@ class ShardedModel(nn.Module):
 
     @contextmanager
     def gathered(self) -> Iterator[None]:
-        """Stage 3: every unit's parameters gathered for the whole block and freed at its end, whatever
-        runs inside — a pipeline stage's step, whose chunks the executor calls directly and whose
-        micro-batches alternate forward and backward on the same units. The gathers start together; the
-        root's (no unit's forward hook waits for it) are awaited here, each unit's by its forward hook, so
-        they overlap the first forwards. Stages 1/2 keep their parameters gathered anyway."""
+        """Stage 3: every unit's parameters gathered for the whole block (a pipeline stage's step, whose
+        micro-batches alternate forward and backward on the same units) and freed at its end. The root's
+        gathers are awaited here, each unit's by its forward hook, so they overlap the first forwards."""
         if self.schedule is None:
             self.wait_gathered()  # the all-gathers of the last step's update land first
             yield
@@ -202,14 +191,6 @@ class ShardedModel(nn.Module):
         for group in self.groups:
             group.wait_gathered()
 
-    def _unit_done(self, unit: int) -> None:
-        if self.schedule is not None and unit != ROOT:
-            self.schedule.free(unit)
-
-    def _backward_done(self) -> None:
-        if self.schedule is not None:
-            self.schedule.free_all()
-
     # ------------------------------------------------------------------ around the optimizer step
     def before_step(self, groups: Sequence[FlatGroup]) -> None:
         for group in groups:  # an all-gather still reading a slot must land before the slot changes
@@ -220,7 +201,7 @@ class ShardedModel(nn.Module):
 
     def after_step(self, groups: Sequence[FlatGroup]) -> None:
         for group in groups:
-            group.release_gradient(keep_shard=self.stage > 1)
+            group.release_gradient()
         for group in groups:
             group.refresh()
 
@@ -242,15 +223,13 @@ class ShardedModel(nn.Module):
         """Forget this step's reduced gradients (a loss-scaled step with an overflow is skipped): the
         optimizer then finds no gradient and changes neither parameters nor its state."""
         for group in self.groups:
-            group.release_gradient(keep_shard=self.stage > 1)
+            group.release_gradient()
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Scale every gradient shard so the norm of the whole (unsharded) gradient is at most
-        ``max_norm``, exactly as ``torch.nn.utils.clip_grad_norm_`` on the plain model; returns that norm.
-        ``max_norm=math.inf`` only measures. One reduction over ``comm`` counts every element once, the
-        replica groups' too (their ranks and ``comm``'s others hold disjoint parts: see
-        :mod:`~meshwise.parallel.zero.replicas`)."""
+        """``torch.nn.utils.clip_grad_norm_`` of the plain model, on the shards; returns the norm
+        (``max_norm=math.inf`` only measures). One reduction over ``comm`` counts every element once, the
+        replica groups' too (:mod:`~meshwise.parallel.zero.replicas`)."""
         if norm_type not in (2.0, math.inf):
             raise ValueError(f"norm_type must be 2.0 or math.inf, got {norm_type}")
         pending = self.gradient_shards()

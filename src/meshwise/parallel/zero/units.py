@@ -2,19 +2,16 @@
 
 A *group* is one flat vector sharded over the ranks (one all-gather, one reduce-scatter). Groups never
 mix trainable and frozen parameters (frozen ones have no gradient to reduce and must not reach the
-optimizer) nor dtypes.
+optimizer), dtypes, nor the keys of a caller's ``separate_by`` — so an optimizer can treat kinds apart
+exactly (AdamW decaying matrices but not biases), each flat shard belonging to one param group.
 
-- A caller may add its own key (``separate_by``): parameters with different keys never share a group, so an
-  optimizer can treat them differently, e.g. AdamW decaying matrices but not biases and LayerNorm gains —
-  exactly, because each flat shard then belongs to a single optimizer param group.
-- Stages 1 and 2 keep every parameter gathered, so a group is only a communication bucket: trainable
-  parameters are bucketed exactly as DataParallel's all-reduces are (reverse parameter order, small first
-  bucket), so the first reduce-scatter starts while backward is still busy with the early layers.
-- Stage 3 gathers parameters unit by unit. A unit is a module — each parameter-holding child by default,
-  or the list the caller passes (a model's plan: its repeated layers) — and its groups are gathered just
-  before its forward and backward and freed after them. Everything no unit owns (with a GPT's plan: the
-  embeddings, final norm and tied head), and any parameter used by two units, belongs to the *root*,
-  which stays gathered from the start of forward to the end of backward.
+- Stages 1 and 2 keep every parameter gathered, so a group is only a communication bucket, planned as
+  DataParallel's (reverse parameter order, small first bucket: the first reduce-scatter starts while
+  backward is still busy with the early layers).
+- Stage 3 gathers parameters unit by unit: a unit is a module (each parameter-holding child by default, or
+  the caller's list — a model's plan gives its repeated layers). Everything no unit owns, and any
+  parameter two units use, belongs to the *root*, gathered from the start of forward to the end of
+  backward.
 
 Groups are listed in the order their gradients become ready (the order reduce-scatters are launched in,
 identical on every rank): for stage 3 the last unit first and the root last.

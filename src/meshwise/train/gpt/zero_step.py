@@ -1,20 +1,10 @@
 """``meshwise train gpt --zero 1|2|3``: the model-agnostic :class:`~meshwise.train.zero_step.ZeroStep`
-given what is the GPT's.
-
-- AdamW with the data-parallel path's parameter groups: ``shard(separate_by=...)`` never puts decayed
-  and undecayed parameters in one flat group, so each master shard belongs to exactly one optimizer group
-  and the update is the plain model's, element for element — no per-element mask needed;
-- ``--dtype bf16|fp16`` computes with bf16/fp16 copies of float32 master shards (fp16 with a loss scaler);
-- stage 3's units are the GPT blocks (the plan's layers);
-- with ``--tp`` the model arrives as this rank's tensor-parallel shard (Megatron's distributed optimizer
-  layout; FSDP2 over DTensor TP with the flat range in place of its dim-0 chunk), and flat groups keep tp
-  shards and tp-replicated parameters apart (:func:`tensor_parallel_key`), so each gradient shard has one
-  placement;
-- with ``--ep`` the dense weights are replicated over ``mesh.replicas`` (dp·ep·cp) but a rank's experts
-  only over ``mesh.expert_replicas`` (dp·cp): ZeRO shards each kind over its own ranks
-  (:func:`expert_replicas`), so the checkpoint holds each expert under its plain name and resumes as plain
-  ``--ep``, another stage, or one process. Under ``--pp`` each stage's ZeRO does the same
-  (:func:`~meshwise.train.gpt.pipeline_step.stage_zero`).
+given what is the GPT's: AdamW's decay groups and tensor-parallel shards kept apart in the flat groups
+(:func:`tensor_parallel_key`: each master shard then belongs to one optimizer group and has one
+placement, so the update and the norm are the plain model's, element for element), ``--dtype`` as the
+compute copies' precision, the GPT blocks as stage 3's units, and under ``--ep`` the experts sharded
+over their own replicas (:func:`expert_replicas`). Under ``--pp`` each stage's ZeRO uses the same
+options (:func:`~meshwise.train.gpt.pipeline_step.stage_zero`).
 """
 
 from __future__ import annotations
