@@ -33,13 +33,6 @@ from meshwise.parallel.zero.sharded import ShardedModel
 from meshwise.parallel.zero.state_dict import zero_held
 from meshwise.train.step import Batch, Local, OptimizerFactory, ParallelStep
 
-#: The axes ZeRO shards over: ``mesh.replicas``, the ranks holding the same weights (dp, and cp whose
-#: ranks see other tokens of the same sequences).
-REPLICAS = frozenset(GROUPINGS["replicas"])
-#: The axes an expert's flat shards are divided over: ZeRO's (``mesh.expert_replicas``, dp·cp) and ep,
-#: whose ranks hold other experts.
-EXPERT_SHARDS = frozenset(GROUPINGS["expert_replicas"]) | {"ep"}
-
 
 class ZeroStep(ParallelStep):
     """This rank's master shards of ``local.model``, the optimizer over them, and (fp16) a loss scaler.
@@ -125,7 +118,8 @@ def loss_scale_lines(scaler: LossScaler | None) -> list[str]:
 
 
 def shard_axes(param: nn.Parameter, expert: bool) -> frozenset[str]:
-    """The mesh axes a flat group's shard of ``param``'s kind is divided over: its replicas (ZeRO's
-    shard; for experts, also ep, whose ranks hold other experts) and tp for tensor-parallel shards."""
-    axes = EXPERT_SHARDS if expert else REPLICAS
+    """The mesh axes a flat group's shard of ``param``'s kind is divided over: the replicas ZeRO shards
+    it over (``mesh.replicas``; an expert's ``mesh.expert_replicas`` and ep, whose ranks hold other
+    experts) and tp for tensor-parallel shards."""
+    axes = frozenset(GROUPINGS["expert_replicas"]) | {"ep"} if expert else frozenset(GROUPINGS["replicas"])
     return axes | {"tp"} if shard_dim(param) is not None else axes

@@ -81,11 +81,9 @@ class FlatGroup:
         self.master_is_separate = compute_dtype != master_dtype or not self.persistent
         master = flat[start:end].clone() if self.master_is_separate else flat[start:end]
         self.master = nn.Parameter(master, requires_grad=self.trainable)
-        self.full = flat if compute_dtype == master_dtype else flat.to(compute_dtype)
-        self.compute_shard: torch.Tensor | None = None
-        if not self.persistent:
-            same = compute_dtype == master_dtype
-            self.compute_shard = self.master.detach() if same else self.master.detach().to(compute_dtype)
+        self.full = flat.to(compute_dtype)  # flat itself in the master's dtype
+        # stage 3's all-gather input (the master's own storage in the master's dtype)
+        self.compute_shard = None if self.persistent else self.master.detach().to(compute_dtype)
         for param, offset in zip(self.params, self.layout.offsets, strict=True):
             param.data = self.full[offset : offset + param.numel()].view(param.shape)
         self._full_bytes = self.full.untyped_storage().nbytes()
@@ -107,11 +105,6 @@ class FlatGroup:
                 self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=grad_dtype, device=device)
 
     # ------------------------------------------------------------------ parameters
-    @property
-    def slot(self) -> torch.Tensor:
-        start, end = self.layout.shard_range(self.comm.rank)
-        return self.full[start:end]
-
     def gather(self) -> None:
         """Start re-materialising the full parameters (stage 3); :meth:`wait_gathered` completes it."""
         if self.gathered:
@@ -146,9 +139,10 @@ class FlatGroup:
                 if self.master_is_separate and self.compute_shard is not None:
                     self.compute_shard.copy_(self.master)
                 return
+            start, end = self.layout.shard_range(self.comm.rank)
             if self.master_is_separate:
-                self.slot.copy_(self.master)
-            self._gather_work = self.comm.all_gather(self.full, self.slot, async_op=True)
+                self.full[start:end].copy_(self.master)
+            self._gather_work = self.comm.all_gather(self.full, self.full[start:end], async_op=True)
 
     # ------------------------------------------------------------------ gradients
     @property

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import weakref
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from functools import partial
 
 import torch
 
@@ -34,11 +35,9 @@ class GradientSync:
         self,
         groups: Sequence[FlatGroup],
         *,
-        stage: int,
         unit_of: Sequence[int],
         schedule: UnitSchedule | None,
     ) -> None:
-        self.stage = stage
         self.sync = True
         self.schedule = schedule  # stage 3's: told when a unit's backward is over, and backward's end
         trainable = [(group, unit) for group, unit in zip(groups, unit_of, strict=True) if group.trainable]
@@ -52,7 +51,7 @@ class GradientSync:
         this = weakref.ref(self)  # a hook outliving its model does nothing
         for gi, group in enumerate(self.groups):
             for pi, param in enumerate(group.params):
-                param.register_post_accumulate_grad_hook(_hook(this, gi, pi))
+                param.register_post_accumulate_grad_hook(partial(_hook, this, gi, pi))
 
     def _reset(self) -> None:
         self._pending = [len(g.params) for g in self.groups]
@@ -87,13 +86,14 @@ class GradientSync:
         while self._next < len(self.groups) and self._pending[self._next] == 0:
             self.groups[self._next].launch_reduce()
             self._next += 1
-        keep = self.stage == 1
         in_flight = [group for group in self.groups[: self._next] if group.reducing]
         for index, group in enumerate(in_flight):
             # landed ones drop their unsharded buffer now; past the cap the oldest is waited for, so
             # unsharded gradients cannot pile up while a slow transport falls behind backward (stage 1
             # keeps its buffers anyway, so nothing piles up there)
-            if group.reduce_landed() or (not keep and len(in_flight) - index > MAX_IN_FLIGHT):
+            if group.reduce_landed() or (
+                not group.keeps_full_grad and len(in_flight) - index > MAX_IN_FLIGHT
+            ):
                 self._finish_reduce(group)
 
     def _finish_reduce(self, group: FlatGroup) -> None:
@@ -117,8 +117,7 @@ class GradientSync:
     def reduce_for_step(self, groups: Sequence[FlatGroup]) -> None:
         """Stage 1: reduce-scatter what backward accumulated under ``no_sync`` only, before the step or
         a clip (stages 2/3 leave such gradients unreduced, as DataParallel does)."""
-        if self.stage == 1:
-            self.reduce_accumulated(groups)
+        self.reduce_accumulated([group for group in groups if group.keeps_full_grad])
 
     def reduce_accumulated(self, groups: Sequence[FlatGroup]) -> None:
         """Reduce-scatter now what backward accumulated under ``no_sync`` in ``groups`` (any stage: for a
@@ -130,10 +129,7 @@ class GradientSync:
             self._finish_reduce(group)
 
 
-def _hook(sync: weakref.ref[GradientSync], gi: int, pi: int) -> Callable[[torch.Tensor], None]:
-    def hook(_param: torch.Tensor) -> None:
-        target = sync()
-        if target is not None:
-            target.on_gradient(gi, pi)
-
-    return hook
+def _hook(sync: weakref.ref[GradientSync], gi: int, pi: int, _param: torch.Tensor) -> None:
+    target = sync()
+    if target is not None:
+        target.on_gradient(gi, pi)

@@ -17,7 +17,7 @@ gradients) alive at once since the last :meth:`Tracker.reset_peak`; activations 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import astuple, dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -102,37 +102,33 @@ def measure(model: ShardedModel, optimizer: torch.optim.Optimizer | None) -> Mem
     )
 
 
-def rank_lines(
-    model: ShardedModel, optimizer: torch.optim.Optimizer | None, k: int | None = None
-) -> list[str]:
-    """Collective over ``model.comm``: every rank's report, one line each (for rank 0 to print), and with
-    ``k`` (optimizer-state bytes per element, master copy included) the ZeRO formula's line beside them."""
-    report = measure(model, optimizer)
-    fields = ("shard_numel", "parameters", "gradients", "optimizer_state", "peak_gathered")
-    device = model.groups[0].device
-    mine = torch.tensor([getattr(report, f) for f in fields], dtype=torch.int64, device=device)
-    every = torch.zeros(model.comm.world_size * len(fields), dtype=torch.int64, device=device)
+def rank_lines(model: ShardedModel, optimizer: torch.optim.Optimizer | None, k: int) -> list[str]:
+    """Collective over ``model.comm``: every rank's report, one line each (for rank 0 to print), and the
+    ZeRO formula's line beside them for ``k`` optimizer-state bytes per element (master copy included)."""
+    device, world_size = model.groups[0].device, model.comm.world_size
+    mine = torch.tensor(astuple(measure(model, optimizer)), dtype=torch.int64, device=device)
+    every = torch.zeros(world_size * mine.numel(), dtype=torch.int64, device=device)
     model.comm.all_gather(every, mine)
-    lines = []
-    for rank, values in enumerate(every.view(-1, len(fields)).tolist()):
-        lines.append(f"rank {rank}: {replace(report, **dict(zip(fields, values, strict=True))).line()}")
-    if k is not None:  # the table per flat group (each sharded over its replica group's N), summed
-        param_bytes = model.groups[0].full.element_size()
-        grad_bytes = torch.empty((), dtype=model.groups[0].grad_dtype).element_size()
-        parts = [
-            zero_formula(model.stage, group.layout.shard_numel, group.comm.world_size,
-                         param_bytes=param_bytes, grad_bytes=grad_bytes, k=k)
-            for group in model.groups
-        ]  # fmt: skip
-        p, g, o = (sum(column) for column in zip(*parts, strict=True))
-        worlds = [
-            f"{'' if index == 0 else replicas.name + ' '}N = {replicas.comm.world_size}"
-            for index, replicas in enumerate(model.replica_groups)
-            if index == 0 or index in model.replica_of
-        ]
-        lines.append(
-            f"formula: parameters {format_bytes(p)}, gradients {format_bytes(g)}, optimizer state "
-            f"{format_bytes(o)} (total {format_bytes(p + g + o)}; stage {model.stage}, "
-            f"{param_bytes}+{grad_bytes}+{k} bytes per parameter, {', '.join(worlds)})"
-        )
+    lines = [
+        f"rank {r}: {MemoryReport(*v).line()}" for r, v in enumerate(every.view(world_size, -1).tolist())
+    ]
+    # the table per flat group (each sharded over its replica group's N), summed
+    param_bytes = model.groups[0].full.element_size()
+    grad_bytes = torch.empty((), dtype=model.groups[0].grad_dtype).element_size()
+    parts = [
+        zero_formula(model.stage, group.layout.shard_numel, group.comm.world_size,
+                     param_bytes=param_bytes, grad_bytes=grad_bytes, k=k)
+        for group in model.groups
+    ]  # fmt: skip
+    p, g, o = (sum(column) for column in zip(*parts, strict=True))
+    worlds = [
+        f"{'' if index == 0 else replicas.name + ' '}N = {replicas.comm.world_size}"
+        for index, replicas in enumerate(model.replica_groups)
+        if index == 0 or index in model.replica_of
+    ]
+    lines.append(
+        f"formula: parameters {format_bytes(p)}, gradients {format_bytes(g)}, optimizer state "
+        f"{format_bytes(o)} (total {format_bytes(p + g + o)}; stage {model.stage}, "
+        f"{param_bytes}+{grad_bytes}+{k} bytes per parameter, {', '.join(worlds)})"
+    )
     return lines

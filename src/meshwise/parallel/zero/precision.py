@@ -1,20 +1,16 @@
-"""Mixed precision for sharded training: what dtype parameters compute in and gradients travel in, and
+"""Mixed precision for sharded training (what dtype parameters compute in and gradients travel in) and
 the loss scaling float16 needs.
 
-The optimizer always updates float32 master shards, so small updates are not rounded away; the
-parameters a unit computes with are a copy in ``param_dtype`` (bf16 halves the bytes of every all-gather
-and of the gathered buffers), and gradients are reduce-scattered in ``reduce_dtype``. Our backends
-accumulate half-precision reductions in float32 and round once, so bf16 gradients lose only their own
-rounding. float16 has bf16's bytes but a range that ends at 65504 and flushes gradients below ~6e-8 to
-zero, so it only trains with loss scaling (:class:`LossScaler`): the loss is multiplied by a large scale
-S before backward and the reduced gradient shards divided by it again — in float32, on their way to the
-optimizer — before clipping and the step. S adapts as ``torch.amp.GradScaler`` adapts it: a step whose
-gradients hold an inf or nan is skipped and S multiplied by ``backoff_factor``; after
-``growth_interval`` clean steps in a row S is multiplied by ``growth_factor``.
-
-The one thing sharding adds: each rank sees only its shard of the gradient, so an overflow may show up on
-one rank alone. The verdict is all-reduced (MAX) before anyone acts on it, so every rank skips the same
-steps and keeps the same S, and the shards never drift apart.
+The optimizer always updates float32 master shards, so small updates are not rounded away; units compute
+with a copy in ``param_dtype`` (bf16 halves the bytes of every all-gather and gathered buffer), and
+gradients are reduce-scattered in ``reduce_dtype`` (our backends accumulate half-precision reductions in
+float32 and round once). float16 has bf16's bytes but a range that ends at 65504 and flushes gradients
+below ~6e-8 to zero, so it only trains with :class:`LossScaler`: the loss is multiplied by a scale S
+before backward and the reduced gradient shards divided by it in float32 before clipping and the step.
+S adapts as ``torch.amp.GradScaler``'s does: a step whose gradients hold an inf or nan is skipped and S
+backs off; after ``growth_interval`` clean steps S grows. Each rank sees only its shard of the gradient,
+so an overflow may show up on one rank alone: the verdict is all-reduced (MAX) before anyone acts on it,
+so every rank skips the same steps and keeps the same S.
 """
 
 from __future__ import annotations
@@ -24,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from meshwise.comm.api import Communicator, ReduceOp
+from meshwise.comm.api import Communicator
 
 if TYPE_CHECKING:
     from meshwise.parallel.zero.sharded import ShardedModel
@@ -100,13 +96,7 @@ class LossScaler:
     def unscale_(self, model: ShardedModel) -> bool:
         """Divide ``model``'s reduced gradient shards by the scale; return whether ANY rank found an inf
         or nan (then every rank discarded its gradients, so the optimizer step changes nothing)."""
-        local = model.unscale_gradients_(1.0 / self.scale)
-        flag = torch.tensor([1.0 if local else 0.0], device=model.groups[0].device)
-        self.comm.all_reduce(flag, ReduceOp.MAX)
-        found = bool(flag.item() > 0)
-        if found:
-            model.discard_gradients()
-        return found
+        return model.unscale_gradients_(1.0 / self.scale, self.comm)
 
     def update(self, found_inf: bool) -> None:
         """Back off after an overflow; grow after ``growth_interval`` clean steps (GradScaler's rule)."""

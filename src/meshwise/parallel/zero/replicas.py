@@ -14,7 +14,7 @@ group's hold *other* parameters of the kind (the other ep ranks' experts), so ea
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from torch import nn
@@ -37,9 +37,3 @@ class ReplicaGroup:
             raise ValueError(
                 f"replica group {self.name!r}: grad_scale must be positive, got {self.grad_scale}"
             )
-
-
-def replica_index(groups: Sequence[ReplicaGroup], name: str, param: nn.Parameter) -> int:
-    """Which replica group a parameter belongs to: 1 + the index of the first that owns it, or 0 — the
-    model's own group — when none does."""
-    return next((index for index, group in enumerate(groups, start=1) if group.owns(name, param)), 0)

@@ -82,7 +82,6 @@ class UnitSchedule:
             self.free(index)
 
     def _before_backward(self, index: int, _grad: torch.Tensor) -> None:
-        """A hook on the unit's outputs: their gradient is ready, so the unit's backward is next."""
         self._on_backward_start()
         self.gather(index)
         for behind in range(index - 1, max(index - self.prefetch, 1) - 1, -1):

@@ -41,7 +41,7 @@ from meshwise.parallel.zero.flat import FlatGroup, Tracker
 from meshwise.parallel.zero.grads import GradientSync
 from meshwise.parallel.zero.memory import MemoryReport, measure
 from meshwise.parallel.zero.precision import MixedPrecision
-from meshwise.parallel.zero.replicas import ReplicaGroup, replica_index
+from meshwise.parallel.zero.replicas import ReplicaGroup
 from meshwise.parallel.zero.schedule import UnitSchedule
 from meshwise.parallel.zero.units import ROOT, SeparateBy, default_units, plan_buckets_as_groups, plan_stage3
 from meshwise.world import current_world
@@ -78,7 +78,10 @@ class ShardedModel(nn.Module):
         self.tracker = Tracker()
         #: index 0: the model's own replicas (``comm``, every parameter no other group owns)
         self.replica_groups = [ReplicaGroup("model", comm, lambda _name, _param: True), *replica_groups]
-        replica_of = {name: replica_index(replica_groups, name, param) for name, param in named.items()}
+        replica_of = {  # 1 + the index of the first replica group that owns a parameter, else 0
+            name: next((i for i, g in enumerate(replica_groups, start=1) if g.owns(name, param)), 0)
+            for name, param in named.items()
+        }
 
         def separate(name: str, param: nn.Parameter) -> tuple[int, Any]:
             """Never one flat group over two replica groups (nor two of the caller's kinds)."""
@@ -124,7 +127,7 @@ class ShardedModel(nn.Module):
             )  # fmt: skip
         else:
             _wait_before_use(module, self.groups)
-        self._grads = GradientSync(self.groups, stage=stage, unit_of=unit_of, schedule=self.schedule)
+        self._grads = GradientSync(self.groups, unit_of=unit_of, schedule=self.schedule)
 
     # ------------------------------------------------------------------ parameters the optimizer sees
     def named_parameters(
@@ -206,24 +209,23 @@ class ShardedModel(nn.Module):
             group.refresh()
 
     @torch.no_grad()
-    def unscale_gradients_(self, inv_scale: float) -> bool:
+    def unscale_gradients_(self, inv_scale: float, agree: Communicator) -> bool:
         """Loss scaling: hand every reduced gradient shard to the optimizer in float32, multiplied by
         ``inv_scale``, before clipping sees it (float16 shards would flush small unscaled values to zero).
-        Returns whether *this rank's* shards hold an inf or nan; the caller agrees on it over the ranks."""
+        Returns whether any rank of ``agree`` found an inf or nan: then every rank forgot its gradients,
+        so the optimizer finds none and changes neither parameters nor its state."""
         self._grads.reduce_for_step(self.groups)
-        found = torch.zeros((), dtype=torch.bool, device=self.groups[0].device)
+        found = torch.zeros(1, device=self.groups[0].device)
         for group in self.groups:
             grad = group.expose_gradient(float32=True)
             if grad is not None:
                 grad.mul_(torch.tensor(inv_scale, dtype=torch.float32, device=grad.device))
-                found |= ~torch.isfinite(grad).all()
-        return bool(found)
-
-    def discard_gradients(self) -> None:
-        """Forget this step's reduced gradients (a loss-scaled step with an overflow is skipped): the
-        optimizer then finds no gradient and changes neither parameters nor its state."""
-        for group in self.groups:
-            group.release_gradient()
+                found = torch.maximum(found, (~torch.isfinite(grad).all()).float())
+        agree.all_reduce(found, ReduceOp.MAX)
+        if found.item() > 0:
+            for group in self.groups:
+                group.release_gradient()
+        return bool(found.item() > 0)
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -337,15 +339,13 @@ def shard(
     """Shard ``model`` over ``comm`` (default: the world's; pass a mesh axis such as ``mesh.dp``).
 
     ``stage`` 1 shards optimizer state, 2 also gradients, 3 also parameters (gathered per unit: ``units``
-    — a model's plan gives its layers, ``plan.layer_modules(model)`` — or by default each
-    parameter-holding child, layer stacks opened up). ``mixed_precision``: ``None``/``"fp32"``,
-    ``"bf16"`` or a :class:`MixedPrecision`. ``prefetch``: how many units ahead stage 3 starts gathering.
-    ``bucket_mb``/``first_bucket_mb``: stages 1/2 group sizes (DataParallel's buckets). Every argument
-    is checked before any communication. ``separate_by(name, param)``: a key; parameters with different
-    keys get different flat groups, so an optimizer param group can hold exactly one kind (weight decay
-    on matrices only, say — see :meth:`ShardedModel.parameters_where`). ``replica_groups``: parameters
-    replicated over other ranks than ``comm`` (an expert-parallel model's experts: see
-    :class:`~meshwise.parallel.zero.replicas.ReplicaGroup`), sharded over their own ranks.
+    — a model's plan gives its layers, ``plan.layer_modules(model)`` — or :func:`default_units`).
+    ``mixed_precision``: ``None``/``"fp32"``, ``"bf16"``, ``"fp16"`` or a :class:`MixedPrecision`.
+    ``prefetch``: how many units ahead stage 3 starts gathering. ``bucket_mb``/``first_bucket_mb``:
+    stages 1/2 group sizes (DataParallel's buckets). ``separate_by(name, param)``: parameters with
+    different keys get different flat groups (see :meth:`ShardedModel.parameters_where`).
+    ``replica_groups``: parameters sharded over ranks of their own (:mod:`~.replicas`). Every argument is
+    checked before any communication.
     """
     if isinstance(stage, bool) or stage not in (1, 2, 3):
         raise ValueError(

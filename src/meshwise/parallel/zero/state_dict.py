@@ -8,7 +8,6 @@ the point of ZeRO when a model does not fit. Each flat group is one
 master shard (and of each AdamW moment, laid out alike), placed in the plain parameter by the parameter's
 :class:`~meshwise.parallel.placement.Placement` (a tensor-parallel shard's rectangles move to its slice).
 A load writes into the master shards and its ``loaded`` step refreshes the compute copies.
-Model-agnostic: used by ``train mlp|cnn|deep-mlp --zero N`` and ``train gpt --zero N`` (± tp, pp, ep).
 """
 
 from __future__ import annotations
@@ -41,14 +40,14 @@ def zero_held(
     # puts the pre-load values back into the slot
     zero.wait_gathered()
     held = []
-    for group, names in zip(zero.groups, zero.param_names, strict=True):
+    for index, (group, names) in enumerate(zip(zero.groups, zero.param_names, strict=True)):
         parts = []
-        for index, (name, param) in enumerate(zip(names, group.params, strict=True)):
+        for at, (name, param) in enumerate(zip(names, group.params, strict=True)):
             placement = placements[name] if placements is not None else Placement(name)
             shape = plain.shapes[name] if plain is not None else param.shape
-            cut = partial(_rectangles, group, index, placement, tuple(shape), tp_rank)
+            cut = partial(_rectangles, group, at, placement, tuple(shape), tp_rank)
             parts.append(Part(name, cut, divided=True))
-        where = group_placements[len(held)] if group_placements is not None else None
+        where = group_placements[index] if group_placements is not None else None
         held.append(Held(group.master, tuple(parts), loaded=group.refresh, placement=where))
     return held
 

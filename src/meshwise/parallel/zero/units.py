@@ -42,9 +42,7 @@ class GroupPlan:
 
 def default_units(model: nn.Module) -> list[nn.Module]:
     """Stage 3's units when none are given: the parameter-holding children, with ModuleLists and
-    Sequentials opened up (so a layer stack shards layer by layer). A model with a
-    :class:`~meshwise.parallel.plan.ParallelPlan` passes its repeated layers instead
-    (``plan.layer_modules(model)``), leaving embeddings and head in the always-gathered root."""
+    Sequentials opened up (so a layer stack shards layer by layer)."""
     units: list[nn.Module] = []
     for child in model.children():
         if isinstance(child, nn.ModuleList | nn.Sequential):
