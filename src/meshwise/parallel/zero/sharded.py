@@ -27,6 +27,7 @@ import math
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 import torch
@@ -393,12 +394,12 @@ def _wait_before_use(module: nn.Module, groups: Sequence[FlatGroup]) -> None:
     for sub in module.modules():
         needed = list({id(group_of[id(p)]): group_of[id(p)] for p in sub.parameters(recurse=False)}.values())
         if needed:
+            sub.register_forward_pre_hook(partial(_wait, needed))
 
-            def hook(_module: nn.Module, _args: Any, needed: list[FlatGroup] = needed) -> None:
-                for group in needed:
-                    group.wait_gathered()
 
-            sub.register_forward_pre_hook(hook)
+def _wait(groups: list[FlatGroup], _module: nn.Module, _args: Any) -> None:
+    for group in groups:
+        group.wait_gathered()
 
 
 def _cast(value: Any, dtype: torch.dtype) -> Any:
