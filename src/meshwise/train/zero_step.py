@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from meshwise.comm.mesh import GROUPINGS, Mesh
-from meshwise.parallel.placement import Placement, clip_gradients_, place
+from meshwise.parallel.placement import Placement, clip_gradients_
 from meshwise.parallel.state_dict import Held, PlainLayout
 from meshwise.parallel.tensor_parallel import shard_dim
 from meshwise.parallel.zero import LossScaler, shard
@@ -105,8 +105,7 @@ def clip_flat_shards(
 def flat_held(zero: ShardedModel, plain: PlainLayout, mesh: Mesh, placements: list[Placement]) -> list[Held]:
     """What ``zero``'s flat ranges hold, for the seam's checkpoint writer: the rectangles of each range,
     tensor-parallel shards placed at this rank's tp slice of the plain tensor."""
-    tp_cuts = place(zero.module.named_parameters())
-    return zero_held(zero, plain, tp_cuts, mesh.coordinates["tp"], placements)
+    return zero_held(zero, plain, mesh.coordinates["tp"], placements)
 
 
 def loss_scale_lines(scaler: LossScaler | None) -> list[str]:
