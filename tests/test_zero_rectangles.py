@@ -8,8 +8,7 @@ import random
 import pytest
 import torch
 
-from meshwise.parallel.zero.layout import FlatLayout
-from meshwise.parallel.zero.rectangles import boxes
+from meshwise.parallel.zero.layout import FlatLayout, boxes
 
 
 def _covered(shape: tuple[int, ...], start: int, end: int) -> torch.Tensor:

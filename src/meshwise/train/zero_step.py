@@ -1,23 +1,17 @@
 """The ZeRO :class:`~meshwise.train.step.ParallelStep` (``--zero 1|2|3`` of ``meshwise train``): any
-model sharded by :func:`~meshwise.parallel.zero.shard` over ``mesh.replicas``.
-
-How it meets the seam's contract, whatever the model:
+model sharded by :func:`~meshwise.parallel.zero.shard` over ``mesh.replicas``, whatever the model:
 
 - the optimizer (the caller's factory) steps this rank's float32 master shards;
-- the gradient norm for clipping is the whole model's (squares of every rank's shard, all-reduced), each
-  flat group's shard counted by its :class:`~meshwise.parallel.placement.Placement` (:func:`shard_axes`);
-- under mixed precision (``shard(mixed_precision=...)``) the model computes with bf16/fp16 copies of the
-  masters; fp16 adds a :class:`~meshwise.parallel.zero.LossScaler`: the loss is scaled before backward,
-  the shards unscaled in float32 before clipping, and a step whose gradient overflowed on any rank is
-  skipped on every rank (the loop's ``optimizer.step()`` then finds no gradient);
-- checkpoints are the seam's one writer fed with the rectangles of this rank's flat ranges
-  (:meth:`ZeroStep.held`): the plain model's names and shapes, so a run resumes under any stage, as plain
-  data parallelism, or on another number of ranks, while every rank writes and reads only its own
-  elements; ``full_model()`` is the seam's gather of the same rectangles.
+- the clipping norm is the whole model's, each flat group's shard counted by its
+  :class:`~meshwise.parallel.placement.Placement` (:func:`shard_axes`);
+- fp16 adds a :class:`~meshwise.parallel.zero.LossScaler`; a step whose gradient overflowed on any rank
+  is skipped on every rank;
+- checkpoints are the seam's one writer fed with the rectangles of this rank's flat ranges, under the
+  plain model's names and shapes: a run resumes under any stage, as plain data parallelism, or on
+  another number of ranks, while every rank writes and reads only its own elements.
 
-What is model-specific arrives as :func:`~meshwise.parallel.zero.shard`'s options: the GPT's
-(:mod:`meshwise.train.gpt.zero_step`) keep its optimizer groups and tensor-parallel shards apart in the
-flat groups, gather whole blocks under stage 3, and shard experts over their own replicas.
+What is model-specific arrives as :func:`~meshwise.parallel.zero.shard`'s options (the GPT's:
+:mod:`meshwise.train.gpt.zero_step`).
 """
 
 from __future__ import annotations
@@ -30,7 +24,7 @@ import torch
 from torch import nn
 
 from meshwise.comm.mesh import GROUPINGS, Mesh
-from meshwise.parallel.placement import Placement, clip_gradients_, place
+from meshwise.parallel.placement import Placement, clip_gradients_
 from meshwise.parallel.state_dict import Held, PlainLayout
 from meshwise.parallel.tensor_parallel import shard_dim
 from meshwise.parallel.zero import LossScaler, shard
@@ -39,21 +33,12 @@ from meshwise.parallel.zero.sharded import ShardedModel
 from meshwise.parallel.zero.state_dict import zero_held
 from meshwise.train.step import Batch, Local, OptimizerFactory, ParallelStep
 
-#: The axes ZeRO shards over: ``mesh.replicas``, the ranks holding the same weights (dp, and cp whose
-#: ranks see other tokens of the same sequences).
-REPLICAS = frozenset(GROUPINGS["replicas"])
-#: The axes an expert's flat shards are divided over: ZeRO's (``mesh.expert_replicas``, dp·cp) and ep,
-#: whose ranks hold other experts.
-EXPERT_SHARDS = frozenset(GROUPINGS["expert_replicas"]) | {"ep"}
-
 
 class ZeroStep(ParallelStep):
     """This rank's master shards of ``local.model``, the optimizer over them, and (fp16) a loss scaler.
 
-    ``options`` go to :func:`~meshwise.parallel.zero.shard` as they are (``mixed_precision``,
-    ``separate_by``, ``units``, ``replica_groups``). A model cut by tensor parallelism first arrives as
-    this rank's shard, and ZeRO shards those shards further (flat groups must then keep tp shards and
-    tp-replicated parameters apart, so each gradient shard has one placement)."""
+    ``options`` go to :func:`~meshwise.parallel.zero.shard` as they are. A model cut by tensor
+    parallelism first arrives as this rank's shard, and ZeRO shards those shards further."""
 
     def __init__(
         self, local: Local, mesh: Mesh, optimizer: OptimizerFactory, stage: int, **options: Any
@@ -93,13 +78,11 @@ class ZeroStep(ParallelStep):
         return rank_lines(self.model, self.optimizer, k=8 + 4 * mixed)
 
     def summary_lines(self) -> list[str]:
-        """The per-rank memory report beside the ZeRO formula, and (fp16) the loss scale."""
         lines = [f"Memory (ZeRO-{self.model.stage}, per rank, accounted vs formula)"]
         lines += [f"  {line}" for line in self.memory_lines()]
         return lines + loss_scale_lines(self.scaler)
 
     def held(self) -> list[Held]:
-        """The rectangles of this rank's flat ranges, tp shards placed at this tp rank's slice."""
         return flat_held(self.model, self.plain, self.mesh, self._shard_placements)
 
 
@@ -107,10 +90,14 @@ def clip_flat_shards(
     zero: ShardedModel, scaler: LossScaler | None, placements: list[Placement], max_norm: float, mesh: Mesh
 ) -> float:
     """Clip ``zero``'s reduced gradient shards (each flat group's counted by its placement) by the whole
-    model's norm and return it; under fp16 first unscale them, and return inf for a step every rank skips
-    (the optimizer then finds no gradient)."""
-    if skipped_for_overflow(scaler, zero):
-        return math.inf
+    model's norm and return it. Under fp16 first unscale them (in float32) and update the scale; when any
+    rank of the scaler's group (the whole job) found an inf or nan, every rank discarded its gradients
+    and returns inf: the optimizer then finds no gradient and the step is skipped together."""
+    if scaler is not None:
+        found_inf = scaler.unscale_(zero)
+        scaler.update(found_inf)
+        if found_inf:
+            return math.inf
     shards = list(zip(zero.gradient_shards(), placements, strict=True))
     return clip_gradients_(shards, max_norm, mesh.coordinates, mesh.job)
 
@@ -118,19 +105,7 @@ def clip_flat_shards(
 def flat_held(zero: ShardedModel, plain: PlainLayout, mesh: Mesh, placements: list[Placement]) -> list[Held]:
     """What ``zero``'s flat ranges hold, for the seam's checkpoint writer: the rectangles of each range,
     tensor-parallel shards placed at this rank's tp slice of the plain tensor."""
-    tp_cuts = place(zero.module.named_parameters())  # each parameter's tp cut
-    return zero_held(zero, plain, tp_cuts, mesh.coordinates["tp"], placements)
-
-
-def skipped_for_overflow(scaler: LossScaler | None, model: ShardedModel) -> bool:
-    """fp16, before clipping: unscale ``model``'s reduced gradient shards (in float32) and update the
-    scale; True when any rank of the scaler's group (the whole job: every stage and replica) found an inf
-    or nan — every rank then discarded its gradients and skips the step together."""
-    if scaler is None:
-        return False
-    found_inf = scaler.unscale_(model)
-    scaler.update(found_inf)
-    return found_inf
+    return zero_held(zero, plain, mesh.coordinates["tp"], placements)
 
 
 def loss_scale_lines(scaler: LossScaler | None) -> list[str]:
@@ -142,7 +117,8 @@ def loss_scale_lines(scaler: LossScaler | None) -> list[str]:
 
 
 def shard_axes(param: nn.Parameter, expert: bool) -> frozenset[str]:
-    """The mesh axes a flat group's shard of ``param``'s kind is divided over: its replicas (ZeRO's
-    shard; for experts, also ep, whose ranks hold other experts) and tp for tensor-parallel shards."""
-    axes = EXPERT_SHARDS if expert else REPLICAS
+    """The mesh axes a flat group's shard of ``param``'s kind is divided over: the replicas ZeRO shards
+    it over (``mesh.replicas``; an expert's ``mesh.expert_replicas`` and ep, whose ranks hold other
+    experts) and tp for tensor-parallel shards."""
+    axes = frozenset(GROUPINGS["expert_replicas"]) | {"ep"} if expert else frozenset(GROUPINGS["replicas"])
     return axes | {"tp"} if shard_dim(param) is not None else axes

@@ -38,11 +38,9 @@ class Tracker:
         self.peak = 0
 
     def add(self, nbytes: int) -> None:
+        """Count ``nbytes`` more (fewer, when negative) alive now."""
         self.current += nbytes
         self.peak = max(self.peak, self.current)
-
-    def sub(self, nbytes: int) -> None:
-        self.current -= nbytes
 
     def reset_peak(self) -> None:
         self.peak = self.current
@@ -60,7 +58,7 @@ class FlatGroup:
         *,
         compute_dtype: torch.dtype,
         grad_dtype: torch.dtype,
-        persistent: bool,
+        stage: int,
         tracker: Tracker,
         grad_scale: float = 1.0,
     ) -> None:
@@ -69,7 +67,8 @@ class FlatGroup:
         self.comm = comm
         self.layout = FlatLayout(tuple(p.numel() for p in self.params), comm.world_size)
         self.trainable = self.params[0].requires_grad
-        self.persistent = persistent
+        self.persistent = stage < 3  # the full parameters stay gathered between steps
+        self.keeps_full_grad = stage == 1  # the ZeRO-1 memory model: unsharded gradients stay
         self.grad_dtype = grad_dtype
         self.grad_scale = grad_scale  # its replica group's factor on every local gradient (1/ep: experts)
         self.tracker = tracker
@@ -79,14 +78,12 @@ class FlatGroup:
             for param, offset in zip(self.params, self.layout.offsets, strict=True):
                 flat[offset : offset + param.numel()].copy_(param.detach().reshape(-1))
         start, end = self.layout.shard_range(comm.rank)
-        self.master_is_separate = compute_dtype != master_dtype or not persistent
+        self.master_is_separate = compute_dtype != master_dtype or not self.persistent
         master = flat[start:end].clone() if self.master_is_separate else flat[start:end]
         self.master = nn.Parameter(master, requires_grad=self.trainable)
-        self.full = flat if compute_dtype == master_dtype else flat.to(compute_dtype)
-        self.compute_shard: torch.Tensor | None = None
-        if not persistent:
-            same = compute_dtype == master_dtype
-            self.compute_shard = self.master.detach() if same else self.master.detach().to(compute_dtype)
+        self.full = flat.to(compute_dtype)  # flat itself in the master's dtype
+        # stage 3's all-gather input (the master's own storage in the master's dtype)
+        self.compute_shard = None if self.persistent else self.master.detach().to(compute_dtype)
         for param, offset in zip(self.params, self.layout.offsets, strict=True):
             param.data = self.full[offset : offset + param.numel()].view(param.shape)
         self._full_bytes = self.full.untyped_storage().nbytes()
@@ -98,16 +95,16 @@ class FlatGroup:
         self.exposed = False  # ... and is already master.grad (possibly unscaled: not to be exposed again)
         self._reduce_work: Work | None = None
         self._reduce_out: torch.Tensor | None = None
-        if not persistent:
+        if not self.persistent:
             self.tracker.add(self._full_bytes)  # counted while gathered, like every later gather
             self.free()
+        if self.trainable:  # the gradient buffer the stage keeps, up front so the memory report is exact
+            if self.keeps_full_grad:
+                self.flat_grad = torch.zeros(self.layout.padded_numel, dtype=grad_dtype, device=device)
+            else:
+                self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=grad_dtype, device=device)
 
     # ------------------------------------------------------------------ parameters
-    @property
-    def slot(self) -> torch.Tensor:
-        start, end = self.layout.shard_range(self.comm.rank)
-        return self.full[start:end]
-
     def gather(self) -> None:
         """Start re-materialising the full parameters (stage 3); :meth:`wait_gathered` completes it."""
         if self.gathered:
@@ -123,17 +120,13 @@ class FlatGroup:
             work, self._gather_work = self._gather_work, None
             work.wait()
 
-    @property
-    def gathering(self) -> bool:
-        return self._gather_work is not None
-
     def free(self) -> None:
         """Drop the full parameters' storage (stage 3); views autograd saved keep pointing at it."""
         if not self.gathered:
             return
         self.wait_gathered()
         self.full.untyped_storage().resize_(0)
-        self.tracker.sub(self._full_bytes)
+        self.tracker.add(-self._full_bytes)
         self.gathered = False
 
     def refresh(self) -> None:
@@ -146,20 +139,12 @@ class FlatGroup:
                 if self.master_is_separate and self.compute_shard is not None:
                     self.compute_shard.copy_(self.master)
                 return
+            start, end = self.layout.shard_range(self.comm.rank)
             if self.master_is_separate:
-                self.slot.copy_(self.master)
-            self._gather_work = self.comm.all_gather(self.full, self.slot, async_op=True)
+                self.full[start:end].copy_(self.master)
+            self._gather_work = self.comm.all_gather(self.full, self.full[start:end], async_op=True)
 
     # ------------------------------------------------------------------ gradients
-    def allocate_gradients(self, keep_full: bool) -> None:
-        """The buffers a stage keeps between steps, allocated up front so the memory report is exact."""
-        if not self.trainable:
-            return
-        if keep_full:
-            self.flat_grad = torch.zeros(self.layout.padded_numel, dtype=self.grad_dtype, device=self.device)
-        else:
-            self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=self.grad_dtype, device=self.device)
-
     @property
     def device(self) -> torch.device:
         return self.master.device
@@ -191,7 +176,7 @@ class FlatGroup:
     def reduce_landed(self) -> bool:
         return self._reduce_work is not None and self._reduce_work.is_completed()
 
-    def finish_reduce(self, keep_full: bool) -> None:
+    def finish_reduce(self) -> None:
         """Wait for the reduce-scatter; add the result to the gradient shard; drop or zero the full one."""
         assert self._reduce_work is not None and self._reduce_out is not None
         self._reduce_work.wait()
@@ -202,10 +187,10 @@ class FlatGroup:
             self.grad_shard.add_(out)
         self.has_grad = True
         assert self.flat_grad is not None
-        if keep_full:
+        if self.keeps_full_grad:
             self.flat_grad.zero_()
         else:
-            self.tracker.sub(self.flat_grad.untyped_storage().nbytes())
+            self.tracker.add(-self.flat_grad.untyped_storage().nbytes())
             self.flat_grad = None
 
     def expose_gradient(self, float32: bool = False) -> torch.Tensor | None:
@@ -229,13 +214,13 @@ class FlatGroup:
             return self.master.grad
         return self.grad_shard if self.has_grad else None
 
-    def release_gradient(self, keep_shard: bool) -> None:
+    def release_gradient(self) -> None:
         """After the step (or instead of a skipped one): the gradient was consumed."""
         self.master.grad = None
         self.has_grad = False
         self.exposed = False
         if self.grad_shard is not None:
-            if keep_shard:
+            if not self.keeps_full_grad:  # stages 2/3 keep their gradient shard
                 self.grad_shard.zero_()
             else:
                 self.grad_shard = None

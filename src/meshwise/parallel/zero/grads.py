@@ -1,30 +1,28 @@
 """Gradients of a sharded model: from autograd's hooks into flat buffers, then reduce-scattered.
 
 Every trainable parameter has a post-accumulate-grad hook that adds its gradient into its group's
-unsharded buffer and drops ``param.grad`` (the optimizer never sees full gradients). Every stage then
-reduce-scatters a group as soon as its last gradient arrived, strictly in plan order (a complete group
-waits for every earlier one), so all ranks issue the same collectives in the same order and
-communication overlaps the rest of backward; a callback at the end of backward launches what is left and
-waits for all. Inside :meth:`no_sync` nothing is launched and the unsharded buffers keep accumulating:
-k micro-batches cost one reduce-scatter. The stages differ in what stays:
-
-- stage 1 keeps its unsharded buffers for the whole run (zeroed once reduced: the ZeRO-1 memory model
-  keeps full gradients) and its reduced shard only until the step; gradients that only ever
-  accumulated under ``no_sync`` are reduce-scattered when the optimizer steps (or clips);
-- stages 2 and 3 drop each unsharded buffer as soon as its reduce-scatter landed and keep the shard.
-
-Stage 3 also learns here when a unit's backward is over (all its gradients arrived) so its gathered
-parameters can be freed at once rather than at the end of backward.
+unsharded buffer and drops ``param.grad`` (the optimizer never sees full gradients). A group is
+reduce-scattered as soon as its last gradient arrived, strictly in plan order, so all ranks issue the
+same collectives in the same order and communication overlaps the rest of backward; a callback at the end
+of backward launches what is left and waits for all. Under ``no_sync`` the unsharded buffers only
+accumulate: k micro-batches cost one reduce-scatter. Stage 1 keeps its unsharded buffers for the whole
+run (the ZeRO-1 memory model) and reduce-scatters what only accumulated under ``no_sync`` when the
+optimizer steps or clips; stages 2 and 3 drop each as soon as its reduce-scatter landed. Stage 3's
+schedule also learns here when a unit's backward is over, to free its parameters at once.
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Sequence
+from collections import Counter
+from collections.abc import Sequence
+from functools import partial
 
 import torch
 
 from meshwise.parallel.zero.flat import FlatGroup
+from meshwise.parallel.zero.schedule import UnitSchedule
+from meshwise.parallel.zero.units import ROOT
 
 #: Reduce-scatters allowed in flight at once (FSDP2 keeps one): each holds a unit's unsharded gradient.
 MAX_IN_FLIGHT = 2
@@ -37,31 +35,23 @@ class GradientSync:
         self,
         groups: Sequence[FlatGroup],
         *,
-        stage: int,
         unit_of: Sequence[int],
-        on_unit_done: Callable[[int], None],
-        on_backward_end: Callable[[], None],
+        schedule: UnitSchedule | None,
     ) -> None:
-        self.stage = stage
         self.sync = True
-        self.groups = [g for g in groups if g.trainable]
-        self._unit_of = [unit for g, unit in zip(groups, unit_of, strict=True) if g.trainable]
-        self._on_unit_done, self._on_backward_end = on_unit_done, on_backward_end
-        self._unit_size: dict[int, int] = {}
-        for group, unit in zip(self.groups, self._unit_of, strict=True):
-            self._unit_size[unit] = self._unit_size.get(unit, 0) + len(group.params)
+        self.schedule = schedule  # stage 3's: told when a unit's backward is over, and backward's end
+        trainable = [(group, unit) for group, unit in zip(groups, unit_of, strict=True) if group.trainable]
+        self.groups = [group for group, _ in trainable]
+        self._unit_of = [unit for _, unit in trainable]
+        self._unit_size: Counter[int] = Counter()
+        for group, unit in trainable:
+            self._unit_size[unit] += len(group.params)
         self._reset()
-        self._unreduced: set[int] = set()  # groups that accumulated since their last reduction
-        this = weakref.ref(self)
-        self._handles = [
-            param.register_post_accumulate_grad_hook(_hook(this, gi, pi))
-            for gi, group in enumerate(self.groups)
-            for pi, param in enumerate(group.params)
-        ]
-
-    def __del__(self) -> None:
-        for handle in getattr(self, "_handles", ()):
-            handle.remove()
+        self._unreduced: set[FlatGroup] = set()  # groups that accumulated since their last reduction
+        this = weakref.ref(self)  # a hook outliving its model does nothing
+        for gi, group in enumerate(self.groups):
+            for pi, param in enumerate(group.params):
+                param.register_post_accumulate_grad_hook(partial(_hook, this, gi, pi))
 
     def _reset(self) -> None:
         self._pending = [len(g.params) for g in self.groups]
@@ -84,9 +74,9 @@ class GradientSync:
         self.ensure_callback()
         unit = self._unit_of[gi]
         self._unit_pending[unit] -= 1
-        if self._unit_pending[unit] == 0:
-            self._on_unit_done(unit)
-        self._unreduced.add(gi)
+        if self._unit_pending[unit] == 0 and unit != ROOT and self.schedule is not None:
+            self.schedule.free(unit)
+        self._unreduced.add(group)
         if not self.sync:
             return
         self._pending[gi] -= 1
@@ -96,18 +86,19 @@ class GradientSync:
         while self._next < len(self.groups) and self._pending[self._next] == 0:
             self.groups[self._next].launch_reduce()
             self._next += 1
-        keep = self.stage == 1
         in_flight = [group for group in self.groups[: self._next] if group.reducing]
         for index, group in enumerate(in_flight):
             # landed ones drop their unsharded buffer now; past the cap the oldest is waited for, so
             # unsharded gradients cannot pile up while a slow transport falls behind backward (stage 1
             # keeps its buffers anyway, so nothing piles up there)
-            if group.reduce_landed() or (not keep and len(in_flight) - index > MAX_IN_FLIGHT):
+            if group.reduce_landed() or (
+                not group.keeps_full_grad and len(in_flight) - index > MAX_IN_FLIGHT
+            ):
                 self._finish_reduce(group)
 
     def _finish_reduce(self, group: FlatGroup) -> None:
-        group.finish_reduce(keep_full=self.stage == 1)
-        self._unreduced.discard(self.groups.index(group))
+        group.finish_reduce()
+        self._unreduced.discard(group)
 
     def _finish(self) -> None:
         """End of backward: every group is reduce-scattered (when synchronised) and awaited."""
@@ -120,30 +111,25 @@ class GradientSync:
                         self._finish_reduce(group)
         finally:
             self._reset()
-            self._on_backward_end()
+            if self.schedule is not None:
+                self.schedule.free_all()
 
     def reduce_for_step(self, groups: Sequence[FlatGroup]) -> None:
         """Stage 1: reduce-scatter what backward accumulated under ``no_sync`` only, before the step or
         a clip (stages 2/3 leave such gradients unreduced, as DataParallel does)."""
-        if self.stage == 1:
-            self.reduce_accumulated(groups)
+        self.reduce_accumulated([group for group in groups if group.keeps_full_grad])
 
     def reduce_accumulated(self, groups: Sequence[FlatGroup]) -> None:
         """Reduce-scatter now what backward accumulated under ``no_sync`` in ``groups`` (any stage: for a
         caller whose backward passes all ran under ``no_sync``, e.g. a pipeline's micro-batches)."""
-        asked = {id(group) for group in groups}
-        chosen = [gi for gi, g in enumerate(self.groups) if gi in self._unreduced and id(g) in asked]
-        for gi in chosen:
-            self.groups[gi].launch_reduce()
-        for gi in chosen:
-            self.groups[gi].finish_reduce(keep_full=self.stage == 1)
-            self._unreduced.discard(gi)
+        chosen = [group for group in groups if group in self._unreduced]
+        for group in chosen:
+            group.launch_reduce()
+        for group in chosen:
+            self._finish_reduce(group)
 
 
-def _hook(sync: weakref.ref[GradientSync], gi: int, pi: int) -> Callable[[torch.Tensor], None]:
-    def hook(_param: torch.Tensor) -> None:
-        target = sync()
-        if target is not None:
-            target.on_gradient(gi, pi)
-
-    return hook
+def _hook(sync: weakref.ref[GradientSync], gi: int, pi: int, _param: torch.Tensor) -> None:
+    target = sync()
+    if target is not None:
+        target.on_gradient(gi, pi)

@@ -1,36 +1,24 @@
 """Per-rank memory of sharded training, measured from the tensors held, and the ZeRO formulas.
 
 The ZeRO paper counts, per parameter, ``b_p`` bytes of parameters and ``b_g`` of gradients in the
-compute precision and ``K`` bytes of optimizer state (mixed-precision Adam: the float32 master copy plus
-two float32 moments, K = 12, so b_p = b_g = 2). With Ψ parameters on N ranks:
+compute precision and ``K`` bytes of optimizer state (mixed-precision Adam: a float32 master copy plus two
+float32 moments, K = 12; full-precision Adam: K = 8, the parameter being its own master). Stage 1 divides
+the optimizer state by N, stage 2 also the gradients, stage 3 also the parameters (the table in
+docs/zero.md). The report matches :func:`zero_formula` *exactly* once Ψ/N is read as the elements a rank
+really holds — Σ⌈Ψ_g/N⌉ over flat groups g — and Ψ as N times that: padding adds fewer than N elements per
+group, a rounding the paper ignores. A model with replica groups (an expert-parallel model's experts) is
+the sum of the table over its groups, each with its own Ψ and N.
 
-=========  ===========================  ======================  =======================
-stage      parameters                   gradients               optimizer state
-=========  ===========================  ======================  =======================
-0 (DDP)    b_p·Ψ                        b_g·Ψ                   K·Ψ
-1          b_p·Ψ                        b_g·Ψ                   K·Ψ/N
-2          b_p·Ψ                        b_g·Ψ/N                 K·Ψ/N
-3          b_p·Ψ/N                      b_g·Ψ/N                 K·Ψ/N
-=========  ===========================  ======================  =======================
-
-i.e. 16Ψ, 4Ψ + KΨ/N, 2Ψ + (2+K)Ψ/N and (4+K)Ψ/N. Full-precision Adam is the analogous 4 + 4 + 8 (the
-float32 parameter is its own master copy, so K = 8). The report matches the table *exactly* once Ψ/N is
-read as the elements a rank really holds — Σ⌈Ψ_g/N⌉ over flat groups g — and Ψ as N times that (the
-padded flat vectors): padding adds fewer than N elements per group, a rounding the paper ignores. A model
-with replica groups (an expert-parallel model's experts, sharded over their own N) is the sum of the
-table over its groups, each with its own Ψ and N.
-
-Optimizer state counts the tensors an optimizer keeps per element (Adam's moments, SGD's momentum) and a
-separate master copy; scalar state such as Adam's step counter is not per-element and is left out, as
-the formulas leave it out. ``peak_gathered`` is the most bytes of transient full-size buffers (gathered
-parameters, unsharded gradients) alive at once since the last :meth:`Tracker.reset_peak`; activations
-are not counted.
+Optimizer state counts the per-element tensors (Adam's moments, SGD's momentum) and a separate master
+copy; scalar state such as Adam's step counter is left out, as the formulas leave it out.
+``peak_gathered`` is the most bytes of transient full-size buffers (gathered parameters, unsharded
+gradients) alive at once since the last :meth:`Tracker.reset_peak`; activations are not counted.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
-from typing import TYPE_CHECKING, Any
+from dataclasses import astuple, dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -42,8 +30,6 @@ if TYPE_CHECKING:
 class MemoryReport:
     """Bytes one rank holds between steps, by kind, and the transient peak during a step."""
 
-    stage: int
-    world_size: int
     shard_numel: int  # elements this rank holds of every group (Σ⌈Ψ_g/N⌉); Ψ = N · shard_numel
     parameters: int
     gradients: int
@@ -61,9 +47,6 @@ class MemoryReport:
             f"peak gathered {format_bytes(self.peak_gathered)}"
         )
 
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self) | {"total": self.total}
-
 
 def format_bytes(nbytes: float) -> str:
     """Bytes in the largest binary unit that keeps the number ≥ 1 (B, KiB, MiB, GiB)."""
@@ -77,7 +60,7 @@ def format_bytes(nbytes: float) -> str:
 def zero_formula(
     stage: int, shard_numel: int, world_size: int, *, param_bytes: int, grad_bytes: int, k: int
 ) -> tuple[int, int, int]:
-    """(parameters, gradients, optimizer state) bytes per rank from the ZeRO table above."""
+    """(parameters, gradients, optimizer state) bytes per rank by the ZeRO paper's table (stage 0: DDP)."""
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0..3, got {stage}")
     full, part = shard_numel * world_size, shard_numel
@@ -111,8 +94,6 @@ def measure(model: ShardedModel, optimizer: torch.optim.Optimizer | None) -> Mem
                 if isinstance(value, torch.Tensor) and value.numel() == master.numel():
                     optimizer_state += value.numel() * value.element_size()
     return MemoryReport(
-        stage=model.stage,
-        world_size=model.comm.world_size,
         shard_numel=sum(g.layout.shard_numel for g in model.groups),
         parameters=parameters,
         gradients=gradients,
@@ -121,39 +102,33 @@ def measure(model: ShardedModel, optimizer: torch.optim.Optimizer | None) -> Mem
     )
 
 
-def rank_lines(
-    model: ShardedModel, optimizer: torch.optim.Optimizer | None, k: int | None = None
-) -> list[str]:
-    """Collective over ``model.comm``: every rank's report, one line each (for rank 0 to print), and with
-    ``k`` (optimizer-state bytes per element, master copy included) the ZeRO formula's line beside them."""
-    report = measure(model, optimizer)
-    fields = ("shard_numel", "parameters", "gradients", "optimizer_state", "peak_gathered")
-    device = model.groups[0].device
-    mine = torch.tensor([getattr(report, f) for f in fields], dtype=torch.int64, device=device)
-    every = torch.zeros(model.comm.world_size * len(fields), dtype=torch.int64, device=device)
+def rank_lines(model: ShardedModel, optimizer: torch.optim.Optimizer | None, k: int) -> list[str]:
+    """Collective over ``model.comm``: every rank's report, one line each (for rank 0 to print), and the
+    ZeRO formula's line beside them for ``k`` optimizer-state bytes per element (master copy included)."""
+    device, world_size = model.groups[0].device, model.comm.world_size
+    mine = torch.tensor(astuple(measure(model, optimizer)), dtype=torch.int64, device=device)
+    every = torch.zeros(world_size * mine.numel(), dtype=torch.int64, device=device)
     model.comm.all_gather(every, mine)
-    lines = []
-    for rank, values in enumerate(every.view(-1, len(fields)).tolist()):
-        lines.append(f"rank {rank}: {replace(report, **dict(zip(fields, values, strict=True))).line()}")
-    if k is not None:
-        group = model.groups[0]
-        param_bytes = group.full.element_size()
-        grad_bytes = torch.empty((), dtype=group.grad_dtype).element_size()
-        p = g = o = 0
-        worlds = []
-        for index, replicas in enumerate(model.replica_groups):  # each sharded over its own N
-            held = [grp for grp, of in zip(model.groups, model.replica_of, strict=True) if of == index]
-            if held or index == 0:
-                n = replicas.comm.world_size
-                shard_numel = sum(grp.layout.shard_numel for grp in held)
-                parts = zero_formula(
-                    model.stage, shard_numel, n, param_bytes=param_bytes, grad_bytes=grad_bytes, k=k
-                )
-                p, g, o = p + parts[0], g + parts[1], o + parts[2]
-                worlds.append(f"N = {n}" if index == 0 else f"{replicas.name} N = {n}")
-        lines.append(
-            f"formula: parameters {format_bytes(p)}, gradients {format_bytes(g)}, optimizer state "
-            f"{format_bytes(o)} (total {format_bytes(p + g + o)}; stage {model.stage}, "
-            f"{param_bytes}+{grad_bytes}+{k} bytes per parameter, {', '.join(worlds)})"
-        )
+    lines = [
+        f"rank {r}: {MemoryReport(*v).line()}" for r, v in enumerate(every.view(world_size, -1).tolist())
+    ]
+    # the table per flat group (each sharded over its replica group's N), summed
+    param_bytes = model.groups[0].full.element_size()
+    grad_bytes = torch.empty((), dtype=model.groups[0].grad_dtype).element_size()
+    parts = [
+        zero_formula(model.stage, group.layout.shard_numel, group.comm.world_size,
+                     param_bytes=param_bytes, grad_bytes=grad_bytes, k=k)
+        for group in model.groups
+    ]  # fmt: skip
+    p, g, o = (sum(column) for column in zip(*parts, strict=True))
+    worlds = [
+        f"{'' if index == 0 else replicas.name + ' '}N = {replicas.comm.world_size}"
+        for index, replicas in enumerate(model.replica_groups)
+        if index == 0 or index in model.replica_of
+    ]
+    lines.append(
+        f"formula: parameters {format_bytes(p)}, gradients {format_bytes(g)}, optimizer state "
+        f"{format_bytes(o)} (total {format_bytes(p + g + o)}; stage {model.stage}, "
+        f"{param_bytes}+{grad_bytes}+{k} bytes per parameter, {', '.join(worlds)})"
+    )
     return lines

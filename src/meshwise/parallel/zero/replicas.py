@@ -1,24 +1,20 @@
 """Parameters that ZeRO shards over ranks of their own: which parameters, over which ranks, which scale.
 
-ZeRO shards what is replicated, over the ranks that replicate it. Usually that is one group for the whole
-model (``shard(model, comm)``), but not always: under expert parallelism a rank's dense weights are equal
-on every rank of ``mesh.replicas`` (dp·ep·cp) while its experts are equal only on ``mesh.expert_replicas``
-(dp·cp) — the other ep ranks hold other experts. A :class:`ReplicaGroup` names such a kind of parameter
-(``owns``), the ranks it is replicated over (``comm``), and the factor its averaged gradient needs
-(``grad_scale``: an expert's gradient arrives already summed over the ep ranks' tokens by the combine's
-backward all-to-all, so it is divided by ep). Its parameters get flat groups of their own, sharded over
-``comm`` alone, so every collective on them — reduce-scatter, all-gather, the checkpoint's pieces — runs
-over the right ranks, and each optimizer state shard is 1/|comm| of them.
+ZeRO shards what is replicated, over the ranks that replicate it: usually one group for the whole model,
+but under expert parallelism a rank's dense weights are equal on every rank of ``mesh.replicas``
+(dp·ep·cp) while its experts are equal only on ``mesh.expert_replicas`` (dp·cp). A :class:`ReplicaGroup`
+names such a kind of parameter, its ranks, and the factor its averaged gradient needs (an expert's
+gradient arrives already summed over the ep ranks' tokens by the combine's backward all-to-all, so it is
+divided by ep). Its parameters get flat groups of their own, so every collective on them — reduce-scatter,
+all-gather, the checkpoint's pieces — runs over the right ranks.
 
-What the model's global quantities (the gradient norm) assume: every element of the group's parameters is
-held by exactly one rank of the model's own ``comm`` once sharded — the ranks of ``comm`` outside a
-replica group's ``comm`` hold *other* parameters of the kind (the other ep ranks' experts), so a sum over
-the model's ``comm`` counts each once.
+The gradient norm stays a sum over the model's own ``comm``: the ranks of ``comm`` outside a replica
+group's hold *other* parameters of the kind (the other ep ranks' experts), so each element counts once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from torch import nn
@@ -41,9 +37,3 @@ class ReplicaGroup:
             raise ValueError(
                 f"replica group {self.name!r}: grad_scale must be positive, got {self.grad_scale}"
             )
-
-
-def replica_index(groups: Sequence[ReplicaGroup], name: str, param: nn.Parameter) -> int:
-    """Which replica group a parameter belongs to: 1 + the index of the first that owns it, or 0 — the
-    model's own group — when none does."""
-    return next((index for index, group in enumerate(groups, start=1) if group.owns(name, param)), 0)

@@ -16,13 +16,14 @@ ends, or at the end of a forward without autograd (evaluation).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from meshwise.parallel.zero.flat import FlatGroup
-from meshwise.parallel.zero.units import ROOT
 
 
 class UnitSchedule:
@@ -46,27 +47,16 @@ class UnitSchedule:
         self._on_backward_start = on_backward_start
         #: set by :meth:`ShardedModel.gathered`: every unit stays gathered, the hooks free nothing
         self.holding = False
-        self._handles = []
         for index, module in enumerate(units, start=1):
-            self._handles += [
-                module.register_forward_pre_hook(self._before_forward(index)),
-                module.register_forward_hook(self._after_forward(index)),
-            ]
+            module.register_forward_pre_hook(partial(self._before_forward, index))
+            module.register_forward_hook(partial(self._after_forward, index))
 
-    @property
-    def units(self) -> int:
-        return len(self._groups) - 1
-
-    def gather(self, unit: int) -> None:
-        """Make ``unit``'s parameters usable now (starting its gather if no prefetch did)."""
+    def gather(self, unit: int, wait: bool = True) -> None:
+        """Start ``unit``'s gather (if no prefetch did) and, with ``wait``, make its parameters usable now."""
         for group in self._groups[unit]:
             group.gather()
-        for group in self._groups[unit]:
+        for group in self._groups[unit] if wait else ():
             group.wait_gathered()
-
-    def start_gather(self, unit: int) -> None:
-        for group in self._groups[unit]:
-            group.gather()
 
     def free(self, unit: int) -> None:
         if self.holding:
@@ -78,46 +68,21 @@ class UnitSchedule:
         for unit in self._groups:
             self.free(unit)
 
-    def gather_root(self) -> None:
-        self.gather(ROOT)
+    def _before_forward(self, index: int, _module: nn.Module, _args: Any) -> None:
+        self.gather(index)
+        for ahead in range(index + 1, min(index + self.prefetch, len(self._groups) - 1) + 1):
+            self.gather(ahead, wait=False)
 
-    def _before_forward(self, index: int) -> Callable[..., None]:
-        def hook(_module: nn.Module, _args: Any) -> None:
-            self.gather(index)
-            for ahead in range(index + 1, min(index + self.prefetch, self.units) + 1):
-                self.start_gather(ahead)
+    def _after_forward(self, index: int, _module: nn.Module, _args: Any, output: Any) -> None:
+        if torch.is_grad_enabled():
+            for tensor in tree_leaves(output):
+                if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                    tensor.register_hook(partial(self._before_backward, index))
+        if self.reshard_after_forward or not torch.is_grad_enabled():
+            self.free(index)
 
-        return hook
-
-    def _after_forward(self, index: int) -> Callable[..., None]:
-        def hook(_module: nn.Module, _args: Any, output: Any) -> None:
-            if torch.is_grad_enabled():
-                for tensor in _tensors(output):
-                    if tensor.requires_grad:
-                        tensor.register_hook(self._before_backward(index))
-            if self.reshard_after_forward or not torch.is_grad_enabled():
-                self.free(index)
-
-        return hook
-
-    def _before_backward(self, index: int) -> Callable[[torch.Tensor], None]:
-        """A hook on the unit's outputs: their gradient is ready, so the unit's backward is next."""
-
-        def hook(_grad: torch.Tensor) -> None:
-            self._on_backward_start()
-            self.gather(index)
-            for behind in range(index - 1, max(index - self.prefetch, 1) - 1, -1):
-                self.start_gather(behind)
-
-        return hook
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    """The tensors in a module's output (a tensor, or nested tuples/lists/dicts of them)."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, tuple | list):
-        return [t for v in value for t in _tensors(v)]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _tensors(v)]
-    return []
+    def _before_backward(self, index: int, _grad: torch.Tensor) -> None:
+        self._on_backward_start()
+        self.gather(index)
+        for behind in range(index - 1, max(index - self.prefetch, 1) - 1, -1):
+            self.gather(behind, wait=False)

@@ -10,19 +10,15 @@ are this rank's float32 master shards, one per flat group::
     optimizer.step()                                            # then updated shards are re-gathered
 
 Any ``torch.optim`` optimizer works because it only ever sees ordinary parameters (the shards) with
-ordinary gradients: a hook around every optimizer step hands each shard its reduced gradient just before
-the step and, just after it, pushes the updated shard to the compute copies (stages 1/2 all-gather it;
-stage 3 gathers it when the unit next runs). An optimizer that still holds the original, unsharded
-parameters is refused at its first step, before it changes anything.
+ordinary gradients: optimizer-step hooks, registered once when this module is imported, hand each shard
+its reduced gradient just before the step and, just after it, push the updated shard to the compute
+copies (stages 1/2 all-gather it; stage 3 gathers it when the unit next runs). An optimizer that still
+holds the original, unsharded parameters is refused at its first step, before it changes anything.
 
-Parameters replicated over other ranks than ``comm`` — an expert-parallel model's experts — are named by
-``replica_groups`` (:mod:`~meshwise.parallel.zero.replicas`): their flat groups are sharded, reduced and
-gathered over their own ranks, with their own gradient scale.
-
-``state_dict()``/``load_state_dict()`` speak the plain model's full state dict (collective: every rank
-calls them; a replica group's parameters are this rank's, gathered over its replicas); a sharded state
-dict under the plain model's names, which DCP writes and reshards shard by shard, is
-:mod:`meshwise.parallel.zero.state_dict`'s.
+Parameters replicated over other ranks than ``comm`` (an expert-parallel model's experts:
+:mod:`~meshwise.parallel.zero.replicas`) are sharded, reduced and gathered over their own ranks.
+``state_dict()``/``load_state_dict()`` speak the plain model's full state dict (collective); the sharded
+one DCP writes is :mod:`meshwise.parallel.zero.state_dict`'s.
 """
 
 from __future__ import annotations
@@ -31,10 +27,13 @@ import math
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from torch.utils._pytree import tree_map_only
 
 from meshwise.comm.api import Communicator, ReduceOp
 from meshwise.parallel.data_parallel.buckets import MIB
@@ -43,11 +42,13 @@ from meshwise.parallel.zero.flat import FlatGroup, Tracker
 from meshwise.parallel.zero.grads import GradientSync
 from meshwise.parallel.zero.memory import MemoryReport, measure
 from meshwise.parallel.zero.precision import MixedPrecision
-from meshwise.parallel.zero.replicas import ReplicaGroup, replica_index
+from meshwise.parallel.zero.replicas import ReplicaGroup
 from meshwise.parallel.zero.schedule import UnitSchedule
-from meshwise.parallel.zero.stepping import ORIGINAL, OWNER
 from meshwise.parallel.zero.units import ROOT, SeparateBy, default_units, plan_buckets_as_groups, plan_stage3
 from meshwise.world import current_world
+
+OWNER = "_meshwise_zero_owner"  # on a master shard: (weakref to its ShardedModel, group index)
+ORIGINAL = "_meshwise_zero_sharded"  # on a module parameter taken over by shard(): its name
 
 
 class ShardedModel(nn.Module):
@@ -78,11 +79,14 @@ class ShardedModel(nn.Module):
         self.tracker = Tracker()
         #: index 0: the model's own replicas (``comm``, every parameter no other group owns)
         self.replica_groups = [ReplicaGroup("model", comm, lambda _name, _param: True), *replica_groups]
+        replica_of = {  # 1 + the index of the first replica group that owns a parameter, else 0
+            name: next((i for i, g in enumerate(replica_groups, start=1) if g.owns(name, param)), 0)
+            for name, param in named.items()
+        }
 
         def separate(name: str, param: nn.Parameter) -> tuple[int, Any]:
             """Never one flat group over two replica groups (nor two of the caller's kinds)."""
-            mine = separate_by(name, param) if separate_by is not None else None
-            return replica_index(replica_groups, name, param), mine
+            return replica_of[name], separate_by(name, param) if separate_by is not None else None
 
         if stage == 3:
             chosen = list(units) if units is not None else default_units(module)
@@ -93,15 +97,13 @@ class ShardedModel(nn.Module):
         # every rank starts from its replica group's first rank's weights (buffers: the model's)
         members: list[list[torch.Tensor]] = [[] for _ in self.replica_groups]
         for name, param in named.items():
-            members[replica_index(replica_groups, name, param)].append(param)
+            members[replica_of[name]].append(param)
         members[0] += list(module.buffers())
         for replicas, tensors in zip(self.replica_groups, members, strict=True):
             broadcast_tensors(tensors, replicas.comm)
         self.groups: list[FlatGroup] = []
         #: each flat group's replica group (an index into :attr:`replica_groups`)
-        self.replica_of = [
-            replica_index(replica_groups, plan.names[0], named[plan.names[0]]) for plan in plans
-        ]
+        self.replica_of = [replica_of[plan.names[0]] for plan in plans]
         for index, plan in enumerate(plans):
             params = [named[name] for name in plan.names]
             first = params[0]
@@ -110,9 +112,8 @@ class ShardedModel(nn.Module):
             grad = mixed_precision.gradient_dtype if mixed_precision else first.dtype
             group = FlatGroup(
                 f"shard{index}", params, replicas.comm, compute_dtype=compute, grad_dtype=grad,
-                persistent=stage < 3, tracker=self.tracker, grad_scale=replicas.grad_scale,
+                stage=stage, tracker=self.tracker, grad_scale=replicas.grad_scale,
             )  # fmt: skip
-            group.allocate_gradients(keep_full=stage == 1)
             setattr(group.master, OWNER, (weakref.ref(self), index))
             for name, param in zip(plan.names, params, strict=True):
                 setattr(param, ORIGINAL, name)
@@ -120,20 +121,14 @@ class ShardedModel(nn.Module):
         self.param_names = [plan.names for plan in plans]
         unit_of = [plan.unit for plan in plans]
         self.schedule: UnitSchedule | None = None
-        self._grads = GradientSync(
-            self.groups,
-            stage=stage,
-            unit_of=unit_of,
-            on_unit_done=self._unit_done,
-            on_backward_end=self._backward_done,
-        )
-        if stage < 3:
-            self._handles = _wait_before_use(module, self.groups)
         if stage == 3:
             self.schedule = UnitSchedule(
-                chosen, self.groups, unit_of, prefetch=prefetch,
-                reshard_after_forward=reshard_after_forward, on_backward_start=self._grads.ensure_callback,
+                chosen, self.groups, unit_of, prefetch=prefetch, reshard_after_forward=reshard_after_forward,
+                on_backward_start=lambda: self._grads.ensure_callback(),
             )  # fmt: skip
+        else:
+            _wait_before_use(module, self.groups)
+        self._grads = GradientSync(self.groups, unit_of=unit_of, schedule=self.schedule)
 
     # ------------------------------------------------------------------ parameters the optimizer sees
     def named_parameters(
@@ -155,7 +150,7 @@ class ShardedModel(nn.Module):
     # ------------------------------------------------------------------ forward / backward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.schedule is not None:
-            self.schedule.gather_root()
+            self.schedule.gather(ROOT)
         if self.precision is not None:
             args, kwargs = _cast((args, kwargs), self.precision.param_dtype)
         output = self.module(*args, **kwargs)
@@ -177,11 +172,9 @@ class ShardedModel(nn.Module):
 
     @contextmanager
     def gathered(self) -> Iterator[None]:
-        """Stage 3: every unit's parameters gathered for the whole block and freed at its end, whatever
-        runs inside — a pipeline stage's step, whose chunks the executor calls directly and whose
-        micro-batches alternate forward and backward on the same units. The gathers start together; the
-        root's (no unit's forward hook waits for it) are awaited here, each unit's by its forward hook, so
-        they overlap the first forwards. Stages 1/2 keep their parameters gathered anyway."""
+        """Stage 3: every unit's parameters gathered for the whole block (a pipeline stage's step, whose
+        micro-batches alternate forward and backward on the same units) and freed at its end. The root's
+        gathers are awaited here, each unit's by its forward hook, so they overlap the first forwards."""
         if self.schedule is None:
             self.wait_gathered()  # the all-gathers of the last step's update land first
             yield
@@ -190,7 +183,7 @@ class ShardedModel(nn.Module):
         try:
             for group in self.groups:
                 group.gather()
-            self.schedule.gather_root()
+            self.schedule.gather(ROOT)
             yield
         finally:
             self.schedule.holding = False
@@ -202,14 +195,6 @@ class ShardedModel(nn.Module):
         for group in self.groups:
             group.wait_gathered()
 
-    def _unit_done(self, unit: int) -> None:
-        if self.schedule is not None and unit != ROOT:
-            self.schedule.free(unit)
-
-    def _backward_done(self) -> None:
-        if self.schedule is not None:
-            self.schedule.free_all()
-
     # ------------------------------------------------------------------ around the optimizer step
     def before_step(self, groups: Sequence[FlatGroup]) -> None:
         for group in groups:  # an all-gather still reading a slot must land before the slot changes
@@ -220,37 +205,34 @@ class ShardedModel(nn.Module):
 
     def after_step(self, groups: Sequence[FlatGroup]) -> None:
         for group in groups:
-            group.release_gradient(keep_shard=self.stage > 1)
+            group.release_gradient()
         for group in groups:
             group.refresh()
 
     @torch.no_grad()
-    def unscale_gradients_(self, inv_scale: float) -> bool:
+    def unscale_gradients_(self, inv_scale: float, agree: Communicator) -> bool:
         """Loss scaling: hand every reduced gradient shard to the optimizer in float32, multiplied by
         ``inv_scale``, before clipping sees it (float16 shards would flush small unscaled values to zero).
-        Returns whether *this rank's* shards hold an inf or nan; the caller agrees on it over the ranks."""
+        Returns whether any rank of ``agree`` found an inf or nan: then every rank forgot its gradients,
+        so the optimizer finds none and changes neither parameters nor its state."""
         self._grads.reduce_for_step(self.groups)
-        found = torch.zeros((), dtype=torch.bool, device=self.groups[0].device)
+        found = torch.zeros(1, device=self.groups[0].device)
         for group in self.groups:
             grad = group.expose_gradient(float32=True)
             if grad is not None:
                 grad.mul_(torch.tensor(inv_scale, dtype=torch.float32, device=grad.device))
-                found |= ~torch.isfinite(grad).all()
-        return bool(found)
-
-    def discard_gradients(self) -> None:
-        """Forget this step's reduced gradients (a loss-scaled step with an overflow is skipped): the
-        optimizer then finds no gradient and changes neither parameters nor its state."""
-        for group in self.groups:
-            group.release_gradient(keep_shard=self.stage > 1)
+                found = torch.maximum(found, (~torch.isfinite(grad).all()).float())
+        agree.all_reduce(found, ReduceOp.MAX)
+        if found.item() > 0:
+            for group in self.groups:
+                group.release_gradient()
+        return bool(found.item() > 0)
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Scale every gradient shard so the norm of the whole (unsharded) gradient is at most
-        ``max_norm``, exactly as ``torch.nn.utils.clip_grad_norm_`` on the plain model; returns that norm.
-        ``max_norm=math.inf`` only measures. One reduction over ``comm`` counts every element once, the
-        replica groups' too (their ranks and ``comm``'s others hold disjoint parts: see
-        :mod:`~meshwise.parallel.zero.replicas`)."""
+        """``torch.nn.utils.clip_grad_norm_`` of the plain model, on the shards; returns the norm
+        (``max_norm=math.inf`` only measures). One reduction over ``comm`` counts every element once, the
+        replica groups' too (:mod:`~meshwise.parallel.zero.replicas`)."""
         if norm_type not in (2.0, math.inf):
             raise ValueError(f"norm_type must be 2.0 or math.inf, got {norm_type}")
         pending = self.gradient_shards()
@@ -299,17 +281,12 @@ class ShardedModel(nn.Module):
         return measure(self, optimizer)
 
     @torch.no_grad()
-    def full_flat(self, group: FlatGroup) -> torch.Tensor:
-        """The group's whole flat vector in the master dtype, gathered from its replicas' master shards."""
-        out = torch.empty(group.layout.padded_numel, dtype=group.master.dtype, device=group.device)
-        group.comm.all_gather(out, group.master.detach().contiguous())
-        return out
-
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
         """The plain model's full state dict in its own dtypes (collective: call it on every rank)."""
         values: dict[int, torch.Tensor] = {}
         for group in self.groups:
-            flat = self.full_flat(group)
+            flat = torch.empty(group.layout.padded_numel, dtype=group.master.dtype, device=group.device)
+            group.comm.all_gather(flat, group.master.detach().contiguous())
             for param, offset in zip(group.params, group.layout.offsets, strict=True):
                 values[id(param)] = flat[offset : offset + param.numel()].view(param.shape).clone()
         state = {}
@@ -336,22 +313,14 @@ class ShardedModel(nn.Module):
             if not isinstance(target, nn.Parameter):
                 target.copy_(value)
         for group, names in zip(self.groups, self.param_names, strict=True):
+            start, end = group.layout.shard_range(group.comm.rank)
             flat = torch.zeros(group.layout.padded_numel, dtype=group.master.dtype, device=group.device)
             for name, offset, numel in zip(names, group.layout.offsets, group.layout.numels, strict=True):
                 flat[offset : offset + numel].copy_(state_dict[name].reshape(-1))
-            self.load_flat(group, flat)
+            group.wait_gathered()
+            group.master.copy_(flat[start:end])
+            group.refresh()  # the compute copies: all-gathered (stages 1/2) or the compute shard (3)
         return nn.modules.module._IncompatibleKeys(missing, unexpected)
-
-    @torch.no_grad()
-    def load_flat(self, group: FlatGroup, flat: torch.Tensor) -> None:
-        """Set a group's parameters from its whole flat vector (present on every rank)."""
-        start, end = group.layout.shard_range(group.comm.rank)
-        group.wait_gathered()
-        group.master.copy_(flat[start:end])
-        if group.persistent:
-            group.full.copy_(flat)
-        elif group.compute_shard is not None and group.master_is_separate:
-            group.compute_shard.copy_(group.master)
 
 
 def shard(
@@ -371,15 +340,13 @@ def shard(
     """Shard ``model`` over ``comm`` (default: the world's; pass a mesh axis such as ``mesh.dp``).
 
     ``stage`` 1 shards optimizer state, 2 also gradients, 3 also parameters (gathered per unit: ``units``
-    — a model's plan gives its layers, ``plan.layer_modules(model)`` — or by default each
-    parameter-holding child, layer stacks opened up). ``mixed_precision``: ``None``/``"fp32"``,
-    ``"bf16"`` or a :class:`MixedPrecision`. ``prefetch``: how many units ahead stage 3 starts gathering.
-    ``bucket_mb``/``first_bucket_mb``: stages 1/2 group sizes (DataParallel's buckets). Every argument
-    is checked before any communication. ``separate_by(name, param)``: a key; parameters with different
-    keys get different flat groups, so an optimizer param group can hold exactly one kind (weight decay
-    on matrices only, say — see :meth:`ShardedModel.parameters_where`). ``replica_groups``: parameters
-    replicated over other ranks than ``comm`` (an expert-parallel model's experts: see
-    :class:`~meshwise.parallel.zero.replicas.ReplicaGroup`), sharded over their own ranks.
+    — a model's plan gives its layers, ``plan.layer_modules(model)`` — or :func:`default_units`).
+    ``mixed_precision``: ``None``/``"fp32"``, ``"bf16"``, ``"fp16"`` or a :class:`MixedPrecision`.
+    ``prefetch``: how many units ahead stage 3 starts gathering. ``bucket_mb``/``first_bucket_mb``:
+    stages 1/2 group sizes (DataParallel's buckets). ``separate_by(name, param)``: parameters with
+    different keys get different flat groups (see :meth:`ShardedModel.parameters_where`).
+    ``replica_groups``: parameters sharded over ranks of their own (:mod:`~.replicas`). Every argument is
+    checked before any communication.
     """
     if isinstance(stage, bool) or stage not in (1, 2, 3):
         raise ValueError(
@@ -420,30 +387,55 @@ def _check_parameters(named: Mapping[str, nn.Parameter], precision: MixedPrecisi
             )
 
 
-def _wait_before_use(module: nn.Module, groups: Sequence[FlatGroup]) -> list[Any]:
+def _wait_before_use(module: nn.Module, groups: Sequence[FlatGroup]) -> None:
     """Stages 1/2: forward pre-hooks that wait, module by module, for the all-gathers started after the
     last step, so the gather of later layers overlaps the forward of earlier ones."""
     group_of = {id(param): group for group in groups for param in group.params}
-    handles = []
     for sub in module.modules():
-        mine = {id(group_of[id(p)]): group_of[id(p)] for p in sub.parameters(recurse=False)}
-        if mine:
-            needed = list(mine.values())
+        needed = list({id(group_of[id(p)]): group_of[id(p)] for p in sub.parameters(recurse=False)}.values())
+        if needed:
+            sub.register_forward_pre_hook(partial(_wait, needed))
 
-            def hook(_module: nn.Module, _args: Any, needed: list[FlatGroup] = needed) -> None:
-                for group in needed:
-                    group.wait_gathered()
 
-            handles.append(sub.register_forward_pre_hook(hook))
-    return handles
+def _wait(groups: list[FlatGroup], _module: nn.Module, _args: Any) -> None:
+    for group in groups:
+        group.wait_gathered()
 
 
 def _cast(value: Any, dtype: torch.dtype) -> Any:
-    """Floating tensors in nested tuples/lists/dicts cast to ``dtype``; everything else unchanged."""
-    if isinstance(value, torch.Tensor):
-        return value.to(dtype) if value.is_floating_point() else value
-    if isinstance(value, tuple | list):
-        return type(value)(_cast(v, dtype) for v in value)
-    if isinstance(value, dict):
-        return {k: _cast(v, dtype) for k, v in value.items()}
-    return value
+    """Floating tensors anywhere in ``value`` (nested tuples/lists/dicts) cast to ``dtype``."""
+    return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, value)
+
+
+def _sharded_groups(optimizer: torch.optim.Optimizer) -> list[tuple[ShardedModel, list[FlatGroup]]]:
+    """The sharded models whose shards ``optimizer`` holds, each with those groups (in group order)."""
+    found: dict[int, tuple[ShardedModel, set[int]]] = {}
+    for param_group in optimizer.param_groups:
+        for param in param_group["params"]:
+            owner = getattr(param, OWNER, None)
+            if owner is None:
+                name = getattr(param, ORIGINAL, None)
+                if name is not None:
+                    raise RuntimeError(
+                        f"{type(optimizer).__name__} holds the unsharded parameter {name!r} of a model that "
+                        "was sharded: build the optimizer after shard(), on the sharded model's "
+                        "parameters, e.g. torch.optim.AdamW(sharded.parameters(), ...)"
+                    )
+                continue
+            model = owner[0]()
+            if model is not None:
+                found.setdefault(id(model), (model, set()))[1].add(owner[1])
+    return [(model, [model.groups[i] for i in sorted(indices)]) for model, indices in found.values()]
+
+
+def _pre_step(optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+    for model, groups in _sharded_groups(optimizer):
+        model.before_step(groups)
+
+
+def _post_step(optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+    for model, groups in _sharded_groups(optimizer):
+        model.after_step(groups)
+
+
+_HOOKS = (register_optimizer_step_pre_hook(_pre_step), register_optimizer_step_post_hook(_post_step))

@@ -1,54 +1,52 @@
 """ZeRO's flat shards described for the one checkpoint writer (:mod:`meshwise.parallel.state_dict`).
 
 A flat master shard cuts parameters at arbitrary element offsets, so this rank's piece of a parameter is
-the few rectangular boxes covering its range (:func:`~.rectangles.boxes`), computed from the layout every
+the few rectangular boxes covering its range (:func:`~.layout.boxes`), computed from the layout every
 rank knows: no metadata is exchanged, padding is never written, and no rank ever holds a whole tensor —
 the point of ZeRO when a model does not fit. Each flat group is one
 :class:`~meshwise.parallel.state_dict.Held` whose parts are its parameters' rectangles: views of the
 master shard (and of each AdamW moment, laid out alike), placed in the plain parameter by the parameter's
 :class:`~meshwise.parallel.placement.Placement` (a tensor-parallel shard's rectangles move to its slice).
 A load writes into the master shards and its ``loaded`` step refreshes the compute copies.
-Model-agnostic: used by ``train mlp|cnn|deep-mlp --zero N`` and ``train gpt --zero N`` (± tp, pp, ep).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from functools import partial
 
 import torch
 
-from meshwise.parallel.placement import Placement
+from meshwise.parallel.placement import Placement, place
 from meshwise.parallel.state_dict import Chunk, Held, Part, PlainLayout, plain_chunks
 from meshwise.parallel.zero.flat import FlatGroup
-from meshwise.parallel.zero.rectangles import boxes
+from meshwise.parallel.zero.layout import boxes
 from meshwise.parallel.zero.sharded import ShardedModel
 
 
 def zero_held(
     zero: ShardedModel,
     plain: PlainLayout | None = None,
-    placements: Mapping[str, Placement] | None = None,
     tp_rank: int = 0,
     group_placements: Sequence[Placement] | None = None,
 ) -> list[Held]:
     """Every flat group of ``zero`` as the rectangles of its range of each parameter. ``plain``: the plain
-    model's shapes (default: the local parameters' own); ``placements``: by local name (default: each
-    parameter whole, as without tensor parallelism); ``tp_rank``: this rank's tp coordinate;
-    ``group_placements``: each flat group's (its shard's axes, for a gather's counting)."""
+    model's shapes (default: the local parameters' own); ``tp_rank``: this rank's tp coordinate, where
+    each tensor-parallel shard's rectangles move to; ``group_placements``: each flat group's (its
+    shard's axes, for a gather's counting)."""
     # a step's refresh started all-gathers (stages 1/2) whose input is this rank's slot of the full
     # buffer — the master shard a load writes into: they must land first, or one landing after the load
     # puts the pre-load values back into the slot
     zero.wait_gathered()
+    placements = place(zero.module.named_parameters())
     held = []
-    for group, names in zip(zero.groups, zero.param_names, strict=True):
+    for index, (group, names) in enumerate(zip(zero.groups, zero.param_names, strict=True)):
         parts = []
-        for index, (name, param) in enumerate(zip(names, group.params, strict=True)):
-            placement = placements[name] if placements is not None else Placement(name)
+        for at, (name, param) in enumerate(zip(names, group.params, strict=True)):
             shape = plain.shapes[name] if plain is not None else param.shape
-            cut = partial(_rectangles, group, index, placement, tuple(shape), tp_rank)
+            cut = partial(_rectangles, group, at, placements[name], tuple(shape), tp_rank)
             parts.append(Part(name, cut, divided=True))
-        where = group_placements[len(held)] if group_placements is not None else None
+        where = group_placements[index] if group_placements is not None else None
         held.append(Held(group.master, tuple(parts), loaded=group.refresh, placement=where))
     return held
 

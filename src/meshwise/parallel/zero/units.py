@@ -2,19 +2,16 @@
 
 A *group* is one flat vector sharded over the ranks (one all-gather, one reduce-scatter). Groups never
 mix trainable and frozen parameters (frozen ones have no gradient to reduce and must not reach the
-optimizer) nor dtypes.
+optimizer), dtypes, nor the keys of a caller's ``separate_by`` — so an optimizer can treat kinds apart
+exactly (AdamW decaying matrices but not biases), each flat shard belonging to one param group.
 
-- A caller may add its own key (``separate_by``): parameters with different keys never share a group, so an
-  optimizer can treat them differently, e.g. AdamW decaying matrices but not biases and LayerNorm gains —
-  exactly, because each flat shard then belongs to a single optimizer param group.
-- Stages 1 and 2 keep every parameter gathered, so a group is only a communication bucket: trainable
-  parameters are bucketed exactly as DataParallel's all-reduces are (reverse parameter order, small first
-  bucket), so the first reduce-scatter starts while backward is still busy with the early layers.
-- Stage 3 gathers parameters unit by unit. A unit is a module — each parameter-holding child by default,
-  or the list the caller passes (a model's plan: its repeated layers) — and its groups are gathered just
-  before its forward and backward and freed after them. Everything no unit owns (with a GPT's plan: the
-  embeddings, final norm and tied head), and any parameter used by two units, belongs to the *root*,
-  which stays gathered from the start of forward to the end of backward.
+- Stages 1 and 2 keep every parameter gathered, so a group is only a communication bucket, planned as
+  DataParallel's (reverse parameter order, small first bucket: the first reduce-scatter starts while
+  backward is still busy with the early layers).
+- Stage 3 gathers parameters unit by unit: a unit is a module (each parameter-holding child by default, or
+  the caller's list — a model's plan gives its repeated layers). Everything no unit owns, and any
+  parameter two units use, belongs to the *root*, gathered from the start of forward to the end of
+  backward.
 
 Groups are listed in the order their gradients become ready (the order reduce-scatters are launched in,
 identical on every rank): for stage 3 the last unit first and the root last.
@@ -37,18 +34,15 @@ SeparateBy = Callable[[str, nn.Parameter], Hashable]
 
 @dataclass(frozen=True)
 class GroupPlan:
-    """One flat group: parameter names (module order), whether they train, the unit that gathers them."""
+    """One flat group: parameter names (module order) and the unit that gathers them."""
 
     names: tuple[str, ...]
-    trainable: bool
     unit: int = ROOT
 
 
 def default_units(model: nn.Module) -> list[nn.Module]:
     """Stage 3's units when none are given: the parameter-holding children, with ModuleLists and
-    Sequentials opened up (so a layer stack shards layer by layer). A model with a
-    :class:`~meshwise.parallel.plan.ParallelPlan` passes its repeated layers instead
-    (``plan.layer_modules(model)``), leaving embeddings and head in the always-gathered root."""
+    Sequentials opened up (so a layer stack shards layer by layer)."""
     units: list[nn.Module] = []
     for child in model.children():
         if isinstance(child, nn.ModuleList | nn.Sequential):
@@ -58,27 +52,24 @@ def default_units(model: nn.Module) -> list[nn.Module]:
     return units
 
 
-def unit_names(model: nn.Module, units: Sequence[nn.Module]) -> list[str]:
-    """The module path of each unit; a clear error for a module that is not part of ``model``."""
-    paths = {id(module): name for name, module in model.named_modules()}
-    names = []
+def _check_units(model: nn.Module, units: Sequence[nn.Module]) -> None:
+    """A clear error for a unit that is not a module of ``model``."""
+    inside = {id(module) for module in model.modules()}
     for index, unit in enumerate(units):
         if not isinstance(unit, nn.Module):
             raise TypeError(f"units[{index}] is a {type(unit).__name__}, not an nn.Module")
-        if unit is model or id(unit) not in paths:
+        if unit is model or id(unit) not in inside:
             raise ValueError(
                 f"units[{index}] ({type(unit).__name__}) is not a submodule of the model being sharded: "
                 "pass modules taken from the model itself (e.g. list(model.blocks))"
             )
-        names.append(paths[id(unit)])
-    return names
 
 
 def plan_stage3(
     model: nn.Module, units: Sequence[nn.Module], separate_by: SeparateBy | None = None
 ) -> list[GroupPlan]:
     """Groups per unit (index 1.. in forward order), root (index 0) last, in gradient-ready order."""
-    unit_names(model, units)
+    _check_units(model, units)
     named = dict(model.named_parameters())
     owner_of: dict[str, int] = {}
     by_id = {id(p): name for name, p in named.items()}
@@ -121,4 +112,4 @@ def _split(
         mine = separate_by(name, param) if separate_by is not None else None
         key = (not param.requires_grad, str(param.dtype), str(param.device), mine)
         keyed.setdefault(key, []).append(name)
-    return [GroupPlan(tuple(members), not key[0], unit) for key, members in keyed.items()]
+    return [GroupPlan(tuple(members), unit) for members in keyed.values()]

@@ -1,28 +1,10 @@
 """``meshwise train gpt --zero 1|2|3``: the model-agnostic :class:`~meshwise.train.zero_step.ZeroStep`
-given what is the GPT's.
-
-- AdamW with the data-parallel path's parameter groups (decay on matrices and embeddings, none on biases
-  and LayerNorm gains): ``shard(separate_by=...)`` never puts the two kinds in one flat group, so each
-  master shard belongs to exactly one optimizer group and the update is the plain model's, element for
-  element — no per-element mask needed;
-- ``--dtype bf16|fp16`` computes with bf16/fp16 copies of float32 master shards (fp16 with a loss scaler);
-- stage 3's units are the GPT blocks (the plan's layers);
-- with ``--tp`` the model arrives as this rank's tensor-parallel shard (TP, then data parallelism: the
-  layout of Megatron's distributed optimizer, or FSDP2 over DTensor TP with the flat range in place of
-  FSDP2's dim-0 chunk), and flat groups keep tp shards and tp-replicated parameters apart
-  (:func:`tensor_parallel_key`), so each gradient shard has one placement and the global norm is the
-  generic one.
-
-With ``--ep`` (a mixture of experts whose experts are spread over ep ranks) two kinds of weights are
-replicated over different ranks: the dense ones over ``mesh.replicas`` (dp·ep·cp), a rank's E/ep experts
-only over ``mesh.expert_replicas`` (dp·cp). ZeRO shards each kind over its own ranks
-(:func:`expert_replicas`, a :class:`~meshwise.parallel.zero.replicas.ReplicaGroup`): expert flat groups
-reduce-scatter and all-gather over dp·cp, their averaged gradient divided by ep (as
-:class:`~meshwise.parallel.DataParallel` does), the optimizer steps on each kind's
-shards, the global norm counts every expert once (an expert shard is divided over dp·cp and ep), and the
-checkpoint holds each expert under its plain name (its global index) in the pieces of its dp·cp ranks, so
-it resumes as plain ``--ep``, another stage, or one process. Under ``--pp`` each stage's ZeRO shards its
-experts the same way (:func:`~meshwise.train.gpt.pipeline_step.stage_zero`).
+given what is the GPT's: AdamW's decay groups and tensor-parallel shards kept apart in the flat groups
+(:func:`tensor_parallel_key`: each master shard then belongs to one optimizer group and has one
+placement, so the update and the norm are the plain model's, element for element), ``--dtype`` as the
+compute copies' precision, the GPT blocks as stage 3's units, and under ``--ep`` the experts sharded
+over their own replicas (:func:`expert_replicas`). Under ``--pp`` each stage's ZeRO uses the same
+options (:func:`~meshwise.train.gpt.pipeline_step.stage_zero`).
 """
 
 from __future__ import annotations
@@ -39,9 +21,6 @@ from meshwise.train.gpt.config import GPTTrainConfig
 from meshwise.train.gpt.optimizer import decays, sharded_adamw
 from meshwise.train.gpt.parallelize import LayerSharded
 from meshwise.train.zero_step import ZeroStep
-
-#: --dtype → shard()'s mixed precision (float32 master shards in every case).
-PRECISION = {"fp32": None, "bf16": "bf16", "fp16": "fp16"}
 
 
 def tensor_parallel_key(name: str, param: nn.Parameter) -> tuple[bool, bool]:
@@ -61,7 +40,7 @@ class GPTZeroStep(ZeroStep):
             mesh,
             partial(sharded_adamw, config=config.optimizer),
             config.mesh.zero,
-            mixed_precision=PRECISION[config.model.dtype],
+            mixed_precision=config.model.dtype,  # fp32 | bf16 | fp16, as shard() spells them
             separate_by=tensor_parallel_key,
             units=sharded.plan.layer_modules(sharded.model) if config.mesh.zero == 3 else None,
             replica_groups=expert_replicas(mesh),
