@@ -32,10 +32,11 @@ from meshwise.train import checkpoint
 from meshwise.train.checkpoint import TRAIN_FORMAT, run_file
 from meshwise.train.config import TrainConfig
 from meshwise.train.data_parallel_step import DataParallelStep
-from meshwise.train.errors import TrainingError, train_on_rank
+from meshwise.train.errors import TrainingError, launch, train_on_rank
 from meshwise.train.loop_parts import everywhere, first_diverged, kept, progress_bar, save_everywhere
 from meshwise.train.profile import StepProfiler
 from meshwise.train.report import EpochStats, TrainResult, header_line
+from meshwise.train.resolve import resolve
 from meshwise.train.resume import check_dataset, resume_notes
 from meshwise.train.step import Local, ParallelStep, loss_only
 from meshwise.train.zero_step import ZeroStep
@@ -54,6 +55,11 @@ def train_rank_main(config: TrainConfig) -> TrainResult | TrainingError | None:
     mesh = config.mesh
     world = init(mesh.backend, device=mesh.device, timeout=mesh.comm_timeout, debug=debug)
     return train_on_rank(world, lambda: Trainer(world, config).run())
+
+
+def run_training(config: TrainConfig) -> TrainResult | None:
+    """Resolve ``config`` here (validating it), train, and return rank 0's result (see :func:`launch`)."""
+    return launch(train_rank_main, resolve(config), config.mesh)
 
 
 class Trainer:

@@ -30,8 +30,9 @@ from meshwise.data.windows import lockstep_val_batches, train_batch
 from meshwise.models.gpt import GPT
 from meshwise.runtime.cores import available_cores
 from meshwise.train import random_state
-from meshwise.train.errors import TrainingError, train_on_rank
+from meshwise.train.errors import TrainingError, launch, train_on_rank
 from meshwise.train.gpt import checkpoint
+from meshwise.train.gpt.config import GPTTrainConfig
 from meshwise.train.gpt.context_parallel import local_tokens
 from meshwise.train.gpt.init_from import export, load_weights
 from meshwise.train.gpt.moe import moe_banner, router_report
@@ -40,7 +41,7 @@ from meshwise.train.gpt.peak import peak_flops, shared_cores_peak, thread_hint
 from meshwise.train.gpt.peak_memory import MEASURED_STEPS, PeakMemory
 from meshwise.train.gpt.profiling import GPTProfiling
 from meshwise.train.gpt.report import GPTResult, StepStats, step_line
-from meshwise.train.gpt.resolve import GPTRun
+from meshwise.train.gpt.resolve import GPTRun, resolve
 from meshwise.train.gpt.start_notes import start_notes
 from meshwise.train.gpt.step_log import StepLog, checkpoint_due
 from meshwise.train.loop_parts import first_diverged, kept, progress_bar, save_everywhere
@@ -54,6 +55,12 @@ def train_gpt_rank_main(run: GPTRun) -> GPTResult | TrainingError | None:
     mesh = run.config.mesh
     world = init(mesh.backend, device=mesh.device, timeout=mesh.comm_timeout, mesh=run.shape)
     return train_on_rank(world, lambda: GPTTrainer(world, run).run())
+
+
+def run_gpt_training(config: GPTTrainConfig) -> GPTResult | None:
+    """Resolve ``config`` here (validating it, building the default corpus if needed), train, and return
+    rank 0's result (see :func:`launch`)."""
+    return launch(train_gpt_rank_main, resolve(config), config.mesh)
 
 
 class GPTTrainer:
