@@ -5,16 +5,14 @@ reads those, once, before any rank starts)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from meshwise.train.sections import (
+    FlagSections,
     MeshSection,
     OutputSection,
     ProfileSection,
     check_positive_lr,
     check_seed,
-    flag_defaults,
-    from_flags,
 )
 from meshwise.train.workloads import WORKLOADS, Workload
 
@@ -45,8 +43,8 @@ class DebugProfileSection(ProfileSection):
 
 
 @dataclass(frozen=True)
-class TrainConfig:
-    """Everything a rank needs to train a workload. Build it with :meth:`from_flags`."""
+class TrainConfig(FlagSections):
+    """Everything a rank needs to train a workload. Build it with :meth:`from_flags` (``"mlp", zero=1``)."""
 
     model: str
     mesh: MeshSection = field(default_factory=MeshSection)
@@ -54,17 +52,6 @@ class TrainConfig:
     data: WorkloadDataSection = field(default_factory=WorkloadDataSection)
     output: OutputSection = field(default_factory=OutputSection)
     profile: DebugProfileSection = field(default_factory=DebugProfileSection)
-
-    @classmethod
-    def from_flags(cls, model: str, **flags: Any) -> TrainConfig:
-        """The config of ``meshwise train MODEL`` with these flags by argparse dest (``"mlp", zero=1``):
-        the one mapping from its flat flags to sections, used by the CLI and the tests."""
-        return from_flags(cls, {"model": model, **flags})
-
-    @classmethod
-    def flag_defaults(cls) -> dict[str, Any]:
-        """Each flag's default by dest: the parser's defaults."""
-        return flag_defaults(cls)
 
     @property
     def workload(self) -> Workload:
