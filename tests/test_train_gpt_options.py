@@ -106,7 +106,7 @@ def test_keep_leaves_the_latest_k_checkpoints(text, tmp_path):
 
 
 def test_stale_steps_spare_the_target_and_the_latest_before_it(tmp_path):
-    from meshwise.train.gpt.checkpoint import stale_steps, step_dir
+    from meshwise.train.checkpoint import stale_steps, step_dir
 
     for step in (2, 4, 6, 8):
         step_dir(tmp_path, step).mkdir()

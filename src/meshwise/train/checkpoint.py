@@ -18,8 +18,8 @@ Layout of ``DIR``::
 
 A job killed mid-save leaves ``run.json`` naming the previous complete step; older ``step-*`` directories
 are removed only after ``run.json`` points past them. ``run.json`` is also what ``--resume`` checks before
-any rank starts. ``train gpt`` (format ``meshwise-gpt/2``, :mod:`meshwise.train.gpt.checkpoint`) and
-``train mlp|cnn|deep-mlp`` (format :data:`TRAIN_FORMAT`) both write through :func:`save`.
+any rank starts. ``train gpt`` (format :data:`GPT_FORMAT`) and ``train mlp|cnn|deep-mlp`` (format
+:data:`TRAIN_FORMAT`) both write through :func:`save`.
 
 ``train mlp|cnn|deep-mlp``'s ``run.json`` holds, besides ``format`` and ``step`` (optimizer steps taken):
 
@@ -34,6 +34,27 @@ rng                rank 0's torch CPU generator state (base64)
 run                world_size, batch_size (per rank), base_lr, lr (after scaling), seed, epochs
 history            one dict of metrics per completed epoch
 =================  =====================================================================================
+
+``train gpt``'s DCP checkpoint also holds the strategy's own state (``scaler``: fp16's loss scale) and
+``rng``: each rank's random streams under its mesh coordinates, written by that rank alone. Its
+``run.json`` holds, besides ``format`` and ``step``:
+
+================  ======================================================================================
+model             the GPT's config (a resume of another model is refused before launch)
+run               global_batch, seed, steps, config, train_seq_len
+world_size        ranks that wrote it
+mesh              the layout that wrote it (``{"pp": 1, "dp": 2, ...}``): the random streams are restored
+                  only on the same one (another continues deterministically, re-derived)
+data              the data position: ``next_step`` (the first step a resume trains), the sampler's
+                  ``seed``, ``global_batch`` and ``seq_len``. The sampler (:func:`~meshwise.data.windows.
+                  train_batch`) is a pure function of these and the step, so this is all its state
+initial_val_loss  the validation loss before the first step
+history           one record per completed step
+================  ======================================================================================
+
+``meshwise-gpt/1`` (written before ``mesh``, ``data`` and ``rng``) is still read: its run continues with
+the data position of its ``step`` and random streams re-derived as on another layout — exact without
+``--dropout``, deterministic with it. A format this meshwise does not know is refused in one line.
 """
 
 from __future__ import annotations
@@ -52,6 +73,9 @@ from meshwise.runtime.env import detect_launch_env
 
 RUN_FILE = "run.json"
 TRAIN_FORMAT = "meshwise-train/2"
+GPT_FORMAT = "meshwise-gpt/2"
+#: the formats ``train gpt`` resumes, newest first
+GPT_READS = (GPT_FORMAT, "meshwise-gpt/1")
 #: what ``train mlp|cnn|deep-mlp`` reads back; a run.json without one of them is not a usable checkpoint
 KEYS = ("model", "epoch", "sampler", "rng", "run", "history")
 
@@ -159,6 +183,13 @@ def read_train_run(directory: str | Path) -> dict[str, Any]:
             f"{run_file(directory)} is not a complete meshwise checkpoint (no {', '.join(missing)})"
         )
     return run
+
+
+def next_step(run: dict[str, Any]) -> int:
+    """The first step a resume of ``train gpt``'s ``run`` trains: its data position (a ``meshwise-gpt/1``
+    run.json, which has none, continues after its ``step``)."""
+    position = run.get("data")
+    return int(position["next_step"]) if position is not None else int(run["step"])
 
 
 def check_writable(directory: str | Path) -> None:

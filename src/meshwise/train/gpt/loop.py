@@ -29,9 +29,9 @@ from meshwise.data.tokens import ByteTokenizer
 from meshwise.data.windows import lockstep_val_batches, train_batch
 from meshwise.models.gpt import GPT
 from meshwise.runtime.cores import available_cores
-from meshwise.train import random_state
+from meshwise.train import checkpoint, random_state
+from meshwise.train.checkpoint import GPT_FORMAT, GPT_READS
 from meshwise.train.errors import TrainingError, launch, train_on_rank
-from meshwise.train.gpt import checkpoint
 from meshwise.train.gpt.config import GPTTrainConfig
 from meshwise.train.gpt.context_parallel import local_tokens
 from meshwise.train.gpt.init_from import export, load_weights
@@ -117,19 +117,16 @@ class GPTTrainer:
 
     # ------------------------------------------------------------------ checkpoints
     def _run_record(self, step: int) -> dict:
-        config = self.config
-        run = {
-            "global_batch": config.data.global_batch,
-            "seed": config.data.seed,
-            "steps": config.optimizer.steps,
-            "config": config.model.config,
-        }
+        """What run.json keeps beside the tensors (see :mod:`meshwise.train.checkpoint`)."""
+        data, seq_len = self.config.data, self.seq_len
+        run = {"global_batch": data.global_batch, "seed": data.seed, "steps": self.config.optimizer.steps}
+        position = {"seed": data.seed, "global_batch": data.global_batch, "seq_len": seq_len}
         return {
             "model": asdict(self.model_config),
-            "run": run | {"train_seq_len": self.seq_len},
+            "run": run | {"config": self.config.model.config, "train_seq_len": seq_len},
             "world_size": self.world.world_size,
             "mesh": self.mesh.shape.sizes,
-            "data": checkpoint.data_position(config.data.seed, config.data.global_batch, self.seq_len, step),
+            "data": position | {"next_step": step},
             "initial_val_loss": self.initial_val_loss,
             "history": [asdict(s) for s in self.history],
         }
@@ -143,9 +140,7 @@ class GPTTrainer:
         state["rng"] = {self._rank_key: random_state.capture([self.step_runner.model], self.world.device)}
         left, record = kept("step", self.kept_step), self._run_record(step)
         keep = self.config.output.keep
-        path = save_everywhere(
-            self.world, directory, left, step, state, record, format=checkpoint.FORMAT, keep=keep
-        )
+        path = save_everywhere(self.world, directory, left, step, state, record, format=GPT_FORMAT, keep=keep)
         self.checkpoint_path = str(path)
         self.kept_step = step
 
@@ -157,12 +152,12 @@ class GPTTrainer:
         directory = self.config.output.checkpoint
         assert directory is not None
         state = self.step_runner.state_dict()
-        run = checkpoint.read_run(directory)
+        run = checkpoint.read_run(directory, GPT_READS, "GPT ")
         models, device = [self.step_runner.model], self.world.device
         same_layout = run.get("mesh") == self.mesh.shape.sizes
         if same_layout:  # this rank's own streams, filled in place by the load
             state["rng"] = {self._rank_key: random_state.capture(models, device)}
-        run = checkpoint.load(directory, state)
+        run = checkpoint.load(directory, state, GPT_READS, "GPT ")
         self.saved_run = run
         self.step_runner.load_state_dict(state)
         self.first_step = self.kept_step = checkpoint.next_step(run)

@@ -22,7 +22,7 @@ from meshwise.data.tokens import load_tokens
 from meshwise.data.windows import TokenSplits
 from meshwise.models.gpt import GPTConfig
 from meshwise.runtime.env import plan_ranks
-from meshwise.train.checkpoint import resumed_directory
+from meshwise.train.checkpoint import GPT_READS, read_run, resumed_directory, step_dir
 from meshwise.train.checkpoint_check import check_dcp_checkpoint
 from meshwise.train.gpt.config import CPU_SEQ_LEN, GPTTrainConfig
 from meshwise.train.torch_profile import check_directory
@@ -171,13 +171,11 @@ def tokenizer_path(config: GPTTrainConfig) -> str | None:
 def _check_checkpoint(run: GPTRun) -> None:
     """A resumed run must find an intact checkpoint of this model, trained with the same data order, with
     steps left (a new run's directory is checked by :func:`resumed_directory`)."""
-    from meshwise.train.gpt.checkpoint import read_run, step_dir
-
     config = run.config
     directory = resumed_directory(config.output.checkpoint, config.output.resume)
     if directory is None:
         return
-    saved_run = read_run(directory)
+    saved_run = read_run(directory, GPT_READS, "GPT ")
     saved = GPTConfig(**saved_run["model"])
     if saved != run.model_config:
         raise ValueError(
