@@ -209,12 +209,11 @@ def check_writable(directory: str | Path) -> None:
 
 
 def resumed_directory(checkpoint: str | None, resume: bool) -> Path | None:
-    """The ``--checkpoint``/``--resume`` checks every trainer makes first: the directory of the run to
-    resume, for the trainer's own checks of it, or None: no checkpoint asked for, or a new run's, checked
-    here not to overwrite one and to be writable (before training rather than at its first checkpoint)."""
+    """The ``--checkpoint``/``--resume`` checks every trainer makes first (after validation, which refused
+    ``--resume`` without ``--checkpoint``): the directory of the run to resume, for the trainer's own checks
+    of it, or None: no checkpoint asked for, or a new run's, checked here not to overwrite one and to be
+    writable (before training rather than at its first checkpoint)."""
     if checkpoint is None:
-        if resume:
-            raise ValueError("--resume needs --checkpoint DIR: the directory of the run to continue")
         return None
     directory = Path(checkpoint)
     if directory.exists() and not directory.is_dir():

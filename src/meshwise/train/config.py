@@ -84,6 +84,5 @@ class TrainConfig(FlagSections):
         check_seed(self.data.seed)
         if self.data.data_dir is not None and not self.workload.accepts_data_dir:
             raise ValueError(f"model {self.model!r} trains on synthetic data; --data is only for cnn")
-        if self.output.resume and self.output.checkpoint is None:
-            raise ValueError("--resume needs --checkpoint DIR: the directory of the run to continue")
+        self.output.check()
         return self

@@ -35,7 +35,7 @@ from meshwise.train.data_parallel_step import DataParallelStep
 from meshwise.train.errors import TrainingError, launch, train_on_rank
 from meshwise.train.loop_parts import everywhere, first_diverged, kept, progress_bar, save_everywhere
 from meshwise.train.profile import StepProfiler
-from meshwise.train.report import EpochStats, TrainResult, header_line
+from meshwise.train.report import EpochStats, TrainResult
 from meshwise.train.resolve import resolve
 from meshwise.train.resume import check_dataset, resume_notes
 from meshwise.train.step import Local, ParallelStep, loss_only
@@ -267,14 +267,9 @@ class Trainer:
         world, epochs = self.world, self.config.total_epochs
         if world.is_main:
             self.console.print(
-                header_line(
-                    self.config.model,
-                    self.splits.name,
-                    parameters,
-                    world.world_size,
-                    world.backend,
-                    str(world.device),
-                )
+                f"meshwise train {self.config.model}: {parameters:,} parameters on {self.splits.name}, "
+                f"{world.world_size} rank{'s' if world.world_size > 1 else ''} × {world.device} over "
+                f"{world.backend}"
             )
             shard = len(self.sampler)
             if self.config.per_rank_batch > shard:  # legal (full-batch steps), but rarely what was meant

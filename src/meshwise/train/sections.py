@@ -51,6 +51,10 @@ class OutputSection:
     resume: bool = False  # continue the run checkpointed in ``checkpoint``
     json: str | None = None  # the run's metrics as one JSON file, written by the command
 
+    def check(self) -> None:
+        if self.resume and self.checkpoint is None:
+            raise ValueError("--resume needs --checkpoint DIR: the directory of the run to continue")
+
 
 @dataclass(frozen=True)
 class ProfileSection:

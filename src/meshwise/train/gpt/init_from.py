@@ -30,7 +30,6 @@ from meshwise.models.gpt_hf import (
     config_from_state_dict,
     from_hf_state_dict,
     read_state_dict,
-    save_hf_gpt2,
     weights_file,
 )
 
@@ -191,8 +190,3 @@ def check_export_dir(directory: str) -> None:
     existing = next(p for p in (path, *path.parents) if p.exists())
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
         raise ValueError(f"--export-hf {directory}: {existing} is not writable; choose another folder")
-
-
-def export(model: GPT, directory: str) -> str:
-    """Write ``model`` as Hugging Face GPT-2 (safetensors + config.json) into ``directory``; the file."""
-    return str(save_hf_gpt2(model, directory))

@@ -28,13 +28,14 @@ from meshwise.data.local_tokenizer import FileTokenizer
 from meshwise.data.tokens import ByteTokenizer
 from meshwise.data.windows import lockstep_val_batches, train_batch
 from meshwise.models.gpt import GPT
+from meshwise.models.gpt_hf import save_hf_gpt2
 from meshwise.runtime.cores import available_cores
 from meshwise.train import checkpoint, random_state
 from meshwise.train.checkpoint import GPT_FORMAT, GPT_READS
 from meshwise.train.errors import TrainingError, launch, train_on_rank
 from meshwise.train.gpt.config import GPTTrainConfig
 from meshwise.train.gpt.context_parallel import local_tokens
-from meshwise.train.gpt.init_from import export, load_weights
+from meshwise.train.gpt.init_from import load_weights
 from meshwise.train.gpt.moe import moe_banner, router_report
 from meshwise.train.gpt.parallelize import parallelize
 from meshwise.train.gpt.peak import peak_flops, shared_cores_peak, thread_hint
@@ -265,10 +266,10 @@ class GPTTrainer:
         return tokenizer.decode(out) if decodable else " ".join(map(str, out))
 
     def export_hf(self, directory: str) -> str | None:
-        """Rank 0 writes the trained weights in Hugging Face GPT-2 format; every rank calls it, since
-        reassembling a sharded model is collective (the model --sample uses: whole on rank 0)."""
+        """Rank 0 writes the trained weights in Hugging Face GPT-2 format (safetensors + config.json) and
+        returns the file; every rank calls it, since reassembling a sharded model is collective."""
         model = self.step_runner.sampling_model()
-        return export(model, directory) if self.world.is_main else None
+        return str(save_hf_gpt2(model, directory)) if self.world.is_main else None
 
     # ------------------------------------------------------------------ the run
     def _peak(self) -> tuple[float, str]:

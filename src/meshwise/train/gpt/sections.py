@@ -183,8 +183,7 @@ class GPTOutputSection(OutputSection):
             raise ValueError(f"--keep must be at least 1 (the latest checkpoint), got {self.keep}")
         if self.sample < 0:
             raise ValueError(f"--sample must be a number of tokens ≥ 0, got {self.sample}")
-        if self.resume and self.checkpoint is None:
-            raise ValueError("--resume needs --checkpoint DIR: the directory of the run to continue")
+        super().check()
 
 
 @dataclass(frozen=True)

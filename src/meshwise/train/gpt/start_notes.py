@@ -16,19 +16,14 @@ from meshwise.train.gpt.sections import OptimizerSection
 BYTE_VOCAB = 256
 
 
-def data_tokenizer(run: GPTRun) -> str | None:
-    """How ``--data`` becomes token ids: "bytes" for text (and the default corpus), None for a
-    ``.bin`` token file (its tokenizer is not recorded)."""
-    data = run.config.data.data
-    if data is not None and Path(data).suffix == TOKEN_SUFFIX:
-        return None
-    return "bytes" if data is None or run.tokenizer is None else "tokenizer"
-
-
 def vocabulary_note(run: GPTRun, vocab: int) -> str | None:
-    """With --init-from, a checkpoint whose vocabulary is not the data's: the pretrained embeddings
-    then mean other tokens than the ids the data holds (training runs, but starts from noise there)."""
-    if run.config.model.init_from is None or data_tokenizer(run) != "bytes" or vocab == BYTE_VOCAB:
+    """With --init-from, a checkpoint whose vocabulary is not the data's when the data is read as bytes
+    (text, or the default corpus, without a tokenizer; a ``.bin`` file's tokenizer is not recorded): the
+    pretrained embeddings then mean other tokens than the ids the data holds (training runs, but starts
+    from noise there)."""
+    data = run.config.data.data
+    as_bytes = data is None or (Path(data).suffix != TOKEN_SUFFIX and run.tokenizer is None)
+    if run.config.model.init_from is None or not as_bytes or vocab == BYTE_VOCAB:
         return None
     return (
         f"--init-from's vocabulary has {vocab:,} tokens, but --data is read as bytes ({BYTE_VOCAB} ids): "
