@@ -11,6 +11,7 @@ from meshwise.train.sections import (
     MeshSection,
     OutputSection,
     ProfileSection,
+    at_least_one,
     check_positive_lr,
     check_seed,
 )
@@ -74,8 +75,7 @@ class TrainConfig(FlagSections):
         if self.model not in WORKLOADS:
             raise ValueError(f"unknown model {self.model!r}; choose one of {', '.join(WORKLOADS)}")
         self.mesh.check()
-        if self.total_epochs < 1:
-            raise ValueError(f"--epochs must be at least 1, got {self.total_epochs}")
+        at_least_one({"--epochs": self.total_epochs})
         if self.per_rank_batch < 1:
             raise ValueError(
                 f"--batch-size must be a positive number of samples per rank, got {self.per_rank_batch}"

@@ -35,8 +35,7 @@ class MeshSection:
         return wait_timeout(self.timeout)
 
     def check(self) -> None:
-        if self.nproc is not None and self.nproc < 1:
-            raise ValueError(f"-np must be at least 1, got {self.nproc}")
+        at_least_one({"-np": self.nproc})
         if self.timeout is not None and self.timeout <= 0:
             raise ValueError(f"--timeout must be positive seconds, got {self.timeout}")
         if self.zero not in ZERO_STAGES:
@@ -66,6 +65,13 @@ class ProfileSection:
     @property
     def profiling(self) -> bool:
         return self.profile or self.trace is not None
+
+
+def at_least_one(flags: dict[str, int | None]) -> None:
+    """Each count given (not None) in ``flags`` (by flag) is at least 1."""
+    for flag, value in flags.items():
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be at least 1, got {value}")
 
 
 def check_seed(seed: int) -> None:

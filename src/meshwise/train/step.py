@@ -112,9 +112,15 @@ class ParallelStep(ABC):
             placed |= place(experts, **(how | {"divided": {*how.get("divided", ()), "ep"}}))
         self.placements = {name: (params[name], p) for name, p in placed.items()}
 
-    def timed_exchange(self, timer: ExchangeTimer | None) -> AbstractContextManager[Any]:
+    @contextmanager
+    def timed_exchange(self, timer: ExchangeTimer | None) -> Iterator[None]:
         """Records this step's dispatch and combine seconds in :attr:`exchange_seconds` (``--profile``)."""
-        return nullcontext() if timer is None else _exchange_step(timer, self.exchange_seconds)
+        before = dict(timer.seconds) if timer is not None else {}
+        try:
+            yield
+        finally:
+            if timer is not None:
+                self.exchange_seconds.append({part: timer.seconds[part] - before[part] for part in before})
 
     def autocast(self) -> AbstractContextManager[Any]:
         """bf16 mixed precision: weights, gradients and optimizer stay fp32; matmuls run in bf16."""
@@ -197,12 +203,3 @@ class ParallelStep(ABC):
         finish_load(self.held())
         if self.scaler is not None:
             self.scaler.load_state_dict(state["scaler"])
-
-
-@contextmanager
-def _exchange_step(timer: ExchangeTimer, steps: list[dict[str, float]]) -> Iterator[None]:
-    before = dict(timer.seconds)
-    try:
-        yield
-    finally:
-        steps.append({part: timer.seconds[part] - before[part] for part in before})

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from meshwise.train.gpt.schedule import LR_SCHEDULES, lr_at
-from meshwise.train.sections import MeshSection, OutputSection, ProfileSection, check_seed
+from meshwise.train.sections import MeshSection, OutputSection, ProfileSection, at_least_one, check_seed
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -101,9 +101,7 @@ class OptimizerSection:
         )
 
     def check(self) -> None:
-
-        if self.steps < 1:
-            raise ValueError(f"--steps must be at least 1, got {self.steps}")
+        at_least_one({"--steps": self.steps})
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(
                 f"--lr-schedule {self.lr_schedule!r} is unknown; choose one of {', '.join(LR_SCHEDULES)}"
@@ -144,16 +142,14 @@ class DataSection:
     seed: int = 0  # initial weights and data order
 
     def check(self) -> None:
-        positive = {
-            "--global-batch": self.global_batch,
-            "--eval-every": self.eval_every,
-            "--eval-windows": self.eval_windows,
-        }
-        for flag, value in positive.items():
-            if value < 1:
-                raise ValueError(f"{flag} must be at least 1, got {value}")
-        if self.micro_batch is not None and self.micro_batch < 1:
-            raise ValueError(f"--micro-batch-size must be at least 1, got {self.micro_batch}")
+        at_least_one(
+            {
+                "--global-batch": self.global_batch,
+                "--eval-every": self.eval_every,
+                "--eval-windows": self.eval_windows,
+                "--micro-batch-size": self.micro_batch,
+            }
+        )
         if self.micro_batches is not None and self.micro_batch is not None:
             raise ValueError("give --micro-batch-size (sequences) or --micro-batches (how many), not both")
         check_seed(self.seed)
@@ -172,13 +168,9 @@ class GPTOutputSection(OutputSection):
     tensorboard: str | None = None  # directory for TensorBoard event files of the reported steps
 
     def check(self) -> None:
-        if self.log_every is not None and self.log_every < 1:
-            raise ValueError(f"--log-every must be at least 1, got {self.log_every}")
-        if self.checkpoint_every is not None:
-            if self.checkpoint_every < 1:
-                raise ValueError(f"--checkpoint-every must be at least 1, got {self.checkpoint_every}")
-            if self.checkpoint is None:
-                raise ValueError("--checkpoint-every needs --checkpoint DIR: where to write them")
+        at_least_one({"--log-every": self.log_every, "--checkpoint-every": self.checkpoint_every})
+        if self.checkpoint_every is not None and self.checkpoint is None:
+            raise ValueError("--checkpoint-every needs --checkpoint DIR: where to write them")
         if self.keep < 1:
             raise ValueError(f"--keep must be at least 1 (the latest checkpoint), got {self.keep}")
         if self.sample < 0:
