@@ -18,43 +18,17 @@ Layout of ``DIR``::
 
 A job killed mid-save leaves ``run.json`` naming the previous complete step; older ``step-*`` directories
 are removed only after ``run.json`` points past them. ``run.json`` is also what ``--resume`` checks before
-any rank starts. ``train gpt`` (format :data:`GPT_FORMAT`) and ``train mlp|cnn|deep-mlp`` (format
-:data:`TRAIN_FORMAT`) both write through :func:`save`.
+any rank starts.
 
-``train mlp|cnn|deep-mlp``'s ``run.json`` holds, besides ``format`` and ``step`` (optimizer steps taken):
-
-=================  =====================================================================================
-model              workload name (``mlp``, ``deep-mlp``, ``cnn``)
-dataset            what it was trained on (``digits``, ``mnist``, ``clusters-6d``): a resume on other data
-                   is refused by name rather than failing on a tensor shape
-epoch              epochs completed; a resumed run starts at this epoch
-zero               the ZeRO stage it was written with (informative: any stage resumes it)
-sampler            the training sampler's seed and epoch (the data position: checkpoints are per epoch)
-rng                rank 0's torch CPU generator state (base64)
-run                world_size, batch_size (per rank), base_lr, lr (after scaling), seed, epochs
-history            one dict of metrics per completed epoch
-=================  =====================================================================================
-
-``train gpt``'s DCP checkpoint also holds the strategy's own state (``scaler``: fp16's loss scale) and
-``rng``: each rank's random streams under its mesh coordinates, written by that rank alone. Its
-``run.json`` holds, besides ``format`` and ``step``:
-
-================  ======================================================================================
-model             the GPT's config (a resume of another model is refused before launch)
-run               global_batch, seed, steps, config, train_seq_len
-world_size        ranks that wrote it
-mesh              the layout that wrote it (``{"pp": 1, "dp": 2, ...}``): the random streams are restored
-                  only on the same one (another continues deterministically, re-derived)
-data              the data position: ``next_step`` (the first step a resume trains), the sampler's
-                  ``seed``, ``global_batch`` and ``seq_len``. The sampler (:func:`~meshwise.data.windows.
-                  train_batch`) is a pure function of these and the step, so this is all its state
-initial_val_loss  the validation loss before the first step
-history           one record per completed step
-================  ======================================================================================
-
-``meshwise-gpt/1`` (written before ``mesh``, ``data`` and ``rng``) is still read: its run continues with
-the data position of its ``step`` and random streams re-derived as on another layout — exact without
-``--dropout``, deterministic with it. A format this meshwise does not know is refused in one line.
+Both trainers write through :func:`save`; what each keeps in ``run.json`` besides ``format`` and ``step``
+is its loop's ``_run_record`` (described in docs/training.md and docs/gpt.md). ``train mlp|cnn|
+deep-mlp`` (:data:`TRAIN_FORMAT`) keeps its dataset's name, so a resume on other data is refused by name
+rather than failing on a tensor shape, and its sampler and rank 0's generator: checkpoints are per epoch.
+``train gpt`` (:data:`GPT_FORMAT`) keeps the layout that wrote it (``mesh``: each rank's random streams,
+under ``rng`` in the DCP checkpoint, are restored only on the same one) and the data position (``data``:
+the sampler is a pure function of it and the step, so that is all its state). ``meshwise-gpt/1`` (written
+before ``mesh``, ``data`` and ``rng``) is still read: its run continues from its ``step`` with the streams
+re-derived as on another layout — exact without ``--dropout``, deterministic with it.
 """
 
 from __future__ import annotations

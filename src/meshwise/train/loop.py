@@ -34,10 +34,10 @@ from meshwise.train.config import TrainConfig
 from meshwise.train.data_parallel_step import DataParallelStep
 from meshwise.train.errors import TrainingError, launch, train_on_rank
 from meshwise.train.loop_parts import everywhere, first_diverged, kept, progress_bar, save_everywhere
+from meshwise.train.notes import check_dataset, resume_notes
 from meshwise.train.profile import StepProfiler
 from meshwise.train.report import EpochStats, TrainResult
 from meshwise.train.resolve import resolve
-from meshwise.train.resume import check_dataset, resume_notes
 from meshwise.train.step import Local, ParallelStep, loss_only
 from meshwise.train.zero_step import ZeroStep
 from meshwise.world import World, init

@@ -43,9 +43,9 @@ from meshwise.train.gpt.peak_memory import MEASURED_STEPS, PeakMemory
 from meshwise.train.gpt.profiling import GPTProfiling
 from meshwise.train.gpt.report import GPTResult, StepStats, step_line
 from meshwise.train.gpt.resolve import GPTRun, resolve
-from meshwise.train.gpt.start_notes import start_notes
 from meshwise.train.gpt.step_log import StepLog, checkpoint_due
 from meshwise.train.loop_parts import first_diverged, kept, progress_bar, save_everywhere
+from meshwise.train.notes import start_notes
 from meshwise.world import World, init
 
 SAMPLE_PROMPT = "\ndef "
