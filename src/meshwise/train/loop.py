@@ -180,9 +180,8 @@ class Trainer:
         self.sampler.set_epoch(epoch)
         indices = self.sampler.indices()
         totals = torch.zeros(4, dtype=torch.float64, device=device)
-        task = (
-            None if progress is None else progress.add_task(f"epoch {epoch + 1}", total=self.steps_per_epoch)
-        )
+        progress = progress or Progress(disable=True)
+        task = progress.add_task(f"epoch {epoch + 1}", total=self.steps_per_epoch)
         self.model.train()
         for step in range(self.steps_per_epoch):
             with self._step():
@@ -206,10 +205,8 @@ class Trainer:
                     )
                     first = (totals[3] == 0) & ~torch.isfinite(loss)
                     totals[3] = torch.where(first, totals.new_tensor(step + 1), totals[3])
-                if progress is not None and task is not None:
-                    progress.update(task, advance=1)
-        if progress is not None and task is not None:  # (both or neither)
-            progress.remove_task(task)
+                progress.update(task, advance=1)
+        progress.remove_task(task)
         return totals
 
     def _step(self) -> contextlib.AbstractContextManager:

@@ -85,9 +85,7 @@ class GPTTrainer:
         init_from = config.model.init_from
         if init_from is not None and not config.output.resume:  # a resumed run continues its own weights
             load_weights(model, init_from)
-        if (
-            config.model.compile
-        ):  # per block and in place: parameter names, and so checkpoints, stay as they are
+        if config.model.compile:  # per block and in place: parameter names, so checkpoints, stay as they are
             for block in model.blocks:
                 block.compile()
         self.step_runner = parallelize(model, self.mesh, run)

@@ -77,34 +77,27 @@ class GPTRun:
                 f"--global-batch {global_batch} is not divisible by {ranks} = {batch}: choose a "
                 f"multiple of {batch} so every data-parallel rank gets the same number of sequences"
             )
-        self._check_pipeline(shape)
+        micro_batches, per_rank = config.data.micro_batches, global_batch // batch
+        if micro_batches is not None and (micro_batches < 1 or per_rank % micro_batches):
+            raise ValueError(
+                f"--micro-batches {micro_batches} does not divide the per-rank batch {per_rank} "
+                f"(--global-batch {global_batch} / dp {batch}): choose a divisor of it"
+            )
         micro = config.per_rank_micro_batch(batch)
+        if shape.pp > 1 and micro >= 1:  # the pipeline can be built
+            from meshwise.parallel.pipeline_parallel.builder import validate_pipeline
+
+            mesh = config.mesh
+            validate_pipeline(
+                model.layers, shape.pp, config.accumulation(batch), mesh.schedule, mesh.virtual_stages
+            )
         if micro < 1 or global_batch % (batch * micro):
             raise ValueError(
                 f"--micro-batch-size {micro} does not divide the per-rank batch "
-                f"{global_batch // batch} (--global-batch {global_batch} / {ranks} {batch}): "
+                f"{per_rank} (--global-batch {global_batch} / {ranks} {batch}): "
                 "choose a divisor of it"
             )
         check_recompute_config(self)
-
-    def _check_pipeline(self, shape: MeshShape) -> None:
-        """--micro-batches divides the per-rank batch, and the pipeline can be built."""
-        config, data = self.config, self.config.data
-        per_rank = data.global_batch // shape.batch_size
-        if data.micro_batches is not None and (data.micro_batches < 1 or per_rank % data.micro_batches):
-            raise ValueError(
-                f"--micro-batches {data.micro_batches} does not divide the per-rank batch {per_rank} "
-                f"(--global-batch {data.global_batch} / dp {shape.batch_size}): choose a divisor of it"
-            )
-        if shape.pp == 1:
-            return
-        from meshwise.parallel.pipeline_parallel.builder import validate_pipeline
-
-        if config.per_rank_micro_batch(shape.batch_size) >= 1:
-            m = config.accumulation(shape.batch_size)
-            validate_pipeline(
-                self.model_config.layers, shape.pp, m, config.mesh.schedule, config.mesh.virtual_stages
-            )
 
 
 def resolve(config: GPTTrainConfig) -> GPTRun:
