@@ -5,7 +5,7 @@ It is the seeds' DDP recipe with the pitfalls handled in one place: the sampler 
 every rank's shard (not rank 0's guess), rank 0 alone writes checkpoints and prints, and a resumed run
 restores model, optimizer, sampler and generator so it continues exactly where the checkpoint left off.
 The model is cut and stepped by the seam's :class:`~meshwise.train.step.ParallelStep`, as ``meshwise
-train gpt``'s is: :class:`~meshwise.train.data_parallel_step.DataParallelStep`, or with ``--zero N``
+train gpt``'s is: :class:`~meshwise.train.step.DataParallelStep`, or with ``--zero N``
 :class:`~meshwise.train.zero_step.ZeroStep`. Checkpoints are :mod:`meshwise.train.checkpoint`'s DCP
 layout, the step's state keyed by the plain model's names: every rank writes its own ZeRO shards, and a
 run resumes on any number of ranks and any ``--zero`` stage.
@@ -31,14 +31,13 @@ from meshwise.parallel.state_dict import PlainLayout
 from meshwise.train import checkpoint
 from meshwise.train.checkpoint import TRAIN_FORMAT, run_file
 from meshwise.train.config import TrainConfig
-from meshwise.train.data_parallel_step import DataParallelStep
 from meshwise.train.errors import TrainingError, launch, train_on_rank
 from meshwise.train.loop_parts import everywhere, first_diverged, kept, progress_bar, save_everywhere
 from meshwise.train.notes import check_dataset, resume_notes
 from meshwise.train.profile import StepProfiler
 from meshwise.train.report import EpochStats, TrainResult
 from meshwise.train.resolve import resolve
-from meshwise.train.step import Local, ParallelStep, loss_only
+from meshwise.train.step import DataParallelStep, Local, ParallelStep, loss_only
 from meshwise.train.zero_step import ZeroStep
 from meshwise.world import World, init
 

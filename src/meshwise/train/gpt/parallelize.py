@@ -3,7 +3,7 @@
 The loop (:mod:`meshwise.train.gpt.loop`) asks :func:`parallelize` for a
 :class:`~meshwise.train.step.ParallelStep` and then only calls its methods; :func:`check_supported`
 refuses, before any rank starts, a combination that cannot be built. The data-parallel and ZeRO steps are
-the model-agnostic ones of :mod:`meshwise.train.data_parallel_step` and :mod:`meshwise.train.zero_step`;
+the model-agnostic :class:`~meshwise.train.step.DataParallelStep` and :mod:`meshwise.train.zero_step`'s;
 what is the GPT's is supplied here — the (vocabulary-parallel) loss and a MoE's auxiliary losses
 (:class:`LayerSharded`), its AdamW groups, ExpertDataParallel under ``--ep``, the plain GPT's meta shape
 for the checkpoint layout, and a plain copy for sampling under ``--cp``.
@@ -26,13 +26,12 @@ from meshwise.parallel.context_parallel import apply_context_parallel
 from meshwise.parallel.expert_parallel import ExchangeTimer, ExpertDataParallel, apply_expert_parallel
 from meshwise.parallel.plan import ParallelPlan
 from meshwise.parallel.state_dict import PlainLayout
-from meshwise.train.data_parallel_step import DataParallelStep
 from meshwise.train.gpt.config import GPTTrainConfig
 from meshwise.train.gpt.context_parallel import check_context_parallel_config, plain_copy
 from meshwise.train.gpt.optimizer import build_optimizer
 from meshwise.train.gpt.recompute import recompute_step
 from meshwise.train.gpt.resolve import GPTRun
-from meshwise.train.step import Local, ParallelStep
+from meshwise.train.step import DataParallelStep, Local, ParallelStep
 
 
 @dataclass(frozen=True)
@@ -80,7 +79,7 @@ def plain_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "me
 
 
 class GPTDataParallelStep(DataParallelStep):
-    """:class:`~meshwise.train.data_parallel_step.DataParallelStep` of this rank's GPT — the whole model,
+    """:class:`~meshwise.train.step.DataParallelStep` of this rank's GPT — the whole model,
     or with ``--tp`` its tensor-parallel shard — over ``mesh.replicas``. With ``--ep`` the model holds E/ep
     experts per layer and :class:`~meshwise.parallel.expert_parallel.ExpertDataParallel` averages dense
     gradients over ``mesh.replicas`` and expert gradients over ``mesh.expert_replicas``."""
