@@ -15,7 +15,7 @@ from meshwise.cli import main
 from meshwise.runtime.spawn import spawn
 from meshwise.train.gpt import GPTTrainConfig
 from meshwise.train.gpt.resolve import resolve
-from meshwise.train.gpt.schedule import lr_at
+from meshwise.train.gpt.sections import lr_at
 from meshwise.train.gpt.step_log import checkpoint_due
 
 LR, FLOOR, STEPS, WARMUP = 1.0, 0.1, 20, 2

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 import torch
 
-from meshwise.train.gpt.schedule import LR_SCHEDULES, lr_at
 from meshwise.train.sections import MeshSection, OutputSection, ProfileSection, at_least_one, check_seed
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -70,6 +69,35 @@ class ModelSection:
             raise ValueError(f"--dropout must be in [0, 1), got {self.dropout}")
 
 
+#: the schedules ``--lr-schedule`` offers
+LR_SCHEDULES = ("cosine", "linear", "constant", "wsd")
+#: the share of the steps a ``wsd`` schedule spends decaying (the MiniCPM paper's ~10–20 %)
+WSD_DECAY_FRACTION = 0.2
+
+
+def lr_at(step: int, *, lr: float, min_lr: float, warmup: int, steps: int, shape: str = "cosine") -> float:
+    """Rate for 0-based ``step``: ``lr·(step+1)/warmup`` while warming up, then ``shape`` from ``lr`` at
+    the end of warmup to ``min_lr`` at the last step: ``cosine`` (GPT-2/3, nanoGPT), ``linear``,
+    ``constant`` (stays at ``lr``), or ``wsd`` — warmup, stable, decay (MiniCPM, DeepSeek): ``lr`` held
+    until the last :data:`WSD_DECAY_FRACTION` of the steps, then a linear decay, so a run can be extended
+    from any checkpoint of its stable phase. A pure function of the step (no scheduler object): a resumed
+    run continues on exactly the same curve with nothing extra in the checkpoint."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    if shape == "constant":
+        return lr
+    if shape == "wsd":
+        decay_start = max(warmup, steps - max(1, round(WSD_DECAY_FRACTION * steps)))
+        if step < decay_start:
+            return lr
+        warmup = decay_start - 1  # the decay below runs from the last stable step (at lr) to the end
+    span = max(1, steps - 1 - warmup)
+    progress = min(1.0, (step - warmup) / span)
+    if shape in ("linear", "wsd"):
+        return min_lr + (lr - min_lr) * (1.0 - progress)
+    return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
 @dataclass(frozen=True)
 class OptimizerSection:
     """AdamW and its learning-rate schedule over ``steps`` optimizer steps."""
@@ -78,7 +106,7 @@ class OptimizerSection:
     lr: float = 2e-3
     warmup: int | None = None  # default: a tenth of the steps
     min_lr: float = 1e-4
-    lr_schedule: str = "cosine"  # the decay after warmup: cosine, linear, constant or wsd (schedule.py)
+    lr_schedule: str = "cosine"  # the decay after warmup: cosine, linear, constant or wsd (lr_at)
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     beta1: float = 0.9  # AdamW's first-moment decay
