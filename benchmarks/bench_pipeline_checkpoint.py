@@ -3,7 +3,7 @@ data-parallel one, and whether it is the same checkpoint.
 
 In one run the same two processes train one step of the same GPT as dp 2 and as pp 2 (1F1B), then,
 ``--rounds`` times, for each layout (alternating which goes first; each checkpoint is deleted after its
-round): save a DCP checkpoint (``meshwise.train.gpt.checkpoint.save``, as the loop does), load it into a
+round): save a DCP checkpoint (``meshwise.train.checkpoint.save``, as the loop does), load it into a
 fresh step runner of each layout, as ``--resume`` does, and compare every weight and AdamW slot with the
 saver's. At the end the pp stages are gathered into a plain GPT once (what ``--sample`` does).
 Reported: bytes on disk (the tied embedding/head is written once, so both layouts should write the same
@@ -31,7 +31,8 @@ from meshwise.comm.api import ReduceOp
 from meshwise.comm.mesh import Mesh, MeshShape
 from meshwise.models.gpt import CONFIGS, GPT
 from meshwise.runtime.spawn import spawn
-from meshwise.train.gpt import GPTTrainConfig, checkpoint
+from meshwise.train import checkpoint
+from meshwise.train.gpt import GPTTrainConfig
 from meshwise.train.gpt.parallelize import parallelize
 from meshwise.train.gpt.resolve import resolve
 from meshwise.train.step import ParallelStep
@@ -79,7 +80,7 @@ def _timed(world: meshwise.World, work: Callable[..., object], *args: object, **
 def _load(loader: ParallelStep, directory: Path) -> None:
     """What ``--resume`` does: fill the runner's own state template from the checkpoint, then apply it."""
     template = loader.state_dict()
-    checkpoint.load(directory, template)
+    checkpoint.load(directory, template, checkpoint.GPT_READS, "GPT ")
     loader.load_state_dict(template)
 
 
@@ -106,8 +107,8 @@ def _two_ranks(config_name: str, batch: int, seq: int, rounds: int, root: str) -
                 target = Path(root) / f"{name}-{r}"
                 state = runners[name].state_dict()
                 times[name]["save"].append(
-                    _timed(world, checkpoint.save, target, 1, state, {}, is_main=world.is_main,
-                           barrier=world.comm.barrier)
+                    _timed(world, checkpoint.save, target, 1, state, {}, format=checkpoint.GPT_FORMAT,
+                           is_main=world.is_main, barrier=world.comm.barrier)
                 )  # fmt: skip
                 for into in LAYOUTS:
                     loader = _runner(into, meshes, config_name, batch)

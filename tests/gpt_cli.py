@@ -19,7 +19,7 @@ def refuse_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*_args, **_kwargs):
         raise AssertionError("a rank started")
 
-    monkeypatch.setattr("meshwise.train.gpt.job.run_on_ranks", refuse)
+    monkeypatch.setattr("meshwise.train.errors.run_on_ranks", refuse)
 
 
 def one_line(err: str) -> str:

@@ -19,8 +19,8 @@ import torch
 
 from gpt_reference import RESUME_AT, RESUME_STEPS, resume_run
 from meshwise.runtime.spawn import spawn
+from meshwise.train.checkpoint import GPT_READS, next_step, read_run
 from meshwise.train.gpt import GPTTrainConfig
-from meshwise.train.gpt.checkpoint import next_step, read_run
 from meshwise.train.gpt.resolve import resolve
 from meshwise.train.random_state import capture, derived_seed, rank_key, rederive, restore
 
@@ -101,7 +101,7 @@ def test_an_unknown_format_is_one_line(tmp_path) -> None:
     (tmp_path / "run.json").write_text(json.dumps({"format": "meshwise-gpt/9", "step": 3}))
     expected = r"has format 'meshwise-gpt/9', which this meshwise does not read \(it reads meshwise-gpt/2, "
     with pytest.raises(ValueError, match=expected + r"meshwise-gpt/1\)"):
-        read_run(tmp_path)
+        read_run(tmp_path, GPT_READS, "GPT ")
     assert next_step({"step": 3}) == 3 and next_step({"step": 3, "data": {"next_step": 3}}) == 3
 
 

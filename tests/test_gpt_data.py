@@ -17,7 +17,7 @@ from meshwise.data.windows import (
     train_batch,
     val_batches,
 )
-from meshwise.train.gpt.schedule import lr_at
+from meshwise.train.gpt.sections import lr_at
 
 
 def test_byte_tokenizer_is_lossless_and_tolerates_cut_characters() -> None:

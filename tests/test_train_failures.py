@@ -17,7 +17,7 @@ import pytest
 from meshwise.cli import main
 from meshwise.train import TrainingError
 from meshwise.train.checkpoint import read_train_run, step_dir
-from meshwise.train.resume import resume_notes
+from meshwise.train.notes import resume_notes
 from test_data import write_mnist
 
 

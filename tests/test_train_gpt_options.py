@@ -15,7 +15,7 @@ from meshwise.cli import main
 from meshwise.runtime.spawn import spawn
 from meshwise.train.gpt import GPTTrainConfig
 from meshwise.train.gpt.resolve import resolve
-from meshwise.train.gpt.schedule import lr_at
+from meshwise.train.gpt.sections import lr_at
 from meshwise.train.gpt.step_log import checkpoint_due
 
 LR, FLOOR, STEPS, WARMUP = 1.0, 0.1, 20, 2
@@ -106,7 +106,7 @@ def test_keep_leaves_the_latest_k_checkpoints(text, tmp_path):
 
 
 def test_stale_steps_spare_the_target_and_the_latest_before_it(tmp_path):
-    from meshwise.train.gpt.checkpoint import stale_steps, step_dir
+    from meshwise.train.checkpoint import stale_steps, step_dir
 
     for step in (2, 4, 6, 8):
         step_dir(tmp_path, step).mkdir()

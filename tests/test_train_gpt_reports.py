@@ -12,7 +12,7 @@ from meshwise.cli import build_parser, main
 from meshwise.train.gpt import GPTTrainConfig
 from meshwise.train.gpt.peak import shared_cores_peak, thread_hint
 from meshwise.train.gpt.report import GPT_KNOBS, gpt_knobs
-from meshwise.train.gpt.start_notes import schedule_note
+from meshwise.train.notes import schedule_note
 
 
 def test_the_json_and_summary_record_the_strategy_and_output_files(text, tmp_path, capsys):

@@ -32,7 +32,7 @@ from meshwise.runtime.spawn import spawn
 from meshwise.train.gpt.loop import GPTTrainer
 from meshwise.train.gpt.parallelize import build_optimizer
 from meshwise.train.gpt.resolve import resolve
-from meshwise.train.gpt.schedule import lr_at
+from meshwise.train.gpt.sections import lr_at
 from test_gpt_zero import _tiny, text  # noqa: F401  (the module-scoped data fixture)
 
 STEPS = 4

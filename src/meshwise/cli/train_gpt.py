@@ -16,7 +16,7 @@ from meshwise.cli.training_failure import run_training_command
 from meshwise.models.gpt import CONFIGS
 from meshwise.parallel.pipeline_parallel.schedules import SCHEDULES
 from meshwise.train.gpt import GPTTrainConfig, run_gpt_training
-from meshwise.train.gpt.schedule import LR_SCHEDULES
+from meshwise.train.gpt.sections import LR_SCHEDULES
 
 _DEFAULTS = GPTTrainConfig.flag_defaults()
 

@@ -2,7 +2,7 @@
 
 from meshwise.train.config import TrainConfig
 from meshwise.train.errors import TrainingError
-from meshwise.train.job import run_training
+from meshwise.train.loop import run_training
 from meshwise.train.report import EpochStats, TrainResult
 from meshwise.train.workloads import WORKLOADS
 

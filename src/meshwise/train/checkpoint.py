@@ -18,22 +18,17 @@ Layout of ``DIR``::
 
 A job killed mid-save leaves ``run.json`` naming the previous complete step; older ``step-*`` directories
 are removed only after ``run.json`` points past them. ``run.json`` is also what ``--resume`` checks before
-any rank starts. ``train gpt`` (format ``meshwise-gpt/2``, :mod:`meshwise.train.gpt.checkpoint`) and
-``train mlp|cnn|deep-mlp`` (format :data:`TRAIN_FORMAT`) both write through :func:`save`.
+any rank starts.
 
-``train mlp|cnn|deep-mlp``'s ``run.json`` holds, besides ``format`` and ``step`` (optimizer steps taken):
-
-=================  =====================================================================================
-model              workload name (``mlp``, ``deep-mlp``, ``cnn``)
-dataset            what it was trained on (``digits``, ``mnist``, ``clusters-6d``): a resume on other data
-                   is refused by name rather than failing on a tensor shape
-epoch              epochs completed; a resumed run starts at this epoch
-zero               the ZeRO stage it was written with (informative: any stage resumes it)
-sampler            the training sampler's seed and epoch (the data position: checkpoints are per epoch)
-rng                rank 0's torch CPU generator state (base64)
-run                world_size, batch_size (per rank), base_lr, lr (after scaling), seed, epochs
-history            one dict of metrics per completed epoch
-=================  =====================================================================================
+Both trainers write through :func:`save`; what each keeps in ``run.json`` besides ``format`` and ``step``
+is its loop's ``_run_record`` (described in docs/training.md and docs/gpt.md). ``train mlp|cnn|
+deep-mlp`` (:data:`TRAIN_FORMAT`) keeps its dataset's name, so a resume on other data is refused by name
+rather than failing on a tensor shape, and its sampler and rank 0's generator: checkpoints are per epoch.
+``train gpt`` (:data:`GPT_FORMAT`) keeps the layout that wrote it (``mesh``: each rank's random streams,
+under ``rng`` in the DCP checkpoint, are restored only on the same one) and the data position (``data``:
+the sampler is a pure function of it and the step, so that is all its state). ``meshwise-gpt/1`` (written
+before ``mesh``, ``data`` and ``rng``) is still read: its run continues from its ``step`` with the streams
+re-derived as on another layout — exact without ``--dropout``, deterministic with it.
 """
 
 from __future__ import annotations
@@ -52,6 +47,9 @@ from meshwise.runtime.env import detect_launch_env
 
 RUN_FILE = "run.json"
 TRAIN_FORMAT = "meshwise-train/2"
+GPT_FORMAT = "meshwise-gpt/2"
+#: the formats ``train gpt`` resumes, newest first
+GPT_READS = (GPT_FORMAT, "meshwise-gpt/1")
 #: what ``train mlp|cnn|deep-mlp`` reads back; a run.json without one of them is not a usable checkpoint
 KEYS = ("model", "epoch", "sampler", "rng", "run", "history")
 
@@ -161,6 +159,13 @@ def read_train_run(directory: str | Path) -> dict[str, Any]:
     return run
 
 
+def next_step(run: dict[str, Any]) -> int:
+    """The first step a resume of ``train gpt``'s ``run`` trains: its data position (a ``meshwise-gpt/1``
+    run.json, which has none, continues after its ``step``)."""
+    position = run.get("data")
+    return int(position["next_step"]) if position is not None else int(run["step"])
+
+
 def check_writable(directory: str | Path) -> None:
     """Create ``directory`` if needed and write a scratch file in it, so that a path that cannot take a
     checkpoint is refused before training rather than after the first epoch. A real write is the only
@@ -178,12 +183,11 @@ def check_writable(directory: str | Path) -> None:
 
 
 def resumed_directory(checkpoint: str | None, resume: bool) -> Path | None:
-    """The ``--checkpoint``/``--resume`` checks every trainer makes first: the directory of the run to
-    resume, for the trainer's own checks of it, or None: no checkpoint asked for, or a new run's, checked
-    here not to overwrite one and to be writable (before training rather than at its first checkpoint)."""
+    """The ``--checkpoint``/``--resume`` checks every trainer makes first (after validation, which refused
+    ``--resume`` without ``--checkpoint``): the directory of the run to resume, for the trainer's own checks
+    of it, or None: no checkpoint asked for, or a new run's, checked here not to overwrite one and to be
+    writable (before training rather than at its first checkpoint)."""
     if checkpoint is None:
-        if resume:
-            raise ValueError("--resume needs --checkpoint DIR: the directory of the run to continue")
         return None
     directory = Path(checkpoint)
     if directory.exists() and not directory.is_dir():

@@ -5,16 +5,15 @@ reads those, once, before any rank starts)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from meshwise.train.sections import (
+    FlagSections,
     MeshSection,
     OutputSection,
     ProfileSection,
+    at_least_one,
     check_positive_lr,
     check_seed,
-    flag_defaults,
-    from_flags,
 )
 from meshwise.train.workloads import WORKLOADS, Workload
 
@@ -45,8 +44,8 @@ class DebugProfileSection(ProfileSection):
 
 
 @dataclass(frozen=True)
-class TrainConfig:
-    """Everything a rank needs to train a workload. Build it with :meth:`from_flags`."""
+class TrainConfig(FlagSections):
+    """Everything a rank needs to train a workload. Build it with :meth:`from_flags` (``"mlp", zero=1``)."""
 
     model: str
     mesh: MeshSection = field(default_factory=MeshSection)
@@ -54,17 +53,6 @@ class TrainConfig:
     data: WorkloadDataSection = field(default_factory=WorkloadDataSection)
     output: OutputSection = field(default_factory=OutputSection)
     profile: DebugProfileSection = field(default_factory=DebugProfileSection)
-
-    @classmethod
-    def from_flags(cls, model: str, **flags: Any) -> TrainConfig:
-        """The config of ``meshwise train MODEL`` with these flags by argparse dest (``"mlp", zero=1``):
-        the one mapping from its flat flags to sections, used by the CLI and the tests."""
-        return from_flags(cls, {"model": model, **flags})
-
-    @classmethod
-    def flag_defaults(cls) -> dict[str, Any]:
-        """Each flag's default by dest: the parser's defaults."""
-        return flag_defaults(cls)
 
     @property
     def workload(self) -> Workload:
@@ -87,8 +75,7 @@ class TrainConfig:
         if self.model not in WORKLOADS:
             raise ValueError(f"unknown model {self.model!r}; choose one of {', '.join(WORKLOADS)}")
         self.mesh.check()
-        if self.total_epochs < 1:
-            raise ValueError(f"--epochs must be at least 1, got {self.total_epochs}")
+        at_least_one({"--epochs": self.total_epochs})
         if self.per_rank_batch < 1:
             raise ValueError(
                 f"--batch-size must be a positive number of samples per rank, got {self.per_rank_batch}"
@@ -97,6 +84,5 @@ class TrainConfig:
         check_seed(self.data.seed)
         if self.data.data_dir is not None and not self.workload.accepts_data_dir:
             raise ValueError(f"model {self.model!r} trains on synthetic data; --data is only for cnn")
-        if self.output.resume and self.output.checkpoint is None:
-            raise ValueError("--resume needs --checkpoint DIR: the directory of the run to continue")
+        self.output.check()
         return self

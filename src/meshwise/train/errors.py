@@ -1,13 +1,19 @@
-"""The one error type a training run stops with: a sentence for the user and the exit code it deserves."""
+"""The one error type a training run stops with — a sentence for the user and the exit code it deserves —
+and the way it travels from the ranks (:func:`train_on_rank`) to whoever started the job (:func:`launch`)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import TypeVar
 
+from meshwise.runtime.deadline import job_deadline
+from meshwise.runtime.on_ranks import run_on_ranks
+from meshwise.train.sections import MeshSection
 from meshwise.world import World, shutdown
 
 Result = TypeVar("Result")
+Run = TypeVar("Run")
 
 
 class TrainingError(Exception):
@@ -58,3 +64,19 @@ def train_on_rank(world: World, train: Callable[[], Result]) -> Result | Trainin
     finally:
         shutdown()
     return result if world.is_main else None
+
+
+def launch(
+    rank_main: Callable[[Run], Result | TrainingError | None], run: Run, mesh: MeshSection
+) -> Result | None:
+    """Train ``run`` with ``rank_main`` on the ranks a launcher started, or on ``-np`` local ranks spawned
+    here (either trainer alike); return rank 0's result (None on the other launched ranks).
+
+    Raises the :class:`TrainingError` when the run had to stop (every rank returns it; rank 0's copy says
+    the most).
+    """
+    with job_deadline(mesh.timeout):  # the spawned ranks have none of their own: see job_deadline
+        outcome = run_on_ranks(rank_main, (run,), nproc=mesh.nproc, default=1, deadline=math.inf)
+    if isinstance(outcome, TrainingError):
+        raise outcome
+    return outcome

@@ -5,7 +5,7 @@ It is the seeds' DDP recipe with the pitfalls handled in one place: the sampler 
 every rank's shard (not rank 0's guess), rank 0 alone writes checkpoints and prints, and a resumed run
 restores model, optimizer, sampler and generator so it continues exactly where the checkpoint left off.
 The model is cut and stepped by the seam's :class:`~meshwise.train.step.ParallelStep`, as ``meshwise
-train gpt``'s is: :class:`~meshwise.train.data_parallel_step.DataParallelStep`, or with ``--zero N``
+train gpt``'s is: :class:`~meshwise.train.step.DataParallelStep`, or with ``--zero N``
 :class:`~meshwise.train.zero_step.ZeroStep`. Checkpoints are :mod:`meshwise.train.checkpoint`'s DCP
 layout, the step's state keyed by the plain model's names: every rank writes its own ZeRO shards, and a
 run resumes on any number of ranks and any ``--zero`` stage.
@@ -31,13 +31,13 @@ from meshwise.parallel.state_dict import PlainLayout
 from meshwise.train import checkpoint
 from meshwise.train.checkpoint import TRAIN_FORMAT, run_file
 from meshwise.train.config import TrainConfig
-from meshwise.train.data_parallel_step import DataParallelStep
-from meshwise.train.errors import TrainingError, train_on_rank
+from meshwise.train.errors import TrainingError, launch, train_on_rank
 from meshwise.train.loop_parts import everywhere, first_diverged, kept, progress_bar, save_everywhere
+from meshwise.train.notes import check_dataset, resume_notes
 from meshwise.train.profile import StepProfiler
-from meshwise.train.report import EpochStats, TrainResult, header_line
-from meshwise.train.resume import check_dataset, resume_notes
-from meshwise.train.step import Local, ParallelStep, loss_only
+from meshwise.train.report import EpochStats, TrainResult
+from meshwise.train.resolve import resolve
+from meshwise.train.step import DataParallelStep, Local, ParallelStep, loss_only
 from meshwise.train.zero_step import ZeroStep
 from meshwise.world import World, init
 
@@ -54,6 +54,11 @@ def train_rank_main(config: TrainConfig) -> TrainResult | TrainingError | None:
     mesh = config.mesh
     world = init(mesh.backend, device=mesh.device, timeout=mesh.comm_timeout, debug=debug)
     return train_on_rank(world, lambda: Trainer(world, config).run())
+
+
+def run_training(config: TrainConfig) -> TrainResult | None:
+    """Resolve ``config`` here (validating it), train, and return rank 0's result (see :func:`launch`)."""
+    return launch(train_rank_main, resolve(config), config.mesh)
 
 
 class Trainer:
@@ -174,9 +179,8 @@ class Trainer:
         self.sampler.set_epoch(epoch)
         indices = self.sampler.indices()
         totals = torch.zeros(4, dtype=torch.float64, device=device)
-        task = (
-            None if progress is None else progress.add_task(f"epoch {epoch + 1}", total=self.steps_per_epoch)
-        )
+        progress = progress or Progress(disable=True)
+        task = progress.add_task(f"epoch {epoch + 1}", total=self.steps_per_epoch)
         self.model.train()
         for step in range(self.steps_per_epoch):
             with self._step():
@@ -200,10 +204,8 @@ class Trainer:
                     )
                     first = (totals[3] == 0) & ~torch.isfinite(loss)
                     totals[3] = torch.where(first, totals.new_tensor(step + 1), totals[3])
-                if progress is not None and task is not None:
-                    progress.update(task, advance=1)
-        if progress is not None and task is not None:  # (both or neither)
-            progress.remove_task(task)
+                progress.update(task, advance=1)
+        progress.remove_task(task)
         return totals
 
     def _step(self) -> contextlib.AbstractContextManager:
@@ -259,14 +261,9 @@ class Trainer:
         world, epochs = self.world, self.config.total_epochs
         if world.is_main:
             self.console.print(
-                header_line(
-                    self.config.model,
-                    self.splits.name,
-                    parameters,
-                    world.world_size,
-                    world.backend,
-                    str(world.device),
-                )
+                f"meshwise train {self.config.model}: {parameters:,} parameters on {self.splits.name}, "
+                f"{world.world_size} rank{'s' if world.world_size > 1 else ''} × {world.device} over "
+                f"{world.backend}"
             )
             shard = len(self.sampler)
             if self.config.per_rank_batch > shard:  # legal (full-batch steps), but rarely what was meant

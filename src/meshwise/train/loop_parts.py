@@ -73,18 +73,14 @@ def save_everywhere(
         path = checkpoint.save(
             directory, step, state, run, is_main=world.is_main, barrier=world.comm.barrier, **how
         )
-    except (OSError, CheckpointException) as exc:
-        error = write_failure(exc, directory, left)
+    except (OSError, CheckpointException) as failure:
+        exc: BaseException = failure
+        if isinstance(exc, CheckpointException):  # DCP gathers every rank's error with its traceback
+            exc = next((cause for cause, _trace in exc.failures.values()), exc)
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        error = f"cannot write the checkpoint in {directory} ({reason}); {left}"
+        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+            error = f"no space left on device for the checkpoint in {directory}; {left}"
     if not everywhere(world, error is None):
         raise TrainingError(error or f"another rank could not write its part of the checkpoint; {left}")
     return path
-
-
-def write_failure(exc: BaseException, directory: str, left: str) -> str:
-    """A failed write as one sentence naming what is left on disk."""
-    if isinstance(exc, CheckpointException):  # DCP gathers every rank's error with its traceback
-        exc = next((cause for cause, _trace in exc.failures.values()), exc)
-    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
-        return f"no space left on device for the checkpoint in {directory}; {left}"
-    reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
-    return f"cannot write the checkpoint in {directory} ({reason}); {left}"

@@ -100,10 +100,3 @@ class TrainResult:
         data["history"] = [asdict(e) | {"samples_per_second": e.samples_per_second} for e in self.history]
         data["val_accuracy"] = self.final.val_accuracy
         return data
-
-
-def header_line(model: str, dataset: str, parameters: int, world_size: int, backend: str, device: str) -> str:
-    return (
-        f"meshwise train {model}: {parameters:,} parameters on {dataset}, {world_size} rank"
-        f"{'s' if world_size > 1 else ''} × {device} over {backend}"
-    )

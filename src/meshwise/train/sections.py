@@ -4,7 +4,7 @@ sections.
 A training config is plain data: frozen sections of flag values, no file or environment reads (those
 happen once, in each command's resolve step). Every field is named after its flag's argparse ``dest``, so
 the command line, the tests and ``from_flags`` all spell a setting one way, and every parser default is
-read from these fields (:func:`flag_defaults`), never written twice.
+read from these fields (:meth:`FlagSections.flag_defaults`), never written twice.
 """
 
 from __future__ import annotations
@@ -35,8 +35,7 @@ class MeshSection:
         return wait_timeout(self.timeout)
 
     def check(self) -> None:
-        if self.nproc is not None and self.nproc < 1:
-            raise ValueError(f"-np must be at least 1, got {self.nproc}")
+        at_least_one({"-np": self.nproc})
         if self.timeout is not None and self.timeout <= 0:
             raise ValueError(f"--timeout must be positive seconds, got {self.timeout}")
         if self.zero not in ZERO_STAGES:
@@ -51,6 +50,10 @@ class OutputSection:
     resume: bool = False  # continue the run checkpointed in ``checkpoint``
     json: str | None = None  # the run's metrics as one JSON file, written by the command
 
+    def check(self) -> None:
+        if self.resume and self.checkpoint is None:
+            raise ValueError("--resume needs --checkpoint DIR: the directory of the run to continue")
+
 
 @dataclass(frozen=True)
 class ProfileSection:
@@ -64,6 +67,13 @@ class ProfileSection:
         return self.profile or self.trace is not None
 
 
+def at_least_one(flags: dict[str, int | None]) -> None:
+    """Each count given (not None) in ``flags`` (by flag) is at least 1."""
+    for flag, value in flags.items():
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be at least 1, got {value}")
+
+
 def check_seed(seed: int) -> None:
     if not 0 <= seed < 2**63:
         raise ValueError(f"--seed must be in 0 .. 2**63-1, got {seed}")
@@ -74,7 +84,7 @@ def check_positive_lr(lr: float) -> None:
         raise ValueError(f"--lr must be a positive number, got {lr}")
 
 
-Config = TypeVar("Config")
+Config = TypeVar("Config", bound="FlagSections")
 
 
 def sections_of(config_type: type) -> dict[str, type]:
@@ -83,39 +93,48 @@ def sections_of(config_type: type) -> dict[str, type]:
     return {f.name: hints[f.name] for f in fields(config_type) if is_dataclass(hints[f.name])}
 
 
-def flag_defaults(config_type: type) -> dict[str, Any]:
-    """Every flag's default, by argparse dest: what the parsers use, read from the section fields."""
-    return {
-        f.name: f.default
-        for section in sections_of(config_type).values()
-        for f in fields(section)
-        if f.default is not MISSING
-    }
+class FlagSections:
+    """A config made of sections and its own fields, spelled by its command's flat flags: the one mapping
+    between the two, used by the CLI and the tests."""
 
+    @classmethod
+    def flag_defaults(cls) -> dict[str, Any]:
+        """Every flag's default, by argparse dest: what the parsers use, read from the section fields."""
+        return {
+            f.name: f.default
+            for section in sections_of(cls).values()
+            for f in fields(section)
+            if f.default is not MISSING
+        }
 
-def from_flags(config_type: type[Config], flags: dict[str, Any]) -> Config:
-    """``config_type`` built from flat flag values (argparse dests): each goes to the section that has a
-    field of its name, the rest to the config's own fields; a name no section has is a TypeError."""
-    sections = sections_of(config_type)
-    owner = {f.name: name for name, section in sections.items() for f in fields(section)}
-    grouped: dict[str, dict[str, Any]] = {name: {} for name in sections}
-    own: dict[str, Any] = {}
-    for key, value in flags.items():
-        if key in owner:
-            grouped[owner[key]][key] = value
-        else:
-            own[key] = value  # the config's own fields; an unknown name fails in its constructor
-    built = {name: sections[name](**values) for name, values in grouped.items()}
-    return config_type(**own, **built)
+    @classmethod
+    def from_flags(cls: type[Config], *own: Any, **flags: Any) -> Config:
+        """The config of flat flag values by argparse dest (``TrainConfig.from_flags("mlp", zero=1)``;
+        ``own``: its own leading fields): each goes to the section that has a field of its name, the rest
+        to the config's own fields; a name no section has is a TypeError."""
+        sections = sections_of(cls)
+        owner = {f.name: name for name, section in sections.items() for f in fields(section)}
+        grouped: dict[str, dict[str, Any]] = {name: {} for name in sections}
+        settings: dict[str, Any] = {}
+        for key, value in flags.items():
+            if key in owner:
+                grouped[owner[key]][key] = value
+            else:
+                settings[key] = value  # the config's own fields; an unknown name fails in its constructor
+        built = {name: sections[name](**values) for name, values in grouped.items()}
+        return cls(*own, **settings, **built)
 
+    def flags(self) -> dict[str, Any]:
+        """The inverse of :meth:`from_flags`: every setting by its flag's dest."""
+        flat: dict[str, Any] = {}
+        for f in fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            if f.name in sections_of(type(self)):
+                flat |= {g.name: getattr(value, g.name) for g in fields(value)}
+            else:
+                flat[f.name] = value
+        return flat
 
-def to_flags(config: Any) -> dict[str, Any]:
-    """The inverse of :func:`from_flags`: every setting by its flag's dest."""
-    flat: dict[str, Any] = {}
-    for f in fields(config):
-        value = getattr(config, f.name)
-        if f.name in sections_of(type(config)):
-            flat |= {g.name: getattr(value, g.name) for g in fields(value)}
-        else:
-            flat[f.name] = value
-    return flat
+    def with_flags(self: Config, **changes: Any) -> Config:
+        """This config with some flags changed (``config.with_flags(resume=True)``)."""
+        return type(self).from_flags(**self.flags() | changes)

@@ -3,8 +3,8 @@
 A loop (``meshwise train mlp|cnn|deep-mlp``'s :mod:`meshwise.train.loop`, ``meshwise train gpt``'s
 :mod:`meshwise.train.gpt.loop`) knows nothing about how its model is cut. It builds a ParallelStep — this
 rank's part of the model, its optimizer, and how one step's micro-batches turn into gradients — and then
-only calls that object's methods. The data-parallel and ZeRO steps
-(:mod:`meshwise.train.data_parallel_step`, :mod:`meshwise.train.zero_step`) are model-agnostic: the
+only calls that object's methods. The data-parallel and ZeRO steps (:class:`DataParallelStep`, below,
+and :mod:`meshwise.train.zero_step`) are model-agnostic: the
 model's loss (and what else joins the training gradient) arrives in a :class:`Local`, the optimizer from
 the caller's factory; :mod:`meshwise.train.gpt.parallelize` adds what only the GPT has (tensor, context,
 expert and pipeline parallelism).
@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from meshwise.comm.mesh import Mesh
+from meshwise.parallel import DataParallel
 from meshwise.parallel.expert_parallel import ExchangeTimer, is_expert_parameter
 from meshwise.parallel.placement import Placement, clip_gradients_, place
 from meshwise.parallel.state_dict import (
@@ -112,9 +113,15 @@ class ParallelStep(ABC):
             placed |= place(experts, **(how | {"divided": {*how.get("divided", ()), "ep"}}))
         self.placements = {name: (params[name], p) for name, p in placed.items()}
 
-    def timed_exchange(self, timer: ExchangeTimer | None) -> AbstractContextManager[Any]:
+    @contextmanager
+    def timed_exchange(self, timer: ExchangeTimer | None) -> Iterator[None]:
         """Records this step's dispatch and combine seconds in :attr:`exchange_seconds` (``--profile``)."""
-        return nullcontext() if timer is None else _exchange_step(timer, self.exchange_seconds)
+        before = dict(timer.seconds) if timer is not None else {}
+        try:
+            yield
+        finally:
+            if timer is not None:
+                self.exchange_seconds.append({part: timer.seconds[part] - before[part] for part in before})
 
     def autocast(self) -> AbstractContextManager[Any]:
         """bf16 mixed precision: weights, gradients and optimizer stay fp32; matmuls run in bf16."""
@@ -199,10 +206,46 @@ class ParallelStep(ABC):
             self.scaler.load_state_dict(state["scaler"])
 
 
-@contextmanager
-def _exchange_step(timer: ExchangeTimer, steps: list[dict[str, float]]) -> Iterator[None]:
-    before = dict(timer.seconds)
-    try:
-        yield
-    finally:
-        steps.append({part: timer.seconds[part] - before[part] for part in before})
+class DataParallelStep(ParallelStep):
+    """The data-parallel step of any model: DataParallel (or ``wrap``'s wrapper) of ``local.model`` over
+    ``mesh.replicas``; the first micro-batches accumulate under ``no_sync``, so gradients are averaged
+    once per step. ``meshwise train mlp|cnn|deep-mlp`` runs it over every rank; ``meshwise train gpt``
+    over dp (and the cp ranks, which hold the same weights for other tokens) of what tensor and expert
+    parallelism left this rank, with DataParallel(experts=...) as the wrapper under ``--ep``."""
+
+    def __init__(
+        self,
+        local: Local,
+        mesh: Mesh,
+        optimizer: OptimizerFactory,
+        dtype: torch.dtype = torch.float32,
+        wrap: Callable[[nn.Module], nn.Module] | None = None,
+    ) -> None:
+        super().__init__(mesh, next(local.model.parameters()).device, dtype)
+        self.sharded, self.local = local, local.model
+        self.model = wrap(self.local) if wrap is not None else DataParallel(self.local, mesh.replicas)
+        self.optimizer = optimizer(self.local)
+        self.place(self.local.named_parameters())
+
+    def forward_backward(self, micro_batches: Sequence[Batch]) -> float:
+        with self.timed_exchange(self.sharded.exchange_timer):
+            return self.accumulate_gradients(micro_batches, self._loss)
+
+    def _loss(self, inputs: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        # evaluation runs the inner model: the wrapper's gradient bookkeeping is for training
+        with self.autocast():
+            output = self.model(inputs) if reduction == "mean" else self.local(inputs)
+        loss = self.sharded.loss(output, targets, reduction)
+        # what else joins the training gradient (not evaluation's sums)
+        return self.sharded.training_loss(loss, self.model) if reduction == "mean" else loss
+
+    @torch.no_grad()
+    def eval_loss_sum(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self._loss(inputs, targets, reduction="sum")
+
+    def full_model(self) -> nn.Module:
+        """This rank's own model where it holds it whole (no parameter divided over any axis), else
+        gathered (collective: see the base)."""
+        if not any(placement.divided for _param, placement in self.placements.values()):
+            return self.local
+        return super().full_model()

@@ -8,7 +8,6 @@ checkpoint to resume — is read once, by :func:`meshwise.train.gpt.resolve.reso
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from meshwise.comm.mesh import MeshShape
 from meshwise.models.gpt import GPTConfig, gpt_config
@@ -21,7 +20,7 @@ from meshwise.train.gpt.sections import (
     ModelSection,
     OptimizerSection,
 )
-from meshwise.train.sections import flag_defaults, from_flags, to_flags
+from meshwise.train.sections import FlagSections
 
 #: Default training context on a CPU: a longer one makes the default run take far more than minutes.
 CPU_SEQ_LEN = 128
@@ -29,8 +28,9 @@ DEFAULT_MODEL = "gpt-nano"
 
 
 @dataclass(frozen=True)
-class GPTTrainConfig:
-    """One GPT training run, as its flags say it. Build it with :meth:`from_flags`."""
+class GPTTrainConfig(FlagSections):
+    """One GPT training run, as its flags say it. Build it with :meth:`from_flags` (``tp=2, global_batch=4``;
+    the rest default)."""
 
     mesh: GPTMeshSection = field(default_factory=GPTMeshSection)
     model: ModelSection = field(default_factory=ModelSection)
@@ -38,25 +38,6 @@ class GPTTrainConfig:
     data: DataSection = field(default_factory=DataSection)
     output: GPTOutputSection = field(default_factory=GPTOutputSection)
     profile: GPTProfileSection = field(default_factory=GPTProfileSection)
-
-    # ------------------------------------------------------------------ flags
-    @classmethod
-    def from_flags(cls, **flags: Any) -> GPTTrainConfig:
-        """The config of these flags, by argparse dest (``tp=2, global_batch=4``; the rest default): the
-        one mapping from ``meshwise train gpt``'s flat flags to sections, used by the CLI and the tests."""
-        return from_flags(cls, flags)
-
-    @classmethod
-    def flag_defaults(cls) -> dict[str, Any]:
-        """Each flag's default by dest: the parser's defaults."""
-        return flag_defaults(cls)
-
-    def flags(self) -> dict[str, Any]:
-        return to_flags(self)
-
-    def with_flags(self, **changes: Any) -> GPTTrainConfig:
-        """This config with some flags changed (``config.with_flags(resume=True)``)."""
-        return from_flags(type(self), self.flags() | changes)
 
     # ------------------------------------------------------------------ derived, pure
     @property

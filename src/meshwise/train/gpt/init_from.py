@@ -30,7 +30,6 @@ from meshwise.models.gpt_hf import (
     config_from_state_dict,
     from_hf_state_dict,
     read_state_dict,
-    save_hf_gpt2,
     weights_file,
 )
 
@@ -82,20 +81,6 @@ _FUNCTION_FIELDS: dict[str, tuple[object, ...]] = {
 }
 
 
-def unsupported_fields(data: dict) -> list[str]:
-    """Each field of a GPT-2 ``config.json`` whose value makes a function our GPT does not compute,
-    as ``name value (ours: ...)``; empty when the weights can be loaded as they are meant."""
-    wrong = [
-        f"{name} {data[name]!r} (ours: {' or '.join(map(repr, ours))})"
-        for name, ours in _FUNCTION_FIELDS.items()
-        if name in data and data[name] not in ours
-    ]
-    inner, width = data.get("n_inner"), data.get("n_embd")
-    if inner is not None and inner != 4 * (width or 0):
-        wrong.append(f"n_inner {inner!r} (ours: 4·n_embd = {4 * (width or 0)})")
-    return wrong
-
-
 def _from_config_json(path: Path) -> GPTConfig | None:
     config_json = (path if path.is_dir() else path.parent) / "config.json"
     if not config_json.is_file():
@@ -110,7 +95,14 @@ def _from_config_json(path: Path) -> GPTConfig | None:
             f"--init-from {path}: config.json describes a {kind!r} model, not GPT-2 (model_type 'gpt2'): "
             "meshwise train gpt starts only from GPT-2 checkpoints"
         )
-    wrong = unsupported_fields(data)
+    wrong = [  # each field whose value makes a function our GPT does not compute
+        f"{name} {data[name]!r} (ours: {' or '.join(map(repr, ours))})"
+        for name, ours in _FUNCTION_FIELDS.items()
+        if name in data and data[name] not in ours
+    ]
+    inner, width = data.get("n_inner"), data.get("n_embd")
+    if inner is not None and inner != 4 * (width or 0):
+        wrong.append(f"n_inner {inner!r} (ours: 4·n_embd = {4 * (width or 0)})")
     if wrong:
         raise ValueError(
             f"--init-from {path}: config.json sets {'; '.join(wrong)}: meshwise's GPT-2 computes another "
@@ -191,8 +183,3 @@ def check_export_dir(directory: str) -> None:
     existing = next(p for p in (path, *path.parents) if p.exists())
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
         raise ValueError(f"--export-hf {directory}: {existing} is not writable; choose another folder")
-
-
-def export(model: GPT, directory: str) -> str:
-    """Write ``model`` as Hugging Face GPT-2 (safetensors + config.json) into ``directory``; the file."""
-    return str(save_hf_gpt2(model, directory))

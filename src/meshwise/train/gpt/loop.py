@@ -3,10 +3,10 @@
 It is strategy-agnostic: the model is cut and stepped by the :class:`ParallelStep` that
 :func:`~meshwise.train.gpt.parallelize.parallelize` returns, so ZeRO, tensor and pipeline parallelism
 reuse this loop unchanged. Data and learning rate are pure functions of the step (see
-:mod:`meshwise.data.windows` and :mod:`meshwise.train.gpt.schedule`), so a resumed run restores model and
-optimizer state, the data position (the next step) and — for ``--dropout`` — each rank's random streams,
-and continues exactly on the same layout (on another, exactly without dropout and deterministically with
-it: :mod:`meshwise.train.random_state`).
+:mod:`meshwise.data.windows` and :func:`meshwise.train.gpt.sections.lr_at`), so a resumed run restores
+model and optimizer state, the data position (the next step) and — for ``--dropout`` — each rank's random
+streams, and continues exactly on the same layout (on another, exactly without dropout and
+deterministically with it: :mod:`meshwise.train.random_state`).
 """
 
 from __future__ import annotations
@@ -28,22 +28,24 @@ from meshwise.data.local_tokenizer import FileTokenizer
 from meshwise.data.tokens import ByteTokenizer
 from meshwise.data.windows import lockstep_val_batches, train_batch
 from meshwise.models.gpt import GPT
+from meshwise.models.gpt_hf import save_hf_gpt2
 from meshwise.runtime.cores import available_cores
-from meshwise.train import random_state
-from meshwise.train.errors import TrainingError, train_on_rank
-from meshwise.train.gpt import checkpoint
+from meshwise.train import checkpoint, random_state
+from meshwise.train.checkpoint import GPT_FORMAT, GPT_READS
+from meshwise.train.errors import TrainingError, launch, train_on_rank
+from meshwise.train.gpt.config import GPTTrainConfig
 from meshwise.train.gpt.context_parallel import local_tokens
-from meshwise.train.gpt.init_from import export, load_weights
+from meshwise.train.gpt.init_from import load_weights
 from meshwise.train.gpt.moe import moe_banner, router_report
 from meshwise.train.gpt.parallelize import parallelize
 from meshwise.train.gpt.peak import peak_flops, shared_cores_peak, thread_hint
 from meshwise.train.gpt.peak_memory import MEASURED_STEPS, PeakMemory
 from meshwise.train.gpt.profiling import GPTProfiling
 from meshwise.train.gpt.report import GPTResult, StepStats, step_line
-from meshwise.train.gpt.resolve import GPTRun
-from meshwise.train.gpt.start_notes import start_notes
+from meshwise.train.gpt.resolve import GPTRun, resolve
 from meshwise.train.gpt.step_log import StepLog, checkpoint_due
 from meshwise.train.loop_parts import first_diverged, kept, progress_bar, save_everywhere
+from meshwise.train.notes import start_notes
 from meshwise.world import World, init
 
 SAMPLE_PROMPT = "\ndef "
@@ -54,6 +56,12 @@ def train_gpt_rank_main(run: GPTRun) -> GPTResult | TrainingError | None:
     mesh = run.config.mesh
     world = init(mesh.backend, device=mesh.device, timeout=mesh.comm_timeout, mesh=run.shape)
     return train_on_rank(world, lambda: GPTTrainer(world, run).run())
+
+
+def run_gpt_training(config: GPTTrainConfig) -> GPTResult | None:
+    """Resolve ``config`` here (validating it, building the default corpus if needed), train, and return
+    rank 0's result (see :func:`launch`)."""
+    return launch(train_gpt_rank_main, resolve(config), config.mesh)
 
 
 class GPTTrainer:
@@ -77,9 +85,7 @@ class GPTTrainer:
         init_from = config.model.init_from
         if init_from is not None and not config.output.resume:  # a resumed run continues its own weights
             load_weights(model, init_from)
-        if (
-            config.model.compile
-        ):  # per block and in place: parameter names, and so checkpoints, stay as they are
+        if config.model.compile:  # per block and in place: parameter names, so checkpoints, stay as they are
             for block in model.blocks:
                 block.compile()
         self.step_runner = parallelize(model, self.mesh, run)
@@ -110,19 +116,16 @@ class GPTTrainer:
 
     # ------------------------------------------------------------------ checkpoints
     def _run_record(self, step: int) -> dict:
-        config = self.config
-        run = {
-            "global_batch": config.data.global_batch,
-            "seed": config.data.seed,
-            "steps": config.optimizer.steps,
-            "config": config.model.config,
-        }
+        """What run.json keeps beside the tensors (see :mod:`meshwise.train.checkpoint`)."""
+        data, seq_len = self.config.data, self.seq_len
+        run = {"global_batch": data.global_batch, "seed": data.seed, "steps": self.config.optimizer.steps}
+        position = {"seed": data.seed, "global_batch": data.global_batch, "seq_len": seq_len}
         return {
             "model": asdict(self.model_config),
-            "run": run | {"train_seq_len": self.seq_len},
+            "run": run | {"config": self.config.model.config, "train_seq_len": seq_len},
             "world_size": self.world.world_size,
             "mesh": self.mesh.shape.sizes,
-            "data": checkpoint.data_position(config.data.seed, config.data.global_batch, self.seq_len, step),
+            "data": position | {"next_step": step},
             "initial_val_loss": self.initial_val_loss,
             "history": [asdict(s) for s in self.history],
         }
@@ -136,9 +139,7 @@ class GPTTrainer:
         state["rng"] = {self._rank_key: random_state.capture([self.step_runner.model], self.world.device)}
         left, record = kept("step", self.kept_step), self._run_record(step)
         keep = self.config.output.keep
-        path = save_everywhere(
-            self.world, directory, left, step, state, record, format=checkpoint.FORMAT, keep=keep
-        )
+        path = save_everywhere(self.world, directory, left, step, state, record, format=GPT_FORMAT, keep=keep)
         self.checkpoint_path = str(path)
         self.kept_step = step
 
@@ -150,12 +151,12 @@ class GPTTrainer:
         directory = self.config.output.checkpoint
         assert directory is not None
         state = self.step_runner.state_dict()
-        run = checkpoint.read_run(directory)
+        run = checkpoint.read_run(directory, GPT_READS, "GPT ")
         models, device = [self.step_runner.model], self.world.device
         same_layout = run.get("mesh") == self.mesh.shape.sizes
         if same_layout:  # this rank's own streams, filled in place by the load
             state["rng"] = {self._rank_key: random_state.capture(models, device)}
-        run = checkpoint.load(directory, state)
+        run = checkpoint.load(directory, state, GPT_READS, "GPT ")
         self.saved_run = run
         self.step_runner.load_state_dict(state)
         self.first_step = self.kept_step = checkpoint.next_step(run)
@@ -263,10 +264,10 @@ class GPTTrainer:
         return tokenizer.decode(out) if decodable else " ".join(map(str, out))
 
     def export_hf(self, directory: str) -> str | None:
-        """Rank 0 writes the trained weights in Hugging Face GPT-2 format; every rank calls it, since
-        reassembling a sharded model is collective (the model --sample uses: whole on rank 0)."""
+        """Rank 0 writes the trained weights in Hugging Face GPT-2 format (safetensors + config.json) and
+        returns the file; every rank calls it, since reassembling a sharded model is collective."""
         model = self.step_runner.sampling_model()
-        return export(model, directory) if self.world.is_main else None
+        return str(save_hf_gpt2(model, directory)) if self.world.is_main else None
 
     # ------------------------------------------------------------------ the run
     def _peak(self) -> tuple[float, str]:

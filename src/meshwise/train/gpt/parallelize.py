@@ -4,18 +4,14 @@ The loop (:mod:`meshwise.train.gpt.loop`) asks :func:`parallelize` for a
 :class:`~meshwise.train.step.ParallelStep` and then only calls its methods. :func:`parallelize` applies
 the strategies in one fixed order (tensor → context → experts → pipeline → recomputation → data parallel /
 ZeRO), and :func:`check_supported` refuses, before any rank starts, a combination that cannot be built.
-The data-parallel and ZeRO steps are the model-agnostic ones of :mod:`meshwise.train.data_parallel_step`
-and :mod:`meshwise.train.zero_step`; what is the GPT's is supplied here — the (vocabulary-parallel) loss
-and a MoE's auxiliary losses (:class:`LayerSharded`), its AdamW groups, expert replicas under ``--ep``,
-the plain GPT's meta shape for the checkpoint layout, and a plain copy for sampling under ``--cp``.
-
-Under ``--profile`` the loop times the whole ``forward_backward`` as one phase, so a new strategy is
-profiled from its first day (communication carved out by the flight recorders).
+The data-parallel and ZeRO steps are the model-agnostic :class:`~meshwise.train.step.DataParallelStep` and
+:mod:`meshwise.train.zero_step`'s; what is the GPT's is supplied here — the (vocabulary-parallel) loss and
+a MoE's auxiliary losses (:class:`LayerSharded`), its AdamW groups, expert replicas under ``--ep``, the
+plain GPT's meta shape for the checkpoint layout, and a plain copy for sampling under ``--cp``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
@@ -32,20 +28,18 @@ from meshwise.parallel.context_parallel import apply_context_parallel
 from meshwise.parallel.expert_parallel import ExchangeTimer, ExpertReplicas, apply_expert_parallel
 from meshwise.parallel.plan import ParallelPlan
 from meshwise.parallel.state_dict import PlainLayout
-from meshwise.train.data_parallel_step import DataParallelStep
 from meshwise.train.gpt.config import GPTTrainConfig
 from meshwise.train.gpt.context_parallel import check_context_parallel_config, plain_copy
 from meshwise.train.gpt.optimizer import build_optimizer
 from meshwise.train.gpt.recompute import recompute_step
 from meshwise.train.gpt.resolve import GPTRun
-from meshwise.train.step import Local, ParallelStep
+from meshwise.train.step import DataParallelStep, Local, ParallelStep
 
 
 @dataclass(frozen=True)
 class LayerSharded(Local):
-    """The model after the strategies that cut layers — 1. tensor parallelism (± sequence parallelism)
-    from the model's plan, 2. context parallelism (slot), 2b. expert parallelism — with the loss of its
-    (possibly vocabulary-sharded) output and a MoE's auxiliary losses; what the pipeline and data
+    """The model after the strategies that cut layers (:func:`shard_layers`), with the loss of its
+    (possibly vocabulary-sharded) output and a MoE's auxiliary losses: what the pipeline and data
     parallelism / ZeRO then cut and wrap. ``model`` is the whole GPT or its tp shard (± only its experts)."""
 
     plan: ParallelPlan
@@ -87,7 +81,7 @@ def plain_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "me
 
 
 class GPTDataParallelStep(DataParallelStep):
-    """:class:`~meshwise.train.data_parallel_step.DataParallelStep` of this rank's GPT — the whole model,
+    """:class:`~meshwise.train.step.DataParallelStep` of this rank's GPT — the whole model,
     or with ``--tp`` its tensor-parallel shard — over ``mesh.replicas``. With ``--ep`` the model holds E/ep
     experts per layer and :class:`~meshwise.parallel.DataParallel` averages dense gradients over
     ``mesh.replicas`` and expert gradients over ``mesh.expert_replicas``."""
@@ -119,16 +113,6 @@ def check_supported(run: GPTRun) -> None:
     gpt_plan(run.model_config).check_tensor_parallel(mesh.tp, mesh.sp, local_seq)
 
 
-def step_class(config: GPTTrainConfig) -> Callable[[LayerSharded, Mesh, GPTTrainConfig], ParallelStep]:
-    """Which class runs steps 3–5 of :func:`parallelize` for the config."""
-    from meshwise.train.gpt.pipeline_step import PipelineStep  # they use LayerSharded (above)
-    from meshwise.train.gpt.zero_step import GPTZeroStep
-
-    if config.mesh.pp > 1:
-        return PipelineStep
-    return GPTZeroStep if config.mesh.zero else GPTDataParallelStep
-
-
 def parallelize(model: GPT, mesh: Mesh, run: GPTRun) -> ParallelStep:
     """This rank's :class:`ParallelStep` for ``model`` (built identically on every rank, converted in
     place) over ``mesh``.
@@ -150,12 +134,19 @@ def parallelize(model: GPT, mesh: Mesh, run: GPTRun) -> ParallelStep:
     So ZeRO shards tensor-parallel shards, never the reverse (Megatron's distributed optimizer; FSDP2
     over DTensor TP).
     """
+    from meshwise.train.gpt.pipeline_step import PipelineStep  # they use LayerSharded (above)
+    from meshwise.train.gpt.zero_step import GPTZeroStep
+
     check_supported(run)
     config = run.config
     with torch.device("meta"):  # the plain model's names and groups, before the strategies cut it
         shape = GPT(model.config)
         plain = PlainLayout.of(shape, build_optimizer(shape, config.optimizer))
-    step = step_class(config)(shard_layers(model, mesh, config), mesh, config)
+    sharded = shard_layers(model, mesh, config)
+    if config.mesh.pp > 1:  # 3. (with 5. per stage)
+        step: ParallelStep = PipelineStep(sharded, mesh, config)
+    else:
+        step = (GPTZeroStep if config.mesh.zero else GPTDataParallelStep)(sharded, mesh, config)
     step.plain, step.plain_model = plain, partial(GPT, model.config)
     recompute_step(step.model, config.mesh)  # 4. --recompute: on the blocks this rank runs, whatever cut them
     return step

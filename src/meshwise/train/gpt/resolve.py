@@ -22,7 +22,7 @@ from meshwise.data.tokens import load_tokens
 from meshwise.data.windows import TokenSplits
 from meshwise.models.gpt import GPTConfig
 from meshwise.runtime.env import plan_ranks
-from meshwise.train.checkpoint import resumed_directory
+from meshwise.train.checkpoint import GPT_READS, read_run, resumed_directory, step_dir
 from meshwise.train.checkpoint_check import check_dcp_checkpoint
 from meshwise.train.gpt.config import CPU_SEQ_LEN, GPTTrainConfig
 from meshwise.train.torch_profile import check_directory
@@ -77,34 +77,27 @@ class GPTRun:
                 f"--global-batch {global_batch} is not divisible by {ranks} = {batch}: choose a "
                 f"multiple of {batch} so every data-parallel rank gets the same number of sequences"
             )
-        self._check_pipeline(shape)
+        micro_batches, per_rank = config.data.micro_batches, global_batch // batch
+        if micro_batches is not None and (micro_batches < 1 or per_rank % micro_batches):
+            raise ValueError(
+                f"--micro-batches {micro_batches} does not divide the per-rank batch {per_rank} "
+                f"(--global-batch {global_batch} / dp {batch}): choose a divisor of it"
+            )
         micro = config.per_rank_micro_batch(batch)
+        if shape.pp > 1 and micro >= 1:  # the pipeline can be built
+            from meshwise.parallel.pipeline_parallel.builder import validate_pipeline
+
+            mesh = config.mesh
+            validate_pipeline(
+                model.layers, shape.pp, config.accumulation(batch), mesh.schedule, mesh.virtual_stages
+            )
         if micro < 1 or global_batch % (batch * micro):
             raise ValueError(
                 f"--micro-batch-size {micro} does not divide the per-rank batch "
-                f"{global_batch // batch} (--global-batch {global_batch} / {ranks} {batch}): "
+                f"{per_rank} (--global-batch {global_batch} / {ranks} {batch}): "
                 "choose a divisor of it"
             )
         check_recompute_config(self)
-
-    def _check_pipeline(self, shape: MeshShape) -> None:
-        """--micro-batches divides the per-rank batch, and the pipeline can be built."""
-        config, data = self.config, self.config.data
-        per_rank = data.global_batch // shape.batch_size
-        if data.micro_batches is not None and (data.micro_batches < 1 or per_rank % data.micro_batches):
-            raise ValueError(
-                f"--micro-batches {data.micro_batches} does not divide the per-rank batch {per_rank} "
-                f"(--global-batch {data.global_batch} / dp {shape.batch_size}): choose a divisor of it"
-            )
-        if shape.pp == 1:
-            return
-        from meshwise.parallel.pipeline_parallel.builder import validate_pipeline
-
-        if config.per_rank_micro_batch(shape.batch_size) >= 1:
-            m = config.accumulation(shape.batch_size)
-            validate_pipeline(
-                self.model_config.layers, shape.pp, m, config.mesh.schedule, config.mesh.virtual_stages
-            )
 
 
 def resolve(config: GPTTrainConfig) -> GPTRun:
@@ -171,13 +164,11 @@ def tokenizer_path(config: GPTTrainConfig) -> str | None:
 def _check_checkpoint(run: GPTRun) -> None:
     """A resumed run must find an intact checkpoint of this model, trained with the same data order, with
     steps left (a new run's directory is checked by :func:`resumed_directory`)."""
-    from meshwise.train.gpt.checkpoint import read_run, step_dir
-
     config = run.config
     directory = resumed_directory(config.output.checkpoint, config.output.resume)
     if directory is None:
         return
-    saved_run = read_run(directory)
+    saved_run = read_run(directory, GPT_READS, "GPT ")
     saved = GPTConfig(**saved_run["model"])
     if saved != run.model_config:
         raise ValueError(

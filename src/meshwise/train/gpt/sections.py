@@ -12,8 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from meshwise.train.gpt.schedule import LR_SCHEDULES, lr_at
-from meshwise.train.sections import MeshSection, OutputSection, ProfileSection, check_seed
+from meshwise.train.sections import MeshSection, OutputSection, ProfileSection, at_least_one, check_seed
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -70,6 +69,35 @@ class ModelSection:
             raise ValueError(f"--dropout must be in [0, 1), got {self.dropout}")
 
 
+#: the schedules ``--lr-schedule`` offers
+LR_SCHEDULES = ("cosine", "linear", "constant", "wsd")
+#: the share of the steps a ``wsd`` schedule spends decaying (the MiniCPM paper's ~10–20 %)
+WSD_DECAY_FRACTION = 0.2
+
+
+def lr_at(step: int, *, lr: float, min_lr: float, warmup: int, steps: int, shape: str = "cosine") -> float:
+    """Rate for 0-based ``step``: ``lr·(step+1)/warmup`` while warming up, then ``shape`` from ``lr`` at
+    the end of warmup to ``min_lr`` at the last step: ``cosine`` (GPT-2/3, nanoGPT), ``linear``,
+    ``constant`` (stays at ``lr``), or ``wsd`` — warmup, stable, decay (MiniCPM, DeepSeek): ``lr`` held
+    until the last :data:`WSD_DECAY_FRACTION` of the steps, then a linear decay, so a run can be extended
+    from any checkpoint of its stable phase. A pure function of the step (no scheduler object): a resumed
+    run continues on exactly the same curve with nothing extra in the checkpoint."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    if shape == "constant":
+        return lr
+    if shape == "wsd":
+        decay_start = max(warmup, steps - max(1, round(WSD_DECAY_FRACTION * steps)))
+        if step < decay_start:
+            return lr
+        warmup = decay_start - 1  # the decay below runs from the last stable step (at lr) to the end
+    span = max(1, steps - 1 - warmup)
+    progress = min(1.0, (step - warmup) / span)
+    if shape in ("linear", "wsd"):
+        return min_lr + (lr - min_lr) * (1.0 - progress)
+    return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
 @dataclass(frozen=True)
 class OptimizerSection:
     """AdamW and its learning-rate schedule over ``steps`` optimizer steps."""
@@ -78,7 +106,7 @@ class OptimizerSection:
     lr: float = 2e-3
     warmup: int | None = None  # default: a tenth of the steps
     min_lr: float = 1e-4
-    lr_schedule: str = "cosine"  # the decay after warmup: cosine, linear, constant or wsd (schedule.py)
+    lr_schedule: str = "cosine"  # the decay after warmup: cosine, linear, constant or wsd (lr_at)
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     beta1: float = 0.9  # AdamW's first-moment decay
@@ -101,9 +129,7 @@ class OptimizerSection:
         )
 
     def check(self) -> None:
-
-        if self.steps < 1:
-            raise ValueError(f"--steps must be at least 1, got {self.steps}")
+        at_least_one({"--steps": self.steps})
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(
                 f"--lr-schedule {self.lr_schedule!r} is unknown; choose one of {', '.join(LR_SCHEDULES)}"
@@ -144,16 +170,14 @@ class DataSection:
     seed: int = 0  # initial weights and data order
 
     def check(self) -> None:
-        positive = {
-            "--global-batch": self.global_batch,
-            "--eval-every": self.eval_every,
-            "--eval-windows": self.eval_windows,
-        }
-        for flag, value in positive.items():
-            if value < 1:
-                raise ValueError(f"{flag} must be at least 1, got {value}")
-        if self.micro_batch is not None and self.micro_batch < 1:
-            raise ValueError(f"--micro-batch-size must be at least 1, got {self.micro_batch}")
+        at_least_one(
+            {
+                "--global-batch": self.global_batch,
+                "--eval-every": self.eval_every,
+                "--eval-windows": self.eval_windows,
+                "--micro-batch-size": self.micro_batch,
+            }
+        )
         if self.micro_batches is not None and self.micro_batch is not None:
             raise ValueError("give --micro-batch-size (sequences) or --micro-batches (how many), not both")
         check_seed(self.seed)
@@ -172,19 +196,14 @@ class GPTOutputSection(OutputSection):
     tensorboard: str | None = None  # directory for TensorBoard event files of the reported steps
 
     def check(self) -> None:
-        if self.log_every is not None and self.log_every < 1:
-            raise ValueError(f"--log-every must be at least 1, got {self.log_every}")
-        if self.checkpoint_every is not None:
-            if self.checkpoint_every < 1:
-                raise ValueError(f"--checkpoint-every must be at least 1, got {self.checkpoint_every}")
-            if self.checkpoint is None:
-                raise ValueError("--checkpoint-every needs --checkpoint DIR: where to write them")
+        at_least_one({"--log-every": self.log_every, "--checkpoint-every": self.checkpoint_every})
+        if self.checkpoint_every is not None and self.checkpoint is None:
+            raise ValueError("--checkpoint-every needs --checkpoint DIR: where to write them")
         if self.keep < 1:
             raise ValueError(f"--keep must be at least 1 (the latest checkpoint), got {self.keep}")
         if self.sample < 0:
             raise ValueError(f"--sample must be a number of tokens ≥ 0, got {self.sample}")
-        if self.resume and self.checkpoint is None:
-            raise ValueError("--resume needs --checkpoint DIR: the directory of the run to continue")
+        super().check()
 
 
 @dataclass(frozen=True)
