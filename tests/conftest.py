@@ -13,10 +13,8 @@ from typing import Any
 import pytest
 
 import meshwise
+from meshwise.runtime.spawn import PRELOAD
 from meshwise.world import World
-
-#: what ``meshwise.runtime.spawn`` has its rank server import itself; the fixture below must keep these
-_SPAWN_PRELOAD = ["torch", "torch.distributed", "torch._dynamo"]
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -31,7 +29,7 @@ def rank_server() -> None:
     server stays up for the session; ``spawn`` finds it running and reuses it as it is."""
     imported = sorted(name for name in sys.modules if name.split(".")[0] in ("meshwise", "pytest"))
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload([*_SPAWN_PRELOAD, *imported])
+    ctx.set_forkserver_preload([*PRELOAD, *imported])
     from multiprocessing import forkserver
 
     forkserver.ensure_running()

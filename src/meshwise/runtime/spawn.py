@@ -89,11 +89,14 @@ def _child(
     conn.close()
 
 
+#: what the rank server imports before it forks any rank. torch._dynamo is imported by the first optimizer
+#: a rank builds (about 1 s, several under load): paying it once in the server spares every training rank.
+PRELOAD = ("torch", "torch.distributed", "torch._dynamo")
+
+
 def _context() -> mp.context.BaseContext:
     ctx = mp.get_context("forkserver")
-    # torch._dynamo is imported by the first optimizer a rank builds (about 1 s, several under load):
-    # paying it once in the server spares every training rank.
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo"])
+    ctx.set_forkserver_preload(list(PRELOAD))
     return ctx
 
 
