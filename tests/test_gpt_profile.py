@@ -19,9 +19,9 @@ from meshwise.cli import main
 from meshwise.parallel.pipeline_parallel.executor import Event
 from meshwise.parallel.pipeline_parallel.timeline import measured_bubble
 from meshwise.train.gpt import GPTTrainConfig, run_gpt_training
+from meshwise.train.gpt.profiling import profile_schedule
 from meshwise.train.gpt.resolve import resolve
 from meshwise.train.profile import StepProfiler, _Op, _Step
-from meshwise.train.torch_profile import profile_schedule
 from test_profile import overlapping_complete_events
 
 
@@ -154,8 +154,9 @@ def test_pipeline_bubble_matches_the_timeline_and_sets_the_verdict(text: str, tm
 def test_trace_needs_no_pipeline_and_bad_profile_paths_fail_first(text: str, tmp_path, capsys) -> None:
     resolve(_tiny(text, trace=str(tmp_path / "t.json")))  # --trace no longer asks for --pp
     (tmp_path / "file").write_text("")
-    with pytest.raises(ValueError, match=r"--torch-profile .* is a file; give a directory"):
-        resolve(_tiny(text, torch_profile=str(tmp_path / "file")))
+    assert main(["train", "gpt", "--torch-profile", str(tmp_path / "file")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--torch-profile" in err[0] and "is a file; name a directory" in err[0]
     assert main(["train", "gpt", "--trace", str(tmp_path / "missing" / "t.json")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "does not exist; create it" in err[0]
