@@ -54,7 +54,7 @@ def test_every_instant_gets_one_label_by_priority() -> None:
     # a receive waited 3.5-5 (inside the bubble: it is the bubble), an all-reduce blocked 8.5-9.0
     # inside the optimizer phase, and 2.5-2.6 spent issuing a send inside F (blocked: communication)
     recv, send = _Op("recv", 3.0, 3.0, 5.0, 1.5), _Op("send", 2.5, 2.6, 4.0, 0.0)
-    profiler.comm.append([recv, _Op("all_reduce", 8.5, 8.5, 9.0, 0.5), send])
+    step.comm = [recv, _Op("all_reduce", 8.5, 8.5, 9.0, 0.5), send]
     (parts,) = profiler.parts()
     expected = {"data": 1.0, "forward": 1.9, "backward": 2.0, "bubble": 2.5, "comm_exposed": 0.6}
     expected |= {"forward_backward": 0.5, "optimizer": 1.0, "other": 0.5}
