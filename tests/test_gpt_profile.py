@@ -19,9 +19,9 @@ from meshwise.cli import main
 from meshwise.parallel.pipeline_parallel.executor import Event
 from meshwise.parallel.pipeline_parallel.timeline import measured_bubble
 from meshwise.train.gpt import GPTTrainConfig, run_gpt_training
+from meshwise.train.gpt.profiling import profile_schedule
 from meshwise.train.gpt.resolve import resolve
 from meshwise.train.profile import StepProfiler, _Op, _Step
-from meshwise.train.torch_profile import profile_schedule
 from test_profile import overlapping_complete_events
 
 
@@ -54,7 +54,7 @@ def test_every_instant_gets_one_label_by_priority() -> None:
     # a receive waited 3.5-5 (inside the bubble: it is the bubble), an all-reduce blocked 8.5-9.0
     # inside the optimizer phase, and 2.5-2.6 spent issuing a send inside F (blocked: communication)
     recv, send = _Op("recv", 3.0, 3.0, 5.0, 1.5), _Op("send", 2.5, 2.6, 4.0, 0.0)
-    profiler.comm.append([recv, _Op("all_reduce", 8.5, 8.5, 9.0, 0.5), send])
+    step.comm = [recv, _Op("all_reduce", 8.5, 8.5, 9.0, 0.5), send]
     (parts,) = profiler.parts()
     expected = {"data": 1.0, "forward": 1.9, "backward": 2.0, "bubble": 2.5, "comm_exposed": 0.6}
     expected |= {"forward_backward": 0.5, "optimizer": 1.0, "other": 0.5}
@@ -154,8 +154,9 @@ def test_pipeline_bubble_matches_the_timeline_and_sets_the_verdict(text: str, tm
 def test_trace_needs_no_pipeline_and_bad_profile_paths_fail_first(text: str, tmp_path, capsys) -> None:
     resolve(_tiny(text, trace=str(tmp_path / "t.json")))  # --trace no longer asks for --pp
     (tmp_path / "file").write_text("")
-    with pytest.raises(ValueError, match=r"--torch-profile .* is a file; give a directory"):
-        resolve(_tiny(text, torch_profile=str(tmp_path / "file")))
+    assert main(["train", "gpt", "--torch-profile", str(tmp_path / "file")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--torch-profile" in err[0] and "is a file; name a directory" in err[0]
     assert main(["train", "gpt", "--trace", str(tmp_path / "missing" / "t.json")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "does not exist; create it" in err[0]

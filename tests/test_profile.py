@@ -17,7 +17,7 @@ from meshwise.comm.native import NativeCommunicator
 from meshwise.parallel import DataParallel
 from meshwise.parallel.pipeline_parallel.timeline import trace_json
 from meshwise.runtime.spawn import spawn
-from meshwise.train.profile import TRACKS, StepProfiler, _event, breakdown, verdict
+from meshwise.train.profile import TRACKS, StepProfiler, _event, breakdown, table, verdict
 
 
 def _parts(**ms):
@@ -39,8 +39,8 @@ def _parts(**ms):
 )
 def test_verdict_bands_and_bounds(parts, band, bound):
     found = verdict(parts)
-    assert (found.band, found.bound) == (band, bound)
-    assert found.knob and f"{bound}-bound" in found.line()
+    assert (found["band"], found["bound"]) == (band, bound)
+    assert found["knob"] and f"{bound}-bound — {found['knob']}" in table(breakdown([parts]))
 
 
 class SlowComm(NativeCommunicator):

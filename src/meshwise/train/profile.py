@@ -74,6 +74,7 @@ class _Step:
     instructions: list[tuple[str, str, float, float]] = field(default_factory=list)
     #: the pipeline's busy window (this rank's until :meth:`StepProfiler.share_windows` widens it)
     window: tuple[float, float] | None = None
+    comm: list[_Op] = field(default_factory=list)  # from the flight recorders, at the step's end
 
 
 class StepProfiler:
@@ -88,7 +89,6 @@ class StepProfiler:
         recorders = (getattr(comm, "recorder", None) for comm in comms)
         self.recorders = list({id(r): r for r in recorders if isinstance(r, FlightRecorder)}.values())
         self.steps: list[_Step] = []
-        self.comm: list[list[_Op]] = []  # per step
         self._device = synchronize if synchronize is not None and synchronize.type == "cuda" else None
 
     def _now(self) -> float:
@@ -104,7 +104,7 @@ class StepProfiler:
             yield
         finally:
             current.ended = self._now()
-            self.comm.append(self._comm_between(current.started, current.ended))
+            current.comm = self._comm_between(current.started, current.ended)
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -149,11 +149,11 @@ class StepProfiler:
                     )
         return sorted(found, key=lambda op: op.started)
 
-    def _labelled(self, step: _Step, comm: Sequence[_Op]) -> list[tuple[str, float, float]]:
+    def _labelled(self, step: _Step) -> list[tuple[str, float, float]]:
         """The step cut into consecutive (label, start, end) pieces by the priority of the docstring."""
         spans = [(name, t0, t1) for name, t0, t1 in step.phases]
         spans += [(name, t0, t1) for name, _, t0, t1 in step.instructions]
-        for op in comm:  # blocked while issuing (a synchronous transport does all its work here), in wait
+        for op in step.comm:  # blocked issuing (a synchronous transport does all its work here), in wait
             spans += [
                 ("comm_exposed", op.started, op.issued),
                 ("comm_exposed", op.ended - op.waited, op.ended),
@@ -168,13 +168,13 @@ class StepProfiler:
         (wall time some operation was in flight while the rank went on), ``other`` (the gaps) and
         ``step``; the parts other than ``comm_hidden`` sum to ``step``."""
         out = []
-        for step, comm in zip(self.steps, self.comm, strict=True):
+        for step in self.steps:
             parts = dict.fromkeys((*PHASES, "comm_exposed", "other"), 0.0)
-            for label, t0, t1 in self._labelled(step, comm):
+            for label, t0, t1 in self._labelled(step):
                 parts[label] += t1 - t0
             parts["step"] = step.ended - step.started
             # wall time, not a sum: operations in flight at once (posted receives, DDP's buckets) overlap
-            in_flight = [(op.issued, op.ended - op.waited) for op in comm]
+            in_flight = [(op.issued, op.ended - op.waited) for op in step.comm]
             idle = _uncovered((step.started, step.ended), in_flight)
             parts["comm_hidden"] = parts["step"] - sum(t1 - t0 for t0, t1 in idle)
             out.append(parts)
@@ -209,12 +209,12 @@ class StepProfiler:
         each; communication in flight as async begin/end pairs, because operations overlap one another
         (DDP's buckets, a pipeline's posted receives) and complete events on one track must not."""
         events = []
-        for index, (step, comm) in enumerate(zip(self.steps, self.comm, strict=True)):
+        for index, step in enumerate(self.steps):
             events.append(_event(f"step {index}", step.started, step.ended, rank, 0))
             events += [
-                _event(name, t0, t1, rank, 1) for name, t0, t1 in self._labelled(step, comm) if name in PHASES
+                _event(name, t0, t1, rank, 1) for name, t0, t1 in self._labelled(step) if name in PHASES
             ]
-            for number, op in enumerate(comm):
+            for number, op in enumerate(step.comm):
                 key = f"rank{rank}.step{index}.op{number}"
                 common = {"name": op.name, "cat": "communication", "id": key, "pid": rank, "tid": COMM_TRACK}
                 events += [{**common, "ph": "b", "ts": op.started}, {**common, "ph": "e", "ts": op.ended}]
@@ -277,36 +277,23 @@ def breakdown(per_step: Sequence[Mapping[str, float]]) -> dict:
     means of parts add up to the mean step, medians do not."""
     measured = per_step[1:] if len(per_step) > 1 else per_step
     parts = {k: statistics.fmean(s[k] for s in measured) for k in measured[0]}
-    return {"steps": len(measured), "median_seconds": parts, "verdict": verdict(parts).__dict__}
+    return {"steps": len(measured), "median_seconds": parts, "verdict": verdict(parts)}
 
 
-@dataclass(frozen=True)
-class Verdict:
-    efficiency: float  # compute share of the step
-    band: str
-    bound: str
-    knob: str
-
-    def line(self) -> str:
-        share = f"{100 * self.efficiency:.0f} % of the step computes ({self.band})"
-        return f"{share}: {self.bound}-bound — {self.knob}"
+#: the overheads a step may be bound by, and the part each one is
+_OVERHEADS = {"communication": "comm_exposed", "data": "data", "bubble": "bubble", "other": "other"}
 
 
-def verdict(parts: Mapping[str, float], knobs: Mapping[str, str] = KNOBS) -> Verdict:
-    """Efficiency band and the part that bounds the step, from one step's (or the median) parts;
-    ``knobs`` says what to change per bound part, in the command's own flags."""
+def verdict(parts: Mapping[str, float], knobs: Mapping[str, str] = KNOBS) -> dict[str, float | str]:
+    """The compute share of the step (``efficiency``), its ``band``, the part the step is ``bound`` by and
+    the ``knob`` to turn (``knobs``: per bound part, in the command's own flags), from one step's parts or
+    their mean."""
     step = parts["step"]
-    compute = sum(parts.get(p, 0.0) for p in COMPUTE)
-    efficiency = compute / step if step > 0 else 0.0
+    efficiency = sum(parts.get(p, 0.0) for p in COMPUTE) / step if step > 0 else 0.0
     band = next(name for floor, name in BANDS if efficiency > floor or floor == 0.0)
-    overheads = {
-        "communication": parts.get("comm_exposed", 0.0),
-        "data": parts.get("data", 0.0),
-        "bubble": parts.get("bubble", 0.0),
-        "other": parts.get("other", 0.0),
-    }
-    bound = "compute" if efficiency >= 0.80 else max(overheads, key=overheads.__getitem__)
-    return Verdict(efficiency, band, bound, knobs[bound])
+    overhead = {bound: parts.get(part, 0.0) for bound, part in _OVERHEADS.items()}
+    bound = "compute" if efficiency >= 0.80 else max(overhead, key=overhead.__getitem__)
+    return {"efficiency": efficiency, "band": band, "bound": bound, "knob": knobs[bound]}
 
 
 _OPTIONAL_ROWS = ("forward_backward", "bubble")
@@ -323,7 +310,9 @@ def table(profile: Mapping, knobs: Mapping[str, str] = KNOBS) -> str:
         lines.append(f"  {name:<18}{1e3 * parts[name]:9.2f}{100 * parts[name] / step:7.1f}")
     lines.append(f"  {'step':<18}{1e3 * step:9.2f}{100.0:7.1f}")
     lines.append(f"  comm hidden under compute: {1e3 * parts['comm_hidden']:.2f} ms")
-    lines.append(f"verdict: {verdict(parts, knobs).line()}")
+    found = verdict(parts, knobs)
+    share = f"{100 * found['efficiency']:.0f} % of the step computes ({found['band']})"
+    lines.append(f"verdict: {share}: {found['bound']}-bound — {found['knob']}")
     return "\n".join(lines)
 
 

@@ -24,8 +24,7 @@ LayerNorm, dropout and the residual adds run on ``1/t`` of the tokens. An all-ga
 saved whole by the linears that read it, so :func:`gathered_linears` saves only the shard and gathers
 again in backward (Korthikanti et al. 2022, §4.2.2), as the ``(sbh/t)(34 + 5as/h)`` formula assumes.
 
-Activations are batch-first, so the sequence dimension defaults to 1. With ``t = 1`` every op is the
-identity and sends nothing.
+Activations are batch-first, so the sequence dimension defaults to 1.
 """
 
 from __future__ import annotations
@@ -104,8 +103,7 @@ class _Conjugate(torch.autograd.Function):
 
 
 def _conjugate(x: torch.Tensor, comm: Communicator, dim: int, there: Way, back: Way) -> torch.Tensor:
-    """``x`` through ``there`` (its gradient through ``back``); the identity, sending nothing, when
-    ``comm`` holds one rank."""
+    """``x`` through ``there``, its gradient through ``back``; with one rank the identity, sending nothing."""
     return x if comm.world_size == 1 else _Conjugate.apply(x, comm, dim, there, back)
 
 
@@ -147,42 +145,36 @@ def gathered_linears(
     return _GatheredLinears.apply(x, comm, dim, *(t for layer in layers for t in layer))
 
 
+# The module's table, each op a collective and its conjugate; with one rank each is the identity.
 def copy_to_region(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
-    """Enter a parallel region with a replicated input: identity forward, all-reduce backward."""
     return _conjugate(x, comm, -1, _same, _summed)
 
 
 def reduce_from_region(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
-    """Leave a parallel region by summing partial results: all-reduce forward, identity backward."""
     return _conjugate(x, comm, -1, _summed, _same)
 
 
 def gather_from_sequence(x: torch.Tensor, comm: Communicator, dim: int = 1) -> torch.Tensor:
-    """Enter a parallel region from sequence shards: all-gather forward, reduce-scatter backward."""
     return _conjugate(x, comm, dim, gather_along, _reduce_scatter)
 
 
 def scatter_to_sequence(x: torch.Tensor, comm: Communicator, dim: int = 1) -> torch.Tensor:
-    """Leave a parallel region into sequence shards: reduce-scatter forward, all-gather backward."""
     return _conjugate(x, comm, dim, _reduce_scatter, gather_along)
 
 
 def split_last(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
-    """This rank's slice of the last dimension of a replicated tensor (gradient: all-gather)."""
     return _conjugate(x, comm, -1, _take, gather_along)
 
 
 def gather_last(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
-    """Concatenate the ranks' slices of the last dimension (gradient: each rank keeps its slice)."""
     return _conjugate(x, comm, -1, gather_along, _take)
 
 
 def replicate_sequence(x: torch.Tensor, comm: Communicator, dim: int = 1) -> torch.Tensor:
-    """The whole sequence from the ranks' shards, for a computation every rank then runs identically
-    (not a parallel region: its input gradient is the same on every rank, so each keeps its slice)."""
+    """The whole sequence for a computation every rank then runs identically (not a parallel region:
+    its input gradient is the same on every rank, so each keeps its slice)."""
     return _conjugate(x, comm, dim, gather_along, _take)
 
 
 def shard_sequence(x: torch.Tensor, comm: Communicator, dim: int = 1) -> torch.Tensor:
-    """This rank's sequence shard of a replicated tensor (gradient: the shards' gradients all-gathered)."""
     return _conjugate(x, comm, dim, _take, gather_along)

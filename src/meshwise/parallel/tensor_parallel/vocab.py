@@ -32,12 +32,6 @@ def padded_vocab(vocab: int, tp: int) -> int:
     return -(-vocab // tp) * tp
 
 
-def vocab_range(vocab: int, comm: Communicator) -> tuple[int, int]:
-    """``[start, end)`` of the padded vocabulary rows held by this rank."""
-    per_rank = padded_vocab(vocab, comm.world_size) // comm.world_size
-    return comm.rank * per_rank, (comm.rank + 1) * per_rank
-
-
 class VocabParallelEmbedding(nn.Module):
     """Token embedding whose rows are split across the tensor-parallel ranks: ``weight`` is this rank's
     ``padded_vocab/t`` rows (:meth:`from_embedding`), ``vocab`` the true size. The output is the full
@@ -50,7 +44,8 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab = vocab
         self.comm = comm
         self.sequence_parallel = sequence_parallel
-        self.start, self.end = vocab_range(vocab, comm)
+        self.start = comm.rank * weight.shape[0]  # the padded vocabulary's rows [start, end) are this rank's
+        self.end = self.start + weight.shape[0]
         self.weight = weight
         setattr(self.weight, SHARD_DIM, 0)
 
@@ -60,12 +55,9 @@ class VocabParallelEmbedding(nn.Module):
     ) -> VocabParallelEmbedding:
         """This rank's rows of ``embedding`` (padded with zero rows to a multiple of ``t``)."""
         vocab, hidden = embedding.weight.shape
-        full = embedding.weight.detach()
-        padding = padded_vocab(vocab, comm.world_size) - vocab
-        if padding:
-            full = torch.cat([full, full.new_zeros(padding, hidden)])
-        start, end = vocab_range(vocab, comm)
-        return cls(nn.Parameter(full[start:end].clone()), vocab, comm, sequence_parallel=sequence_parallel)
+        padding = embedding.weight.new_zeros(padded_vocab(vocab, comm.world_size) - vocab, hidden)
+        rows = torch.cat([embedding.weight.detach(), padding]).chunk(comm.world_size)[comm.rank]
+        return cls(nn.Parameter(rows.clone()), vocab, comm, sequence_parallel=sequence_parallel)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         outside = (tokens < self.start) | (tokens >= self.end)

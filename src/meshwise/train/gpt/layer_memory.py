@@ -20,7 +20,8 @@ import torch.distributed as dist
 from torch import nn
 
 from meshwise.models.gpt import Block
-from meshwise.parallel.recompute import SavedBytes, saved_bytes
+from meshwise.models.gpt_activations import dropout_mask_bytes
+from meshwise.parallel.recompute import SavedBytes
 from meshwise.parallel.recompute.formulas import attention_keeps_scores, layer_saved_bytes
 from meshwise.train.gpt.resolve import GPTRun
 from meshwise.world import World
@@ -59,7 +60,7 @@ class LayerMemory:
         dropout = model.dropout > 0
         measured = self.measurement.bytes_per_call()
         value = torch.tensor([], dtype=self.run.config.model.torch_dtype).element_size()
-        mask = saved_bytes(nn.Dropout(0.5), torch.ones(64, requires_grad=True)) // 64 if dropout else 1
+        mask = dropout_mask_bytes() if dropout else 1
         scores = attention_keeps_scores(model.dropout)
         tp, sp = self.run.config.mesh.tp, self.run.config.mesh.sp
         rows = []

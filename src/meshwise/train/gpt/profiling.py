@@ -5,6 +5,12 @@ The loop brackets what it does itself (data, optimizer, the strategy's ``forward
 instructions), so each strategy is profiled through the same seam. At the end, collectively: the
 pipeline ranks agree on each step's window (its bubble counts from the pipeline's first instruction to its
 last), every rank's events go to rank 0 for the one ``--trace`` file, and torch.profiler stops.
+
+``--torch-profile DIR``: the step profile says which part of a step is slow, torch.profiler which
+operators (on a GPU, kernels) inside it. Recording every step would cost much time and memory, so it
+follows torch's schedule: ``wait`` steps skipped (the first pays for lazy initialisation and the
+allocator), ``warmup`` steps traced and thrown away (the profiler's own start-up), then ``active`` steps
+written to ``DIR/rank{R}.json``.
 """
 
 from __future__ import annotations
@@ -13,9 +19,10 @@ import contextlib
 import statistics
 from collections.abc import Iterator
 from contextlib import nullcontext
+from pathlib import Path
 
 import torch
-from torch.profiler import profile
+from torch.profiler import ProfilerActivity, profile, schedule
 
 from meshwise.comm.api import ReduceOp
 from meshwise.comm.mesh import AXES
@@ -24,8 +31,36 @@ from meshwise.train.gpt.moe import expert_exchange
 from meshwise.train.gpt.resolve import GPTRun
 from meshwise.train.profile import StepProfiler
 from meshwise.train.step import ParallelStep
-from meshwise.train.torch_profile import torch_profiler
 from meshwise.world import World
+
+#: steps recorded when the run is long enough: a few steps show the pattern, more only grow the file
+ACTIVE_STEPS = 3
+
+
+def profile_schedule(steps: int) -> tuple[int, int, int]:
+    """(wait, warmup, active) for a run of ``steps`` steps: 1, 1 and up to 3 when there is room; a short
+    run gives up waiting first, then warming up, so at least one step is always recorded."""
+    wait = 1 if steps >= 3 else 0
+    warmup = 1 if steps - wait >= 2 else 0
+    return wait, warmup, max(1, min(ACTIVE_STEPS, steps - wait - warmup))
+
+
+def torch_profiler(directory: str, rank: int, steps: int, device: torch.device) -> profile:
+    """torch.profiler on :func:`profile_schedule`'s steps of ``steps``, writing ``DIR/rank{R}.json`` when
+    they are recorded: the loop starts it before its first step and steps it after each."""
+    wait, warmup, active = profile_schedule(steps)
+    path = Path(directory) / f"rank{rank}.json"
+
+    def write(finished: profile) -> None:
+        path.parent.mkdir(exist_ok=True)
+        finished.export_chrome_trace(str(path))
+
+    return profile(
+        activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if device.type == "cuda" else [])],
+        schedule=schedule(wait=wait, warmup=warmup, active=active, repeat=1),
+        on_trace_ready=write,
+        record_shapes=True,
+    )
 
 
 class GPTProfiling:

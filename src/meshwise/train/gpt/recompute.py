@@ -15,21 +15,16 @@ from meshwise.train.gpt.resolve import GPTRun
 from meshwise.train.gpt.sections import GPTMeshSection
 
 
-def fewest_stage_blocks(run: GPTRun) -> int:
-    """The fewest blocks any pipeline rank runs (all of them without --pp), as the pipeline will cut them."""
-    mesh, model = run.config.mesh, run.model_config
-    if mesh.pp == 1:
-        return model.layers
-    with torch.device("meta"):
-        blocks, embed, head = block_weights(GPT(model), gpt_plan(model))
-    sizes = balanced_split(blocks, mesh.pp * mesh.virtual_stages, first_extra=embed, last_extra=head)
-    return min(sum(sizes[rank :: mesh.pp]) for rank in range(mesh.pp))
-
-
 def check_recompute_config(run: GPTRun) -> None:
-    """One clear ``ValueError`` for --recompute flags that cannot be applied."""
-    mesh = run.config.mesh
-    stage = fewest_stage_blocks(run) if mesh.recompute_layers is not None else None
+    """One clear ``ValueError`` for --recompute flags that cannot be applied; --recompute-layers must fit
+    the fewest blocks any pipeline rank runs, as the pipeline will cut them."""
+    mesh, model = run.config.mesh, run.model_config
+    stage = model.layers
+    if mesh.recompute_layers is not None and mesh.pp > 1:
+        with torch.device("meta"):
+            blocks, embed, head = block_weights(GPT(model), gpt_plan(model))
+        sizes = balanced_split(blocks, mesh.pp * mesh.virtual_stages, first_extra=embed, last_extra=head)
+        stage = min(sum(sizes[rank :: mesh.pp]) for rank in range(mesh.pp))
     check_recompute(mesh.recompute, mesh.recompute_layers, stage)
 
 

@@ -25,7 +25,6 @@ from meshwise.runtime.env import plan_ranks
 from meshwise.train.checkpoint import GPT_READS, read_run, resumed_directory, step_dir
 from meshwise.train.checkpoint_check import check_dcp_checkpoint
 from meshwise.train.gpt.config import CPU_SEQ_LEN, GPTTrainConfig
-from meshwise.train.torch_profile import check_directory
 
 
 @dataclass(frozen=True)
@@ -113,8 +112,6 @@ def resolve(config: GPTTrainConfig) -> GPTRun:
     model = model_config(config)
     run = GPTRun(config, world_size, model, train_seq_len(config, model), tokenizer_path(config))
     run.check()
-    if config.profile.torch_profile is not None:
-        check_directory(config.profile.torch_profile)
     if config.output.tensorboard is not None:
         from meshwise.train.gpt.step_log import check_tensorboard
 
