@@ -120,11 +120,11 @@ Compute = tuple[Op, int, int]  # (op, micro-batch, chunk)
 
 
 def _compute_order(name: str, rank: int, p: int, m: int, v: int) -> list[Compute]:
-    if name == "gpipe":
-        return [(Op.FORWARD, k, rank) for k in range(m)] + [(Op.BACKWARD, k, rank) for k in range(m)]
     total = m * v
-    # interleaved fills every chunk of the rank before the first backward can arrive
-    warmup = min(p - rank - 1, m) if name == "1f1b" else min((p - rank - 1) * 2 + (v - 1) * p, total)
+    # GPipe is all warm-up; interleaved fills every chunk of the rank before the first backward can arrive
+    warmup = {"gpipe": m, "1f1b": min(p - rank - 1, m)}.get(
+        name, min((p - rank - 1) * 2 + (v - 1) * p, total)
+    )
 
     def forward(i: int) -> Compute:
         group, within = divmod(i, p * v)
