@@ -51,7 +51,7 @@ Durations = dict[tuple[str, int, int], float]  # (op letter, micro-batch, chunk)
 def simulate(schedule: Schedule, durations: Durations | None = None) -> Simulation:
     """Execute ``schedule`` in unit time; raise :class:`ScheduleError` when it is not sound.
 
-    With ``durations`` (e.g. measured ones, see :func:`timeline.replay_bubble`) each compute takes its
+    With ``durations`` (e.g. measured ones, see :func:`timeline.replay`) each compute takes its
     own time instead: the makespan a perfect executor with free messages would reach on those ops.
     """
     _check_complete(schedule)

@@ -37,7 +37,8 @@ from meshwise.parallel.pipeline_parallel import theoretical_bubble
 from meshwise.parallel.pipeline_parallel.builder import build_pipeline
 from meshwise.parallel.pipeline_parallel.executor import Event
 from meshwise.parallel.pipeline_parallel.partition import LayerChunk
-from meshwise.parallel.pipeline_parallel.timeline import COMPUTE_OPS, draw, gather_events
+from meshwise.parallel.pipeline_parallel.schedules import COMPUTE
+from meshwise.parallel.pipeline_parallel.timeline import draw, gather_events
 from meshwise.parallel.placement import Placement
 from meshwise.parallel.state_dict import Held
 from meshwise.parallel.zero import LossScaler, shard
@@ -138,7 +139,7 @@ class PipelineStep(ParallelStep):
             self.zero.reduce_accumulated()
         if self.profiler is not None:
             for event in result.events:
-                if event.op in COMPUTE_OPS:
+                if event.op in COMPUTE:
                     phase = "forward" if event.op == "F" else "backward"
                     label = f"{event.op}{event.micro_batch} chunk {event.chunk}"
                     self.profiler.record(phase, label, event.start, event.end)
