@@ -1,26 +1,17 @@
-"""Run a pipeline :class:`Schedule` on this rank's chunks over a Communicator.
+"""Run a pipeline :class:`Schedule` on this rank's chunks over a Communicator (docs/pipeline.md, Executor).
 
-Per step: the instruction list is executed in order. Sends are posted (``isend``) as soon as their data
-is computed and never waited until the end of the step, so neighbours cannot deadlock on each other.
-Receives are posted *ahead of need* (:data:`RECV_LOOKAHEAD`, in program order, so messages between a
-pair still match in order), so a message lands while this rank computes. The activation shape is
-broadcast once by chunk 0's rank, on the first step; the loss stays a tensor until the step ends (no
-device synchronisation per micro-batch).
+Sends are posted as soon as their data exists and waited only when the step ends, so neighbours cannot
+deadlock on each other; receives are posted ahead of need (:data:`RECV_LOOKAHEAD`, in program order, so a
+pair's messages still match in order), so a message lands while this rank computes. Nothing synchronises
+per micro-batch: the last chunk's loss (scaled by 1/m: the accumulated gradients are the batch's) stays a
+tensor until the step's one collective, the status all-reduce, which also carries it to every rank.
 
-The loss is computed on the last chunk, scaled by 1/m so that gradients accumulated over the micro-batches
-equal those of the whole batch. With ``dp`` the stage's replicas average each chunk's gradients
-(:mod:`~meshwise.parallel.pipeline_parallel.stage_reducer`); then the tied embedding/head gradient —
-averaged on both ends: the sum of the averages is the average of the sums — is summed between the ranks
-holding the two ends. The loss returned is this replica's (the GPT loop averages it over the replicas).
-
-**Failure.** Every message carries three trailing floats: a status and, when set, the chunk and
-micro-batch where a failure started. A rank whose compute raises sends such a *poison* message to its
-neighbours instead of the data they wait for; a rank that receives one forwards it and stops. Ranks past
-their last receive learn of it from a small status all-reduce (MAX over pp, then dp) that every rank joins
-at the end of each step. So every rank raises :class:`PipelineFailure` naming the stage and micro-batch
-within one message latency, and nobody sits in a receive until the timeout. Bad batches (a missing or
-short list of micro-batches, a new shape) fail the same way, on every rank. After a failure the pairs
-may still hold messages nobody received: build a new communicator (restart the job) before training on.
+**Failure.** Every message ends in three floats: a status and, when set, the chunk and micro-batch where
+a failure started. A rank whose compute raises sends that *poison* to its neighbours instead of their
+data; a receiver forwards it and stops; ranks past their last receive learn of it from the status
+all-reduce (MAX over pp, then dp). So every rank raises :class:`PipelineFailure` naming where it started,
+within one message latency instead of a timeout — bad batches too. The pairs may then hold messages
+nobody received: restart the job (a new communicator) before training on.
 """
 
 from __future__ import annotations
@@ -332,8 +323,7 @@ class PipelineExecutor:
             self.dp.all_reduce(status[:1], ReduceOp.MAX)
         if failure is None and status[0] > 0:
             chunk, k = divmod(int(status[0].item()) - 1, m)
-            failure = PipelineFailure(self.schedule.owner(chunk), chunk, k, "raised on another rank")
-            raise failure
+            raise PipelineFailure(self.schedule.owner(chunk), chunk, k, "raised on another rank")
         return float(status[1].item())
 
     def _wait_all(self, sends: list[tuple[Work, torch.Tensor]]) -> None:

@@ -6,10 +6,9 @@ The trace shows compute (F, B, W) and the receive waits longer than 20 µs, so a
 neighbour is told apart from one with nothing scheduled; :func:`replay` and :func:`message_hops` say
 what the measured bubble's excess over the theory cost.
 
-Events are the executor's per-instruction timestamps in wall-clock seconds (monotonic-clock resolution),
-so every rank's row shares one time axis: exactly on one host, to NTP's precision across hosts. The
-measured bubble is the idle share of the step, 1 − mean(busy)/span, where span runs from the first
-instruction on any rank to the last: the same quantity the simulator's unit-time bubble predicts.
+The measured bubble is the idle share of the step, 1 − mean(busy)/span, span running from the first
+instruction on any rank to the last (the events' wall-clock seconds put every rank on one time axis):
+the quantity the simulator's unit-time bubble predicts.
 """
 
 from __future__ import annotations

@@ -110,10 +110,6 @@ class PipelineStep(ParallelStep):
             self.optimizer = build_optimizer(self.model, config.optimizer)
             self.place(held.items(), divided={"pp"}, tied=copies)
         self._last_events: list[Event] = []
-        self._theory = theoretical_bubble(mesh.shape.pp, micro_batches, config.mesh.virtual_stages)
-        self._title = (
-            f"{config.mesh.schedule} pp={mesh.shape.pp} m={micro_batches} v={config.mesh.virtual_stages}"
-        )
 
     def _training_loss(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The last stage's loss, multiplied by the loss scale under fp16."""
@@ -175,7 +171,10 @@ class PipelineStep(ParallelStep):
         gathered = gather_events(self.mesh.pp, self._last_events)
         if gathered is None or self.mesh.replicas.rank != 0:
             return
-        draw(gathered, self.config.profile.timeline, title=self._title, theory=self._theory)
+        s = self.executor.schedule
+        title = f"{s.name} pp={s.stages} m={s.micro_batches} v={s.virtual_stages}"
+        theory = theoretical_bubble(s.stages, s.micro_batches, s.virtual_stages)
+        draw(gathered, self.config.profile.timeline, title=title, theory=theory)
 
 
 def stage_zero(
