@@ -92,15 +92,7 @@ class PipelineExecutor:
         tied: Sequence[torch.Tensor] = (),
         dtype: torch.dtype = torch.float32,
     ) -> None:
-        if pp.world_size != schedule.stages:
-            raise ValueError(
-                f"a {schedule.stages}-stage schedule needs a pp group of {schedule.stages} ranks, "
-                f"got {pp.world_size}"
-            )
-        ids = schedule.local_chunks(pp.rank)
-        if len(chunks) != len(ids):
-            raise ValueError(f"rank {pp.rank} runs chunks {ids} but was given {len(chunks)} modules")
-        self.chunks = dict(zip(ids, chunks, strict=True))
+        self.chunks = dict(zip(schedule.local_chunks(pp.rank), chunks, strict=True))
         self.schedule, self.pp, self.dp, self.loss_fn = schedule, pp, dp, loss_fn
         self.tied, self.dtype = list(tied), dtype
         #: where the tied copies' accumulated gradients are read and summed: ``.grad`` by default; a
@@ -229,25 +221,22 @@ class PipelineExecutor:
         chunk, last = self.chunks[c], c == self.schedule.chunks - 1
         if ins.op is Op.FORWARD:
             x = run.inputs[k] if c == 0 else run.received.pop((Op.RECV_ACT, c, k))  # type: ignore[index]
-            if self._split is not None:
-                out, run.records[(c, k)] = self._split.forward(chunk, x)
-            else:
-                out = chunk(x)
+            out, record = self._split.forward(chunk, x) if self._split is not None else (chunk(x), [])
             if last:
                 out = self.loss_fn(out, run.targets[k]) / self.schedule.micro_batches  # type: ignore[index]
                 loss = out.detach()
                 run.loss_sum = loss if run.loss_sum is None else run.loss_sum + loss
             elif self.schedule.owner(c + 1) == self.rank:  # next chunk on this rank: hand over directly
                 run.received[(Op.RECV_ACT, c + 1, k)] = out.detach().requires_grad_()
-            run.saved[(c, k)] = (x, out)
+            run.saved[(c, k)] = (x, out, record)
             run.held_bytes += x.nbytes + out.nbytes
             run.peak_bytes = max(run.peak_bytes, run.held_bytes)
         elif ins.op is Op.BACKWARD:
-            x, out = run.saved[(c, k)]
+            x, out, record = run.saved[(c, k)]
             grad = None if last else run.received.pop((Op.RECV_GRAD, c, k))
             x_in = x if c > 0 else None
             if self._split is not None:
-                dx = self._split.backward_input(chunk, run.records[(c, k)], out, grad, x_in)
+                dx = self._split.backward_input(chunk, record, out, grad, x_in)
             else:
                 torch.autograd.backward(out, grad)
                 dx = x.grad if c > 0 else None
@@ -256,11 +245,11 @@ class PipelineExecutor:
             if c > 0:  # chunk c − 1's output gradient: its backward's here, or a send's to another rank
                 run.received[(Op.RECV_GRAD, c - 1, k)] = dx
         else:
-            SplitBackward.backward_weight(run.records.pop((c, k)))
+            SplitBackward.backward_weight(run.saved[(c, k)][2])
             self._release(run, c, k)
 
     def _release(self, run: _StepState, c: int, k: int) -> None:
-        x, out = run.saved.pop((c, k))
+        x, out, _ = run.saved.pop((c, k))
         run.held_bytes -= x.nbytes + out.nbytes
 
     # ------------------------------------------------------------------ transfers
@@ -401,8 +390,8 @@ class _StepState:
         self.inputs, self.targets = inputs, targets
         #: (receive op, chunk, micro-batch) → its data, received or handed over on this rank
         self.received: dict[tuple[Op, int, int], torch.Tensor] = {}
-        self.saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        self.records: dict[tuple[int, int], SplitRecord] = {}
+        #: (chunk, micro-batch) → its input, output and (split backward) Linear record, until its backward
+        self.saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, SplitRecord]] = {}
         self.sends: list[tuple[Work, torch.Tensor]] = []
         self.posted: deque[tuple[Instruction, torch.Tensor, Work]] = deque()  # receives in flight, in order
         self.next_receive = 0  # index of the next receive of the program to post
