@@ -72,8 +72,9 @@ class Schedule:
         return [j * self.stages + rank for j in range(self.virtual_stages)]
 
 
-def validate(name: str, stages: int, micro_batches: int, virtual_stages: int = 1) -> None:
-    """Raise ``ValueError`` saying what to change when no schedule of these sizes exists."""
+def build_schedule(name: str, stages: int, micro_batches: int, virtual_stages: int = 1) -> Schedule:
+    """The named schedule for ``stages`` ranks, ``micro_batches`` per step and ``virtual_stages`` chunks;
+    ``ValueError`` saying what to change when none of these sizes exists (cheap: a check before launch)."""
     if name not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
     if stages < 1 or micro_batches < 1 or virtual_stages < 1:
@@ -91,11 +92,6 @@ def validate(name: str, stages: int, micro_batches: int, virtual_stages: int = 1
             f"{micro_batches} must be a multiple of --pp {stages} "
             f"(e.g. {stages * -(-micro_batches // stages)})"
         )
-
-
-def build_schedule(name: str, stages: int, micro_batches: int, virtual_stages: int = 1) -> Schedule:
-    """The named schedule for ``stages`` ranks, ``micro_batches`` per step and ``virtual_stages`` chunks."""
-    validate(name, stages, micro_batches, virtual_stages)
     p, m, v = stages, micro_batches, virtual_stages
     if name == "zb":
         orders = _zero_bubble_orders(p, m)
