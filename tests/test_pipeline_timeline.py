@@ -10,12 +10,11 @@ from meshwise.parallel.pipeline_parallel import Event, build_schedule, simulate,
 from meshwise.parallel.pipeline_parallel.schedules import COMPUTE, Op
 from meshwise.parallel.pipeline_parallel.simulator import cost
 from meshwise.parallel.pipeline_parallel.timeline import (
-    chrome_trace,
     draw,
     measured_bubble,
     message_hops,
     replay,
-    replay_bubble,
+    write_trace,
 )
 
 
@@ -52,7 +51,7 @@ def test_measured_bubble_of_unit_time_events_matches_simulator(name: str, p: int
     if name != "zb":
         assert measured_bubble(events) == pytest.approx(theoretical_bubble(p, m))
     # replaying the measured op times through the schedule reproduces a perfect run
-    assert replay_bubble(build_schedule(name, p, m), events) == pytest.approx(measured_bubble(events))
+    assert replay(build_schedule(name, p, m), events).bubble == pytest.approx(measured_bubble(events))
     span = max(e.end for e in events) - min(e.start for e in events)
     assert replay(build_schedule(name, p, m), events).makespan == pytest.approx(span)
     # messages were free in this run: every hop the pipeline waited on took no time
@@ -61,15 +60,16 @@ def test_measured_bubble_of_unit_time_events_matches_simulator(name: str, p: int
     # the same run with rank 0 descheduled for 5 units before its first forward: a loss replay excludes
     late = [Event(e.rank, e.op, e.micro_batch, e.chunk, e.start + 5, e.end + 5) for e in events]
     late[0] = Event(0, "F", 0, 0, 0.0, 1.0)  # F0 itself ran on time; everything after it slipped by 5
-    assert measured_bubble(late) > replay_bubble(build_schedule(name, p, m), late)
+    assert measured_bubble(late) > replay(build_schedule(name, p, m), late).bubble
 
 
-def test_chrome_trace_and_diagram(tmp_path) -> None:
+def test_trace_file_and_diagram(tmp_path) -> None:
     events = _unit_time_events("zb", 2, 3)
     bubble = measured_bubble(events)
     events.append(Event(1, "wait", 0, 1, 0.0, 1.0))  # rank 1 waits for F0's activation: still idle time
     assert measured_bubble(events) == bubble
-    trace = json.loads(json.dumps(chrome_trace(events)))
+    write_trace(events, tmp_path / "trace.json")
+    trace = json.loads((tmp_path / "trace.json").read_text())
     boxes = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     assert len(boxes) == 2 * 3 * 3 + 1  # F, B, W of 3 micro-batches on 2 ranks, and the wait
     assert {e["tid"] for e in boxes} == {0, 1}

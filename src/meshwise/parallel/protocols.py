@@ -1,13 +1,10 @@
 """What the strategies need of a model's own modules: small structural contracts, no model classes.
 
-Recomputation (re-running a block or its attention core), context parallelism (swapping the attention
-core) and expert parallelism (routing a mixture of experts through an all-to-all) find the part they
-change by what it *has*, never its class, so ``parallel/`` imports no model and a user's model gets these
-strategies by giving its modules the members below (as :mod:`meshwise.models.gpt` and
-:mod:`meshwise.models.moe` do). What a model declares as a whole is its
-:class:`~meshwise.parallel.plan.ParallelPlan`. The finders test members with ``hasattr``: a submodule
-(an expert layer's ``experts``) lives in ``nn.Module._modules``, which a runtime protocol check does not
-see on every Python version.
+Recomputation, context parallelism and expert parallelism find the part they change by what it *has*,
+never its class, so ``parallel/`` imports no model and a user's model gets these strategies by giving its
+modules the members below (as :mod:`meshwise.models.gpt` and :mod:`meshwise.models.moe` do). The finders
+test members with ``hasattr``: a submodule (an expert layer's ``experts``) lives in ``nn.Module._modules``,
+which a runtime protocol check does not see on every Python version.
 """
 
 from __future__ import annotations

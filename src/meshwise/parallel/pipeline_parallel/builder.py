@@ -15,7 +15,7 @@ from meshwise.parallel.pipeline_parallel.partition import (
     partition,
     tied_parameters,
 )
-from meshwise.parallel.pipeline_parallel.schedules import build_schedule, validate
+from meshwise.parallel.pipeline_parallel.schedules import build_schedule
 from meshwise.parallel.plan import Loss, ParallelPlan
 
 
@@ -24,7 +24,7 @@ def validate_pipeline(
 ) -> None:
     """Every error a pipeline of these sizes over ``layers`` layers would hit, raised up front with the fix
     in the message."""
-    validate(schedule, stages, micro_batches, virtual_stages)
+    build_schedule(schedule, stages, micro_batches, virtual_stages)
     check_layers(layers, stages * virtual_stages)
 
 

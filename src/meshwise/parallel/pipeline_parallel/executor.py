@@ -1,26 +1,17 @@
-"""Run a pipeline :class:`Schedule` on this rank's chunks over a Communicator.
+"""Run a pipeline :class:`Schedule` on this rank's chunks over a Communicator (docs/pipeline.md, Executor).
 
-Per step: the instruction list is executed in order. Sends are posted (``isend``) as soon as their data
-is computed and never waited until the end of the step, so neighbours cannot deadlock on each other.
-Receives are posted *ahead of need* (:data:`RECV_LOOKAHEAD`, in program order, so messages between a
-pair still match in order), so a message lands while this rank computes. The activation shape is
-broadcast once by chunk 0's rank, on the first step; the loss stays a tensor until the step ends (no
-device synchronisation per micro-batch).
+Sends are posted as soon as their data exists and waited only when the step ends, so neighbours cannot
+deadlock on each other; receives are posted ahead of need (:data:`RECV_LOOKAHEAD`, in program order, so a
+pair's messages still match in order), so a message lands while this rank computes. Nothing synchronises
+per micro-batch: the last chunk's loss (scaled by 1/m: the accumulated gradients are the batch's) stays a
+tensor until the step's one collective, the status all-reduce, which also carries it to every rank.
 
-The loss is computed on the last chunk, scaled by 1/m so that gradients accumulated over the micro-batches
-equal those of the whole batch. With ``dp`` the stage's replicas average each chunk's gradients
-(:mod:`~meshwise.parallel.pipeline_parallel.stage_reducer`); then the tied embedding/head gradient —
-averaged on both ends: the sum of the averages is the average of the sums — is summed between the ranks
-holding the two ends. The loss returned is this replica's (the GPT loop averages it over the replicas).
-
-**Failure.** Every message carries three trailing floats: a status and, when set, the chunk and
-micro-batch where a failure started. A rank whose compute raises sends such a *poison* message to its
-neighbours instead of the data they wait for; a rank that receives one forwards it and stops. Ranks past
-their last receive learn of it from a small status all-reduce (MAX over pp, then dp) that every rank joins
-at the end of each step. So every rank raises :class:`PipelineFailure` naming the stage and micro-batch
-within one message latency, and nobody sits in a receive until the timeout. Bad batches (a missing or
-short list of micro-batches, a new shape) fail the same way, on every rank. After a failure the pairs
-may still hold messages nobody received: build a new communicator (restart the job) before training on.
+**Failure.** Every message ends in three floats: a status and, when set, the chunk and micro-batch where
+a failure started. A rank whose compute raises sends that *poison* to its neighbours instead of their
+data; a receiver forwards it and stops; ranks past their last receive learn of it from the status
+all-reduce (MAX over pp, then dp). So every rank raises :class:`PipelineFailure` naming where it started,
+within one message latency instead of a timeout — bad batches too. The pairs may then hold messages
+nobody received: restart the job (a new communicator) before training on.
 """
 
 from __future__ import annotations
@@ -101,15 +92,7 @@ class PipelineExecutor:
         tied: Sequence[torch.Tensor] = (),
         dtype: torch.dtype = torch.float32,
     ) -> None:
-        if pp.world_size != schedule.stages:
-            raise ValueError(
-                f"a {schedule.stages}-stage schedule needs a pp group of {schedule.stages} ranks, "
-                f"got {pp.world_size}"
-            )
-        ids = schedule.local_chunks(pp.rank)
-        if len(chunks) != len(ids):
-            raise ValueError(f"rank {pp.rank} runs chunks {ids} but was given {len(chunks)} modules")
-        self.chunks = dict(zip(ids, chunks, strict=True))
+        self.chunks = dict(zip(schedule.local_chunks(pp.rank), chunks, strict=True))
         self.schedule, self.pp, self.dp, self.loss_fn = schedule, pp, dp, loss_fn
         self.tied, self.dtype = list(tied), dtype
         #: where the tied copies' accumulated gradients are read and summed: ``.grad`` by default; a
@@ -238,25 +221,22 @@ class PipelineExecutor:
         chunk, last = self.chunks[c], c == self.schedule.chunks - 1
         if ins.op is Op.FORWARD:
             x = run.inputs[k] if c == 0 else run.received.pop((Op.RECV_ACT, c, k))  # type: ignore[index]
-            if self._split is not None:
-                out, run.records[(c, k)] = self._split.forward(chunk, x)
-            else:
-                out = chunk(x)
+            out, record = self._split.forward(chunk, x) if self._split is not None else (chunk(x), [])
             if last:
                 out = self.loss_fn(out, run.targets[k]) / self.schedule.micro_batches  # type: ignore[index]
                 loss = out.detach()
                 run.loss_sum = loss if run.loss_sum is None else run.loss_sum + loss
             elif self.schedule.owner(c + 1) == self.rank:  # next chunk on this rank: hand over directly
                 run.received[(Op.RECV_ACT, c + 1, k)] = out.detach().requires_grad_()
-            run.saved[(c, k)] = (x, out)
+            run.saved[(c, k)] = (x, out, record)
             run.held_bytes += x.nbytes + out.nbytes
             run.peak_bytes = max(run.peak_bytes, run.held_bytes)
         elif ins.op is Op.BACKWARD:
-            x, out = run.saved[(c, k)]
+            x, out, record = run.saved[(c, k)]
             grad = None if last else run.received.pop((Op.RECV_GRAD, c, k))
             x_in = x if c > 0 else None
             if self._split is not None:
-                dx = self._split.backward_input(chunk, run.records[(c, k)], out, grad, x_in)
+                dx = self._split.backward_input(chunk, record, out, grad, x_in)
             else:
                 torch.autograd.backward(out, grad)
                 dx = x.grad if c > 0 else None
@@ -265,11 +245,11 @@ class PipelineExecutor:
             if c > 0:  # chunk c − 1's output gradient: its backward's here, or a send's to another rank
                 run.received[(Op.RECV_GRAD, c - 1, k)] = dx
         else:
-            SplitBackward.backward_weight(run.records.pop((c, k)))
+            SplitBackward.backward_weight(run.saved[(c, k)][2])
             self._release(run, c, k)
 
     def _release(self, run: _StepState, c: int, k: int) -> None:
-        x, out = run.saved.pop((c, k))
+        x, out, _ = run.saved.pop((c, k))
         run.held_bytes -= x.nbytes + out.nbytes
 
     # ------------------------------------------------------------------ transfers
@@ -332,8 +312,7 @@ class PipelineExecutor:
             self.dp.all_reduce(status[:1], ReduceOp.MAX)
         if failure is None and status[0] > 0:
             chunk, k = divmod(int(status[0].item()) - 1, m)
-            failure = PipelineFailure(self.schedule.owner(chunk), chunk, k, "raised on another rank")
-            raise failure
+            raise PipelineFailure(self.schedule.owner(chunk), chunk, k, "raised on another rank")
         return float(status[1].item())
 
     def _wait_all(self, sends: list[tuple[Work, torch.Tensor]]) -> None:
@@ -411,8 +390,8 @@ class _StepState:
         self.inputs, self.targets = inputs, targets
         #: (receive op, chunk, micro-batch) → its data, received or handed over on this rank
         self.received: dict[tuple[Op, int, int], torch.Tensor] = {}
-        self.saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        self.records: dict[tuple[int, int], SplitRecord] = {}
+        #: (chunk, micro-batch) → its input, output and (split backward) Linear record, until its backward
+        self.saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, SplitRecord]] = {}
         self.sends: list[tuple[Work, torch.Tensor]] = []
         self.posted: deque[tuple[Instruction, torch.Tensor, Work]] = deque()  # receives in flight, in order
         self.next_receive = 0  # index of the next receive of the program to post

@@ -1,19 +1,17 @@
 """Cut a model into pipeline chunks along its plan: the first modules, runs of layers, the last modules.
 
-Chunk ``c`` of ``C = p·v`` holds layers ``[start_c, end_c)`` of the plan's repeated layers; chunk 0 also
-holds the modules the plan runs first (a GPT's embeddings), chunk ``C−1`` the ones it runs last (final
-norm and head). Layers are balanced by parameter count (the first and last modules weigh on the end
-chunks, so those get fewer layers when they are heavy, e.g. a large vocabulary) or given explicitly.
-Nothing here knows a particular model: :class:`~meshwise.parallel.plan.ParallelPlan` says what to cut.
+Chunk ``c`` of ``C = p·v`` holds a run of the plan's repeated layers; chunk 0 also the modules the plan
+runs first (a GPT's embeddings), chunk ``C−1`` the ones it runs last (final norm and head). Layers are
+balanced by parameter count, the first and last modules weighing on the end chunks (a large vocabulary
+gives those fewer layers), or given explicitly. :class:`~meshwise.parallel.plan.ParallelPlan` says what
+to cut: nothing here knows a particular model.
 
 A plan's *tied* parameters (a head tied to the token embedding) are one tensor in the plain model. When
-the first and last chunks live on different ranks each holds its own copy of it (same initial values);
-:func:`tied_parameters` names the pair so the executor can sum their gradients after the backward, after
-which identical optimizer updates keep them equal — the arrangement Megatron-LM uses for its word
-embeddings.
-
-Parameter names inside a chunk are the full model's (``blocks.3.attn.q.weight``, ``wte.weight``,
-``head.weight``), so checkpoints and parity tests map chunk parameters to the model's one to one.
+the first and last chunks live on different ranks each holds its own copy (same initial values);
+:func:`tied_parameters` names the pair so the executor sums their gradients after the backward, and
+identical optimizer updates keep them equal (as Megatron-LM does for its word embeddings). Names inside a
+chunk are the full model's (``blocks.3.attn.q.weight``), so checkpoints and parity tests map chunk
+parameters to the model's one to one.
 """
 
 from __future__ import annotations

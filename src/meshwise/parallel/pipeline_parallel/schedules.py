@@ -1,24 +1,13 @@
-"""Pipeline schedules as plain data: per-rank lists of instructions, testable without processes.
+"""Pipeline schedules as plain data: per-rank lists of instructions, testable without processes (each
+schedule's order, bubble and memory: docs/pipeline.md).
 
 A model cut into ``C = p·v`` chunks (virtual stages) runs on ``p`` ranks; chunk ``c`` lives on rank
-``c % p`` (with ``v = 1`` chunk = stage = rank). A step pushes ``m`` micro-batches through the chunks. Each
-rank executes its list in order: compute (``F`` forward, ``B`` backward, ``W`` weight gradient) and
-point-to-point transfers (activations forward, their gradients backward). Transfers are derived from the
-compute order, so a schedule only decides *which compute comes next*:
-
-- **GPipe**: all forwards, then all backwards; holds ``m`` micro-batches of activations.
-- **1F1B**: ``p − r − 1`` warm-up forwards on rank ``r``, then one forward / one backward alternately,
-  then the remaining backwards; same bubble as GPipe, ``(p−1)/(m+p−1)``, but at most ``p`` micro-batches
-  of activations held (Narayanan et al., PipeDream-Flush / Megatron-LM 2021).
-- **interleaved 1F1B**: ``v`` chunks per rank visited round-robin in groups of ``p`` micro-batches (so ``m``
-  must be a multiple of ``p``); the bubble shrinks to ``(p−1)/(v·m+p−1)`` for ``v`` times the messages.
-- **ZB-H1** (Qi et al. 2023, "Zero Bubble Pipeline Parallelism"): the backward split into ``B`` (gradient
-  of the input, on the critical path) and ``W`` (gradient of the weights, needed by nobody downstream);
-  ``W`` is deferred to fill the idle slots 1F1B leaves. Its order is found by list-scheduling in unit time
-  (F = B = W = 1, priority B > F > W) under 1F1B's memory: at most ``p − r`` micro-batches between
-  forward and ``B`` on rank ``r``, and at most ``p`` whose ``W`` is still owed. Without the second bound the
-  same scheduler reaches the paper's (p−1)/(3m+p−1) but holds all ``m`` micro-batches' weight-gradient
-  inputs; with it the bubble lies between that and 1F1B's (p = 4, m = 8: 0.17 vs 0.11 vs 0.27).
+``c % p``. A step pushes ``m`` micro-batches through the chunks. Each rank executes its list in order:
+compute (``F`` forward, ``B`` backward, ``W`` weight gradient) and point-to-point transfers (activations
+forward, their gradients backward). Transfers are derived from the compute order, so a schedule only
+decides *which compute comes next*: GPipe, 1F1B (Narayanan et al. 2021) and interleaved 1F1B share one
+warm-up / steady / cool-down skeleton (:func:`_compute_order`); ZB-H1 (Qi et al. 2023) is found by list
+scheduling (:func:`_zero_bubble_orders`).
 """
 
 from __future__ import annotations
@@ -83,8 +72,9 @@ class Schedule:
         return [j * self.stages + rank for j in range(self.virtual_stages)]
 
 
-def validate(name: str, stages: int, micro_batches: int, virtual_stages: int = 1) -> None:
-    """Raise ``ValueError`` saying what to change when no schedule of these sizes exists."""
+def build_schedule(name: str, stages: int, micro_batches: int, virtual_stages: int = 1) -> Schedule:
+    """The named schedule for ``stages`` ranks, ``micro_batches`` per step and ``virtual_stages`` chunks;
+    ``ValueError`` saying what to change when none of these sizes exists (cheap: a check before launch)."""
     if name not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
     if stages < 1 or micro_batches < 1 or virtual_stages < 1:
@@ -102,11 +92,6 @@ def validate(name: str, stages: int, micro_batches: int, virtual_stages: int = 1
             f"{micro_batches} must be a multiple of --pp {stages} "
             f"(e.g. {stages * -(-micro_batches // stages)})"
         )
-
-
-def build_schedule(name: str, stages: int, micro_batches: int, virtual_stages: int = 1) -> Schedule:
-    """The named schedule for ``stages`` ranks, ``micro_batches`` per step and ``virtual_stages`` chunks."""
-    validate(name, stages, micro_batches, virtual_stages)
     p, m, v = stages, micro_batches, virtual_stages
     if name == "zb":
         orders = _zero_bubble_orders(p, m)
@@ -120,11 +105,11 @@ Compute = tuple[Op, int, int]  # (op, micro-batch, chunk)
 
 
 def _compute_order(name: str, rank: int, p: int, m: int, v: int) -> list[Compute]:
-    if name == "gpipe":
-        return [(Op.FORWARD, k, rank) for k in range(m)] + [(Op.BACKWARD, k, rank) for k in range(m)]
     total = m * v
-    # interleaved fills every chunk of the rank before the first backward can arrive
-    warmup = min(p - rank - 1, m) if name == "1f1b" else min((p - rank - 1) * 2 + (v - 1) * p, total)
+    # GPipe is all warm-up; interleaved fills every chunk of the rank before the first backward can arrive
+    warmup = {"gpipe": m, "1f1b": min(p - rank - 1, m)}.get(
+        name, min((p - rank - 1) * 2 + (v - 1) * p, total)
+    )
 
     def forward(i: int) -> Compute:
         group, within = divmod(i, p * v)
@@ -141,7 +126,12 @@ def _compute_order(name: str, rank: int, p: int, m: int, v: int) -> list[Compute
 
 
 def _zero_bubble_orders(p: int, m: int) -> list[list[Compute]]:
-    """ZB-H1 by unit-time list scheduling: B first, then F within 1F1B's budget, W in what is left."""
+    """ZB-H1: the backward split into B (input gradient, on the critical path) and W (weight gradient,
+    needed by nobody downstream), W deferred into the idle slots 1F1B leaves. List scheduling in unit time
+    (priority B > F > W) under 1F1B's memory: at most ``p − r`` micro-batches between F and B on rank
+    ``r``, and at most ``p`` whose W is owed. Without the second bound the same scheduler reaches the
+    paper's (p−1)/(3m+p−1) but holds all ``m`` micro-batches' weight-gradient inputs; with it the bubble
+    lies between that and 1F1B's (p = 4, m = 8: 0.17 vs 0.11 vs 0.27)."""
     done: dict[tuple[Op, int, int], int] = {}  # (op, micro-batch, stage) → finish time
     orders: list[list[Compute]] = [[] for _ in range(p)]
     next_f, next_b, pending_w = [0] * p, [0] * p, [[] for _ in range(p)]

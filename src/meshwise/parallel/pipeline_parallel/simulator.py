@@ -1,18 +1,12 @@
-"""Run a :class:`Schedule` in unit time without processes, and prove it sound.
+"""Run a :class:`Schedule` in unit time without processes, and prove it sound (docs/pipeline.md).
 
-Semantics are the executor's: a send never blocks (``isend``), a receive blocks until the matching send was
-posted, messages between two ranks arrive in posting order. The simulator checks that
-
-- every rank computes ``F`` and ``B`` (and ``W`` when split) exactly once per micro-batch of each chunk it
-  owns, and nothing else;
-- every compute finds its inputs: the activation (received, or from the same rank's previous chunk), the
-  output gradient (received, or the next chunk's backward) and, for ``B``/``W``, its own forward/backward;
-- the k-th message from rank a to rank b is what b's k-th receive from a expects (no mismatched pair);
-- the schedule finishes (a cycle of receives is reported as a deadlock naming every blocked rank);
-
-and measures the makespan, the bubble (idle fraction) and the peak number of micro-batch activations each
-rank holds (a forward done whose backward — or weight gradient, when split — is not).
-Costs per chunk: F = 1, B = 1 and W = 1 when the backward is split, B = 2 otherwise.
+Semantics are the executor's: a send never blocks (``isend``), a receive blocks until the matching send
+was posted, messages between two ranks arrive in posting order. :func:`simulate` raises
+:class:`ScheduleError` when a rank computes the wrong set, a compute runs before its inputs exist, the
+k-th message of a pair is not what the k-th receive expects, or the ranks deadlock; it measures the
+makespan, the bubble and the peak activations each rank holds (a forward done whose backward — or weight
+gradient, when split — is not). Costs per chunk: F = 1, B = 1 and W = 1 when the backward is split, B = 2
+otherwise.
 """
 
 from __future__ import annotations
@@ -51,7 +45,7 @@ Durations = dict[tuple[str, int, int], float]  # (op letter, micro-batch, chunk)
 def simulate(schedule: Schedule, durations: Durations | None = None) -> Simulation:
     """Execute ``schedule`` in unit time; raise :class:`ScheduleError` when it is not sound.
 
-    With ``durations`` (e.g. measured ones, see :func:`timeline.replay_bubble`) each compute takes its
+    With ``durations`` (e.g. measured ones, see :func:`timeline.replay`) each compute takes its
     own time instead: the makespan a perfect executor with free messages would reach on those ops.
     """
     _check_complete(schedule)

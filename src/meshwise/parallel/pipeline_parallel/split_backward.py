@@ -1,17 +1,14 @@
 """Backward split into B (input gradient) and W (weight gradient) for zero-bubble schedules.
 
-Autograd computes only the gradients it is asked for: asking for the gradient of a chunk's input and of
-every ``nn.Linear`` *output* walks the graph once and skips each Linear's weight matmul, because no weight
-is requested. That is B, the part the previous stage waits for. W is then two small matmuls per Linear,
-done by hand from what B left behind — ``weight.grad += gᵀ·x`` and ``bias.grad += Σg``, with ``x`` the
-Linear's input saved at forward time and ``g`` the output gradient from B — so no graph is walked twice.
-Parameters of other modules (LayerNorms, embeddings, and a head whose weight is also an embedding) are
-cheap and get their gradients in B. Both passes add their parameter gradients through autograd (a
-backward from the leaves themselves), not by writing ``.grad``: a parameter's post-accumulate-grad hooks
-then fire as in an ordinary backward, which is how data parallelism's bucketed reducer and ZeRO's
-gradient sync learn that a gradient is in.
-
-The price is memory: a micro-batch's Linear inputs and output gradients live until its W runs.
+Asking autograd for the gradient of a chunk's input and of every ``nn.Linear`` *output* walks the graph
+once and skips each Linear's weight matmul (no weight is requested): that is B, what the previous stage
+waits for. W is then ``weight.grad += gᵀ·x`` and ``bias.grad += Σg`` per Linear, from its input saved at
+forward and the output gradient B left, so no graph is walked twice. Other parameters (LayerNorms,
+embeddings, a head tied to an embedding) are cheap and get their gradients in B. Both passes add
+gradients through autograd (a backward from the leaves), not by writing ``.grad``, so post-accumulate
+hooks fire as in an ordinary backward: that is how data parallelism's bucketed reducer and ZeRO's
+gradient sync learn that a gradient is in. The price: a micro-batch's Linear inputs and output gradients
+live until its W runs.
 """
 
 from __future__ import annotations

@@ -1,17 +1,15 @@
-"""Data parallelism of pipeline stages: each chunk's gradients averaged by DataParallel's bucketed reducer.
+"""Data parallelism of pipeline stages: each chunk's gradients averaged by DataParallel's bucketed reducer
+(docs/pipeline.md, Executor).
 
 The executor only schedules; this tells each chunk's :class:`~meshwise.parallel.data_parallel.reducer.
 GradReducer` which instruction computes its parameters' last gradients of the step — the chunk's last
 backward or, under a split backward, its last B (parameters outside Linears) and last W (Linear
 weights) — so buckets launch from autograd's hooks while that backward still runs, every earlier
-micro-batch only accumulating (``no_sync``). The averages are awaited once the rank's compute is over:
-no reduction sits between a backward and the send of its input gradient (the critical path).
-
-With experts spread over ``ep`` a chunk has two reducers, split by
-:func:`~meshwise.parallel.expert_parallel.replica_groups` as :class:`~meshwise.parallel.DataParallel`
-splits a whole model. Every replica runs the same program, so the buckets launch in the same order on
-each; a failing rank launches what it has not (:meth:`StageReducers.abort`) before the executor's failure
-all-reduce, so every collective meets its match.
+micro-batch only accumulating. The averages are awaited once the rank's compute is over: no reduction
+sits between a backward and the send of its input gradient (the critical path). Under ``ep`` a chunk
+has two reducers, split by :func:`~meshwise.parallel.expert_parallel.replica_groups`. Every replica runs
+the same program, so buckets launch in the same order on each; a failing rank launches what it has not
+(:meth:`StageReducers.abort`) before the executor's failure all-reduce, so every collective meets its match.
 """
 
 from __future__ import annotations

@@ -3,13 +3,12 @@
 :func:`trace_json` is also the step profile's trace writer (``train/profile.py``): one for both.
 
 The trace shows compute (F, B, W) and the receive waits longer than 20 µs, so a stage stalled by its
-neighbour is told apart from one with nothing scheduled; :func:`replay_bubble` and :func:`message_hops`
-say what the measured bubble's excess over the theory cost.
+neighbour is told apart from one with nothing scheduled; :func:`replay` and :func:`message_hops` say
+what the measured bubble's excess over the theory cost.
 
-Events are the executor's per-instruction timestamps in wall-clock seconds (monotonic-clock resolution),
-so every rank's row shares one time axis: exactly on one host, to NTP's precision across hosts. The
-measured bubble is the idle share of the step, 1 − mean(busy)/span, where span runs from the first
-instruction on any rank to the last: the same quantity the simulator's unit-time bubble predicts.
+The measured bubble is the idle share of the step, 1 − mean(busy)/span, span running from the first
+instruction on any rank to the last (the events' wall-clock seconds put every rank on one time axis):
+the quantity the simulator's unit-time bubble predicts.
 """
 
 from __future__ import annotations
@@ -23,17 +22,16 @@ import torch
 
 from meshwise.comm.api import Communicator
 from meshwise.parallel.pipeline_parallel.executor import Event
-from meshwise.parallel.pipeline_parallel.schedules import Schedule
+from meshwise.parallel.pipeline_parallel.schedules import COMPUTE, Schedule
 from meshwise.parallel.pipeline_parallel.simulator import Simulation, simulate
 
 _OPS = ("F", "B", "W", "wait")
-COMPUTE_OPS = ("F", "B", "W")
 
 
 def measured_bubble(events: Sequence[Event]) -> float:
     """Idle fraction of the step averaged over the ranks that appear in ``events`` (waiting for a
     receive counts as idle)."""
-    events = [e for e in events if e.op in COMPUTE_OPS]
+    events = [e for e in events if e.op in COMPUTE]
     if not events:
         return 0.0
     span = max(e.end for e in events) - min(e.start for e in events)
@@ -44,19 +42,12 @@ def measured_bubble(events: Sequence[Event]) -> float:
 
 def replay(schedule: Schedule, events: Sequence[Event]) -> Simulation:
     """What a perfect executor with free messages would do with these measured op times: its makespan
-    is the floor no executor, however its messages travel, beats on these ops."""
-    durations = {(e.op, e.micro_batch, e.chunk): e.end - e.start for e in events if e.op in COMPUTE_OPS}
+    is the floor no executor, however its messages travel, beats on these ops. Measured minus replayed
+    bubble is what the run lost to messages and to time spent outside the schedule (overheads, or a busy
+    machine descheduling a rank); replayed minus theory is what uneven op times (unbalanced stages,
+    B ≠ 2F) cost."""
+    durations = {(e.op, e.micro_batch, e.chunk): e.end - e.start for e in events if e.op in COMPUTE}
     return simulate(schedule, durations)
-
-
-def replay_bubble(schedule: Schedule, events: Sequence[Event]) -> float:
-    """The bubble a perfect executor would leave with these measured op times and free messages.
-
-    Measured minus replayed is what the run lost to messages and to time spent outside the schedule
-    (overheads, or a busy machine descheduling a rank); replayed minus theory is what uneven op times
-    (unbalanced stages, B ≠ 2F) cost.
-    """
-    return replay(schedule, events).bubble
 
 
 def message_hops(schedule: Schedule, events: Sequence[Event]) -> list[float]:
@@ -68,7 +59,7 @@ def message_hops(schedule: Schedule, events: Sequence[Event]) -> list[float]:
     count (its delay is not the message's). An activation goes from F of chunk c to F of chunk c + 1, a
     gradient from B of chunk c + 1 to B of chunk c.
     """
-    compute = sorted((e for e in events if e.op in COMPUTE_OPS), key=lambda e: (e.rank, e.start))
+    compute = sorted((e for e in events if e.op in COMPUTE), key=lambda e: (e.rank, e.start))
     index = {(e.op, e.micro_batch, e.chunk): e for e in compute}
     previous: dict[Event, Event] = {}
     for before, after in itertools.pairwise(compute):
@@ -126,20 +117,15 @@ def trace_json(events: Sequence[dict], processes: Mapping[int, str], tracks: Map
     return {"traceEvents": [*meta, *placed], "displayTimeUnit": "ms", "otherData": {"origin_unix_s": origin}}
 
 
-def chrome_trace(events: Sequence[Event]) -> dict:
-    """The pipeline's :func:`trace_json`: one track per rank, one complete event per instruction."""
+def write_trace(events: Sequence[Event], path: str | Path) -> None:
+    """The pipeline's :func:`trace_json` as a file: one track per rank, one complete event per instruction."""
     boxes = [
         {"name": f"{e.op}{e.micro_batch}", "cat": e.op, "ph": "X", "pid": 0, "tid": e.rank, "ts": e.start,
          "dur": e.end - e.start, "args": {"micro_batch": e.micro_batch, "chunk": e.chunk}}
         for e in events
     ]  # fmt: skip
-    return trace_json(
-        boxes, {0: "pipeline"}, {rank: f"pp rank {rank}" for rank in sorted({e.rank for e in events})}
-    )
-
-
-def write_trace(events: Sequence[Event], path: str | Path) -> None:
-    Path(path).write_text(json.dumps(chrome_trace(events)))
+    tracks = {rank: f"pp rank {rank}" for rank in sorted({e.rank for e in events})}
+    Path(path).write_text(json.dumps(trace_json(boxes, {0: "pipeline"}, tracks)))
 
 
 #: the legend's words for each kind of box (and the receive-wait line)

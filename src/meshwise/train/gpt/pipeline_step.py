@@ -37,7 +37,8 @@ from meshwise.parallel.pipeline_parallel import theoretical_bubble
 from meshwise.parallel.pipeline_parallel.builder import build_pipeline
 from meshwise.parallel.pipeline_parallel.executor import Event
 from meshwise.parallel.pipeline_parallel.partition import LayerChunk
-from meshwise.parallel.pipeline_parallel.timeline import COMPUTE_OPS, draw, gather_events
+from meshwise.parallel.pipeline_parallel.schedules import COMPUTE
+from meshwise.parallel.pipeline_parallel.timeline import draw, gather_events
 from meshwise.parallel.placement import Placement
 from meshwise.parallel.state_dict import Held
 from meshwise.parallel.zero import LossScaler, shard
@@ -109,10 +110,6 @@ class PipelineStep(ParallelStep):
             self.optimizer = build_optimizer(self.model, config.optimizer)
             self.place(held.items(), divided={"pp"}, tied=copies)
         self._last_events: list[Event] = []
-        self._theory = theoretical_bubble(mesh.shape.pp, micro_batches, config.mesh.virtual_stages)
-        self._title = (
-            f"{config.mesh.schedule} pp={mesh.shape.pp} m={micro_batches} v={config.mesh.virtual_stages}"
-        )
 
     def _training_loss(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The last stage's loss, multiplied by the loss scale under fp16."""
@@ -138,7 +135,7 @@ class PipelineStep(ParallelStep):
             self.zero.reduce_accumulated()
         if self.profiler is not None:
             for event in result.events:
-                if event.op in COMPUTE_OPS:
+                if event.op in COMPUTE:
                     phase = "forward" if event.op == "F" else "backward"
                     label = f"{event.op}{event.micro_batch} chunk {event.chunk}"
                     self.profiler.record(phase, label, event.start, event.end)
@@ -174,7 +171,10 @@ class PipelineStep(ParallelStep):
         gathered = gather_events(self.mesh.pp, self._last_events)
         if gathered is None or self.mesh.replicas.rank != 0:
             return
-        draw(gathered, self.config.profile.timeline, title=self._title, theory=self._theory)
+        s = self.executor.schedule
+        title = f"{s.name} pp={s.stages} m={s.micro_batches} v={s.virtual_stages}"
+        theory = theoretical_bubble(s.stages, s.micro_batches, s.virtual_stages)
+        draw(gathered, self.config.profile.timeline, title=title, theory=theory)
 
 
 def stage_zero(
