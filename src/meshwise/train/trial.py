@@ -36,7 +36,6 @@ class TrialSpec:
     global_batch: int = 8
     seq_len: int | None = None
     seed: int = 0
-    lr: float = 2e-3
     model_flags: tuple[str, ...] = ()  # e.g. ("--layers", "1") for the baseline
     export: bool = False  # write the trained weights (Hugging Face GPT-2 safetensors)
     threads: int | None = None  # torch threads per rank (OMP_NUM_THREADS), as a plan was measured with
@@ -50,7 +49,6 @@ class TrialSpec:
             "--global-batch": self.global_batch,
             "--seq-len": self.seq_len,
             "--seed": self.seed,
-            "--lr": self.lr,
             "--warmup": 0,
             "--eval-every": self.steps,
             "--eval-windows": EVAL_WINDOWS,
