@@ -112,17 +112,11 @@ class FlagSections:
         """The config of flat flag values by argparse dest (``TrainConfig.from_flags("mlp", zero=1)``;
         ``own``: its own leading fields): each goes to the section that has a field of its name, the rest
         to the config's own fields; a name no section has is a TypeError."""
-        sections = sections_of(cls)
-        owner = {f.name: name for name, section in sections.items() for f in fields(section)}
-        grouped: dict[str, dict[str, Any]] = {name: {} for name in sections}
-        settings: dict[str, Any] = {}
-        for key, value in flags.items():
-            if key in owner:
-                grouped[owner[key]][key] = value
-            else:
-                settings[key] = value  # the config's own fields; an unknown name fails in its constructor
-        built = {name: sections[name](**values) for name, values in grouped.items()}
-        return cls(*own, **settings, **built)
+        sections = {
+            name: section(**{f.name: flags.pop(f.name) for f in fields(section) if f.name in flags})
+            for name, section in sections_of(cls).items()
+        }
+        return cls(*own, **flags, **sections)  # what is left: the config's own fields, or unknown names
 
     def flags(self) -> dict[str, Any]:
         """The inverse of :meth:`from_flags`: every setting by its flag's dest."""
