@@ -1,6 +1,5 @@
-"""``meshwise train mlp|deep-mlp|cnn`` settings: plain data in sections, checked for consistency by
-:meth:`TrainConfig.validate` without touching a file or the environment (:mod:`meshwise.train.resolve`
-reads those, once, before any rank starts)."""
+"""``meshwise train mlp|deep-mlp|cnn`` settings in sections (:mod:`meshwise.train.sections`); the
+machine is read by :mod:`meshwise.train.resolve`."""
 
 from __future__ import annotations
 

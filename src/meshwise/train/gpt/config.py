@@ -1,9 +1,5 @@
-"""``meshwise train gpt`` settings: plain data in sections (mesh, model, optimizer, data, output, profile),
-checked for consistency by :meth:`GPTTrainConfig.validate` without touching a file or the environment.
-
-What the settings mean on this machine — the ranks, CUDA, the ``--init-from`` model, the corpus, the
-checkpoint to resume — is read once, by :func:`meshwise.train.gpt.resolve.resolve`.
-"""
+"""``meshwise train gpt`` settings: the sections of :mod:`meshwise.train.gpt.sections`, how they fit
+together, and what follows from them alone; the machine is read by :mod:`meshwise.train.gpt.resolve`."""
 
 from __future__ import annotations
 
@@ -39,7 +35,6 @@ class GPTTrainConfig(FlagSections):
     output: GPTOutputSection = field(default_factory=GPTOutputSection)
     profile: GPTProfileSection = field(default_factory=GPTProfileSection)
 
-    # ------------------------------------------------------------------ derived, pure
     @property
     def model_name(self) -> str:
         """What the run trains, for banners and results: the --config name, or where --init-from points."""
@@ -71,7 +66,6 @@ class GPTTrainConfig(FlagSections):
             return per_rank // default_pipeline_micro_batches(per_rank, self.mesh.pp, self.mesh.schedule)
         return per_rank
 
-    # ------------------------------------------------------------------ validation
     def validate(self) -> GPTTrainConfig:
         """Raise ValueError naming the fix when the flags contradict each other or a number is out of
         range; return self. Pure: what needs the disk or the ranks is checked by resolve."""

@@ -1,10 +1,6 @@
-"""The one step of ``meshwise train gpt`` that reads this machine: the ranks, CUDA, the ``--init-from``
-model, the corpus and its vocabulary, the tokenizer, the checkpoint to resume.
-
-:func:`resolve` runs once before any rank starts. It validates the config (pure), reads what the settings
-mean here, checks what only those facts can refute — each failure one line naming what to change — and
-returns a :class:`GPTRun`: the settings plus those facts, which every rank trains from.
-"""
+"""The one step of ``meshwise train gpt`` that reads this machine — the ranks, CUDA, the ``--init-from``
+model, the corpus and its vocabulary, the tokenizer, the checkpoint to resume — once before any rank
+starts, into the :class:`GPTRun` every rank trains from."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""``meshwise train gpt``'s settings sections: mesh, model, optimizer, data, output, profile.
-
-Plain frozen data named after the flags (see :mod:`meshwise.train.sections`); the CLI's defaults are these
-fields' defaults. Each section checks what it can alone (arithmetic, no files, no environment);
-:class:`~meshwise.train.gpt.config.GPTTrainConfig` checks how they fit together.
-"""
+"""``meshwise train gpt``'s settings sections (see :mod:`meshwise.train.sections`): mesh, model,
+optimizer, data, output, profile. Each checks what it can alone; the config, how they fit together."""
 
 from __future__ import annotations
 
