@@ -6,8 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from meshwise.comm.mesh import MeshShape
-from meshwise.models.gpt import GPTConfig, gpt_config
-from meshwise.train.gpt.moe import check_moe_training, moe_overrides
+from meshwise.train.gpt.moe import check_moe_training
 from meshwise.train.gpt.sections import (
     DataSection,
     GPTMeshSection,
@@ -41,12 +40,6 @@ class GPTTrainConfig(FlagSections):
         if self.model.config is not None:
             return self.model.config
         return f"GPT-2 from {self.model.init_from}" if self.model.init_from is not None else DEFAULT_MODEL
-
-    def named_model_config(self) -> GPTConfig:
-        """The named config with --layers/--hidden/--heads/--vocab and the experts flags applied (its
-        position table is kept: --seq-len trains on windows up to that length); not for --init-from,
-        whose architecture is on disk (see resolve)."""
-        return gpt_config(self.model.config or DEFAULT_MODEL, **self.model.sizes, **moe_overrides(self.model))
 
     def mesh_shape(self, world_size: int) -> MeshShape:
         m = self.mesh
