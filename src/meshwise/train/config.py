@@ -3,6 +3,7 @@ machine is read by :mod:`meshwise.train.resolve`."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from meshwise.train.sections import (
@@ -11,7 +12,6 @@ from meshwise.train.sections import (
     OutputSection,
     ProfileSection,
     at_least_one,
-    check_positive_lr,
     check_seed,
 )
 from meshwise.train.workloads import WORKLOADS, Workload
@@ -79,7 +79,8 @@ class TrainConfig(FlagSections):
             raise ValueError(
                 f"--batch-size must be a positive number of samples per rank, got {self.per_rank_batch}"
             )
-        check_positive_lr(self.base_lr)
+        if not (math.isfinite(self.base_lr) and self.base_lr > 0):
+            raise ValueError(f"--lr must be a positive number, got {self.base_lr}")
         check_seed(self.data.seed)
         if self.data.data_dir is not None and not self.workload.accepts_data_dir:
             raise ValueError(f"model {self.model!r} trains on synthetic data; --data is only for cnn")

@@ -9,7 +9,6 @@ read from these fields (:meth:`FlagSections.flag_defaults`), never written twice
 
 from __future__ import annotations
 
-import math
 from dataclasses import MISSING, dataclass, fields, is_dataclass, replace
 from typing import Any, TypeVar, get_type_hints
 
@@ -77,11 +76,6 @@ def at_least_one(flags: dict[str, int | None]) -> None:
 def check_seed(seed: int) -> None:
     if not 0 <= seed < 2**63:
         raise ValueError(f"--seed must be in 0 .. 2**63-1, got {seed}")
-
-
-def check_positive_lr(lr: float) -> None:
-    if not (math.isfinite(lr) and lr > 0):
-        raise ValueError(f"--lr must be a positive number, got {lr}")
 
 
 Config = TypeVar("Config", bound="FlagSections")
