@@ -17,7 +17,7 @@ from meshwise.data.windows import (
     train_batch,
     val_batches,
 )
-from meshwise.train.gpt.sections import lr_at
+from meshwise.train.gpt.sections import OptimizerSection
 
 
 def test_byte_tokenizer_is_lossless_and_tolerates_cut_characters() -> None:
@@ -92,7 +92,8 @@ def test_every_rank_runs_as_many_validation_batches_counting_each_window_once(wi
 
 
 def test_cosine_schedule_with_warmup() -> None:
-    rates = [lr_at(s, lr=1.0, min_lr=0.1, warmup=4, steps=20) for s in range(20)]
+    schedule = OptimizerSection(lr=1.0, min_lr=0.1, warmup=4, steps=20)
+    rates = [schedule.lr_at(s) for s in range(20)]
     assert rates[:4] == [0.25, 0.5, 0.75, 1.0] and rates[4] == 1.0
     assert rates[-1] == pytest.approx(0.1) and all(a >= b for a, b in itertools.pairwise(rates[4:]))
-    assert lr_at(0, lr=1.0, min_lr=0.0, warmup=0, steps=1) == 1.0
+    assert OptimizerSection(lr=1.0, min_lr=0.0, warmup=0, steps=1).lr_at(0) == 1.0

@@ -63,12 +63,19 @@ def test_from_flags_is_the_one_mapping_to_sections() -> None:
     config = GPTTrainConfig.from_flags(tp=2, global_batch=4, lr=1e-3, checkpoint="ckpt", trace="t.json")
     assert (config.mesh.tp, config.data.global_batch, config.optimizer.lr) == (2, 4, 1e-3)
     assert (config.output.checkpoint, config.profile.trace) == ("ckpt", "t.json")
-    assert GPTTrainConfig.from_flags(**config.flags()) == config
-    assert config.with_flags(resume=True).output.resume and not config.output.resume
+    assert config.with_flags(resume=True) == GPTTrainConfig.from_flags(
+        tp=2, global_batch=4, lr=1e-3, checkpoint="ckpt", trace="t.json", resume=True
+    )
+    assert not config.output.resume
+    with pytest.raises(TypeError, match="no_such_flag"):
+        config.with_flags(no_such_flag=1)
     with pytest.raises(TypeError, match="no_such_flag"):
         GPTTrainConfig.from_flags(no_such_flag=1)
     mlp = TrainConfig.from_flags("cnn", zero=1, data_dir="mnist", debug=True)
     assert (mlp.model, mlp.mesh.zero, mlp.data.data_dir, mlp.profile.debug) == ("cnn", 1, "mnist", True)
+    assert mlp.with_flags(model="mlp", seed=3) == TrainConfig.from_flags(
+        "mlp", zero=1, data_dir="mnist", debug=True, seed=3
+    )
 
 
 class _NoEnvironment(Mapping[str, str]):

@@ -15,14 +15,15 @@ from meshwise.cli import main
 from meshwise.runtime.spawn import spawn
 from meshwise.train.gpt import GPTTrainConfig
 from meshwise.train.gpt.resolve import resolve
-from meshwise.train.gpt.sections import lr_at
+from meshwise.train.gpt.sections import OptimizerSection
 from meshwise.train.gpt.step_log import checkpoint_due
 
 LR, FLOOR, STEPS, WARMUP = 1.0, 0.1, 20, 2
 
 
 def _curve(shape: str) -> list[float]:
-    return [lr_at(s, lr=LR, min_lr=FLOOR, warmup=WARMUP, steps=STEPS, shape=shape) for s in range(STEPS)]
+    schedule = OptimizerSection(lr=LR, min_lr=FLOOR, warmup=WARMUP, steps=STEPS, lr_schedule=shape)
+    return [schedule.lr_at(s) for s in range(STEPS)]
 
 
 def test_every_schedule_warms_up_alike_then_takes_its_shape():
@@ -39,9 +40,8 @@ def test_every_schedule_warms_up_alike_then_takes_its_shape():
     assert wsd[: STEPS - 4] == [0.5] + [LR] * (STEPS - 5) and wsd[STEPS - 4 :] == pytest.approx(
         [0.775, 0.55, 0.325, 0.1]
     )
-    assert _curve("cosine") == [
-        lr_at(s, lr=LR, min_lr=FLOOR, warmup=WARMUP, steps=STEPS) for s in range(STEPS)
-    ]
+    default = OptimizerSection(lr=LR, min_lr=FLOOR, warmup=WARMUP, steps=STEPS)
+    assert _curve("cosine") == [default.lr_at(s) for s in range(STEPS)]
 
 
 def test_checkpoints_follow_checkpoint_every_instead_of_the_evaluations():

@@ -32,7 +32,6 @@ from meshwise.runtime.spawn import spawn
 from meshwise.train.gpt.loop import GPTTrainer
 from meshwise.train.gpt.parallelize import build_optimizer
 from meshwise.train.gpt.resolve import resolve
-from meshwise.train.gpt.sections import lr_at
 from test_gpt_zero import _tiny, text  # noqa: F401  (the module-scoped data fixture)
 
 STEPS = 4
@@ -54,13 +53,7 @@ def _fp16_parity(data: str) -> dict[tuple[int, float], dict[str, float]]:
             for step in range(STEPS):
                 stats = trainer.train_step(step)
                 for group in optimizer.param_groups:
-                    group["lr"] = lr_at(
-                        step,
-                        lr=config.optimizer.lr,
-                        min_lr=config.optimizer.min_lr,
-                        warmup=config.optimizer.warmup_steps,
-                        steps=50,
-                    )
+                    group["lr"] = config.optimizer.lr_at(step)
                 with torch.no_grad():
                     for p, q in zip(master.parameters(), compute.parameters(), strict=True):
                         q.copy_(p)

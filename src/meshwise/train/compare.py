@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 
 from meshwise.train.trial import TrialResult
 
-#: short names → train gpt layout keys (see meshwise.train.trial.LAYOUT_KEYS)
+#: short names → train gpt flag dests (a TrialSpec layout)
 _KEYS = {"m": "micro_batches", "mb": "micro_batch", "schedule": "schedule", "v": "virtual_stages"}
 _SIZED = re.compile(r"^(dp|tp|pp|zero)(\d+)$")
 
@@ -36,7 +36,9 @@ def parse_layout(text: str, default_ranks: int) -> tuple[int, dict[str, int | st
             settings["sp"] = True
         elif "=" in part and part.split("=", 1)[0] in _KEYS:
             key, value = part.split("=", 1)
-            settings[_KEYS[key]] = value if key == "schedule" else _positive(value, text)
+            if key != "schedule" and (not value.isdigit() or int(value) < 1):
+                raise ValueError(f"layout {text!r}: {value!r} must be a positive integer")
+            settings[_KEYS[key]] = value if key == "schedule" else int(value)
         else:
             raise ValueError(
                 f"layout {text!r}: cannot read {part!r}; write e.g. dp2, tp2, pp2,m=4, zero3, "
@@ -49,12 +51,6 @@ def parse_layout(text: str, default_ranks: int) -> tuple[int, dict[str, int | st
         settings["dp"] = default_ranks // model
     ranks = int(settings["dp"]) * model
     return ranks, settings
-
-
-def _positive(value: str, text: str) -> int:
-    if not value.isdigit() or int(value) < 1:
-        raise ValueError(f"layout {text!r}: {value!r} must be a positive integer")
-    return int(value)
 
 
 @dataclass(frozen=True)

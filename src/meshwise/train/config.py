@@ -1,9 +1,9 @@
-"""``meshwise train mlp|deep-mlp|cnn`` settings: plain data in sections, checked for consistency by
-:meth:`TrainConfig.validate` without touching a file or the environment (:mod:`meshwise.train.resolve`
-reads those, once, before any rank starts)."""
+"""``meshwise train mlp|deep-mlp|cnn`` settings in sections (:mod:`meshwise.train.sections`); the
+machine is read by :mod:`meshwise.train.resolve`."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from meshwise.train.sections import (
@@ -12,7 +12,6 @@ from meshwise.train.sections import (
     OutputSection,
     ProfileSection,
     at_least_one,
-    check_positive_lr,
     check_seed,
 )
 from meshwise.train.workloads import WORKLOADS, Workload
@@ -80,7 +79,8 @@ class TrainConfig(FlagSections):
             raise ValueError(
                 f"--batch-size must be a positive number of samples per rank, got {self.per_rank_batch}"
             )
-        check_positive_lr(self.base_lr)
+        if not (math.isfinite(self.base_lr) and self.base_lr > 0):
+            raise ValueError(f"--lr must be a positive number, got {self.base_lr}")
         check_seed(self.data.seed)
         if self.data.data_dir is not None and not self.workload.accepts_data_dir:
             raise ValueError(f"model {self.model!r} trains on synthetic data; --data is only for cnn")

@@ -9,8 +9,7 @@ read from these fields (:meth:`FlagSections.flag_defaults`), never written twice
 
 from __future__ import annotations
 
-import math
-from dataclasses import MISSING, dataclass, fields, is_dataclass
+from dataclasses import MISSING, dataclass, fields, is_dataclass, replace
 from typing import Any, TypeVar, get_type_hints
 
 from meshwise.runtime.timeouts import wait_timeout
@@ -79,11 +78,6 @@ def check_seed(seed: int) -> None:
         raise ValueError(f"--seed must be in 0 .. 2**63-1, got {seed}")
 
 
-def check_positive_lr(lr: float) -> None:
-    if not (math.isfinite(lr) and lr > 0):
-        raise ValueError(f"--lr must be a positive number, got {lr}")
-
-
 Config = TypeVar("Config", bound="FlagSections")
 
 
@@ -112,29 +106,20 @@ class FlagSections:
         """The config of flat flag values by argparse dest (``TrainConfig.from_flags("mlp", zero=1)``;
         ``own``: its own leading fields): each goes to the section that has a field of its name, the rest
         to the config's own fields; a name no section has is a TypeError."""
-        sections = sections_of(cls)
-        owner = {f.name: name for name, section in sections.items() for f in fields(section)}
-        grouped: dict[str, dict[str, Any]] = {name: {} for name in sections}
-        settings: dict[str, Any] = {}
-        for key, value in flags.items():
-            if key in owner:
-                grouped[owner[key]][key] = value
-            else:
-                settings[key] = value  # the config's own fields; an unknown name fails in its constructor
-        built = {name: sections[name](**values) for name, values in grouped.items()}
-        return cls(*own, **settings, **built)
-
-    def flags(self) -> dict[str, Any]:
-        """The inverse of :meth:`from_flags`: every setting by its flag's dest."""
-        flat: dict[str, Any] = {}
-        for f in fields(self):  # type: ignore[arg-type]
-            value = getattr(self, f.name)
-            if f.name in sections_of(type(self)):
-                flat |= {g.name: getattr(value, g.name) for g in fields(value)}
-            else:
-                flat[f.name] = value
-        return flat
+        sections = {name: section(**_take(section, flags)) for name, section in sections_of(cls).items()}
+        return cls(*own, **flags, **sections)
 
     def with_flags(self: Config, **changes: Any) -> Config:
-        """This config with some flags changed (``config.with_flags(resume=True)``)."""
-        return type(self).from_flags(**self.flags() | changes)
+        """This config with some flags changed (``config.with_flags(resume=True)``), mapped as
+        :meth:`from_flags` maps them."""
+        sections = {
+            name: replace(getattr(self, name), **_take(section, changes))
+            for name, section in sections_of(type(self)).items()
+        }
+        return replace(self, **changes, **sections)  # type: ignore[type-var]
+
+
+def _take(section: type, flags: dict[str, Any]) -> dict[str, Any]:
+    """The flags named after ``section``'s fields, taken out of ``flags`` (what is left: the config's
+    own fields, or names nothing has)."""
+    return {f.name: flags.pop(f.name) for f in fields(section) if f.name in flags}

@@ -20,11 +20,6 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-#: train gpt settings a layout may set, each the flag of its name (``micro_batch``: ``--micro-batch``);
-#: ``sp`` is a switch
-LAYOUT_KEYS = ("dp", "tp", "pp", "cp", "ep", "zero", "micro_batch", "micro_batches", "schedule",
-               "virtual_stages", "recompute", "sp")  # fmt: skip
-
 #: validation windows of the one evaluation at the end: few (cheap), yet at least one per rank of any
 #: layout here, so that no rank's forwards are all padding (see data.windows.lockstep_val_batches)
 EVAL_WINDOWS = 8
@@ -35,22 +30,18 @@ class TrialSpec:
     """One ``meshwise train gpt`` run: model and data fixed, the layout varied."""
 
     ranks: int
-    layout: dict[str, int | str | bool] = field(default_factory=dict)  # keys of LAYOUT_KEYS
+    layout: dict[str, int | str | bool] = field(default_factory=dict)  # train gpt flag dests; sp a switch
     config: str = "gpt-tiny"
     steps: int = 5
     global_batch: int = 8
     seq_len: int | None = None
     seed: int = 0
-    lr: float = 2e-3
     model_flags: tuple[str, ...] = ()  # e.g. ("--layers", "1") for the baseline
     export: bool = False  # write the trained weights (Hugging Face GPT-2 safetensors)
     threads: int | None = None  # torch threads per rank (OMP_NUM_THREADS), as a plan was measured with
 
     def argv(self, json_path: Path, export_dir: Path | None) -> list[str]:
         """The command line after ``meshwise``: each flag with its value (left out where that is None)."""
-        unknown = [key for key in self.layout if key not in LAYOUT_KEYS]
-        if unknown:
-            raise ValueError(f"unknown layout setting {unknown[0]!r}; choose from {', '.join(LAYOUT_KEYS)}")
         flags = {
             "-np": self.ranks,
             "--config": self.config,
@@ -58,7 +49,6 @@ class TrialSpec:
             "--global-batch": self.global_batch,
             "--seq-len": self.seq_len,
             "--seed": self.seed,
-            "--lr": self.lr,
             "--warmup": 0,
             "--eval-every": self.steps,
             "--eval-windows": EVAL_WINDOWS,

@@ -1,17 +1,12 @@
-"""``meshwise train gpt`` settings: plain data in sections (mesh, model, optimizer, data, output, profile),
-checked for consistency by :meth:`GPTTrainConfig.validate` without touching a file or the environment.
-
-What the settings mean on this machine — the ranks, CUDA, the ``--init-from`` model, the corpus, the
-checkpoint to resume — is read once, by :func:`meshwise.train.gpt.resolve.resolve`.
-"""
+"""``meshwise train gpt`` settings: the sections of :mod:`meshwise.train.gpt.sections`, how they fit
+together, and what follows from them alone; the machine is read by :mod:`meshwise.train.gpt.resolve`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from meshwise.comm.mesh import MeshShape
-from meshwise.models.gpt import GPTConfig, gpt_config
-from meshwise.train.gpt.moe import check_moe_training, moe_overrides
+from meshwise.train.gpt.moe import check_moe_training
 from meshwise.train.gpt.sections import (
     DataSection,
     GPTMeshSection,
@@ -39,19 +34,12 @@ class GPTTrainConfig(FlagSections):
     output: GPTOutputSection = field(default_factory=GPTOutputSection)
     profile: GPTProfileSection = field(default_factory=GPTProfileSection)
 
-    # ------------------------------------------------------------------ derived, pure
     @property
     def model_name(self) -> str:
         """What the run trains, for banners and results: the --config name, or where --init-from points."""
         if self.model.config is not None:
             return self.model.config
         return f"GPT-2 from {self.model.init_from}" if self.model.init_from is not None else DEFAULT_MODEL
-
-    def named_model_config(self) -> GPTConfig:
-        """The named config with --layers/--hidden/--heads/--vocab and the experts flags applied (its
-        position table is kept: --seq-len trains on windows up to that length); not for --init-from,
-        whose architecture is on disk (see resolve)."""
-        return gpt_config(self.model.config or DEFAULT_MODEL, **self.model.sizes, **moe_overrides(self.model))
 
     def mesh_shape(self, world_size: int) -> MeshShape:
         m = self.mesh
@@ -71,7 +59,6 @@ class GPTTrainConfig(FlagSections):
             return per_rank // default_pipeline_micro_batches(per_rank, self.mesh.pp, self.mesh.schedule)
         return per_rank
 
-    # ------------------------------------------------------------------ validation
     def validate(self) -> GPTTrainConfig:
         """Raise ValueError naming the fix when the flags contradict each other or a number is out of
         range; return self. Pure: what needs the disk or the ranks is checked by resolve."""

@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import replace
-from functools import lru_cache
 from pathlib import Path
 
 import torch
@@ -41,11 +40,10 @@ _HF_NAMES = {
     "seq_len": "n_positions",
     "vocab": "vocab_size",
 }
-_ARCHITECTURE = tuple(_HF_NAMES)
 
 
 def describe(config: GPTConfig) -> str:
-    return ", ".join(f"{name} {getattr(config, name)}" for name in _ARCHITECTURE)
+    return ", ".join(f"{name} {getattr(config, name)}" for name in _HF_NAMES)
 
 
 def _shapes(file: Path) -> dict[str, torch.Tensor]:
@@ -116,42 +114,34 @@ def _from_config_json(path: Path) -> GPTConfig | None:
     return GPTConfig(**values)
 
 
-@lru_cache(maxsize=8)
-def _checkpoint_config(path: str, heads: int | None, _stamp: tuple[int, int]) -> tuple[GPTConfig, bool]:
-    """The file's architecture, and whether config.json gave it (``heads`` is used only without one)."""
-    file = weights_file(path)
-    declared = _from_config_json(Path(path))
-    try:
-        found = config_from_state_dict(_shapes(file), declared.heads if declared else heads or 1)
-    except ValueError as exc:
-        raise ValueError(f"--init-from {path}: {exc}") from None
-    if declared is None:
-        return found, False
-    if replace(declared, heads=found.heads) != found:
-        raise ValueError(
-            f"--init-from {path}: config.json says {describe(declared)} but the weights have "
-            f"{describe(replace(found, heads=declared.heads))}: the files do not belong together"
-        )
-    return declared.validate(), True
-
-
 def init_model_config(path: str, name: str | None, overrides: dict[str, int | None]) -> GPTConfig:
     """The model of an ``--init-from`` run, checked against ``--config NAME`` and the size flags given."""
     try:
-        stat = weights_file(path).stat()
+        file = weights_file(path)
     except FileNotFoundError as exc:
         raise FileNotFoundError(f"--init-from: {exc}") from None
     asked = gpt_config(name, **overrides) if name is not None else None
     heads = asked.heads if asked is not None else overrides.get("heads")
-    config, declared = _checkpoint_config(path, heads, (stat.st_mtime_ns, stat.st_size))
-    if not declared and heads is None:
+    declared = _from_config_json(Path(path))
+    try:
+        config = config_from_state_dict(_shapes(file), declared.heads if declared else heads or 1)
+    except ValueError as exc:
+        raise ValueError(f"--init-from {path}: {exc}") from None
+    if declared is None and heads is None:
         raise ValueError(
             f"--init-from {path}: no config.json beside the weights to give the number of heads; add the "
             "folder's config.json, or pass --heads N (or the matching --config)"
         )
+    if declared is not None:
+        if replace(declared, heads=config.heads) != config:
+            raise ValueError(
+                f"--init-from {path}: config.json says {describe(declared)} but the weights have "
+                f"{describe(replace(config, heads=declared.heads))}: the files do not belong together"
+            )
+        config = declared.validate()
     flags = {key: value for key, value in overrides.items() if value is not None}
     if asked is not None:
-        flags = {key: getattr(asked, key) for key in _ARCHITECTURE}
+        flags = {key: getattr(asked, key) for key in _HF_NAMES}
     wrong = [key for key, value in flags.items() if getattr(config, key) != value]
     if wrong:
         if name is not None:

@@ -1,10 +1,6 @@
-"""The one step of ``meshwise train gpt`` that reads this machine: the ranks, CUDA, the ``--init-from``
-model, the corpus and its vocabulary, the tokenizer, the checkpoint to resume.
-
-:func:`resolve` runs once before any rank starts. It validates the config (pure), reads what the settings
-mean here, checks what only those facts can refute — each failure one line naming what to change — and
-returns a :class:`GPTRun`: the settings plus those facts, which every rank trains from.
-"""
+"""The one step of ``meshwise train gpt`` that reads this machine — the ranks, CUDA, the ``--init-from``
+model, the corpus and its vocabulary, the tokenizer, the checkpoint to resume — once before any rank
+starts, into the :class:`GPTRun` every rank trains from."""
 
 from __future__ import annotations
 
@@ -20,11 +16,12 @@ from meshwise.data.corpus import NAME as DEFAULT_CORPUS
 from meshwise.data.corpus import default_corpus
 from meshwise.data.tokens import load_tokens
 from meshwise.data.windows import TokenSplits
-from meshwise.models.gpt import GPTConfig
+from meshwise.models.gpt import GPTConfig, gpt_config
 from meshwise.runtime.env import plan_ranks
 from meshwise.train.checkpoint import GPT_READS, read_run, resumed_directory, step_dir
 from meshwise.train.checkpoint_check import check_dcp_checkpoint
-from meshwise.train.gpt.config import CPU_SEQ_LEN, GPTTrainConfig
+from meshwise.train.gpt.config import CPU_SEQ_LEN, DEFAULT_MODEL, GPTTrainConfig
+from meshwise.train.gpt.moe import moe_overrides
 
 
 @dataclass(frozen=True)
@@ -126,15 +123,17 @@ def resolve(config: GPTTrainConfig) -> GPTRun:
 
 
 def model_config(config: GPTTrainConfig) -> GPTConfig:
-    """The named config with its overrides, or the --init-from checkpoint's, checked against those flags;
-    with --dropout applied."""
-    if config.model.init_from is not None:
+    """The named config with --layers/--hidden/--heads/--vocab and the experts flags applied (its position
+    table is kept: --seq-len trains on windows up to that length), or the --init-from checkpoint's,
+    checked against those flags; with --dropout applied."""
+    asked = config.model
+    if asked.init_from is not None:
         from meshwise.train.gpt.init_from import init_model_config
 
-        model = init_model_config(config.model.init_from, config.model.config, config.model.sizes)
+        model = init_model_config(asked.init_from, asked.config, asked.sizes)
     else:
-        model = config.named_model_config()
-    return replace(model, dropout=config.model.dropout) if config.model.dropout else model
+        model = gpt_config(asked.config or DEFAULT_MODEL, **asked.sizes, **moe_overrides(asked))
+    return replace(model, dropout=asked.dropout) if asked.dropout else model
 
 
 def train_seq_len(config: GPTTrainConfig, model: GPTConfig) -> int:

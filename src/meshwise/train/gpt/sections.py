@@ -1,9 +1,5 @@
-"""``meshwise train gpt``'s settings sections: mesh, model, optimizer, data, output, profile.
-
-Plain frozen data named after the flags (see :mod:`meshwise.train.sections`); the CLI's defaults are these
-fields' defaults. Each section checks what it can alone (arithmetic, no files, no environment);
-:class:`~meshwise.train.gpt.config.GPTTrainConfig` checks how they fit together.
-"""
+"""``meshwise train gpt``'s settings sections (see :mod:`meshwise.train.sections`): mesh, model,
+optimizer, data, output, profile. Each checks what it can alone; the config, how they fit together."""
 
 from __future__ import annotations
 
@@ -75,29 +71,6 @@ LR_SCHEDULES = ("cosine", "linear", "constant", "wsd")
 WSD_DECAY_FRACTION = 0.2
 
 
-def lr_at(step: int, *, lr: float, min_lr: float, warmup: int, steps: int, shape: str = "cosine") -> float:
-    """Rate for 0-based ``step``: ``lr·(step+1)/warmup`` while warming up, then ``shape`` from ``lr`` at
-    the end of warmup to ``min_lr`` at the last step: ``cosine`` (GPT-2/3, nanoGPT), ``linear``,
-    ``constant`` (stays at ``lr``), or ``wsd`` — warmup, stable, decay (MiniCPM, DeepSeek): ``lr`` held
-    until the last :data:`WSD_DECAY_FRACTION` of the steps, then a linear decay, so a run can be extended
-    from any checkpoint of its stable phase. A pure function of the step (no scheduler object): a resumed
-    run continues on exactly the same curve with nothing extra in the checkpoint."""
-    if step < warmup:
-        return lr * (step + 1) / warmup
-    if shape == "constant":
-        return lr
-    if shape == "wsd":
-        decay_start = max(warmup, steps - max(1, round(WSD_DECAY_FRACTION * steps)))
-        if step < decay_start:
-            return lr
-        warmup = decay_start - 1  # the decay below runs from the last stable step (at lr) to the end
-    span = max(1, steps - 1 - warmup)
-    progress = min(1.0, (step - warmup) / span)
-    if shape in ("linear", "wsd"):
-        return min_lr + (lr - min_lr) * (1.0 - progress)
-    return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * progress))
-
-
 @dataclass(frozen=True)
 class OptimizerSection:
     """AdamW and its learning-rate schedule over ``steps`` optimizer steps."""
@@ -118,15 +91,33 @@ class OptimizerSection:
         return self.warmup if self.warmup is not None else self.steps // 10
 
     def lr_at(self, step: int) -> float:
-        """The learning rate of 0-based ``step`` under this section's schedule (a pure function of it)."""
-        return lr_at(
-            step,
-            lr=self.lr,
-            min_lr=self.min_lr,
-            warmup=self.warmup_steps,
-            steps=self.steps,
-            shape=self.lr_schedule,
+        """Rate for 0-based ``step``: ``lr·(step+1)/warmup`` while warming up, then ``lr_schedule`` from
+        ``lr`` at the end of warmup to ``min_lr`` at the last step: ``cosine`` (GPT-2/3, nanoGPT),
+        ``linear``, ``constant`` (stays at ``lr``), or ``wsd`` — warmup, stable, decay (MiniCPM, DeepSeek):
+        ``lr`` held until the last :data:`WSD_DECAY_FRACTION` of the steps, then a linear decay, so a run
+        can be extended from any checkpoint of its stable phase. A pure function of the step (no scheduler
+        object): a resumed run continues on exactly the same curve with nothing extra in the checkpoint."""
+        lr, min_lr, warmup, steps, shape = (
+            self.lr,
+            self.min_lr,
+            self.warmup_steps,
+            self.steps,
+            self.lr_schedule,
         )
+        if step < warmup:
+            return lr * (step + 1) / warmup
+        if shape == "constant":
+            return lr
+        if shape == "wsd":
+            decay_start = max(warmup, steps - max(1, round(WSD_DECAY_FRACTION * steps)))
+            if step < decay_start:
+                return lr
+            warmup = decay_start - 1  # the decay below runs from the last stable step (at lr) to the end
+        span = max(1, steps - 1 - warmup)
+        progress = min(1.0, (step - warmup) / span)
+        if shape in ("linear", "wsd"):
+            return min_lr + (lr - min_lr) * (1.0 - progress)
+        return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * progress))
 
     def check(self) -> None:
         at_least_one({"--steps": self.steps})
