@@ -1,14 +1,12 @@
-"""The training loop every rank runs: shard, step, reduce the metrics, checkpoint, report.
+"""The ``train mlp|cnn|deep-mlp`` loop every rank runs: shard, step, reduce the metrics, checkpoint, report.
 
 It is the seeds' DDP recipe with the pitfalls handled in one place: the sampler is re-seeded every epoch
 (``set_epoch``), the learning rate is scaled with the number of ranks, validation accuracy is a sum over
-every rank's shard (not rank 0's guess), rank 0 alone writes checkpoints and prints, and a resumed run
-restores model, optimizer, sampler and generator so it continues exactly where the checkpoint left off.
-The model is cut and stepped by the seam's :class:`~meshwise.train.step.ParallelStep`, as ``meshwise
-train gpt``'s is: :class:`~meshwise.train.step.DataParallelStep`, or with ``--zero N``
-:class:`~meshwise.train.zero_step.ZeroStep`. Checkpoints are :mod:`meshwise.train.checkpoint`'s DCP
-layout, the step's state keyed by the plain model's names: every rank writes its own ZeRO shards, and a
-run resumes on any number of ranks and any ``--zero`` stage.
+every rank's shard (not rank 0's guess), rank 0 alone prints, and a resumed run restores model,
+optimizer, sampler and generator so it continues exactly where the checkpoint left off. The model is cut
+and stepped by the seam's :class:`~meshwise.train.step.ParallelStep`, as ``train gpt``'s is
+(DataParallelStep, or ZeroStep with ``--zero N``), so a run resumes on any number of ranks and any
+``--zero`` stage.
 """
 
 from __future__ import annotations

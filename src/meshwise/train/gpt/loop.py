@@ -1,12 +1,10 @@
 """The GPT training loop every rank runs: batches, steps, evaluation, checkpoints, progress, sample.
 
 It is strategy-agnostic: the model is cut and stepped by the :class:`ParallelStep` that
-:func:`~meshwise.train.gpt.parallelize.parallelize` returns, so ZeRO, tensor and pipeline parallelism
-reuse this loop unchanged. Data and learning rate are pure functions of the step (see
-:mod:`meshwise.data.windows` and :func:`meshwise.train.gpt.sections.lr_at`), so a resumed run restores
-model and optimizer state, the data position (the next step) and — for ``--dropout`` — each rank's random
-streams, and continues exactly on the same layout (on another, exactly without dropout and
-deterministically with it: :mod:`meshwise.train.random_state`).
+:func:`~meshwise.train.gpt.parallelize.parallelize` returns, so every strategy reuses this loop unchanged.
+Data and learning rate are pure functions of the step, so a resumed run restores model and optimizer
+state, the next step and — for ``--dropout`` — each rank's random streams, and continues exactly
+(:mod:`meshwise.train.random_state` says what another layout gets).
 """
 
 from __future__ import annotations
