@@ -57,7 +57,7 @@ def run_training(config: TrainConfig) -> TrainResult | None:
 class Trainer(Lifecycle):
     """One rank's share of a data-parallel training run."""
 
-    unit = "epoch"
+    unit, stats = "epoch", EpochStats
 
     def __init__(self, world: World, config: TrainConfig) -> None:
         super().__init__(world, config.output.checkpoint)
@@ -112,7 +112,6 @@ class Trainer(Lifecycle):
         torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(run["rng"])), dtype=torch.uint8))
         self.first_epoch = self.kept = int(run["epoch"])
         self.step = int(run["step"])
-        self.history = [EpochStats(**h) for h in run["history"]]
         if self.world.is_main:
             for note in resume_notes(run["run"], self._run_settings()):
                 print(f"note: {note}", flush=True)

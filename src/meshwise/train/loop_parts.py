@@ -32,6 +32,8 @@ class Lifecycle:
 
     #: what the run counts (``epoch``, ``step``): names the checkpoint a failure leaves on disk
     unit: str
+    #: the record of one epoch or step: the history, kept in run.json as dicts
+    stats: type
     step_runner: ParallelStep
 
     def __init__(self, world: World, directory: str | None) -> None:
@@ -84,10 +86,11 @@ class Lifecycle:
 
     def load(self, state: dict[str, Any], format: str | tuple[str, ...], what: str) -> dict[str, Any]:
         """Fill ``state`` (the step's, plus what the loop adds) from the checkpoint of ``--checkpoint``,
-        written by any layout, hand it to the step and return run.json."""
+        written by any layout, hand it to the step, take back the history and return run.json."""
         assert self.directory is not None
         run = checkpoint.load(self.directory, state, format, what)
         self.step_runner.load_state_dict(state)  # dcp.load wrote every tensor in place
+        self.history = [self.stats(**stats) for stats in run["history"]]
         return run
 
     def save(self, count: int, step: int, state: dict, record: dict, **how: Any) -> None:

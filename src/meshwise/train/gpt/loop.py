@@ -62,7 +62,7 @@ def run_gpt_training(config: GPTTrainConfig) -> GPTResult | None:
 class GPTTrainer(Lifecycle):
     """One rank's share of a GPT training run."""
 
-    unit = "step"
+    unit, stats = "step", StepStats
 
     def __init__(self, world: World, run: GPTRun) -> None:
         config = run.config
@@ -145,7 +145,6 @@ class GPTTrainer(Lifecycle):
             state["rng"] = {self._rank_key: random_state.capture(models, device)}
         self.saved_run = run = self.load(state, GPT_READS, "GPT ")
         self.first_step = self.kept = checkpoint.next_step(run)
-        self.history = [StepStats(**s) for s in run["history"]]
         self.initial_val_loss = run["initial_val_loss"]
         if same_layout:
             streams = state["rng"][self._rank_key]
