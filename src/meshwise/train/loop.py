@@ -107,7 +107,7 @@ class Trainer(Lifecycle):
         assert self.directory is not None
         run = read_train_run(self.directory)  # before any rank reads a tensor
         check_dataset(run.get("dataset"), self.splits.name, str(run_file(self.directory)))
-        self.load(self.step_runner.state_dict(), TRAIN_FORMAT, "training ")
+        self.load(run, self.step_runner.state_dict())
         self.sampler.load_state_dict(run["sampler"])
         torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(run["rng"])), dtype=torch.uint8))
         self.first_epoch = self.kept = int(run["epoch"])

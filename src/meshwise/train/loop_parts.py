@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 from rich import progress
 from rich.console import Console
 from torch.distributed.checkpoint.api import CheckpointException
@@ -84,14 +85,13 @@ class Lifecycle:
         world.comm.all_reduce(first_steps, ReduceOp.SUM)
         return diverged_on([int(step) for step in first_steps.tolist()])
 
-    def load(self, state: dict[str, Any], format: str | tuple[str, ...], what: str) -> dict[str, Any]:
-        """Fill ``state`` (the step's, plus what the loop adds) from the checkpoint of ``--checkpoint``,
-        written by any layout, hand it to the step, take back the history and return run.json."""
+    def load(self, run: dict[str, Any], state: dict[str, Any]) -> None:
+        """Fill ``state`` (the step's, plus what the loop adds) from the checkpoint ``run`` (its run.json,
+        read and checked) names, written by any layout; hand it to the step and take back the history."""
         assert self.directory is not None
-        run = checkpoint.load(self.directory, state, format, what)
+        dcp.load(state, checkpoint_id=str(checkpoint.step_dir(self.directory, run["step"])))
         self.step_runner.load_state_dict(state)  # dcp.load wrote every tensor in place
         self.history = [self.stats(**stats) for stats in run["history"]]
-        return run
 
     def save(self, count: int, step: int, state: dict, record: dict, **how: Any) -> None:
         """Collective: :func:`meshwise.train.checkpoint.save` of ``step`` (``how``: format, keep) on every

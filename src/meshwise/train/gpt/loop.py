@@ -143,7 +143,8 @@ class GPTTrainer(Lifecycle):
         same_layout = run.get("mesh") == self.mesh.shape.sizes
         if same_layout:  # this rank's own streams, filled in place by the load
             state["rng"] = {self._rank_key: random_state.capture(models, device)}
-        self.saved_run = run = self.load(state, GPT_READS, "GPT ")
+        self.load(run, state)
+        self.saved_run = run
         self.first_step = self.kept = checkpoint.next_step(run)
         self.initial_val_loss = run["initial_val_loss"]
         if same_layout:
@@ -232,8 +233,8 @@ class GPTTrainer(Lifecycle):
         return (totals[0] / totals[1]).item()
 
     def sample(self, tokens: int) -> str | None:
-        """``tokens`` generated after a fixed prompt (bytes decoded as text; ids shown for a larger vocab)
-        on rank 0; every rank calls it, since reassembling a sharded model is collective."""
+        """Collective: rank 0's ``tokens`` generated after a fixed prompt (bytes decoded as text; ids shown
+        for a larger vocab)."""
         model = self.step_runner.sampling_model()
         if not self.world.is_main:
             return None
@@ -248,8 +249,8 @@ class GPTTrainer(Lifecycle):
         return tokenizer.decode(out) if decodable else " ".join(map(str, out))
 
     def export_hf(self, directory: str) -> str | None:
-        """Rank 0 writes the trained weights in Hugging Face GPT-2 format (safetensors + config.json) and
-        returns the file; every rank calls it, since reassembling a sharded model is collective."""
+        """Collective: rank 0 writes the trained weights in Hugging Face GPT-2 format (safetensors +
+        config.json) and returns the file."""
         model = self.step_runner.sampling_model()
         return str(save_hf_gpt2(model, directory)) if self.world.is_main else None
 
