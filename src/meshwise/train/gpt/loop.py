@@ -100,13 +100,7 @@ class GPTTrainer(Lifecycle):
             self._restore()
         steps = config.optimizer.steps
         self.profiling = GPTProfiling(world, run, self.step_runner, steps - self.first_step)
-        self.step_log = StepLog(
-            is_main=world.is_main,
-            steps=steps,
-            log_every=config.output.log_every,
-            metrics=config.output.metrics,
-            tensorboard=config.output.tensorboard,
-        )
+        self.step_log = StepLog(world.is_main, steps, config.output)
 
     # ------------------------------------------------------------------ checkpoints
     def _run_record(self, step: int) -> dict:
