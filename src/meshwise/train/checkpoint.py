@@ -1,34 +1,29 @@
 """Training checkpoints, one layout for every trainer: ``torch.distributed.checkpoint`` (DCP) keyed by the
 plain model's names, with an atomic pointer to the latest complete one.
 
-Why DCP: every rank writes only the tensors (or the ZeRO shards of them) it owns, and DCP records which
-logical tensor, by parameter name, each piece belongs to; loading asks for the pieces the *new* layout
-needs. So a checkpoint written by one layout (ZeRO-3 on 2 ranks) loads into any other (3 ranks, another
-stage, plain data parallelism, one process), no rank gathers the whole model to save it, and torch's own
-``dcp_to_torch_save`` turns it into a plain state dict without meshwise.
+Why DCP: every rank writes only the tensors (or ZeRO shards) it owns, recorded by parameter name, and a
+load asks for the pieces the *new* layout needs. So a checkpoint of one layout (ZeRO-3 on 2 ranks) loads
+into any other (3 ranks, another stage, one process), no rank gathers the whole model to save it, and
+torch's own ``dcp_to_torch_save`` reads it without meshwise.
 
 Layout of ``DIR``::
 
-    step-000100/       a DCP checkpoint: {"model": ..., "optim": ...} (model and optimizer state by name;
-                       ``train gpt`` adds each rank's random streams, see :mod:`meshwise.train.random_state`)
-    run.json           format, the step completed, which step-* directory holds it, and what the trainer
-                       needs to continue (its settings, metrics, data position, RNG) — written by rank 0
-                       after every rank finished its part of the DCP save, via a temporary file renamed
-                       into place
+    step-000100/       a DCP checkpoint: {"model": ..., "optim": ...} by name (``train gpt`` adds each
+                       rank's random streams, see :mod:`meshwise.train.random_state`)
+    run.json           format, the step completed (naming its step-* directory) and what the trainer needs
+                       to continue — written by rank 0 once every rank's part is saved, via a rename
 
 A job killed mid-save leaves ``run.json`` naming the previous complete step; older ``step-*`` directories
-are removed only after ``run.json`` points past them. ``run.json`` is also what ``--resume`` checks before
-any rank starts.
+are removed only after ``run.json`` points past them. ``--resume`` checks ``run.json`` before any rank
+starts.
 
-Both trainers write through :func:`save`; what each keeps in ``run.json`` besides ``format`` and ``step``
-is its loop's ``_run_record`` (described in docs/training.md and docs/gpt.md). ``train mlp|cnn|
-deep-mlp`` (:data:`TRAIN_FORMAT`) keeps its dataset's name, so a resume on other data is refused by name
-rather than failing on a tensor shape, and its sampler and rank 0's generator: checkpoints are per epoch.
-``train gpt`` (:data:`GPT_FORMAT`) keeps the layout that wrote it (``mesh``: each rank's random streams,
-under ``rng`` in the DCP checkpoint, are restored only on the same one) and the data position (``data``:
-the sampler is a pure function of it and the step, so that is all its state). ``meshwise-gpt/1`` (written
-before ``mesh``, ``data`` and ``rng``) is still read: its run continues from its ``step`` with the streams
-re-derived as on another layout — exact without ``--dropout``, deterministic with it.
+What each trainer keeps in ``run.json`` is its loop's ``_run_record`` (docs/training.md, docs/gpt.md).
+``train mlp|cnn|deep-mlp`` (:data:`TRAIN_FORMAT`) keeps its dataset's name, so a resume on other data is
+refused by name rather than failing on a tensor shape, its sampler and rank 0's generator. ``train gpt``
+(:data:`GPT_FORMAT`) keeps the layout that wrote it (``mesh``: random streams are restored only on the
+same one) and the data position (``data``: the sampler is a pure function of it and the step).
+``meshwise-gpt/1`` (before ``mesh``, ``data`` and ``rng``) is still read: it continues from its ``step``
+with the streams re-derived as on another layout — exact without ``--dropout``, deterministic with it.
 """
 
 from __future__ import annotations
@@ -63,10 +58,9 @@ def run_file(directory: str | Path) -> Path:
 
 
 def read_run(directory: str | Path, format: str | tuple[str, ...], what: str = "") -> dict[str, Any]:
-    """``DIR/run.json`` of ``format`` (or of one of several readable formats, newest first), or one clear
-    error when there is nothing (of ours) to resume. ``what``: the kind of checkpoint, for the message
-    (``"GPT "``). Another version of the same family (``meshwise-gpt/3`` when this meshwise reads /1 and
-    /2) is named as such, so a checkpoint from a newer or older meshwise is not called a stranger's."""
+    """``DIR/run.json`` of ``format`` (or one of several, newest first), or one clear error when there is
+    nothing (of ours) to resume; ``what`` names the kind (``"GPT "``). Another version of the same family
+    (``meshwise-gpt/3``) is named as such, so a newer or older meshwise's is not called a stranger's."""
     formats = (format,) if isinstance(format, str) else format
     path = run_file(directory)
     if not Path(directory).is_dir():
@@ -183,10 +177,9 @@ def check_writable(directory: str | Path) -> None:
 
 
 def resumed_directory(checkpoint: str | None, resume: bool) -> Path | None:
-    """The ``--checkpoint``/``--resume`` checks every trainer makes first (after validation, which refused
-    ``--resume`` without ``--checkpoint``): the directory of the run to resume, for the trainer's own checks
-    of it, or None: no checkpoint asked for, or a new run's, checked here not to overwrite one and to be
-    writable (before training rather than at its first checkpoint)."""
+    """The ``--checkpoint``/``--resume`` checks every trainer makes first: the directory of the run to
+    resume, for the trainer's own checks, or None: no checkpoint, or a new run's, checked here not to
+    overwrite one and to be writable (before training rather than at its first checkpoint)."""
     if checkpoint is None:
         return None
     directory = Path(checkpoint)

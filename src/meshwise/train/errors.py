@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from meshwise.runtime.deadline import job_deadline
 from meshwise.runtime.on_ranks import run_on_ranks
 from meshwise.train.sections import MeshSection
-from meshwise.world import World, shutdown
+from meshwise.world import World, init, shutdown
 
 Result = TypeVar("Result")
 Run = TypeVar("Run")
@@ -52,12 +52,16 @@ def diverged_on(first_steps: list[int]) -> tuple[int, str]:
     return first, f" on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
 
 
-def train_on_rank(world: World, train: Callable[[], Result]) -> Result | TrainingError | None:
-    """Run one rank's ``train()`` on ``world`` and leave it: rank 0 returns the result (the others None),
-    and a :class:`TrainingError` comes back as a value marked with this rank, so the caller prints one
+def train_on_rank(
+    section: MeshSection, train: Callable[[World], Result], **init_args: Any
+) -> Result | TrainingError | None:
+    """Join the job as ``section`` says (``init_args``: more of :func:`~meshwise.world.init`'s), run this
+    rank's ``train(world)`` and leave: rank 0 returns the result (the others None), and a
+    :class:`TrainingError` comes back as a value marked with this rank, so the caller prints one
     sentence, not a traceback (``meshwise train`` and ``train gpt`` alike)."""
+    world = init(section.backend, device=section.device, timeout=section.comm_timeout, **init_args)
     try:
-        result = train()
+        result = train(world)
     except TrainingError as exc:
         exc.rank = world.rank
         return exc

@@ -1,14 +1,12 @@
-"""The training loop every rank runs: shard, step, reduce the metrics, checkpoint, report.
+"""The ``train mlp|cnn|deep-mlp`` loop every rank runs: shard, step, reduce the metrics, checkpoint, report.
 
 It is the seeds' DDP recipe with the pitfalls handled in one place: the sampler is re-seeded every epoch
 (``set_epoch``), the learning rate is scaled with the number of ranks, validation accuracy is a sum over
-every rank's shard (not rank 0's guess), rank 0 alone writes checkpoints and prints, and a resumed run
-restores model, optimizer, sampler and generator so it continues exactly where the checkpoint left off.
-The model is cut and stepped by the seam's :class:`~meshwise.train.step.ParallelStep`, as ``meshwise
-train gpt``'s is: :class:`~meshwise.train.step.DataParallelStep`, or with ``--zero N``
-:class:`~meshwise.train.zero_step.ZeroStep`. Checkpoints are :mod:`meshwise.train.checkpoint`'s DCP
-layout, the step's state keyed by the plain model's names: every rank writes its own ZeRO shards, and a
-run resumes on any number of ranks and any ``--zero`` stage.
+every rank's shard (not rank 0's guess), rank 0 alone prints, and a resumed run restores model,
+optimizer, sampler and generator so it continues exactly where the checkpoint left off. The model is cut
+and stepped by the seam's :class:`~meshwise.train.step.ParallelStep`, as ``train gpt``'s is
+(DataParallelStep, or ZeroStep with ``--zero N``), so a run resumes on any number of ranks and any
+``--zero`` stage.
 """
 
 from __future__ import annotations
@@ -17,29 +15,26 @@ import base64
 import contextlib
 import math
 import time
-from dataclasses import asdict
 from typing import Any
 
 import torch
-from rich.console import Console
 from rich.progress import Progress
 from torch import nn
 
 from meshwise.comm.api import ReduceOp
 from meshwise.data import DistributedSampler, Splits
 from meshwise.parallel.state_dict import PlainLayout
-from meshwise.train import checkpoint
-from meshwise.train.checkpoint import TRAIN_FORMAT, run_file
+from meshwise.train.checkpoint import TRAIN_FORMAT, read_train_run, run_file
 from meshwise.train.config import TrainConfig
 from meshwise.train.errors import TrainingError, launch, train_on_rank
-from meshwise.train.loop_parts import everywhere, first_diverged, kept, progress_bar, save_everywhere
+from meshwise.train.loop_parts import Lifecycle
 from meshwise.train.notes import check_dataset, resume_notes
 from meshwise.train.profile import StepProfiler
 from meshwise.train.report import EpochStats, TrainResult
 from meshwise.train.resolve import resolve
 from meshwise.train.step import DataParallelStep, Local, ParallelStep, loss_only
 from meshwise.train.zero_step import ZeroStep
-from meshwise.world import World, init
+from meshwise.world import World
 
 _EVAL_BATCH = 1024
 
@@ -51,9 +46,7 @@ def train_rank_main(config: TrainConfig) -> TrainResult | TrainingError | None:
     decided on reduced values), so that whoever started the job prints one sentence, not a traceback.
     """
     debug = config.profile.debug or None  # None: as `meshwise run --debug` says
-    mesh = config.mesh
-    world = init(mesh.backend, device=mesh.device, timeout=mesh.comm_timeout, debug=debug)
-    return train_on_rank(world, lambda: Trainer(world, config).run())
+    return train_on_rank(config.mesh, lambda world: Trainer(world, config).run(), debug=debug)
 
 
 def run_training(config: TrainConfig) -> TrainResult | None:
@@ -61,11 +54,14 @@ def run_training(config: TrainConfig) -> TrainResult | None:
     return launch(train_rank_main, resolve(config), config.mesh)
 
 
-class Trainer:
+class Trainer(Lifecycle):
     """One rank's share of a data-parallel training run."""
 
+    unit, stats = "epoch", EpochStats
+
     def __init__(self, world: World, config: TrainConfig) -> None:
-        self.world, self.config = world, config
+        super().__init__(world, config.output.checkpoint)
+        self.config = config
         workload = config.workload
         self.splits: Splits = workload.load_data(config.data.data_dir)
         torch.manual_seed(config.data.seed)
@@ -79,17 +75,13 @@ class Trainer:
             len(self.splits.val), world.world_size, world.rank, shuffle=False, remainder="uneven"
         ).indices()
         self.steps_per_epoch = math.ceil(len(self.sampler) / config.per_rank_batch)
-        self.history: list[EpochStats] = []
         self.first_epoch = 0
-        self.checkpoint: str | None = None  # path of the last checkpoint written
-        self.kept_epoch = 0  # the epoch of the checkpoint on disk: what a failure leaves behind
         self.step = 0  # optimizer steps taken, over every run of this checkpoint (names its directory)
         self.scored = Scored()
         self.step_runner = self._parallelize(model)
         self.model = self.step_runner.model  # what runs forward: the DataParallel or ZeRO wrapper
         if config.output.resume:
             self._restore()
-        self.console = Console(soft_wrap=True)
         self.profiler: StepProfiler | None = None
         if config.profile.profiling:
             self.profiler = StepProfiler([world.comm], synchronize=world.device)
@@ -112,17 +104,14 @@ class Trainer:
 
     def _restore(self) -> None:
         """Model and optimizer (any layout's checkpoint), sampler, generator, epoch, step and history."""
-        assert self.config.output.checkpoint is not None
-        run = checkpoint.read_train_run(self.config.output.checkpoint)  # before any rank reads a tensor
-        check_dataset(run.get("dataset"), self.splits.name, str(run_file(self.config.output.checkpoint)))
-        state = self.step_runner.state_dict()
-        checkpoint.load(self.config.output.checkpoint, state, TRAIN_FORMAT, "training ")
-        self.step_runner.load_state_dict(state)  # dcp.load wrote every tensor in place
+        assert self.directory is not None
+        run = read_train_run(self.directory)  # before any rank reads a tensor
+        check_dataset(run.get("dataset"), self.splits.name, str(run_file(self.directory)))
+        self.load(run, self.step_runner.state_dict())
         self.sampler.load_state_dict(run["sampler"])
         torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(run["rng"])), dtype=torch.uint8))
-        self.first_epoch = self.kept_epoch = int(run["epoch"])
+        self.first_epoch = self.kept = int(run["epoch"])
         self.step = int(run["step"])
-        self.history = [EpochStats(**h) for h in run["history"]]
         if self.world.is_main:
             for note in resume_notes(run["run"], self._run_settings()):
                 print(f"note: {note}", flush=True)
@@ -139,21 +128,15 @@ class Trainer:
 
     def _checkpoint(self, epoch: int) -> None:
         """Collective: every rank writes its part of the checkpoint of ``epoch`` (its ZeRO shards, or
-        its share of the replicated tensors), then rank 0 points run.json at it; a failure on any rank
-        stops every rank in one sentence naming what is left on disk (:func:`save_everywhere`)."""
-        directory = self.config.output.checkpoint
-        assert directory is not None
-        left = kept("epoch", self.kept_epoch)
+        its share of the replicated tensors) unless a rank's weights became non-finite (:meth:`save`)."""
         finite = all(bool(torch.isfinite(p).all()) for p in self.model.parameters())
-        if not everywhere(self.world, finite):
-            raise TrainingError(f"the weights became non-finite in epoch {epoch}; not saved, {left}")
+        if not self.everywhere(finite):
+            raise TrainingError(f"the weights became non-finite in epoch {epoch}; not saved, {self.left}")
         state, record = self.step_runner.state_dict(), self._run_record(epoch)
-        path = save_everywhere(self.world, directory, left, self.step, state, record, format=TRAIN_FORMAT)
-        self.checkpoint = str(path)
-        self.kept_epoch = epoch
+        self.save(epoch, self.step, state, record, format=TRAIN_FORMAT)
 
     def _run_record(self, epoch: int) -> dict[str, Any]:
-        """What run.json keeps beside the tensors (see :mod:`meshwise.train.checkpoint`)."""
+        """What run.json keeps beside the tensors and the history (see :mod:`meshwise.train.checkpoint`)."""
         return {
             "model": self.config.model,
             "dataset": self.splits.name,
@@ -162,7 +145,6 @@ class Trainer:
             "sampler": self.sampler.state_dict(),
             "rng": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode("ascii"),
             "run": self._run_settings(),
-            "history": [asdict(e) for e in self.history],
         }
 
     # ------------------------------------------------------------------ steps
@@ -241,17 +223,16 @@ class Trainer:
         t_loss, t_n, t_ok, v_loss, v_n, v_ok = totals.tolist()
         if not (math.isfinite(t_loss) and math.isfinite(v_loss)):  # the same on every rank: reduced
             bad = t_loss if not math.isfinite(t_loss) else v_loss
-            step, where = first_diverged(self.world, int(train[3].item()))
+            step, where = self.first_diverged(int(train[3].item()))
             first = f", first{where} at step {step} of {self.steps_per_epoch}" if step else ""
-            left = kept("epoch", self.kept_epoch)
-            saved = "" if self.config.output.checkpoint is None else f" (not saved: {left})"
+            saved = "" if self.directory is None else f" (not saved: {self.left})"
             raise TrainingError(
                 f"training diverged: the loss became {bad} in epoch {epoch + 1}{first} at lr {self.lr:g}"
                 f"{saved}; lower --lr"
             )
         stats = EpochStats(epoch + 1, t_loss / t_n, t_ok / t_n, v_loss / v_n, v_ok / v_n, int(t_n), seconds)
         self.history.append(stats)
-        if self.config.output.checkpoint is not None:
+        if self.directory is not None:
             self._checkpoint(epoch + 1)
         return stats
 
@@ -262,8 +243,7 @@ class Trainer:
         if world.is_main:
             self.console.print(
                 f"meshwise train {self.config.model}: {parameters:,} parameters on {self.splits.name}, "
-                f"{world.world_size} rank{'s' if world.world_size > 1 else ''} × {world.device} over "
-                f"{world.backend}"
+                f"{self.ranks()}"
             )
             shard = len(self.sampler)
             if self.config.per_rank_batch > shard:  # legal (full-batch steps), but rarely what was meant
@@ -273,7 +253,7 @@ class Trainer:
                     "step per epoch)"
                 )
         started = time.perf_counter()
-        with progress_bar(world, self.console) as progress:
+        with self.progress_bar() as progress:
             for epoch in range(self.first_epoch, epochs):
                 stats = self.run_epoch(epoch, progress)
                 if world.is_main:

@@ -1,10 +1,9 @@
-"""The notes rank 0 prints under a run's banner: settings that are allowed but deserve a sentence. Each
-is a pure function of plain data (the settings, a resumed checkpoint's run.json), testable without a run;
-none stops the run.
+"""The notes rank 0 prints under a run's banner: settings that are allowed but deserve a sentence, each a
+pure function of the settings and a resumed checkpoint's run.json (testable without a run).
 
-A resume is allowed to change settings (train further, more ranks), but never silently: each difference
-gets a note saying what it changes, so a user who mistyped ``--lr`` on a resume sees it on the first line
-rather than in a ruined checkpoint. Only other data is refused (:func:`check_dataset`).
+A resume may change settings (train further, more ranks), but never silently: a user who mistyped
+``--lr`` on a resume sees it on the first line rather than in a ruined checkpoint. Only other data is
+refused (:func:`check_dataset`).
 
 For ``train mlp|cnn|deep-mlp``, other ranks with the same global batch (ranks × ``--batch-size``) are no
 difference: every rank takes every W-th sample of one permutation, so each step's global batch holds the

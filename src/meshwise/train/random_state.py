@@ -1,25 +1,19 @@
 """Each rank's random streams in a checkpoint, so that a resumed run draws the dropout masks the
 uninterrupted run would have drawn.
 
-A rank draws from up to three kinds of stream: torch's CPU generator, its CUDA device's generator, and
-the generators modules keep of their own (tensor parallelism's per-rank state for attention dropout,
-:class:`~meshwise.parallel.tensor_parallel.rng.RankRandomState`; found as activation recomputation finds
-them, by their ``random`` attribute). :func:`capture` takes all of them as uint8 tensors, which the
-trainer writes into the DCP checkpoint under ``rng.<rank key>`` — every rank its own entry, keyed by its
-mesh coordinates (``pp0.dp1.ep0.cp0.tp0``), so no rank gathers another's — and :func:`restore` sets them
-back on the same coordinates.
+A rank draws from torch's CPU generator, its CUDA device's, and the generators modules keep of their own
+(tensor parallelism's :class:`~meshwise.parallel.tensor_parallel.rng.RankRandomState`, found as
+recomputation finds them). :func:`capture` takes them all as uint8 tensors, written into the DCP
+checkpoint under ``rng.<rank key>`` — each rank its own entry, keyed by its mesh coordinates, so no rank
+gathers another's — and :func:`restore` sets them back on the same coordinates.
 
-**Another layout.** A stream belongs to one rank of one layout: after dp2 → dp4 there is no "dp3" stream
-to continue, and even the surviving coordinates now draw masks for other sequences (a rank's masks are
-drawn sequentially over its *local* tensors, not derived from global token positions, so two
-uninterrupted runs on different layouts already draw different masks). Exactness across layouts with
-dropout is therefore impossible without position-derived masks; what a resume on another layout gets
-instead is *determinism*: :func:`rederive` seeds every stream from ``(seed, step)`` — the default
-generators alike on every rank, as a fresh run seeds them from ``--seed`` (tensor parallelism needs the
-replicated activations' masks equal), each module stream from the rank's coordinates too — so resuming
-the same checkpoint on the same new layout twice draws the same masks. A checkpoint written before the
-streams were saved takes the same path. Without dropout a step draws nothing, so either way a resume on
-any layout stays exact.
+**Another layout.** A stream belongs to one rank of one layout: after dp2 → dp4 there is no "dp3" stream,
+and the surviving coordinates draw masks for other sequences (masks are drawn over *local* tensors, not
+global token positions). Exactness across layouts with dropout is therefore impossible; what such a
+resume gets is *determinism*: :func:`rederive` seeds every stream from ``(seed, step)`` — the default
+generators alike on every rank, as ``--seed`` does (tensor parallelism needs the replicated activations'
+masks equal), module streams from the coordinates too. A checkpoint without streams takes the same path.
+Without dropout a step draws nothing, so a resume on any layout stays exact.
 """
 
 from __future__ import annotations

@@ -1,32 +1,24 @@
 """The seam between a training loop and the parallel strategies: :class:`ParallelStep`.
 
-A loop (``meshwise train mlp|cnn|deep-mlp``'s :mod:`meshwise.train.loop`, ``meshwise train gpt``'s
-:mod:`meshwise.train.gpt.loop`) knows nothing about how its model is cut. It builds a ParallelStep — this
-rank's part of the model, its optimizer, and how one step's micro-batches turn into gradients — and then
-only calls that object's methods. The data-parallel and ZeRO steps (:class:`DataParallelStep`, below,
-and :mod:`meshwise.train.zero_step`) are model-agnostic: the
-model's loss (and what else joins the training gradient) arrives in a :class:`Local`, the optimizer from
-the caller's factory; :mod:`meshwise.train.gpt.parallelize` adds what only the GPT has (tensor, context,
-expert and pipeline parallelism).
+Both loops (:mod:`meshwise.train.loop`, :mod:`meshwise.train.gpt.loop`) know nothing about how the model
+is cut: they only call the methods of a ParallelStep — this rank's part of the model, its optimizer, and
+how one step's micro-batches turn into gradients. The data-parallel and ZeRO steps
+(:class:`DataParallelStep`, :mod:`meshwise.train.zero_step`) are model-agnostic: the loss arrives in a
+:class:`Local`, the optimizer from the caller's factory; :mod:`meshwise.train.gpt.parallelize` adds what
+only the GPT has (tensor, context, expert and pipeline parallelism).
 
-What a ParallelStep must guarantee, so the loops and their tests stay valid for every strategy:
+What every ParallelStep guarantees, so the loops and their parity tests hold for every strategy:
 
-- ``forward_backward(micro_batches)`` leaves in the gradients (or their shards) the mean over the
-  *global* batch — the dp ranks' micro-batches together — and returns this rank's mean micro-batch loss;
-- ``clip_grad_norm(max_norm)`` clips by the norm of the *whole* model's gradient (a sharded strategy
-  reduces the squares of its shards) and returns that norm;
-- ``eval_loss_sum(inputs, targets)`` is the summed loss of one evaluation batch, without gradients;
-- ``held()`` describes what the rank holds as pieces of the plain model's tensors (by default from the
-  :attr:`~ParallelStep.placements`; ZeRO gives its flat rectangles), from which ``state_dict()`` /
-  ``load_state_dict()`` — written once, here — give model and optimizer state keyed by the plain model's
-  names, each rank's own pieces only (DCP reshards between layouts by those names);
-- ``full_model()`` returns the plain model (for sampling, export and parity checks), reassembled from the
-  same descriptions as the checkpoint (collective over the job: every rank calls it and gets it), or the
-  rank's own model where it holds it whole.
+- ``forward_backward`` leaves the mean gradient over the *global* batch (all dp ranks' micro-batches) and
+  returns this rank's mean micro-batch loss;
+- ``clip_grad_norm`` clips by the norm of the *whole* model's gradient and returns it;
+- ``eval_loss_sum`` is one evaluation batch's summed loss, without gradients;
+- ``held()`` describes the rank's pieces of the plain model's tensors, from which ``state_dict()`` /
+  ``load_state_dict()`` — written once, here — key model and optimizer state by the plain model's names
+  (DCP reshards between layouts by those names), and ``full_model()`` reassembles the plain model.
 
-Under ``--profile`` the loop sets ``profiler`` and the step brackets forward and backward with
-:meth:`ParallelStep.phase` (or, like the pipeline, :meth:`~meshwise.train.profile.StepProfiler.record`-s
-the instructions it ran), so a new strategy is profiled from its first day.
+Under ``--profile`` the step brackets its phases with :meth:`ParallelStep.phase` (the pipeline records its
+instructions), so a new strategy is profiled from its first day.
 """
 
 from __future__ import annotations
@@ -115,7 +107,6 @@ class ParallelStep(ABC):
 
     @contextmanager
     def timed_exchange(self, timer: ExchangeTimer | None) -> Iterator[None]:
-        """Records this step's dispatch and combine seconds in :attr:`exchange_seconds` (``--profile``)."""
         before = dict(timer.seconds) if timer is not None else {}
         try:
             yield
@@ -134,7 +125,7 @@ class ParallelStep(ABC):
         return nullcontext() if self.profiler is None else self.profiler.phase(name)
 
     def finish(self) -> None:
-        """Collective, once after the last step: end-of-run output of the strategy (none by default)."""
+        """Collective, once after the last step: the strategy's end-of-run output (none by default)."""
 
     def accumulate_gradients(
         self,
@@ -142,9 +133,9 @@ class ParallelStep(ABC):
         loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         scale: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> float:
-        """Forward and backward of each micro-batch, ``self.model.no_sync()`` for all but the last (so
-        gradients are reduced once per step), each loss divided by their number so the gradients are the
-        batch mean; ``scale`` (e.g. a loss scaler) applies to that before backward. Returns the mean loss."""
+        """Forward and backward of each micro-batch, all but the last under ``no_sync()`` (gradients are
+        reduced once per step), each loss divided by their number (the batch mean), then ``scale``-d (a
+        loss scaler). Returns the mean loss."""
         total = 0.0
         for i, (inputs, targets) in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
@@ -161,7 +152,7 @@ class ParallelStep(ABC):
     def forward_backward(self, micro_batches: Sequence[Batch]) -> float: ...
 
     def clip_grad_norm(self, max_norm: float) -> float:
-        """Clip by the norm of the whole model's gradient, from the placements (one all-reduce)."""
+        """From the placements: one all-reduce of the shards' squares."""
         grads = [(param.grad, placement) for param, placement in self.placements.values()]
         return clip_gradients_(grads, max_norm, self.mesh.coordinates, self.mesh.job)
 
@@ -169,8 +160,8 @@ class ParallelStep(ABC):
     def eval_loss_sum(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor: ...
 
     def full_model(self) -> nn.Module:
-        """The plain model from every rank's pieces (:meth:`held`), on every rank: collective over the job
-        (:func:`~meshwise.parallel.state_dict.gather_plain`; ZeRO's float32 masters, not compute copies)."""
+        """The plain model, for sampling, export and parity checks, from every rank's :meth:`held` pieces
+        (the checkpoint's descriptions; ZeRO's float32 masters): collective, every rank gets it."""
         full = self.plain_model().to(self.device)
         full.load_state_dict(gather_plain(self.held(), self.plain, self.mesh.coordinates, self.mesh.job))
         return full
@@ -184,17 +175,17 @@ class ParallelStep(ABC):
         return []
 
     def summary_lines(self) -> list[str]:
-        """Strategy-specific lines for the run's summary (collective: every rank calls it at the end)."""
+        """The strategy's own lines in the run's summary (collective)."""
         return []
 
     def held(self) -> list[Held]:
         """What this rank's optimizer steps, as pieces of the plain model's tensors: each parameter of
-        :attr:`placements` whole, or its tensor-parallel slice (a sharded strategy gives its own)."""
+        :attr:`placements` whole or its tensor-parallel slice (ZeRO gives its flat rectangles)."""
         return held_parameters(self.placements.values(), self.plain, self.mesh.coordinates["tp"])
 
     def state_dict(self) -> dict[str, Any]:
-        """Model and optimizer state under the plain model's names, views of this rank's own pieces
-        (:func:`~meshwise.parallel.state_dict.sharded_state_dict`), and fp16's loss scale."""
+        """Model and optimizer state by the plain model's names, views of this rank's own pieces, and
+        fp16's loss scale."""
         module = getattr(self.model, "module", self.model)  # inside a DataParallel / ZeRO wrapper
         state = sharded_state_dict(self.held(), self.optimizer, module, self.plain)
         return state | ({"scaler": self.scaler.state_dict()} if self.scaler is not None else {})
@@ -208,10 +199,9 @@ class ParallelStep(ABC):
 
 class DataParallelStep(ParallelStep):
     """The data-parallel step of any model: DataParallel (or ``wrap``'s wrapper) of ``local.model`` over
-    ``mesh.replicas``; the first micro-batches accumulate under ``no_sync``, so gradients are averaged
-    once per step. ``meshwise train mlp|cnn|deep-mlp`` runs it over every rank; ``meshwise train gpt``
-    over dp (and the cp ranks, which hold the same weights for other tokens) of what tensor and expert
-    parallelism left this rank, with DataParallel(experts=...) as the wrapper under ``--ep``."""
+    ``mesh.replicas``. ``train mlp|cnn|deep-mlp`` runs it over every rank; ``train gpt`` over dp (and cp,
+    whose ranks hold the same weights for other tokens) of what tensor and expert parallelism left this
+    rank, with DataParallel(experts=...) as the wrapper under ``--ep``."""
 
     def __init__(
         self,
@@ -244,8 +234,7 @@ class DataParallelStep(ParallelStep):
         return self._loss(inputs, targets, reduction="sum")
 
     def full_model(self) -> nn.Module:
-        """This rank's own model where it holds it whole (no parameter divided over any axis), else
-        gathered (collective: see the base)."""
+        """This rank's own model where no parameter is divided over any axis, else gathered."""
         if not any(placement.divided for _param, placement in self.placements.values()):
             return self.local
         return super().full_model()

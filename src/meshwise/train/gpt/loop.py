@@ -1,12 +1,10 @@
 """The GPT training loop every rank runs: batches, steps, evaluation, checkpoints, progress, sample.
 
 It is strategy-agnostic: the model is cut and stepped by the :class:`ParallelStep` that
-:func:`~meshwise.train.gpt.parallelize.parallelize` returns, so ZeRO, tensor and pipeline parallelism
-reuse this loop unchanged. Data and learning rate are pure functions of the step (see
-:mod:`meshwise.data.windows` and :meth:`~meshwise.train.gpt.sections.OptimizerSection.lr_at`), so a
-resumed run restores model and optimizer state, the data position (the next step) and — for
-``--dropout`` — each rank's random streams, and continues exactly on the same layout (on another, exactly
-without dropout and deterministically with it: :mod:`meshwise.train.random_state`).
+:func:`~meshwise.train.gpt.parallelize.parallelize` returns, so every strategy reuses this loop unchanged.
+Data and learning rate are pure functions of the step, so a resumed run restores model and optimizer
+state, the next step and — for ``--dropout`` — each rank's random streams, and continues exactly
+(:mod:`meshwise.train.random_state` says what another layout gets).
 """
 
 from __future__ import annotations
@@ -18,7 +16,6 @@ from collections.abc import Callable
 from dataclasses import asdict, replace
 
 import torch
-from rich.console import Console
 from rich.progress import TextColumn
 
 from meshwise.comm.api import ReduceOp
@@ -44,18 +41,16 @@ from meshwise.train.gpt.profiling import GPTProfiling
 from meshwise.train.gpt.report import GPTResult, StepStats, step_line
 from meshwise.train.gpt.resolve import GPTRun, resolve
 from meshwise.train.gpt.step_log import StepLog, checkpoint_due
-from meshwise.train.loop_parts import first_diverged, kept, progress_bar, save_everywhere
+from meshwise.train.loop_parts import Lifecycle
 from meshwise.train.notes import start_notes
-from meshwise.world import World, init
+from meshwise.world import World
 
 SAMPLE_PROMPT = "\ndef "
 
 
 def train_gpt_rank_main(run: GPTRun) -> GPTResult | TrainingError | None:
     """Join the job on the run's mesh, train, leave; rank 0 returns the result (the others None)."""
-    mesh = run.config.mesh
-    world = init(mesh.backend, device=mesh.device, timeout=mesh.comm_timeout, mesh=run.shape)
-    return train_on_rank(world, lambda: GPTTrainer(world, run).run())
+    return train_on_rank(run.config.mesh, lambda world: GPTTrainer(world, run).run(), mesh=run.shape)
 
 
 def run_gpt_training(config: GPTTrainConfig) -> GPTResult | None:
@@ -64,12 +59,15 @@ def run_gpt_training(config: GPTTrainConfig) -> GPTResult | None:
     return launch(train_gpt_rank_main, resolve(config), config.mesh)
 
 
-class GPTTrainer:
+class GPTTrainer(Lifecycle):
     """One rank's share of a GPT training run."""
+
+    unit, stats = "step", StepStats
 
     def __init__(self, world: World, run: GPTRun) -> None:
         config = run.config
-        self.world, self.resolved, self.config = world, run, config
+        super().__init__(world, config.output.checkpoint)
+        self.resolved, self.config = run, config
         self.mesh = world.mesh.map_axes(CountingCommunicator) if config.profile.comm_stats else world.mesh
         self.dp, self.dp_rank = self.mesh.shape.batch_size, self.mesh.batch_index  # the batch axes
         self.splits = run.load_data()
@@ -91,32 +89,22 @@ class GPTTrainer:
         self.step_runner = parallelize(model, self.mesh, run)
         del model  # this rank's shard lives on in the step runner
         self.memory.training_starts()
-        self.history: list[StepStats] = []
         self.first_step = 0
         self.initial_val_loss: float | None = None  # before the first step: the baseline learning beats
         self.saved_run: dict | None = None  # the resumed checkpoint's run record
         self.peak_notes: list[str] = []  # what the MFU peak had to assume (shared cores)
-        self.checkpoint_path: str | None = None
-        self.kept_step = 0  # the step of the checkpoint on disk: what a failed write leaves behind
         # a resume's random streams, set when its first step starts (nothing before it may draw them away)
         self._resumed_random: Callable[[], None] | None = None
         self.random_note: str | None = None  # a resume that cannot continue the streams says so
         if config.output.resume:
             self._restore()
-        self.console = Console(soft_wrap=True)
         steps = config.optimizer.steps
         self.profiling = GPTProfiling(world, run, self.step_runner, steps - self.first_step)
-        self.step_log = StepLog(
-            is_main=world.is_main,
-            steps=steps,
-            log_every=config.output.log_every,
-            metrics=config.output.metrics,
-            tensorboard=config.output.tensorboard,
-        )
+        self.step_log = StepLog(world.is_main, steps, config.output)
 
     # ------------------------------------------------------------------ checkpoints
     def _run_record(self, step: int) -> dict:
-        """What run.json keeps beside the tensors (see :mod:`meshwise.train.checkpoint`)."""
+        """What run.json keeps beside the tensors and the history (see :mod:`meshwise.train.checkpoint`)."""
         data, seq_len = self.config.data, self.seq_len
         run = {"global_batch": data.global_batch, "seed": data.seed, "steps": self.config.optimizer.steps}
         position = {"seed": data.seed, "global_batch": data.global_batch, "seq_len": seq_len}
@@ -127,40 +115,31 @@ class GPTTrainer:
             "mesh": self.mesh.shape.sizes,
             "data": position | {"next_step": step},
             "initial_val_loss": self.initial_val_loss,
-            "history": [asdict(s) for s in self.history],
         }
 
     def save_checkpoint(self, step: int) -> None:
-        """Collective: write the DCP checkpoint of ``step`` steps completed; a failure on any rank stops
-        every rank in one sentence naming what is left on disk (:func:`save_everywhere`)."""
-        directory = self.config.output.checkpoint
-        assert directory is not None
+        """Collective: write the DCP checkpoint of ``step`` steps completed, with this rank's random
+        streams (:meth:`save`)."""
         state = self.step_runner.state_dict()
         state["rng"] = {self._rank_key: random_state.capture([self.step_runner.model], self.world.device)}
-        left, record = kept("step", self.kept_step), self._run_record(step)
         keep = self.config.output.keep
-        path = save_everywhere(self.world, directory, left, step, state, record, format=GPT_FORMAT, keep=keep)
-        self.checkpoint_path = str(path)
-        self.kept_step = step
+        self.save(step, step, state, self._run_record(step), format=GPT_FORMAT, keep=keep)
 
     @property
     def _rank_key(self) -> str:
         return random_state.rank_key(self.mesh.coordinates)
 
     def _restore(self) -> None:
-        directory = self.config.output.checkpoint
-        assert directory is not None
+        assert self.directory is not None
         state = self.step_runner.state_dict()
-        run = checkpoint.read_run(directory, GPT_READS, "GPT ")
+        run = checkpoint.read_run(self.directory, GPT_READS, "GPT ")
         models, device = [self.step_runner.model], self.world.device
         same_layout = run.get("mesh") == self.mesh.shape.sizes
         if same_layout:  # this rank's own streams, filled in place by the load
             state["rng"] = {self._rank_key: random_state.capture(models, device)}
-        run = checkpoint.load(directory, state, GPT_READS, "GPT ")
+        self.load(run, state)
         self.saved_run = run
-        self.step_runner.load_state_dict(state)
-        self.first_step = self.kept_step = checkpoint.next_step(run)
-        self.history = [StepStats(**s) for s in run["history"]]
+        self.first_step = self.kept = checkpoint.next_step(run)
         self.initial_val_loss = run["initial_val_loss"]
         if same_layout:
             streams = state["rng"][self._rank_key]
@@ -220,7 +199,7 @@ class GPTTrainer:
             self.mesh.replicas.all_reduce(loss, ReduceOp.AVG)
             seconds = time.perf_counter() - started
         if not math.isfinite(loss.item()):  # the same on every rank: the loss is known everywhere
-            _, where = first_diverged(self.world, 0 if math.isfinite(local) else step + 1)
+            _, where = self.first_diverged(0 if math.isfinite(local) else step + 1)
             raise TrainingError(
                 f"training diverged: the loss became {loss.item()} at step {step + 1}{where} "
                 f"(lr {self.config.optimizer.lr:g}); lower --lr"
@@ -248,8 +227,8 @@ class GPTTrainer:
         return (totals[0] / totals[1]).item()
 
     def sample(self, tokens: int) -> str | None:
-        """``tokens`` generated after a fixed prompt (bytes decoded as text; ids shown for a larger vocab)
-        on rank 0; every rank calls it, since reassembling a sharded model is collective."""
+        """Collective: rank 0's ``tokens`` generated after a fixed prompt (bytes decoded as text; ids shown
+        for a larger vocab)."""
         model = self.step_runner.sampling_model()
         if not self.world.is_main:
             return None
@@ -264,8 +243,8 @@ class GPTTrainer:
         return tokenizer.decode(out) if decodable else " ".join(map(str, out))
 
     def export_hf(self, directory: str) -> str | None:
-        """Rank 0 writes the trained weights in Hugging Face GPT-2 format (safetensors + config.json) and
-        returns the file; every rank calls it, since reassembling a sharded model is collective."""
+        """Collective: rank 0 writes the trained weights in Hugging Face GPT-2 format (safetensors +
+        config.json) and returns the file."""
         model = self.step_runner.sampling_model()
         return str(save_hf_gpt2(model, directory)) if self.world.is_main else None
 
@@ -303,8 +282,7 @@ class GPTTrainer:
         if world.is_main:
             self.console.print(
                 f"meshwise train gpt: {config.model_name} ({parameters:,} parameters) on {self.splits.name} "
-                f"({len(self.splits.train):,} training tokens), {world.world_size} rank"
-                f"{'s' if world.world_size > 1 else ''} × {world.device} over {world.backend}, "
+                f"({len(self.splits.train):,} training tokens), {self.ranks()}, "
                 f"global batch {config.data.global_batch} × {self.seq_len}"
             )
             if (experts := moe_banner(self.model_config)) is not None:
@@ -315,7 +293,7 @@ class GPTTrainer:
         if self.first_step == 0:
             self.initial_val_loss = self.evaluate()
         started, steps = time.perf_counter(), config.optimizer.steps
-        with progress_bar(world, self.console, TextColumn("{task.fields[status]}")) as progress:
+        with self.progress_bar(TextColumn("{task.fields[status]}")) as progress:
             task = progress.add_task("train", total=steps, completed=self.first_step, status="")
             for step in range(self.first_step, steps):
                 stats = self.train_step(step)
@@ -366,7 +344,7 @@ class GPTTrainer:
             peak_flops=peak,
             peak_source=source,
             wall_seconds=time.perf_counter() - started,
-            checkpoint=self.checkpoint_path,
+            checkpoint=self.checkpoint,
             sample=text,
             comm_stats=self._comm_stats(),
             peak_memory=peak_memory,

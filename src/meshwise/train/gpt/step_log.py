@@ -15,37 +15,28 @@ from rich.console import Console
 
 from meshwise.train.gpt.config import GPTTrainConfig
 from meshwise.train.gpt.report import StepStats, step_line
+from meshwise.train.gpt.sections import GPTOutputSection
 from meshwise.train.metrics_stream import MetricsStream
 
 
 class StepLog:
     """Rank 0's reporting of logged steps; :meth:`close` at the end of the run."""
 
-    def __init__(
-        self,
-        *,
-        is_main: bool,
-        steps: int,
-        log_every: int | None,
-        metrics: str | None,
-        tensorboard: str | None = None,
-    ) -> None:
-        self.is_main, self.steps, self.log_every = is_main, steps, log_every
-        self.stream = MetricsStream(metrics) if is_main and metrics is not None else None
+    def __init__(self, is_main: bool, steps: int, output: GPTOutputSection) -> None:
+        self.is_main, self.steps, self.log_every = is_main, steps, output.log_every
+        self.stream = MetricsStream(output.metrics) if is_main and output.metrics is not None else None
         self.board = None
-        if is_main and tensorboard is not None:
+        if is_main and output.tensorboard is not None:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.board = SummaryWriter(log_dir=tensorboard)
-
-    def due(self, step: int) -> bool:
-        """Is 1-based ``step`` one of the --log-every steps (the last step always is)?"""
-        return self.log_every is not None and (step % self.log_every == 0 or step == self.steps)
+            self.board = SummaryWriter(log_dir=output.tensorboard)
 
     def after_step(self, stats: StepStats, mfu: float, console: Console) -> None:
-        """Report ``stats`` if it is a logged step: a line unless the evaluation prints one, a record."""
-        evaluated = stats.val_loss is not None
-        if not self.is_main or not (evaluated or self.due(stats.step)):
+        """Report ``stats`` if it is a logged step (an evaluation, a --log-every step, the last with
+        --log-every): a line unless the evaluation prints one, a record."""
+        evaluated, every = stats.val_loss is not None, self.log_every
+        due = every is not None and (stats.step % every == 0 or stats.step == self.steps)
+        if not self.is_main or not (evaluated or due):
             return
         if not evaluated:
             console.print(step_line(stats, self.steps, mfu))
