@@ -52,30 +52,58 @@ ORIGINAL = "_meshwise_zero_sharded"  # on a module parameter taken over by shard
 
 
 class ShardedModel(nn.Module):
-    """A model whose parameters, gradients and optimizer state are sharded over ``comm`` (:func:`shard`)."""
+    """``module`` with its parameters, gradients and optimizer state sharded over ``comm`` (default: the
+    world's; pass a mesh axis such as ``mesh.dp``).
+
+    ``stage`` 1 shards optimizer state, 2 also gradients, 3 also parameters (gathered per unit: ``units``
+    — a model's plan gives its layers, ``plan.layer_modules(model)`` — or :func:`default_units`).
+    ``mixed_precision``: ``None``/``"fp32"``, ``"bf16"``, ``"fp16"`` or a :class:`MixedPrecision`.
+    ``prefetch``: how many units ahead stage 3 starts gathering. ``bucket_mb``/``first_bucket_mb``:
+    stages 1/2 group sizes (DataParallel's buckets). ``separate_by(name, param)``: parameters with
+    different keys get different flat groups (see :meth:`parameters_where`). ``replica_groups``:
+    parameters sharded over ranks of their own (:mod:`~.replicas`). Every argument is checked before any
+    communication.
+    """
 
     def __init__(
         self,
         module: nn.Module,
-        comm: Communicator,
+        comm: Communicator | None = None,
         *,
-        stage: int,
-        mixed_precision: MixedPrecision | None,
-        units: Sequence[nn.Module] | None,
-        reshard_after_forward: bool,
-        prefetch: int,
-        bucket_mb: float,
-        first_bucket_mb: float,
+        stage: int = 3,
+        mixed_precision: MixedPrecision | str | None = None,
+        units: Sequence[nn.Module] | None = None,
+        reshard_after_forward: bool = True,
+        prefetch: int = 1,
+        bucket_mb: float = 25.0,
+        first_bucket_mb: float = 1.0,
         separate_by: SeparateBy | None = None,
         replica_groups: Sequence[ReplicaGroup] = (),
     ) -> None:
+        if isinstance(stage, bool) or stage not in (1, 2, 3):
+            raise ValueError(
+                f"stage={stage!r} is not a ZeRO stage: use 1 (optimizer state), 2 (+ gradients) "
+                "or 3 (+ parameters); for plain data parallelism use DataParallel"
+            )
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"shard() takes an nn.Module, got {type(module).__name__}")
+        if isinstance(module, ShardedModel):
+            raise ValueError("this model is already sharded; shard the plain model once")
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+            raise ValueError(f"prefetch must be a whole number of units ≥ 0, got {prefetch!r}")
+        if not (bucket_mb > 0 and first_bucket_mb > 0):
+            raise ValueError(f"bucket sizes must be positive MiB, got {bucket_mb} and {first_bucket_mb}")
+        if units is not None and stage != 3:
+            raise ValueError(f"units only apply to stage 3 (stage {stage} keeps every parameter gathered)")
+        precision = MixedPrecision.parse(mixed_precision)
+        comm = comm if comm is not None else current_world().comm
         super().__init__()
         named = dict(module.named_parameters())
-        _check_parameters(named, mixed_precision)
+        _check_parameters(named, precision)
         self.module = module
         self.comm = comm
         self.stage = stage
-        self.precision = mixed_precision
+        self.precision = precision
         self.tracker = Tracker()
         #: index 0: the model's own replicas (``comm``, every parameter no other group owns)
         self.replica_groups = [ReplicaGroup("model", comm, lambda _name, _param: True), *replica_groups]
@@ -108,8 +136,8 @@ class ShardedModel(nn.Module):
             params = [named[name] for name in plan.names]
             first = params[0]
             replicas = self.replica_groups[self.replica_of[index]]
-            compute = mixed_precision.param_dtype if mixed_precision else first.dtype
-            grad = mixed_precision.gradient_dtype if mixed_precision else first.dtype
+            compute = precision.param_dtype if precision else first.dtype
+            grad = precision.gradient_dtype if precision else first.dtype
             group = FlatGroup(
                 f"shard{index}", params, replicas.comm, compute_dtype=compute, grad_dtype=grad,
                 stage=stage, tracker=self.tracker, grad_scale=replicas.grad_scale,
@@ -323,53 +351,8 @@ class ShardedModel(nn.Module):
         return nn.modules.module._IncompatibleKeys(missing, unexpected)
 
 
-def shard(
-    model: nn.Module,
-    comm: Communicator | None = None,
-    *,
-    stage: int = 3,
-    mixed_precision: MixedPrecision | str | None = None,
-    units: Sequence[nn.Module] | None = None,
-    reshard_after_forward: bool = True,
-    prefetch: int = 1,
-    bucket_mb: float = 25.0,
-    first_bucket_mb: float = 1.0,
-    separate_by: SeparateBy | None = None,
-    replica_groups: Sequence[ReplicaGroup] = (),
-) -> ShardedModel:
-    """Shard ``model`` over ``comm`` (default: the world's; pass a mesh axis such as ``mesh.dp``).
-
-    ``stage`` 1 shards optimizer state, 2 also gradients, 3 also parameters (gathered per unit: ``units``
-    — a model's plan gives its layers, ``plan.layer_modules(model)`` — or :func:`default_units`).
-    ``mixed_precision``: ``None``/``"fp32"``, ``"bf16"``, ``"fp16"`` or a :class:`MixedPrecision`.
-    ``prefetch``: how many units ahead stage 3 starts gathering. ``bucket_mb``/``first_bucket_mb``:
-    stages 1/2 group sizes (DataParallel's buckets). ``separate_by(name, param)``: parameters with
-    different keys get different flat groups (see :meth:`ShardedModel.parameters_where`).
-    ``replica_groups``: parameters sharded over ranks of their own (:mod:`~.replicas`). Every argument is
-    checked before any communication.
-    """
-    if isinstance(stage, bool) or stage not in (1, 2, 3):
-        raise ValueError(
-            f"stage={stage!r} is not a ZeRO stage: use 1 (optimizer state), 2 (+ gradients) "
-            "or 3 (+ parameters); for plain data parallelism use DataParallel"
-        )
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"shard() takes an nn.Module, got {type(model).__name__}")
-    if isinstance(model, ShardedModel):
-        raise ValueError("this model is already sharded; shard the plain model once")
-    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
-        raise ValueError(f"prefetch must be a whole number of units ≥ 0, got {prefetch!r}")
-    if not (bucket_mb > 0 and first_bucket_mb > 0):
-        raise ValueError(f"bucket sizes must be positive MiB, got {bucket_mb} and {first_bucket_mb}")
-    if units is not None and stage != 3:
-        raise ValueError(f"units only apply to stage 3 (stage {stage} keeps every parameter gathered)")
-    precision = MixedPrecision.parse(mixed_precision)
-    return ShardedModel(
-        model, comm if comm is not None else current_world().comm, stage=stage,
-        mixed_precision=precision, units=units, reshard_after_forward=reshard_after_forward,
-        prefetch=prefetch, bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb, separate_by=separate_by,
-        replica_groups=replica_groups,
-    )  # fmt: skip
+#: the name the docs and callers use: wrapping a model is sharding it
+shard = ShardedModel
 
 
 def _check_parameters(named: Mapping[str, nn.Parameter], precision: MixedPrecision | None) -> None:
