@@ -11,7 +11,7 @@ model sharded by :func:`~meshwise.parallel.zero.shard` over ``mesh.replicas``, w
   another number of ranks, while every rank writes and reads only its own elements.
 
 What is model-specific arrives as :func:`~meshwise.parallel.zero.shard`'s options (the GPT's:
-:mod:`meshwise.train.gpt.zero_step`).
+:func:`meshwise.train.gpt.parallelize.parallelize`).
 """
 
 from __future__ import annotations

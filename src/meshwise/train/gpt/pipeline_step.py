@@ -44,8 +44,7 @@ from meshwise.parallel.zero import LossScaler, shard
 from meshwise.parallel.zero.sharded import ShardedModel
 from meshwise.train.gpt.config import GPTTrainConfig
 from meshwise.train.gpt.optimizer import sharded_adamw
-from meshwise.train.gpt.parallelize import LayerSharded, build_optimizer
-from meshwise.train.gpt.zero_step import expert_replicas, tensor_parallel_key
+from meshwise.train.gpt.parallelize import LayerSharded, build_optimizer, expert_replicas, tensor_parallel_key
 from meshwise.train.step import Batch, ParallelStep
 from meshwise.train.zero_step import clip_flat_shards, flat_held, loss_scale_lines, shard_axes
 
