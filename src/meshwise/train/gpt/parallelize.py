@@ -28,16 +28,10 @@ from meshwise.models.gpt_plan import gpt_plan
 from meshwise.models.moe import moe_layers, with_auxiliary_losses
 from meshwise.parallel import DataParallel
 from meshwise.parallel.context_parallel import apply_context_parallel
-from meshwise.parallel.expert_parallel import (
-    ExchangeTimer,
-    ExpertReplicas,
-    apply_expert_parallel,
-    is_expert_parameter,
-)
+from meshwise.parallel.expert_parallel import ExchangeTimer, ExpertReplicas, apply_expert_parallel
 from meshwise.parallel.plan import ParallelPlan
 from meshwise.parallel.state_dict import PlainLayout
 from meshwise.parallel.tensor_parallel import shard_dim
-from meshwise.parallel.zero.replicas import ReplicaGroup
 from meshwise.train.gpt.config import GPTTrainConfig
 from meshwise.train.gpt.context_parallel import check_context_parallel_config, plain_copy
 from meshwise.train.gpt.optimizer import build_optimizer, decays, sharded_adamw
@@ -98,14 +92,11 @@ class GPTDataParallelStep(DataParallelStep):
     ``mesh.replicas`` and expert gradients over ``mesh.expert_replicas``."""
 
     def __init__(self, sharded: LayerSharded, mesh: Mesh, config: GPTTrainConfig) -> None:
-        ep = mesh.ep.world_size
-
-        def experts(model: nn.Module) -> nn.Module:
-            return DataParallel(model, mesh.replicas, experts=ExpertReplicas(mesh.expert_replicas, ep))
+        def wrap(model: nn.Module) -> nn.Module:
+            return DataParallel(model, mesh.replicas, experts=expert_replicas(mesh))
 
         optimizer = partial(build_optimizer, config=config.optimizer)
-        dtype = config.model.torch_dtype
-        super().__init__(sharded, mesh, optimizer, dtype, wrap=experts if ep > 1 else None)
+        super().__init__(sharded, mesh, optimizer, config.model.torch_dtype, wrap=wrap)
 
     def sampling_model(self) -> nn.Module:
         """Under ``--cp`` a plain copy (the model's own attention is collective over its cp group)."""
@@ -120,15 +111,12 @@ def tensor_parallel_key(name: str, param: nn.Parameter) -> tuple[bool, bool]:
     return decays(name, param), shard_dim(param) is not None
 
 
-def expert_replicas(mesh: Mesh) -> tuple[ReplicaGroup, ...]:
+def expert_replicas(mesh: Mesh) -> ExpertReplicas | None:
     """Under ``--ep``: the experts, replicated over ``mesh.expert_replicas`` (dp·cp) only, their
-    gradients there averaged and divided by ep (the combine's backward all-to-all already summed the ep
-    ranks' tokens into each expert: see :mod:`~meshwise.parallel.expert_parallel.placement`)."""
+    gradients there averaged and divided by ep (see :mod:`~meshwise.parallel.expert_parallel.placement`);
+    what DataParallel, the pipeline's stage reducers and ZeRO each take as ``experts``."""
     ep = mesh.ep.world_size
-    if ep == 1:
-        return ()
-    owns = lambda name, _param: is_expert_parameter(name)  # noqa: E731
-    return (ReplicaGroup("experts", mesh.expert_replicas, owns, grad_scale=1 / ep),)
+    return ExpertReplicas(mesh.expert_replicas, ep) if ep > 1 else None
 
 
 def check_supported(run: GPTRun) -> None:
@@ -182,7 +170,7 @@ def parallelize(model: GPT, mesh: Mesh, run: GPTRun) -> ParallelStep:
             mixed_precision=config.model.dtype,  # fp32 | bf16 | fp16, as shard() spells them
             separate_by=tensor_parallel_key,
             units=sharded.plan.layer_modules(sharded.model) if config.mesh.zero == 3 else None,
-            replica_groups=expert_replicas(mesh),
+            experts=expert_replicas(mesh),
         )
     else:
         step = GPTDataParallelStep(sharded, mesh, config)

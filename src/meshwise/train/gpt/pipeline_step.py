@@ -32,7 +32,6 @@ from torch import nn
 
 from meshwise.comm.mesh import Mesh
 from meshwise.models.moe import moe_layers
-from meshwise.parallel.expert_parallel import ExpertReplicas
 from meshwise.parallel.pipeline_parallel import theoretical_bubble
 from meshwise.parallel.pipeline_parallel.builder import build_pipeline
 from meshwise.parallel.pipeline_parallel.executor import Event
@@ -87,7 +86,7 @@ class PipelineStep(ParallelStep):
             # gradients averaged over the replicas (dp·ep·cp), experts over theirs (dp·cp); ZeRO
             # reduce-scatters each stage's itself
             dp=None if config.mesh.zero else mesh.replicas,
-            experts=ExpertReplicas(mesh.expert_replicas, mesh.shape.ep) if mesh.shape.ep > 1 else None,
+            experts=expert_replicas(mesh),
             loss=self._training_loss,
             sequence_shards=tp if config.mesh.sp else 1,
             in_place=True,  # the model is this run's own (and a tp one holds a communicator: no copies)
@@ -199,7 +198,7 @@ def stage_zero(
         mixed_precision=precision,
         separate_by=key,
         units=units,
-        replica_groups=expert_replicas(mesh),  # --ep: the stage's experts over their own replicas
+        experts=expert_replicas(mesh),  # --ep: the stage's experts over their own replicas
     )
     optimizer = sharded_adamw(zero, config.optimizer)
     placements = [
