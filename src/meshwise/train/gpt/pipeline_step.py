@@ -41,11 +41,12 @@ from meshwise.parallel.placement import Placement
 from meshwise.parallel.state_dict import Held
 from meshwise.parallel.zero import LossScaler, shard
 from meshwise.parallel.zero.sharded import ShardedModel
+from meshwise.parallel.zero.state_dict import zero_held
 from meshwise.train.gpt.config import GPTTrainConfig
 from meshwise.train.gpt.optimizer import sharded_adamw
 from meshwise.train.gpt.parallelize import LayerSharded, build_optimizer, expert_replicas, tensor_parallel_key
 from meshwise.train.step import Batch, ParallelStep
-from meshwise.train.zero_step import clip_flat_shards, flat_held, loss_scale_lines, shard_axes
+from meshwise.train.zero_step import clip_flat_shards, flat_placements, loss_scale_lines
 
 
 class StageModule(nn.Module):
@@ -159,7 +160,7 @@ class PipelineStep(ParallelStep):
         ranges: each (dp, tp) rank of each stage writes its own."""
         if self.zero is None:
             return super().held()
-        return flat_held(self.zero, self.plain, self.mesh, self._shard_placements)
+        return zero_held(self.zero, self.plain, self.mesh.coordinates["tp"], self._shard_placements)
 
     def summary_lines(self) -> list[str]:
         """fp16: the loss scale and the steps skipped."""
@@ -201,12 +202,4 @@ def stage_zero(
         experts=expert_replicas(mesh),  # --ep: the stage's experts over their own replicas
     )
     optimizer = sharded_adamw(zero, config.optimizer)
-    placements = [
-        Placement(
-            group.name,
-            divided=shard_axes(group.params[0], expert=replicas > 0) | {"pp"},
-            tied_to=copies.get(names[0]),
-        )
-        for group, names, replicas in zip(zero.groups, zero.param_names, zero.replica_of, strict=True)
-    ]
-    return zero, optimizer, placements
+    return zero, optimizer, flat_placements(zero, frozenset({"pp"}), copies)
