@@ -1,16 +1,13 @@
 """``meshwise train gpt``'s side of the seam (:mod:`meshwise.train.step`): how the GPT is cut.
 
 The loop (:mod:`meshwise.train.gpt.loop`) asks :func:`parallelize` for a
-:class:`~meshwise.train.step.ParallelStep` and then only calls its methods. :func:`parallelize` applies
-the strategies in one fixed order (tensor → context → experts → pipeline → recomputation → data parallel /
-ZeRO), and :func:`check_supported` refuses, before any rank starts, a combination that cannot be built.
-The data-parallel and ZeRO steps are the model-agnostic :class:`~meshwise.train.step.DataParallelStep` and
-:class:`~meshwise.train.zero_step.ZeroStep`; what is the GPT's is supplied here — the (vocabulary-parallel)
-loss and a MoE's auxiliary losses (:class:`LayerSharded`), its AdamW groups, expert replicas under
-``--ep``, the plain GPT's meta shape for the checkpoint layout, and a plain copy for sampling under
-``--cp``; and for ZeRO (each pipeline stage's too) AdamW's decay groups and tensor-parallel shards kept
-apart in the flat groups (:func:`tensor_parallel_key`), ``--dtype`` as the compute copies' precision and
-the GPT blocks as stage 3's units.
+:class:`~meshwise.train.step.ParallelStep` and then only calls its methods; :func:`check_supported`
+refuses, before any rank starts, a combination that cannot be built. The data-parallel and ZeRO steps are
+model-agnostic (:class:`~meshwise.train.step.DataParallelStep`, :class:`~meshwise.train.zero_step.ZeroStep`);
+what is the GPT's is supplied here: the (vocabulary-parallel) loss and a MoE's auxiliary losses
+(:class:`LayerSharded`), the AdamW groups, the experts' replicas under ``--ep`` (:func:`expert_replicas`),
+ZeRO's flat-group kinds (:func:`tensor_parallel_key`), ``--dtype`` and units (the blocks), the plain GPT's
+meta shape for the checkpoint layout, and a plain copy for sampling under ``--cp``.
 """
 
 from __future__ import annotations
