@@ -41,7 +41,7 @@ from meshwise.parallel.tensor_parallel import vocab_parallel_cross_entropy
 from meshwise.parallel.zero import shard
 from meshwise.runtime.memory import peak_resident_bytes
 from meshwise.runtime.spawn import spawn
-from meshwise.train.gpt.zero_step import tensor_parallel_key
+from meshwise.train.gpt.parallelize import tensor_parallel_key
 from meshwise.world import World
 
 NAMES = ("torch-2d", "meshwise")

@@ -2,7 +2,7 @@
 
 Dense parameters are replicated over ``mesh.replicas`` (dp·ep) and ZeRO shards them there; each rank's
 experts (E/ep of every layer) are replicated only over ``mesh.expert_replicas`` (dp) and ZeRO shards them
-over those ranks, with their gradient divided by ep (:func:`~meshwise.train.gpt.zero_step.expert_replicas`).
+over those ranks, with their gradient divided by ep (:func:`~meshwise.train.gpt.parallelize.expert_replicas`).
 The parity harness is tests/test_moe_ep_train.py's (the real trainer against a one-process MoE GPT built
 from plain pieces, every step: loss, every parameter gathered over the replicas and ep, router
 statistics; zero2·ep2·tp2 adds tensor parallelism, experts whole on every tp rank); tolerances are its

@@ -3,7 +3,7 @@ model sharded by :func:`~meshwise.parallel.zero.shard` over ``mesh.replicas``, w
 
 - the optimizer (the caller's factory) steps this rank's float32 master shards;
 - the clipping norm is the whole model's, each flat group's shard counted by its
-  :class:`~meshwise.parallel.placement.Placement` (:func:`shard_axes`);
+  :class:`~meshwise.parallel.placement.Placement` (:func:`flat_placements`);
 - fp16 adds a :class:`~meshwise.parallel.zero.LossScaler`; a step whose gradient overflowed on any rank
   is skipped on every rank;
 - checkpoints are the seam's one writer fed with the rectangles of this rank's flat ranges, under the
@@ -11,21 +11,20 @@ model sharded by :func:`~meshwise.parallel.zero.shard` over ``mesh.replicas``, w
   another number of ranks, while every rank writes and reads only its own elements.
 
 What is model-specific arrives as :func:`~meshwise.parallel.zero.shard`'s options (the GPT's:
-:mod:`meshwise.train.gpt.zero_step`).
+:func:`meshwise.train.gpt.parallelize.parallelize`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-from torch import nn
 
 from meshwise.comm.mesh import GROUPINGS, Mesh
 from meshwise.parallel.placement import Placement, clip_gradients_
-from meshwise.parallel.state_dict import Held, PlainLayout
+from meshwise.parallel.state_dict import Held
 from meshwise.parallel.tensor_parallel import shard_dim
 from meshwise.parallel.zero import LossScaler, shard
 from meshwise.parallel.zero.memory import rank_lines
@@ -46,10 +45,7 @@ class ZeroStep(ParallelStep):
         super().__init__(mesh, next(local.model.parameters()).device)
         self.sharded = local
         self.model = shard(local.model, mesh.replicas, stage=stage, **options)
-        self._shard_placements = [
-            Placement(group.name, divided=shard_axes(group.params[0], expert=replicas > 0))
-            for group, replicas in zip(self.model.groups, self.model.replica_of, strict=True)
-        ]
+        self._shard_placements = flat_placements(self.model)
         self.optimizer = optimizer(self.model)
         # every rank skips together
         self.scaler = LossScaler(mesh.job) if options.get("mixed_precision") == "fp16" else None
@@ -83,7 +79,7 @@ class ZeroStep(ParallelStep):
         return lines + loss_scale_lines(self.scaler)
 
     def held(self) -> list[Held]:
-        return flat_held(self.model, self.plain, self.mesh, self._shard_placements)
+        return zero_held(self.model, self.plain, self.mesh.coordinates["tp"], self._shard_placements)
 
 
 def clip_flat_shards(
@@ -102,12 +98,6 @@ def clip_flat_shards(
     return clip_gradients_(shards, max_norm, mesh.coordinates, mesh.job)
 
 
-def flat_held(zero: ShardedModel, plain: PlainLayout, mesh: Mesh, placements: list[Placement]) -> list[Held]:
-    """What ``zero``'s flat ranges hold, for the seam's checkpoint writer: the rectangles of each range,
-    tensor-parallel shards placed at this rank's tp slice of the plain tensor."""
-    return zero_held(zero, plain, mesh.coordinates["tp"], placements)
-
-
 def loss_scale_lines(scaler: LossScaler | None) -> list[str]:
     """The run summary's loss-scale line (fp16), empty otherwise."""
     if scaler is None:
@@ -116,9 +106,18 @@ def loss_scale_lines(scaler: LossScaler | None) -> list[str]:
     return [f"Loss scale          = {scaler.scale:g} (fp16; {skipped})"]
 
 
-def shard_axes(param: nn.Parameter, expert: bool) -> frozenset[str]:
-    """The mesh axes a flat group's shard of ``param``'s kind is divided over: the replicas ZeRO shards
-    it over (``mesh.replicas``; an expert's ``mesh.expert_replicas`` and ep, whose ranks hold other
-    experts) and tp for tensor-parallel shards."""
-    axes = frozenset(GROUPINGS["expert_replicas"]) | {"ep"} if expert else frozenset(GROUPINGS["replicas"])
-    return axes | {"tp"} if shard_dim(param) is not None else axes
+def flat_placements(
+    zero: ShardedModel, divided: frozenset[str] = frozenset(), tied: Mapping[str, str] | None = None
+) -> list[Placement]:
+    """Each flat group's placement: divided over the replicas ZeRO shards it over (``mesh.replicas``; an
+    expert's ``mesh.expert_replicas`` and ep, whose ranks hold other experts), tp for tensor-parallel
+    shards, and ``divided`` (a pipeline stage's pp); ``tied`` maps a group's first parameter to the one it
+    is a copy of."""
+    placements = []
+    for group, names, expert in zip(zero.groups, zero.param_names, zero.replica_of, strict=True):
+        axes = {*GROUPINGS["expert_replicas"], "ep"} if expert else set(GROUPINGS["replicas"])
+        if shard_dim(group.params[0]) is not None:
+            axes.add("tp")
+        where = Placement(group.name, divided=frozenset(axes | divided), tied_to=(tied or {}).get(names[0]))
+        placements.append(where)
+    return placements

@@ -137,7 +137,7 @@ def _rename(state: dict[str, Any], old: str, new: str) -> None:
         state[new + key[len(old) :]] = state.pop(key)
 
 
-def _strip_prefix(module: nn.Module, state: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+def _strip_prefix(module: nn.Module, state: dict[str, Any], prefix: str, *_: Any) -> None:
     """state_dict post-hook: the wrapped model's keys, and its modules' version metadata (this fresh
     state dict's own, renamed in place), lose ``module.``; its root entry replaces the wrapper's."""
     _rename(state, prefix + _PREFIX, prefix)

@@ -47,8 +47,8 @@ class Tracker:
 
 
 class FlatGroup:
-    """A group of parameters flattened, padded and sharded over ``comm`` (the ranks that replicate them;
-    see :mod:`~meshwise.parallel.zero.replicas`)."""
+    """A group of parameters flattened, padded and sharded over ``comm`` (the ranks that replicate them:
+    an expert's over its own, :mod:`~meshwise.parallel.zero.sharded`)."""
 
     def __init__(
         self,
@@ -70,7 +70,7 @@ class FlatGroup:
         self.persistent = stage < 3  # the full parameters stay gathered between steps
         self.keeps_full_grad = stage == 1  # the ZeRO-1 memory model: unsharded gradients stay
         self.grad_dtype = grad_dtype
-        self.grad_scale = grad_scale  # its replica group's factor on every local gradient (1/ep: experts)
+        self.grad_scale = grad_scale  # the factor on every local gradient (1/ep: experts)
         self.tracker = tracker
         master_dtype, device = self.params[0].dtype, self.params[0].device
         flat = torch.zeros(self.layout.padded_numel, dtype=master_dtype, device=device)

@@ -6,8 +6,8 @@ float32 moments, K = 12; full-precision Adam: K = 8, the parameter being its own
 the optimizer state by N, stage 2 also the gradients, stage 3 also the parameters (the table in
 docs/zero.md). The report matches :func:`zero_formula` *exactly* once Ψ/N is read as the elements a rank
 really holds — Σ⌈Ψ_g/N⌉ over flat groups g — and Ψ as N times that: padding adds fewer than N elements per
-group, a rounding the paper ignores. A model with replica groups (an expert-parallel model's experts) is
-the sum of the table over its groups, each with its own Ψ and N.
+group, a rounding the paper ignores. A model whose experts are sharded over their own replicas is the sum
+of the table over its groups, each with its own Ψ and N.
 
 Optimizer state counts the per-element tensors (Adam's moments, SGD's momentum) and a separate master
 copy; scalar state such as Adam's step counter is left out, as the formulas leave it out.
@@ -112,7 +112,7 @@ def rank_lines(model: ShardedModel, optimizer: torch.optim.Optimizer | None, k: 
     lines = [
         f"rank {r}: {MemoryReport(*v).line()}" for r, v in enumerate(every.view(world_size, -1).tolist())
     ]
-    # the table per flat group (each sharded over its replica group's N), summed
+    # the table per flat group (each sharded over its own replicas' N), summed
     param_bytes = model.groups[0].full.element_size()
     grad_bytes = torch.empty((), dtype=model.groups[0].grad_dtype).element_size()
     parts = [
@@ -121,11 +121,9 @@ def rank_lines(model: ShardedModel, optimizer: torch.optim.Optimizer | None, k: 
         for group in model.groups
     ]  # fmt: skip
     p, g, o = (sum(column) for column in zip(*parts, strict=True))
-    worlds = [
-        f"{'' if index == 0 else replicas.name + ' '}N = {replicas.comm.world_size}"
-        for index, replicas in enumerate(model.replica_groups)
-        if index == 0 or index in model.replica_of
-    ]
+    worlds = [f"N = {model.comm.world_size}"]
+    if 1 in model.replica_of:
+        worlds.append(f"experts N = {model.replica_comms[1].world_size}")
     lines.append(
         f"formula: parameters {format_bytes(p)}, gradients {format_bytes(g)}, optimizer state "
         f"{format_bytes(o)} (total {format_bytes(p + g + o)}; stage {model.stage}, "

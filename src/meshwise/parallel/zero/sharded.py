@@ -15,8 +15,12 @@ its reduced gradient just before the step and, just after it, push the updated s
 copies (stages 1/2 all-gather it; stage 3 gathers it when the unit next runs). An optimizer that still
 holds the original, unsharded parameters is refused at its first step, before it changes anything.
 
-Parameters replicated over other ranks than ``comm`` (an expert-parallel model's experts:
-:mod:`~meshwise.parallel.zero.replicas`) are sharded, reduced and gathered over their own ranks.
+ZeRO shards what is replicated over the ranks that replicate it: under expert parallelism (``experts``)
+a rank's experts are equal only on ``experts.comm`` (dp·cp; the other ep ranks hold other experts), so
+they get flat groups of their own, started from that group's first rank and reduced, gathered and
+checkpointed over it, each local gradient multiplied by 1/ep as it is accumulated (the combine's backward
+all-to-all already summed the ep ranks' tokens into it). The gradient norm stays one sum over ``comm``:
+the ranks of ``comm`` outside ``experts.comm`` hold other experts, so each element counts once.
 ``state_dict()``/``load_state_dict()`` speak the plain model's full state dict (collective); the sharded
 one DCP writes is :mod:`meshwise.parallel.zero.state_dict`'s.
 """
@@ -38,11 +42,11 @@ from torch.utils._pytree import tree_map_only
 from meshwise.comm.api import Communicator, ReduceOp
 from meshwise.parallel.data_parallel.buckets import MIB
 from meshwise.parallel.data_parallel.data import broadcast_tensors
+from meshwise.parallel.expert_parallel.placement import ExpertReplicas, is_expert_parameter
 from meshwise.parallel.zero.flat import FlatGroup, Tracker
 from meshwise.parallel.zero.grads import GradientSync
 from meshwise.parallel.zero.memory import MemoryReport, measure
 from meshwise.parallel.zero.precision import MixedPrecision
-from meshwise.parallel.zero.replicas import ReplicaGroup
 from meshwise.parallel.zero.schedule import UnitSchedule
 from meshwise.parallel.zero.units import ROOT, SeparateBy, default_units, plan_buckets_as_groups, plan_stage3
 from meshwise.world import current_world
@@ -52,40 +56,66 @@ ORIGINAL = "_meshwise_zero_sharded"  # on a module parameter taken over by shard
 
 
 class ShardedModel(nn.Module):
-    """A model whose parameters, gradients and optimizer state are sharded over ``comm`` (:func:`shard`)."""
+    """``module`` with its parameters, gradients and optimizer state sharded over ``comm`` (default: the
+    world's; pass a mesh axis such as ``mesh.dp``).
+
+    ``stage`` 1 shards optimizer state, 2 also gradients, 3 also parameters (gathered per unit: ``units``
+    — a model's plan gives its layers, ``plan.layer_modules(model)`` — or :func:`default_units`).
+    ``mixed_precision``: ``None``/``"fp32"``, ``"bf16"``, ``"fp16"`` or a :class:`MixedPrecision`.
+    ``prefetch``: how many units ahead stage 3 starts gathering. ``bucket_mb``/``first_bucket_mb``:
+    stages 1/2 group sizes (DataParallel's buckets). ``separate_by(name, param)``: parameters with
+    different keys get different flat groups (see :meth:`parameters_where`). ``experts``: an
+    expert-parallel model's experts, sharded over their own replicas (the module docstring). Every
+    argument is checked before any communication.
+    """
 
     def __init__(
         self,
         module: nn.Module,
-        comm: Communicator,
+        comm: Communicator | None = None,
         *,
-        stage: int,
-        mixed_precision: MixedPrecision | None,
-        units: Sequence[nn.Module] | None,
-        reshard_after_forward: bool,
-        prefetch: int,
-        bucket_mb: float,
-        first_bucket_mb: float,
+        stage: int = 3,
+        mixed_precision: MixedPrecision | str | None = None,
+        units: Sequence[nn.Module] | None = None,
+        reshard_after_forward: bool = True,
+        prefetch: int = 1,
+        bucket_mb: float = 25.0,
+        first_bucket_mb: float = 1.0,
         separate_by: SeparateBy | None = None,
-        replica_groups: Sequence[ReplicaGroup] = (),
+        experts: ExpertReplicas | None = None,
     ) -> None:
+        if isinstance(stage, bool) or stage not in (1, 2, 3):
+            raise ValueError(
+                f"stage={stage!r} is not a ZeRO stage: use 1 (optimizer state), 2 (+ gradients) "
+                "or 3 (+ parameters); for plain data parallelism use DataParallel"
+            )
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"shard() takes an nn.Module, got {type(module).__name__}")
+        if isinstance(module, ShardedModel):
+            raise ValueError("this model is already sharded; shard the plain model once")
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+            raise ValueError(f"prefetch must be a whole number of units ≥ 0, got {prefetch!r}")
+        if not (bucket_mb > 0 and first_bucket_mb > 0):
+            raise ValueError(f"bucket sizes must be positive MiB, got {bucket_mb} and {first_bucket_mb}")
+        if units is not None and stage != 3:
+            raise ValueError(f"units only apply to stage 3 (stage {stage} keeps every parameter gathered)")
+        precision = MixedPrecision.parse(mixed_precision)
+        comm = comm if comm is not None else current_world().comm
         super().__init__()
         named = dict(module.named_parameters())
-        _check_parameters(named, mixed_precision)
+        _check_parameters(named, precision)
         self.module = module
         self.comm = comm
         self.stage = stage
-        self.precision = mixed_precision
+        self.precision = precision
         self.tracker = Tracker()
-        #: index 0: the model's own replicas (``comm``, every parameter no other group owns)
-        self.replica_groups = [ReplicaGroup("model", comm, lambda _name, _param: True), *replica_groups]
-        replica_of = {  # 1 + the index of the first replica group that owns a parameter, else 0
-            name: next((i for i, g in enumerate(replica_groups, start=1) if g.owns(name, param)), 0)
-            for name, param in named.items()
-        }
+        #: the ranks each kind of parameter is replicated over: 0, ``comm``; 1, the experts'
+        self.replica_comms = [comm] if experts is None else [comm, experts.comm]
+        replica_of = {name: int(experts is not None and is_expert_parameter(name)) for name in named}
+        grad_scales = (1.0, 1 / experts.ep if experts is not None else 1.0)
 
         def separate(name: str, param: nn.Parameter) -> tuple[int, Any]:
-            """Never one flat group over two replica groups (nor two of the caller's kinds)."""
+            """Never one flat group over two kinds of replicas (nor two of the caller's kinds)."""
             return replica_of[name], separate_by(name, param) if separate_by is not None else None
 
         if stage == 3:
@@ -94,25 +124,25 @@ class ShardedModel(nn.Module):
         else:
             bucket, first = round(bucket_mb * MIB), round(first_bucket_mb * MIB)
             plans = plan_buckets_as_groups(module, bucket, first, separate)
-        # every rank starts from its replica group's first rank's weights (buffers: the model's)
-        members: list[list[torch.Tensor]] = [[] for _ in self.replica_groups]
+        # every rank starts from its replicas' first rank's weights (buffers: the model's)
+        members: list[list[torch.Tensor]] = [[] for _ in self.replica_comms]
         for name, param in named.items():
             members[replica_of[name]].append(param)
         members[0] += list(module.buffers())
-        for replicas, tensors in zip(self.replica_groups, members, strict=True):
-            broadcast_tensors(tensors, replicas.comm)
+        for replicas, tensors in zip(self.replica_comms, members, strict=True):
+            broadcast_tensors(tensors, replicas)
         self.groups: list[FlatGroup] = []
-        #: each flat group's replica group (an index into :attr:`replica_groups`)
+        #: each flat group's replicas (an index into :attr:`replica_comms`: 1 for the experts)
         self.replica_of = [replica_of[plan.names[0]] for plan in plans]
         for index, plan in enumerate(plans):
             params = [named[name] for name in plan.names]
             first = params[0]
-            replicas = self.replica_groups[self.replica_of[index]]
-            compute = mixed_precision.param_dtype if mixed_precision else first.dtype
-            grad = mixed_precision.gradient_dtype if mixed_precision else first.dtype
+            of = self.replica_of[index]
+            compute = precision.param_dtype if precision else first.dtype
+            grad = precision.gradient_dtype if precision else first.dtype
             group = FlatGroup(
-                f"shard{index}", params, replicas.comm, compute_dtype=compute, grad_dtype=grad,
-                stage=stage, tracker=self.tracker, grad_scale=replicas.grad_scale,
+                f"shard{index}", params, self.replica_comms[of], compute_dtype=compute, grad_dtype=grad,
+                stage=stage, tracker=self.tracker, grad_scale=grad_scales[of],
             )  # fmt: skip
             setattr(group.master, OWNER, (weakref.ref(self), index))
             for name, param in zip(plan.names, params, strict=True):
@@ -232,7 +262,7 @@ class ShardedModel(nn.Module):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` of the plain model, on the shards; returns the norm
         (``max_norm=math.inf`` only measures). One reduction over ``comm`` counts every element once, the
-        replica groups' too (:mod:`~meshwise.parallel.zero.replicas`)."""
+        experts' too (the module docstring)."""
         if norm_type not in (2.0, math.inf):
             raise ValueError(f"norm_type must be 2.0 or math.inf, got {norm_type}")
         pending = self.gradient_shards()
@@ -323,53 +353,8 @@ class ShardedModel(nn.Module):
         return nn.modules.module._IncompatibleKeys(missing, unexpected)
 
 
-def shard(
-    model: nn.Module,
-    comm: Communicator | None = None,
-    *,
-    stage: int = 3,
-    mixed_precision: MixedPrecision | str | None = None,
-    units: Sequence[nn.Module] | None = None,
-    reshard_after_forward: bool = True,
-    prefetch: int = 1,
-    bucket_mb: float = 25.0,
-    first_bucket_mb: float = 1.0,
-    separate_by: SeparateBy | None = None,
-    replica_groups: Sequence[ReplicaGroup] = (),
-) -> ShardedModel:
-    """Shard ``model`` over ``comm`` (default: the world's; pass a mesh axis such as ``mesh.dp``).
-
-    ``stage`` 1 shards optimizer state, 2 also gradients, 3 also parameters (gathered per unit: ``units``
-    — a model's plan gives its layers, ``plan.layer_modules(model)`` — or :func:`default_units`).
-    ``mixed_precision``: ``None``/``"fp32"``, ``"bf16"``, ``"fp16"`` or a :class:`MixedPrecision`.
-    ``prefetch``: how many units ahead stage 3 starts gathering. ``bucket_mb``/``first_bucket_mb``:
-    stages 1/2 group sizes (DataParallel's buckets). ``separate_by(name, param)``: parameters with
-    different keys get different flat groups (see :meth:`ShardedModel.parameters_where`).
-    ``replica_groups``: parameters sharded over ranks of their own (:mod:`~.replicas`). Every argument is
-    checked before any communication.
-    """
-    if isinstance(stage, bool) or stage not in (1, 2, 3):
-        raise ValueError(
-            f"stage={stage!r} is not a ZeRO stage: use 1 (optimizer state), 2 (+ gradients) "
-            "or 3 (+ parameters); for plain data parallelism use DataParallel"
-        )
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"shard() takes an nn.Module, got {type(model).__name__}")
-    if isinstance(model, ShardedModel):
-        raise ValueError("this model is already sharded; shard the plain model once")
-    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
-        raise ValueError(f"prefetch must be a whole number of units ≥ 0, got {prefetch!r}")
-    if not (bucket_mb > 0 and first_bucket_mb > 0):
-        raise ValueError(f"bucket sizes must be positive MiB, got {bucket_mb} and {first_bucket_mb}")
-    if units is not None and stage != 3:
-        raise ValueError(f"units only apply to stage 3 (stage {stage} keeps every parameter gathered)")
-    precision = MixedPrecision.parse(mixed_precision)
-    return ShardedModel(
-        model, comm if comm is not None else current_world().comm, stage=stage,
-        mixed_precision=precision, units=units, reshard_after_forward=reshard_after_forward,
-        prefetch=prefetch, bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb, separate_by=separate_by,
-        replica_groups=replica_groups,
-    )  # fmt: skip
+#: the name the docs and callers use: wrapping a model is sharding it
+shard = ShardedModel
 
 
 def _check_parameters(named: Mapping[str, nn.Parameter], precision: MixedPrecision | None) -> None:

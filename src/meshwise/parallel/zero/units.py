@@ -52,8 +52,11 @@ def default_units(model: nn.Module) -> list[nn.Module]:
     return units
 
 
-def _check_units(model: nn.Module, units: Sequence[nn.Module]) -> None:
-    """A clear error for a unit that is not a module of ``model``."""
+def plan_stage3(
+    model: nn.Module, units: Sequence[nn.Module], separate_by: SeparateBy | None = None
+) -> list[GroupPlan]:
+    """Groups per unit (index 1.. in forward order), root (index 0) last, in gradient-ready order. A unit
+    that is not a module of ``model`` is refused."""
     inside = {id(module) for module in model.modules()}
     for index, unit in enumerate(units):
         if not isinstance(unit, nn.Module):
@@ -63,13 +66,6 @@ def _check_units(model: nn.Module, units: Sequence[nn.Module]) -> None:
                 f"units[{index}] ({type(unit).__name__}) is not a submodule of the model being sharded: "
                 "pass modules taken from the model itself (e.g. list(model.blocks))"
             )
-
-
-def plan_stage3(
-    model: nn.Module, units: Sequence[nn.Module], separate_by: SeparateBy | None = None
-) -> list[GroupPlan]:
-    """Groups per unit (index 1.. in forward order), root (index 0) last, in gradient-ready order."""
-    _check_units(model, units)
     named = dict(model.named_parameters())
     owner_of: dict[str, int] = {}
     by_id = {id(p): name for name, p in named.items()}

@@ -1,13 +1,13 @@
 """``meshwise train gpt``'s side of the seam (:mod:`meshwise.train.step`): how the GPT is cut.
 
 The loop (:mod:`meshwise.train.gpt.loop`) asks :func:`parallelize` for a
-:class:`~meshwise.train.step.ParallelStep` and then only calls its methods. :func:`parallelize` applies
-the strategies in one fixed order (tensor → context → experts → pipeline → recomputation → data parallel /
-ZeRO), and :func:`check_supported` refuses, before any rank starts, a combination that cannot be built.
-The data-parallel and ZeRO steps are the model-agnostic :class:`~meshwise.train.step.DataParallelStep` and
-:mod:`meshwise.train.zero_step`'s; what is the GPT's is supplied here — the (vocabulary-parallel) loss and
-a MoE's auxiliary losses (:class:`LayerSharded`), its AdamW groups, expert replicas under ``--ep``, the
-plain GPT's meta shape for the checkpoint layout, and a plain copy for sampling under ``--cp``.
+:class:`~meshwise.train.step.ParallelStep` and then only calls its methods; :func:`check_supported`
+refuses, before any rank starts, a combination that cannot be built. The data-parallel and ZeRO steps are
+model-agnostic (:class:`~meshwise.train.step.DataParallelStep`, :class:`~meshwise.train.zero_step.ZeroStep`);
+what is the GPT's is supplied here: the (vocabulary-parallel) loss and a MoE's auxiliary losses
+(:class:`LayerSharded`), the AdamW groups, the experts' replicas under ``--ep`` (:func:`expert_replicas`),
+ZeRO's flat-group kinds (:func:`tensor_parallel_key`), ``--dtype`` and units (the blocks), the plain GPT's
+meta shape for the checkpoint layout, and a plain copy for sampling under ``--cp``.
 """
 
 from __future__ import annotations
@@ -28,12 +28,14 @@ from meshwise.parallel.context_parallel import apply_context_parallel
 from meshwise.parallel.expert_parallel import ExchangeTimer, ExpertReplicas, apply_expert_parallel
 from meshwise.parallel.plan import ParallelPlan
 from meshwise.parallel.state_dict import PlainLayout
+from meshwise.parallel.tensor_parallel import shard_dim
 from meshwise.train.gpt.config import GPTTrainConfig
 from meshwise.train.gpt.context_parallel import check_context_parallel_config, plain_copy
-from meshwise.train.gpt.optimizer import build_optimizer
+from meshwise.train.gpt.optimizer import build_optimizer, decays, sharded_adamw
 from meshwise.train.gpt.recompute import recompute_step
 from meshwise.train.gpt.resolve import GPTRun
 from meshwise.train.step import DataParallelStep, Local, ParallelStep
+from meshwise.train.zero_step import ZeroStep
 
 
 @dataclass(frozen=True)
@@ -87,19 +89,31 @@ class GPTDataParallelStep(DataParallelStep):
     ``mesh.replicas`` and expert gradients over ``mesh.expert_replicas``."""
 
     def __init__(self, sharded: LayerSharded, mesh: Mesh, config: GPTTrainConfig) -> None:
-        ep = mesh.ep.world_size
-
-        def experts(model: nn.Module) -> nn.Module:
-            return DataParallel(model, mesh.replicas, experts=ExpertReplicas(mesh.expert_replicas, ep))
+        def wrap(model: nn.Module) -> nn.Module:
+            return DataParallel(model, mesh.replicas, experts=expert_replicas(mesh))
 
         optimizer = partial(build_optimizer, config=config.optimizer)
-        dtype = config.model.torch_dtype
-        super().__init__(sharded, mesh, optimizer, dtype, wrap=experts if ep > 1 else None)
+        super().__init__(sharded, mesh, optimizer, config.model.torch_dtype, wrap=wrap)
 
     def sampling_model(self) -> nn.Module:
         """Under ``--cp`` a plain copy (the model's own attention is collective over its cp group)."""
         full = self.full_model()
         return plain_copy(full) if full is self.local and self.mesh.cp.world_size > 1 else full
+
+
+def tensor_parallel_key(name: str, param: nn.Parameter) -> tuple[bool, bool]:
+    """ZeRO's flat groups never mix kinds the step treats apart: AdamW's decayed and undecayed
+    parameters, and tensor-parallel shards and parameters replicated over tp (a group's gradient shard
+    then has one placement, so the global norm counts it exactly once)."""
+    return decays(name, param), shard_dim(param) is not None
+
+
+def expert_replicas(mesh: Mesh) -> ExpertReplicas | None:
+    """Under ``--ep``: the experts, replicated over ``mesh.expert_replicas`` (dp·cp) only, their
+    gradients there averaged and divided by ep (see :mod:`~meshwise.parallel.expert_parallel.placement`);
+    what DataParallel, the pipeline's stage reducers and ZeRO each take as ``experts``."""
+    ep = mesh.ep.world_size
+    return ExpertReplicas(mesh.expert_replicas, ep) if ep > 1 else None
 
 
 def check_supported(run: GPTRun) -> None:
@@ -129,13 +143,12 @@ def parallelize(model: GPT, mesh: Mesh, run: GPTRun) -> ParallelStep:
     5. data parallelism over ``mesh.replicas`` (dp, and cp: ranks with the same weights and other
        tokens) of what the rank holds: DataParallel's bucketed all-reduce
        (:class:`GPTDataParallelStep`), or ZeRO-1/2/3 sharding those (tensor-parallel) parameters further
-       (:class:`~meshwise.train.gpt.zero_step.GPTZeroStep`).
+       (:class:`~meshwise.train.zero_step.ZeroStep`).
 
     So ZeRO shards tensor-parallel shards, never the reverse (Megatron's distributed optimizer; FSDP2
     over DTensor TP).
     """
-    from meshwise.train.gpt.pipeline_step import PipelineStep  # they use LayerSharded (above)
-    from meshwise.train.gpt.zero_step import GPTZeroStep
+    from meshwise.train.gpt.pipeline_step import PipelineStep  # it uses LayerSharded (above)
 
     check_supported(run)
     config = run.config
@@ -145,8 +158,19 @@ def parallelize(model: GPT, mesh: Mesh, run: GPTRun) -> ParallelStep:
     sharded = shard_layers(model, mesh, config)
     if config.mesh.pp > 1:  # 3. (with 5. per stage)
         step: ParallelStep = PipelineStep(sharded, mesh, config)
+    elif config.mesh.zero:
+        step = ZeroStep(
+            sharded,
+            mesh,
+            partial(sharded_adamw, config=config.optimizer),
+            config.mesh.zero,
+            mixed_precision=config.model.dtype,  # fp32 | bf16 | fp16, as shard() spells them
+            separate_by=tensor_parallel_key,
+            units=sharded.plan.layer_modules(sharded.model) if config.mesh.zero == 3 else None,
+            experts=expert_replicas(mesh),
+        )
     else:
-        step = (GPTZeroStep if config.mesh.zero else GPTDataParallelStep)(sharded, mesh, config)
+        step = GPTDataParallelStep(sharded, mesh, config)
     step.plain, step.plain_model = plain, partial(GPT, model.config)
     recompute_step(step.model, config.mesh)  # 4. --recompute: on the blocks this rank runs, whatever cut them
     return step

@@ -32,7 +32,6 @@ from torch import nn
 
 from meshwise.comm.mesh import Mesh
 from meshwise.models.moe import moe_layers
-from meshwise.parallel.expert_parallel import ExpertReplicas
 from meshwise.parallel.pipeline_parallel import theoretical_bubble
 from meshwise.parallel.pipeline_parallel.builder import build_pipeline
 from meshwise.parallel.pipeline_parallel.executor import Event
@@ -43,12 +42,12 @@ from meshwise.parallel.placement import Placement
 from meshwise.parallel.state_dict import Held
 from meshwise.parallel.zero import LossScaler, shard
 from meshwise.parallel.zero.sharded import ShardedModel
+from meshwise.parallel.zero.state_dict import zero_held
 from meshwise.train.gpt.config import GPTTrainConfig
 from meshwise.train.gpt.optimizer import sharded_adamw
-from meshwise.train.gpt.parallelize import LayerSharded, build_optimizer
-from meshwise.train.gpt.zero_step import expert_replicas, tensor_parallel_key
+from meshwise.train.gpt.parallelize import LayerSharded, build_optimizer, expert_replicas, tensor_parallel_key
 from meshwise.train.step import Batch, ParallelStep
-from meshwise.train.zero_step import clip_flat_shards, flat_held, loss_scale_lines, shard_axes
+from meshwise.train.zero_step import clip_flat_shards, flat_placements, loss_scale_lines
 
 
 class StageModule(nn.Module):
@@ -89,7 +88,7 @@ class PipelineStep(ParallelStep):
             # gradients averaged over the replicas (dp·ep·cp), experts over theirs (dp·cp); ZeRO
             # reduce-scatters each stage's itself
             dp=None if config.mesh.zero else mesh.replicas,
-            experts=ExpertReplicas(mesh.expert_replicas, mesh.shape.ep) if mesh.shape.ep > 1 else None,
+            experts=expert_replicas(mesh),
             loss=self._training_loss,
             sequence_shards=tp if config.mesh.sp else 1,
             in_place=True,  # the model is this run's own (and a tp one holds a communicator: no copies)
@@ -158,7 +157,7 @@ class PipelineStep(ParallelStep):
         ranges: each (dp, tp) rank of each stage writes its own."""
         if self.zero is None:
             return super().held()
-        return flat_held(self.zero, self.plain, self.mesh, self._shard_placements)
+        return zero_held(self.zero, self.plain, self.mesh.coordinates["tp"], self._shard_placements)
 
     def summary_lines(self) -> list[str]:
         """fp16: the loss scale and the steps skipped."""
@@ -200,15 +199,7 @@ def stage_zero(
         mixed_precision=precision,
         separate_by=key,
         units=units,
-        replica_groups=expert_replicas(mesh),  # --ep: the stage's experts over their own replicas
+        experts=expert_replicas(mesh),  # --ep: the stage's experts over their own replicas
     )
     optimizer = sharded_adamw(zero, config.optimizer)
-    placements = [
-        Placement(
-            group.name,
-            divided=shard_axes(group.params[0], expert=replicas > 0) | {"pp"},
-            tied_to=copies.get(names[0]),
-        )
-        for group, names, replicas in zip(zero.groups, zero.param_names, zero.replica_of, strict=True)
-    ]
-    return zero, optimizer, placements
+    return zero, optimizer, flat_placements(zero, frozenset({"pp"}), copies)
