@@ -215,7 +215,7 @@ def test_launchers_that_disagree_are_refused_before_any_worker_starts(tmp_path):
     script = _script(tmp_path, "never.py", "raise SystemExit('a worker must not start')\n")
     with NamespaceCluster(nodes=3) as cluster:
         # two launchers claim node 1 of 3 (node 2 never comes): all three refused
-        argvs = [_timed([*_node_args(cluster, min(n, 1), nnodes=3), script]) for n in range(3)]
+        argvs = [_timed([*_node_args(cluster, min(n, 1), 3, tmp_path / str(n)), script]) for n in range(3)]
         refusals = [_refusal(p) for p in [_start(cluster, n, argv) for n, argv in enumerate(argvs)]]
         for code, err, _ in refusals:
             assert code == 2 and len(err) == 1, err
@@ -223,7 +223,7 @@ def test_launchers_that_disagree_are_refused_before_any_worker_starts(tmp_path):
             assert "give each node its own --node-rank in 0..2" in err[0]
         assert min(took for *_, took in refusals) < 5
         # --nnodes 2 on node 0, 3 on node 1
-        argvs = [_timed([*_node_args(cluster, n, nnodes=2 + n), script]) for n in range(2)]
+        argvs = [_timed([*_node_args(cluster, n, 2 + n, tmp_path), script]) for n in range(2)]
         refusals = [_refusal(p) for p in [_start(cluster, n, argv) for n, argv in enumerate(argvs)]]
         for code, err, _ in refusals:
             assert code == 2 and len(err) == 1, err
@@ -244,7 +244,7 @@ def test_launchers_that_disagree_are_refused_before_any_worker_starts(tmp_path):
 def test_a_node_that_cannot_take_part_says_why_in_one_line(tmp_path, variables, master, message):
     script = _script(tmp_path, "never.py", "raise SystemExit('a worker must not start')\n")
     with NamespaceCluster(nodes=2) as cluster:
-        argv = _node_args(cluster, 1)
+        argv = _node_args(cluster, 1, flight=tmp_path)
         if master == "cut":  # node 0 is off the link: its address answers nothing
             cluster.set_link(0, up=False)
         elif master:
