@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import contextlib
+import io
 import multiprocessing as mp
+import subprocess
 import sys
 import sysconfig
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 import meshwise
+from meshwise.cli import main
 from meshwise.runtime.spawn import PRELOAD
 from meshwise.world import World
 
@@ -55,3 +58,19 @@ def text(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("data") / "source.txt"
     path.write_bytes((stdlib / "argparse.py").read_bytes())
     return str(path)
+
+
+def meshwise_here(command: Sequence[str]) -> subprocess.CompletedProcess[str]:
+    """``python -m meshwise ARGS`` (``command``, as a tool would pass it to subprocess) run by this process's
+    ``meshwise.cli.main``: its exit status and what it printed, as ``subprocess.run(..., capture_output=True,
+    text=True)`` returns them.
+
+    For tests of tools that drive the command line in a child process (benchmark scripts, compare's trials):
+    the same command line goes through the same parser and trainer, but its ranks fork from the suite's rank
+    server, which has torch and meshwise imported, where a fresh interpreter would import torch, then start
+    a rank server importing it again, before it trains (6-8 s of a tiny run's 9 s on 2 busy cores)."""
+    assert list(command[:3]) == [sys.executable, "-m", "meshwise"], command
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(command[3:]))
+    return subprocess.CompletedProcess(list(command), code, out.getvalue(), err.getvalue())

@@ -1,14 +1,20 @@
-"""The benchmark scripts behind benchmarks/RESULTS.md still run: tiny sweeps, real processes, JSON checked.
+"""The benchmark scripts behind benchmarks/RESULTS.md still run: tiny sweeps, real rank processes, JSON
+checked.
 
 They are not timed here (performance lives in the benchmarks themselves); these runs catch a script
 that no longer matches the library it measures, and check that what it writes is complete and that the
-compared backends agreed.
+compared backends agreed. bench_shm runs as a script (its rank 0 reports progress on its own stderr); the
+others' ``main()`` run in this process, their ranks forked from the suite's rank server rather than from
+a fresh interpreter's (which would first import torch twice: 5-8 s of each tiny run on 2 cores).
 """
 
+import importlib
 import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
@@ -19,6 +25,15 @@ def _run(script: str, *args: str) -> subprocess.CompletedProcess:
     )
     assert done.returncode == 0, done.stdout + done.stderr
     return done
+
+
+def _main(monkeypatch: pytest.MonkeyPatch, capsys, script: str, *args: str) -> str:
+    """``python benchmarks/SCRIPT ARGS`` as its ``main()`` in this process; what it printed to stdout."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # as for a script: its directory first (for the ranks too)
+    monkeypatch.setattr(sys, "argv", [str(BENCHMARKS / script), *args])
+    capsys.readouterr()
+    assert importlib.import_module(script.removesuffix(".py")).main() in (None, 0)
+    return capsys.readouterr().out
 
 
 def test_bench_shm_writes_a_complete_comparison(tmp_path):
@@ -45,11 +60,12 @@ def test_bench_shm_writes_a_complete_comparison(tmp_path):
     assert "2 ranks: all_reduce done (1/2)" in done.stderr and "broadcast done (2/2)" in done.stderr
 
 
-def test_bench_algorithms_calibrates_then_compares(tmp_path):
+def test_bench_algorithms_calibrates_then_compares(tmp_path, monkeypatch, capsys):
     cal, first, second = tmp_path / "cal.json", tmp_path / "sweep.json", tmp_path / "compare.json"
     common = ["-np", "2", "-b", "4096", "-e", "262144", "-f", "8", "-n", "3", "--rounds", "2"]
-    _run("bench_algorithms.py", *common, "--calibrate", str(cal), "--json", str(first))
-    text = _run("bench_algorithms.py", *common, "--calibration", str(cal), "--json", str(second)).stdout
+    _main(monkeypatch, capsys, "bench_algorithms.py", *common, "--calibrate", str(cal), "--json", str(first))
+    text = _main(monkeypatch, capsys, "bench_algorithms.py", *common, "--calibration", str(cal), "--json",
+                 str(second))  # fmt: skip
     saved = json.loads(cal.read_text())
     assert set(saved["by_world_size"]) == {"2"}
     assert set(saved["intra"]) == {"alpha", "beta", "gamma", "sigma", "delta"}
@@ -62,10 +78,10 @@ def test_bench_algorithms_calibrates_then_compares(tmp_path):
     assert "cost model vs measured (2 ranks)" in text
 
 
-def test_bench_gpt_compares_both_pairs_on_equal_models(tmp_path):
+def test_bench_gpt_compares_both_pairs_on_equal_models(tmp_path, monkeypatch, capsys):
     out = tmp_path / "gpt.json"
-    text = _run("bench_gpt.py", "--config", "gpt-tiny", "--seq-len", "16", "--rounds", "1", "--steps", "1",
-                "--warmup", "1", "--json", str(out)).stdout  # fmt: skip
+    text = _main(monkeypatch, capsys, "bench_gpt.py", "--config", "gpt-tiny", "--seq-len", "16", "--rounds",
+                 "1", "--steps", "1", "--warmup", "1", "--json", str(out))  # fmt: skip
     result = json.loads(out.read_text())
     assert result["one_process"]["max_logit_difference"] < 1e-5  # the plain-torch model is the same one
     assert result["two_ranks"]["max_weight_difference"] < 1e-5  # DDP and ours took the same steps
@@ -77,10 +93,10 @@ def test_bench_gpt_compares_both_pairs_on_equal_models(tmp_path):
     assert "torch DDP on gloo" in text and "rank 0 phases" in text
 
 
-def test_bench_zero_compares_every_configuration_and_they_agree(tmp_path):
+def test_bench_zero_compares_every_configuration_and_they_agree(tmp_path, monkeypatch, capsys):
     out = tmp_path / "zero.json"
-    text = _run("bench_zero.py", "--config", "gpt-tiny", "--seq", "16", "--rounds", "1", "--steps", "1",
-                "--warmup", "0", "--json", str(out)).stdout  # fmt: skip
+    text = _main(monkeypatch, capsys, "bench_zero.py", "--config", "gpt-tiny", "--seq", "16", "--rounds",
+                 "1", "--steps", "1", "--warmup", "0", "--json", str(out))  # fmt: skip
     result = json.loads(out.read_text())
     names = {"fsdp2/gloo", "zero3/gloo", "zero3/shm", "ddp/gloo", "zero1/gloo", "zero2/gloo"}
     assert set(result["ratios"]) == names and set(result["memory"]) == names

@@ -5,15 +5,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+from types import SimpleNamespace
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
+from conftest import meshwise_here
 from meshwise.cli import main, train_auto
 from meshwise.models.gpt import CONFIGS
 from meshwise.plan import ModelSpec, Plan, Precision, Problem, advise
 from meshwise.plan.hardware import PRESETS
+from meshwise.train import trial
 from meshwise.train.compare import compare_runs, parse_layout, weight_divergence
 from meshwise.train.trial import TrialResult, TrialSpec, run_trial
 
@@ -61,13 +65,35 @@ def test_divergence_names_the_first_step_and_tensor(tmp_path) -> None:
         None, 0.0)  # fmt: skip
 
 
+def _layouts_here(monkeypatch) -> list[list[str]]:
+    """Make run_trial run every trial after the first in this process (conftest.meshwise_here), the same
+    command line; the first, the one-process reference, stays a child process as run_trial starts it.
+    Returns the trials' command lines, as they come."""
+    commands: list[list[str]] = []
+
+    def popen(command: list[str], *, stdout, stderr, env):
+        commands.append(command)
+        if len(commands) == 1:
+            return subprocess.Popen(command, stdout=stdout, stderr=stderr, env=env)
+        done = meshwise_here(command)
+        stdout.write(done.stdout)
+        stderr.write(done.stderr)
+        return SimpleNamespace(returncode=done.returncode, wait=lambda timeout: done.returncode)
+
+    here = SimpleNamespace(Popen=popen, TimeoutExpired=subprocess.TimeoutExpired)
+    monkeypatch.setattr(trial, "subprocess", here)
+    return commands
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_two_layouts_on_two_ranks_match_one_process(tmp_path, capsys) -> None:
+def test_two_layouts_on_two_ranks_match_one_process(tmp_path, capsys, monkeypatch) -> None:
     out = tmp_path / "compare.json"
+    commands = _layouts_here(monkeypatch)
     code = main(["compare", "dp2", "tp2", "--steps", "2", "--global-batch", "4", "--json", str(out)])
     data = json.loads(out.read_text())
     assert code == 0, capsys.readouterr()
+    assert [command[command.index("-np") + 1] for command in commands] == ["1", "2", "2"]
     assert [row["layout"] for row in data["layouts"]] == ["dp2", "tp2"]
     for row in data["layouts"]:
         assert row["passed"] and len(row["max_delta"]) == 2 and row["tensor_delta"] <= data["tolerance"]

@@ -3,17 +3,19 @@ MoE GPT against the dense one; ep2, ep4 and ep2·dp2 against one process (tests/
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
-import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from tests.moe_checks import CONFIG, checkpoint_across_ep, run_checks
 
+from conftest import meshwise_here
 from meshwise.models.gpt import CONFIGS, GPT, GPTConfig, language_model_loss
 from meshwise.models.moe import (
     combine,
@@ -27,6 +29,7 @@ from meshwise.parallel.expert_parallel import check_expert_parallel, local_exper
 from meshwise.parallel.expert_parallel.exchange import expert_major_order
 from meshwise.runtime.spawn import spawn
 
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 #: fp32, rank-local sums over tokens in another order (experts see the ranks' rows concatenated): a few
 #: units in the last place of values of order 1, nothing else
 TOLERANCE = 1e-6
@@ -211,18 +214,19 @@ def test_ep2_dp2_equals_one_process() -> None:
 
 
 @pytest.mark.slow
-def test_bench_moe_script_writes_every_layout(tmp_path) -> None:
+def test_bench_moe_script_writes_every_layout(tmp_path, monkeypatch) -> None:
     """benchmarks/bench_moe.py still runs (not timed here): every layout through the trainer, ep2 holding
-    half the experts and reporting its dispatch + combine share, ZeRO-3 on it holding less again."""
+    half the experts and reporting its dispatch + combine share, ZeRO-3 on it holding less again. The
+    script's ``meshwise train gpt`` jobs run their command lines in this process (conftest.meshwise_here)."""
     out = tmp_path / "moe.json"
-    script = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_moe.py"
+    spec = importlib.util.spec_from_file_location("bench_moe", BENCHMARKS / "bench_moe.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setattr(bench, "subprocess", SimpleNamespace(run=lambda command, **_: meshwise_here(command)))
     args = ["--hidden", "32", "--seq-len", "8", "--batch", "2", "--backend", "gloo", "--rounds", "1"]
     args += ["--layouts", "dp2,ep2,zero3-ep2"]
-    done = subprocess.run(
-        [sys.executable, str(script), *args, "--steps", "2", "--json", str(out)],
-        capture_output=True, text=True, timeout=110,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stdout + done.stderr
+    monkeypatch.setattr(sys, "argv", ["bench_moe.py", *args, "--steps", "2", "--json", str(out)])
+    bench.main()
     rows = {row["layout"]: row for row in json.loads(out.read_text())["rows"]}
     assert set(rows) == {"dp2", "ep2", "zero3-ep2"}
     assert all(row["tokens_per_second"] > 0 for row in rows.values())

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from meshwise.cli import main
 from netns import NamespaceCluster, namespaces_unavailable
 
 pytestmark = pytest.mark.skipif(bool(namespaces_unavailable()), reason=str(namespaces_unavailable()))
@@ -68,9 +69,14 @@ def _script(tmp_path: Path, name: str, body: str) -> str:
     return str(path)
 
 
-def _node_args(cluster: NamespaceCluster, node: int, nnodes: int = 2) -> list[str]:
+def _node_args(
+    cluster: NamespaceCluster, node: int, nnodes: int = 2, flight: Path | None = None
+) -> list[str]:
+    """``meshwise run`` on ``node``; with ``flight``, its flight reports go to ``flight/node<N>`` (not
+    /tmp), one directory per launcher as on separate machines."""
     master = cluster.addresses[0]
-    return [*_MESHWISE, "run", "--nnodes", str(nnodes), "--node-rank", str(node), "--master-addr", master]
+    argv = [*_MESHWISE, "run", "--nnodes", str(nnodes), "--node-rank", str(node), "--master-addr", master]
+    return argv if flight is None else [*argv, "--flight-dir", str(flight / f"node{node}")]
 
 
 def _start(cluster, node, argv, env=None):
@@ -79,11 +85,21 @@ def _start(cluster, node, argv, env=None):
     )
 
 
-def _both(cluster, tail, timeout=110.0, extra=()):
+def _both(cluster, tail, timeout=110.0, extra=(), flight=None):
     """Run ``meshwise run --nnodes 2 ... -np 2 TAIL`` on both nodes; their (returncode, out, err)."""
-    procs = [_start(cluster, n, [*_node_args(cluster, n), *extra, "-np", "2", *tail]) for n in range(2)]
+    argvs = [[*_node_args(cluster, n, flight=flight), *extra, "-np", "2", *tail] for n in range(2)]
+    procs = [_start(cluster, n, argv) for n, argv in enumerate(argvs)]
     outputs = [p.communicate(timeout=timeout) for p in procs]
     return [(p.returncode, *output) for p, output in zip(procs, outputs, strict=True)]
+
+
+def _one_host(capsys, argv: list[str]) -> str:
+    """``meshwise ARGV -np 4`` in this process, on this host: the one-host reference and its stdout. Its 4
+    ranks form the same gloo ring as the two nodes' (the same reduction order) but are forked from the
+    suite's rank server, which has torch and meshwise imported, instead of from a fresh interpreter."""
+    capsys.readouterr()
+    assert main([*argv, "-np", "4"]) == 0, capsys.readouterr().err
+    return capsys.readouterr().out
 
 
 def _summary(out: str, *keys: str) -> list[str]:
@@ -111,47 +127,47 @@ def test_all_reduce_across_two_nodes_with_nothing_set(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)  # a one-host reference and a two-node run, 4 ranks each, on busy cores
-def test_train_cnn_across_nodes_restarts_from_its_checkpoint_and_equals_one_host(tmp_path):
+def test_train_cnn_across_nodes_restarts_from_its_checkpoint_and_equals_one_host(tmp_path, capsys):
     """`--max-restarts 1`: rank 3 (node 1) dies after the first checkpoint; both nodes restart, resume,
     and end with the loss and accuracy of one host training straight through (same gloo ring over 4
     ranks, same reduction order: equal to the printed digits)."""
     train = ["train", "cnn", "--epochs", "4", "--backend", "gloo"]
     crash = _script(tmp_path, "crash_once.py", CRASH_ONCE)
     keys = ("Final train loss", "Validation accuracy")
+    one_host = _one_host(capsys, train)
     with NamespaceCluster(nodes=2) as cluster:
-        one_host = cluster.run(0, [*_MESHWISE, *train, "-np", "4"], timeout=110, env=_ENV)
-        assert one_host.returncode == 0, one_host.stderr
         ckpt = str(tmp_path / "ckpt")
-        results = _both(cluster, [crash, ckpt, *train, "--checkpoint", ckpt], extra=["--max-restarts", "1"])
+        tail = [crash, ckpt, *train, "--checkpoint", ckpt]
+        results = _both(cluster, tail, extra=["--max-restarts", "1"], flight=tmp_path)
     for code, _, err in results:
         assert code == 0, err
         assert "restarting the workers of all 2 nodes (restart 1 of 1) after: node 1's rank 3 failed" in err
     node0_out = results[0][1]
     assert "resumed after epoch" in node0_out
-    assert _summary(node0_out, *keys) == _summary(one_host.stdout, *keys) != []
+    assert _summary(node0_out, *keys) == _summary(one_host, *keys) != []
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)  # a one-host reference and a two-node run, 4 ranks each, on busy cores
-def test_train_gpt_tensor_parallel_inside_nodes_data_parallel_across(tmp_path):
+def test_train_gpt_tensor_parallel_inside_nodes_data_parallel_across(capsys):
     data = str(Path(textwrap.__file__))
     gpt = ["train", "gpt", "--tp", "2", "--config", "gpt-tiny", "--data", data, "--seq-len", "32",
            "--global-batch", "4", "--steps", "3", "--backend", "gloo"]  # fmt: skip
     keys = ("Final train loss", "Validation loss")
+    one_host = _one_host(capsys, gpt)
     with NamespaceCluster(nodes=2) as cluster:
-        one_host = cluster.run(0, [*_MESHWISE, *gpt, "-np", "4"], timeout=110, env=_ENV)
-        assert one_host.returncode == 0, one_host.stderr
         (code, out, err), (code1, _, err1) = _both(cluster, ["--no-python", *_MESHWISE, *gpt])
     assert code == code1 == 0, err + err1
     assert "mesh dp=2 tp=2" in out
-    assert _summary(out, *keys) == _summary(one_host.stdout, *keys) != []
+    assert _summary(out, *keys) == _summary(one_host, *keys) != []
 
 
 @pytest.mark.slow
 def test_a_lost_node_stops_the_other_within_30_s_naming_it(tmp_path):
     script = _script(tmp_path, "loop.py", LOOP)
     with NamespaceCluster(nodes=2) as cluster:
-        procs = [_start(cluster, n, [*_node_args(cluster, n), "-np", "2", script]) for n in range(2)]
+        argvs = [[*_node_args(cluster, n, flight=tmp_path), "-np", "2", script] for n in range(2)]
+        procs = [_start(cluster, n, argv) for n, argv in enumerate(argvs)]
         assert procs[1].stdout.readline().strip().endswith("running")
         cluster.kill_all(1)
         lost = time.monotonic()
@@ -164,6 +180,7 @@ def test_a_lost_node_stops_the_other_within_30_s_naming_it(tmp_path):
     assert "ranks 0,1 failed in all_reduce(float32[4], sum)" in err
     assert "ranks 2,3 sent no records" in err
     report = err.split("full report with every rank's recent ops and Python stacks: ")[1].split()[0]
+    assert Path(report).parent == tmp_path / "node0"
     assert "== rank 3: no dump" in Path(report).read_text()
     assert err.rstrip().endswith("the job failed: node 1 (ranks 2-3) lost: its launcher's connection closed "
                                  "(the launcher or its machine died)")  # fmt: skip
@@ -198,7 +215,7 @@ def test_launchers_that_disagree_are_refused_before_any_worker_starts(tmp_path):
     script = _script(tmp_path, "never.py", "raise SystemExit('a worker must not start')\n")
     with NamespaceCluster(nodes=3) as cluster:
         # two launchers claim node 1 of 3 (node 2 never comes): all three refused
-        argvs = [_timed([*_node_args(cluster, min(n, 1), nnodes=3), script]) for n in range(3)]
+        argvs = [_timed([*_node_args(cluster, min(n, 1), 3, tmp_path / str(n)), script]) for n in range(3)]
         refusals = [_refusal(p) for p in [_start(cluster, n, argv) for n, argv in enumerate(argvs)]]
         for code, err, _ in refusals:
             assert code == 2 and len(err) == 1, err
@@ -206,7 +223,7 @@ def test_launchers_that_disagree_are_refused_before_any_worker_starts(tmp_path):
             assert "give each node its own --node-rank in 0..2" in err[0]
         assert min(took for *_, took in refusals) < 5
         # --nnodes 2 on node 0, 3 on node 1
-        argvs = [_timed([*_node_args(cluster, n, nnodes=2 + n), script]) for n in range(2)]
+        argvs = [_timed([*_node_args(cluster, n, 2 + n, tmp_path), script]) for n in range(2)]
         refusals = [_refusal(p) for p in [_start(cluster, n, argv) for n, argv in enumerate(argvs)]]
         for code, err, _ in refusals:
             assert code == 2 and len(err) == 1, err
@@ -227,7 +244,7 @@ def test_launchers_that_disagree_are_refused_before_any_worker_starts(tmp_path):
 def test_a_node_that_cannot_take_part_says_why_in_one_line(tmp_path, variables, master, message):
     script = _script(tmp_path, "never.py", "raise SystemExit('a worker must not start')\n")
     with NamespaceCluster(nodes=2) as cluster:
-        argv = _node_args(cluster, 1)
+        argv = _node_args(cluster, 1, flight=tmp_path)
         if master == "cut":  # node 0 is off the link: its address answers nothing
             cluster.set_link(0, up=False)
         elif master:
@@ -244,21 +261,26 @@ def test_doctor_runs_the_same_checks_from_a_node():
 
     def doctor(cluster, **variables):
         argv = [*_MESHWISE, "doctor", "-np", "2", "--json", "--master-addr", cluster.addresses[0]]
-        done = cluster.run(1, argv, timeout=60, env={**_ENV, **variables})
-        checks = json.loads(done.stdout)["checks"]
-        return done.returncode, {c["name"]: c for c in checks if c["name"] in ("route to master", "master")}
+        return _start(cluster, 1, argv, env={**_ENV, **variables})
+
+    def findings(proc):
+        out, _ = proc.communicate(timeout=60)
+        checks = json.loads(out)["checks"]
+        return proc.returncode, {c["name"]: c for c in checks if c["name"] in ("route to master", "master")}
 
     with NamespaceCluster(nodes=2) as cluster:
-        code, found = doctor(cluster)
+        # the first two at once: each is one process, mostly importing torch on one core of two
+        plain, loopback = doctor(cluster), doctor(cluster, GLOO_SOCKET_IFNAME="lo")
+        code, found = findings(plain)
         route = found["route to master"]
         assert route["status"] == found["master"]["status"] == "pass", found
         assert f"10.231.0.2 on {cluster.interfaces[1]} leads to 10.231.0.1" in route["detail"]
-        code, found = doctor(cluster, GLOO_SOCKET_IFNAME="lo")
+        code, found = findings(loopback)
         route = found["route to master"]
         assert code == 1 and route["status"] == "fail"
         assert route["detail"].startswith("GLOO_SOCKET_IFNAME=lo is the loopback interface")
         assert route["fix"].startswith("unset it")
         cluster.set_link(0, up=False)
-        code, found = doctor(cluster)
+        code, found = findings(doctor(cluster))
         assert code == 1 and found["master"]["status"] == "fail"
         assert found["master"]["detail"].startswith("cannot reach the master 10.231.0.1:29501 from this node")
