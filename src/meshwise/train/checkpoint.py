@@ -39,6 +39,7 @@ from typing import Any
 import torch.distributed.checkpoint as dcp
 
 from meshwise.runtime.env import detect_launch_env
+from meshwise.train.checkpoint_check import check_dcp_checkpoint
 
 RUN_FILE = "run.json"
 TRAIN_FORMAT = "meshwise-train/2"
@@ -194,6 +195,16 @@ def resumed_directory(checkpoint: str | None, resume: bool) -> Path | None:
         )
     check_writable(directory)
     return None
+
+
+def check_resumable(directory: Path, step: int, where: Path, flag: str, done: int, total: int) -> None:
+    """The last checks of a run to resume (``where`` names it): ``done`` of ``flag``'s ``total`` leaves
+    some to train, and its ``step`` is intact (read without building tensors)."""
+    if done >= total:
+        raise ValueError(
+            f"{where} has already completed {done} of {flag} {total}; pass a larger {flag} to train further"
+        )
+    check_dcp_checkpoint(step_dir(directory, step))
 
 
 def resume_requested(checkpoint: str | None, resume: bool) -> bool:
