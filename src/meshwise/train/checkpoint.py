@@ -134,15 +134,6 @@ def stale_steps(directory: str | Path, target: Path, keep: int) -> list[Path]:
     return [p for p in Path(directory).glob("step-*") if p != target and p not in kept]
 
 
-def load(
-    directory: str | Path, state: dict[str, Any], format: str | tuple[str, ...], what: str = ""
-) -> dict[str, Any]:
-    """Fill ``state`` (tensors in place) from the checkpoint run.json names; return run.json."""
-    run = read_run(directory, format, what)
-    dcp.load(state, checkpoint_id=str(step_dir(directory, run["step"])))
-    return run
-
-
 def read_train_run(directory: str | Path) -> dict[str, Any]:
     """``train mlp|cnn|deep-mlp``'s run.json, checked to hold every key a resume reads."""
     run = read_run(directory, TRAIN_FORMAT, "training ")
