@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import meshwise
@@ -104,7 +105,8 @@ def test_a_save_repoints_run_json_and_leaves_only_the_latest_step(tmp_path):
     assert path == tmp_path / "step-000008"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run.json", "step-000008"]
     state = {"model": {"w": torch.zeros(3)}}
-    assert checkpoint.load(tmp_path, state, "f/1") == {"format": "f/1", "step": 8, "epoch": 2}
+    assert checkpoint.read_run(tmp_path, "f/1") == {"format": "f/1", "step": 8, "epoch": 2}
+    dcp.load(state, checkpoint_id=str(path))
     assert torch.equal(state["model"]["w"], torch.full((3,), 8.0))
 
 

@@ -39,6 +39,7 @@ from typing import Any
 import torch.distributed.checkpoint as dcp
 
 from meshwise.runtime.env import detect_launch_env
+from meshwise.train.checkpoint_check import check_dcp_checkpoint
 
 RUN_FILE = "run.json"
 TRAIN_FORMAT = "meshwise-train/2"
@@ -133,15 +134,6 @@ def stale_steps(directory: str | Path, target: Path, keep: int) -> list[Path]:
     return [p for p in Path(directory).glob("step-*") if p != target and p not in kept]
 
 
-def load(
-    directory: str | Path, state: dict[str, Any], format: str | tuple[str, ...], what: str = ""
-) -> dict[str, Any]:
-    """Fill ``state`` (tensors in place) from the checkpoint run.json names; return run.json."""
-    run = read_run(directory, format, what)
-    dcp.load(state, checkpoint_id=str(step_dir(directory, run["step"])))
-    return run
-
-
 def read_train_run(directory: str | Path) -> dict[str, Any]:
     """``train mlp|cnn|deep-mlp``'s run.json, checked to hold every key a resume reads."""
     run = read_run(directory, TRAIN_FORMAT, "training ")
@@ -194,6 +186,16 @@ def resumed_directory(checkpoint: str | None, resume: bool) -> Path | None:
         )
     check_writable(directory)
     return None
+
+
+def check_resumable(directory: Path, step: int, where: Path, flag: str, done: int, total: int) -> None:
+    """The last checks of a run to resume (``where`` names it): ``done`` of ``flag``'s ``total`` leaves
+    some to train, and its ``step`` is intact (read without building tensors)."""
+    if done >= total:
+        raise ValueError(
+            f"{where} has already completed {done} of {flag} {total}; pass a larger {flag} to train further"
+        )
+    check_dcp_checkpoint(step_dir(directory, step))
 
 
 def resume_requested(checkpoint: str | None, resume: bool) -> bool:

@@ -8,8 +8,7 @@ import torch
 
 from meshwise.comm.factory import check_backend_here
 from meshwise.data.mnist import find_mnist_files
-from meshwise.train.checkpoint import check_writable, read_train_run, resumed_directory, run_file, step_dir
-from meshwise.train.checkpoint_check import check_dcp_checkpoint
+from meshwise.train import checkpoint
 from meshwise.train.config import TrainConfig
 
 
@@ -32,17 +31,12 @@ def _check_checkpoint(config: TrainConfig) -> None:
     """A resumed run must find an intact checkpoint of this model with epochs left (a new run's directory
     is checked by :func:`resumed_directory`). Any world size and any ``--zero`` stage resumes it (DCP
     reshards)."""
-    directory = resumed_directory(config.output.checkpoint, config.output.resume)
+    directory = checkpoint.resumed_directory(config.output.checkpoint, config.output.resume)
     if directory is None:
         return
-    path = run_file(directory)
-    run = read_train_run(directory)
+    path = checkpoint.run_file(directory)
+    run = checkpoint.read_train_run(directory)
     if run["model"] != config.model:
         raise ValueError(f"{path} holds a {run['model']!r} run, not {config.model!r}")
-    if run["epoch"] >= config.total_epochs:
-        raise ValueError(
-            f"{path} has already completed {run['epoch']} of --epochs {config.total_epochs}; "
-            "pass a larger --epochs to train further"
-        )
-    check_dcp_checkpoint(step_dir(directory, run["step"]))  # intact, read without building tensors
-    check_writable(directory)
+    checkpoint.check_resumable(directory, run["step"], path, "--epochs", run["epoch"], config.total_epochs)
+    checkpoint.check_writable(directory)

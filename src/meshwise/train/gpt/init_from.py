@@ -22,15 +22,8 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
-import torch
-
 from meshwise.models.gpt import GPT, GPTConfig, gpt_config
-from meshwise.models.gpt_hf import (
-    config_from_state_dict,
-    from_hf_state_dict,
-    read_state_dict,
-    weights_file,
-)
+from meshwise.models.gpt_hf import config_from_state_dict, from_hf_state_dict, read_state_dict, weights_file
 
 #: what a GPT-2 ``config.json`` calls our architecture fields
 _HF_NAMES = {
@@ -44,27 +37,6 @@ _HF_NAMES = {
 
 def describe(config: GPTConfig) -> str:
     return ", ".join(f"{name} {getattr(config, name)}" for name in _HF_NAMES)
-
-
-def _shapes(file: Path) -> dict[str, torch.Tensor]:
-    """The state dict of ``file`` with its tensors not read: meta tensors (safetensors header) or a
-    memory map, so that checking a 500 MB checkpoint before launch costs milliseconds."""
-    if file.suffix == ".safetensors":
-        try:
-            from safetensors import safe_open
-        except ImportError:
-            raise ImportError(
-                f"reading {file} needs the safetensors package: pip install safetensors"
-            ) from None
-        with safe_open(str(file), framework="pt") as handle:
-            return {
-                key: torch.empty(handle.get_slice(key).get_shape(), device="meta")
-                for key in handle.keys()  # noqa: SIM118 (not a dict)
-            }
-    try:
-        return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-    except RuntimeError:  # the legacy (non-zip) format cannot be mapped
-        return torch.load(file, map_location="cpu", weights_only=True)
 
 
 #: config.json fields that change the function a GPT-2 computes, with the values our model computes;
@@ -124,7 +96,9 @@ def init_model_config(path: str, name: str | None, overrides: dict[str, int | No
     heads = asked.heads if asked is not None else overrides.get("heads")
     declared = _from_config_json(Path(path))
     try:
-        config = config_from_state_dict(_shapes(file), declared.heads if declared else heads or 1)
+        config = config_from_state_dict(
+            read_state_dict(file, meta=True), declared.heads if declared else heads or 1
+        )
     except ValueError as exc:
         raise ValueError(f"--init-from {path}: {exc}") from None
     if declared is None and heads is None:

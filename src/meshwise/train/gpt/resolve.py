@@ -18,8 +18,7 @@ from meshwise.data.tokens import load_tokens
 from meshwise.data.windows import TokenSplits
 from meshwise.models.gpt import GPTConfig, gpt_config
 from meshwise.runtime.env import plan_ranks
-from meshwise.train.checkpoint import GPT_READS, read_run, resumed_directory, step_dir
-from meshwise.train.checkpoint_check import check_dcp_checkpoint
+from meshwise.train.checkpoint import GPT_READS, check_resumable, read_run, resumed_directory
 from meshwise.train.gpt.config import CPU_SEQ_LEN, DEFAULT_MODEL, GPTTrainConfig
 from meshwise.train.gpt.moe import moe_overrides
 
@@ -177,10 +176,5 @@ def _check_checkpoint(run: GPTRun) -> None:
                 f"{directory} was trained with {key} {saved_run['run'][key]}, not {value}: resume "
                 "with the same value (the data order depends on it)"
             )
-    steps = config.optimizer.steps
-    if saved_run["step"] >= steps:
-        raise ValueError(
-            f"{directory} has already completed {saved_run['step']} of --steps {steps}; pass a larger "
-            "--steps to train further"
-        )
-    check_dcp_checkpoint(step_dir(directory, saved_run["step"]))  # one line naming a damaged file
+    step = saved_run["step"]
+    check_resumable(directory, step, directory, "--steps", step, config.optimizer.steps)

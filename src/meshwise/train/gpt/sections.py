@@ -128,10 +128,8 @@ class OptimizerSection:
         for flag, value in (("--beta1", self.beta1), ("--beta2", self.beta2)):
             if not 0.0 <= value < 1.0:
                 raise ValueError(f"{flag} must be in [0, 1), got {value}")
-        if not (math.isfinite(self.eps) and self.eps > 0):
-            raise ValueError(f"--eps must be a positive number, got {self.eps}")
-        for flag, value in (("--lr", self.lr), ("--min-lr", self.min_lr)):
-            if not (math.isfinite(value) and value >= 0) or (flag == "--lr" and value == 0):
+        for flag, value in (("--eps", self.eps), ("--lr", self.lr), ("--min-lr", self.min_lr)):
+            if not (math.isfinite(value) and value >= 0) or (flag != "--min-lr" and value == 0):
                 raise ValueError(f"{flag} must be a positive number, got {value}")
         if self.min_lr > self.lr:
             raise ValueError(f"--min-lr {self.min_lr} is above --lr {self.lr}: the cosine decays to it")
