@@ -25,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint as dcp
 
 import meshwise
 from meshwise.comm.api import ReduceOp
@@ -80,7 +81,8 @@ def _timed(world: meshwise.World, work: Callable[..., object], *args: object, **
 def _load(loader: ParallelStep, directory: Path) -> None:
     """What ``--resume`` does: fill the runner's own state template from the checkpoint, then apply it."""
     template = loader.state_dict()
-    checkpoint.load(directory, template, checkpoint.GPT_READS, "GPT ")
+    run = checkpoint.read_run(directory, checkpoint.GPT_READS, "GPT ")
+    dcp.load(template, checkpoint_id=str(checkpoint.step_dir(directory, run["step"])))
     loader.load_state_dict(template)
 
 
