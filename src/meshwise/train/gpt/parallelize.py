@@ -31,7 +31,7 @@ from meshwise.parallel.state_dict import PlainLayout
 from meshwise.parallel.tensor_parallel import shard_dim
 from meshwise.train.gpt.config import GPTTrainConfig
 from meshwise.train.gpt.context_parallel import check_context_parallel_config, plain_copy
-from meshwise.train.gpt.optimizer import build_optimizer, decays, sharded_adamw
+from meshwise.train.gpt.optimizer import build_optimizer, decays
 from meshwise.train.gpt.recompute import recompute_step
 from meshwise.train.gpt.resolve import GPTRun
 from meshwise.train.step import DataParallelStep, Local, ParallelStep
@@ -162,7 +162,7 @@ def parallelize(model: GPT, mesh: Mesh, run: GPTRun) -> ParallelStep:
         step = ZeroStep(
             sharded,
             mesh,
-            partial(sharded_adamw, config=config.optimizer),
+            partial(build_optimizer, config=config.optimizer),
             config.mesh.zero,
             mixed_precision=config.model.dtype,  # fp32 | bf16 | fp16, as shard() spells them
             separate_by=tensor_parallel_key,
