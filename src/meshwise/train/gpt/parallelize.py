@@ -27,12 +27,13 @@ from meshwise.parallel import DataParallel
 from meshwise.parallel.context_parallel import apply_context_parallel
 from meshwise.parallel.expert_parallel import ExchangeTimer, ExpertReplicas, apply_expert_parallel
 from meshwise.parallel.plan import ParallelPlan
+from meshwise.parallel.protocols import recomputable_blocks
+from meshwise.parallel.recompute import apply_recompute
 from meshwise.parallel.state_dict import PlainLayout
 from meshwise.parallel.tensor_parallel import shard_dim
 from meshwise.train.gpt.config import GPTTrainConfig
 from meshwise.train.gpt.context_parallel import check_context_parallel_config
 from meshwise.train.gpt.optimizer import build_optimizer, decays
-from meshwise.train.gpt.recompute import recompute_step
 from meshwise.train.gpt.resolve import GPTRun
 from meshwise.train.step import DataParallelStep, Local, ParallelStep
 from meshwise.train.zero_step import ZeroStep
@@ -172,5 +173,6 @@ def parallelize(model: GPT, mesh: Mesh, run: GPTRun) -> ParallelStep:
     else:
         step = GPTDataParallelStep(sharded, mesh, config)
     step.plain, step.plain_model = plain, partial(GPT, model.config)
-    recompute_step(step.model, config.mesh)  # 4. --recompute: on the blocks this rank runs, whatever cut them
+    # 4. --recompute: on the blocks this rank runs, whatever cut them ("none" keeps plain forwards)
+    apply_recompute(recomputable_blocks(step.model), config.mesh.recompute, config.mesh.recompute_layers)
     return step
