@@ -1,5 +1,6 @@
-"""``train gpt --cp N``: context parallelism's checks before launch, and the cut of each batch into this
-rank's tokens (the model side is :func:`~meshwise.parallel.context_parallel.apply_context_parallel`).
+"""``train gpt --cp N``: context parallelism's checks before launch (the model side is
+:func:`~meshwise.parallel.context_parallel.apply_context_parallel`; the loop cuts each batch into this
+rank's tokens with :func:`~meshwise.parallel.context_parallel.split_sequence`).
 
 Every cp rank reads the same sequences as the rest of its group (``mesh.batch`` leaves ``cp`` out) and
 keeps chunks ``r`` and ``2·cp−1−r`` of each, inputs and targets alike: as many tokens on every cp rank, so
@@ -8,11 +9,7 @@ averaging losses and gradients over ``mesh.replicas`` (dp·ep·cp) gives the glo
 
 from __future__ import annotations
 
-import torch
-
-from meshwise.comm.mesh import Mesh
-from meshwise.models.gpt import GPT
-from meshwise.parallel.context_parallel import check_context_parallel, split_sequence
+from meshwise.parallel.context_parallel import check_context_parallel
 from meshwise.train.gpt.resolve import GPTRun
 
 
@@ -28,16 +25,3 @@ def check_context_parallel_config(run: GPTRun) -> None:
         # the load-balancing loss of a rank's tokens is not the sequence's: the router's statistics would
         # have to be summed over the cp group first (Megatron sums them over tp·cp)
         raise ValueError("--experts with --cp is not built yet: drop --cp or --experts")
-
-
-def local_tokens(x: torch.Tensor, mesh: Mesh) -> torch.Tensor:
-    """This rank's chunks (of ``2·cp``) of every sequence of a (batch, seq) tensor: tokens or targets."""
-    return split_sequence(x, mesh.cp.world_size, mesh.cp.rank)
-
-
-def plain_copy(model: GPT) -> GPT:
-    """A plain GPT with ``model``'s weights (a context-parallel model's attention is collective over its
-    cp group, so ``--sample`` on rank 0 alone generates with this copy; the names are the same)."""
-    copy = GPT(model.config).to(next(model.parameters()).device)
-    copy.load_state_dict(model.state_dict())
-    return copy

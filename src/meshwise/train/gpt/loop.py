@@ -26,12 +26,12 @@ from meshwise.data.tokens import ByteTokenizer
 from meshwise.data.windows import lockstep_val_batches, train_batch
 from meshwise.models.gpt import GPT
 from meshwise.models.gpt_hf import save_hf_gpt2
+from meshwise.parallel.context_parallel import split_sequence
 from meshwise.runtime.cores import available_cores
 from meshwise.train import checkpoint, random_state
 from meshwise.train.checkpoint import GPT_FORMAT, GPT_READS
 from meshwise.train.errors import TrainingError, launch, train_on_rank
 from meshwise.train.gpt.config import GPTTrainConfig
-from meshwise.train.gpt.context_parallel import local_tokens
 from meshwise.train.gpt.init_from import load_weights
 from meshwise.train.gpt.moe import moe_banner, router_report
 from meshwise.train.gpt.parallelize import parallelize
@@ -167,7 +167,8 @@ class GPTTrainer(Lifecycle):
         inputs, targets = train_batch(
             self.splits, self.seq_len, data.global_batch, data.seed, step, self.dp_rank, self.dp
         )
-        inputs, targets = local_tokens(inputs, self.mesh), local_tokens(targets, self.mesh)
+        cp = self.mesh.cp
+        inputs, targets = (split_sequence(t, cp.world_size, cp.rank) for t in (inputs, targets))
         device = self.world.device
         return [
             (x.to(device), y.to(device))
@@ -215,10 +216,11 @@ class GPTTrainer(Lifecycle):
         collective)."""
         self.step_runner.model.eval()
         totals = torch.zeros(2, dtype=torch.float64)
+        cp = self.mesh.cp
         for inputs, targets, counted in lockstep_val_batches(
             self.splits, self.seq_len, self.config.data.eval_windows, self.micro_batch, self.dp_rank, self.dp
         ):
-            inputs, targets = local_tokens(inputs, self.mesh), local_tokens(targets, self.mesh)
+            inputs, targets = (split_sequence(t, cp.world_size, cp.rank) for t in (inputs, targets))
             loss = self.step_runner.eval_loss_sum(inputs.to(self.world.device), targets.to(self.world.device))
             if counted:
                 totals += torch.tensor([loss.item(), targets.numel()], dtype=torch.float64)

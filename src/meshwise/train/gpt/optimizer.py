@@ -16,25 +16,15 @@ def decays(_name: str, param: nn.Parameter) -> bool:
     return param.dim() >= 2
 
 
-def adamw(
-    decayed: list[nn.Parameter], rest: list[nn.Parameter], config: OptimizerSection
-) -> torch.optim.AdamW:
-    """AdamW as GPT-2 is trained — by default betas (0.9, 0.95) (--beta1/--beta2/--eps), decay on
-    ``decayed`` only — over any parameters (whole ones, tensor-parallel shards, or ZeRO's flat master
-    shards of one kind)."""
+def build_optimizer(model: nn.Module, config: OptimizerSection) -> torch.optim.AdamW:
+    """AdamW as GPT-2 is trained — by default betas (0.9, 0.95) (--beta1/--beta2/--eps), decay by
+    :func:`decays` only — over ``model``'s trainable parameters (whole ones or tensor-parallel shards), or
+    over a ZeRO model's float32 master shards (its flat groups never mix the two kinds, so each shard
+    belongs to one optimizer group)."""
+    if isinstance(model, ShardedModel):
+        decayed, rest = model.parameters_where(decays), model.parameters_where(lambda n, p: not decays(n, p))
+    else:
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        decayed, rest = [p for n, p in named if decays(n, p)], [p for n, p in named if not decays(n, p)]
     groups = [{"params": decayed, "weight_decay": config.weight_decay}, {"params": rest, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps)
-
-
-def build_optimizer(model: nn.Module, config: OptimizerSection) -> torch.optim.AdamW:
-    """:func:`adamw` over ``model``'s trainable parameters, grouped by :func:`decays`."""
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    return adamw([p for n, p in named if decays(n, p)], [p for n, p in named if not decays(n, p)], config)
-
-
-def sharded_adamw(zero: nn.Module, config: OptimizerSection) -> torch.optim.AdamW:
-    """:func:`adamw` over ZeRO's float32 master shards, grouped by :func:`decays` (its flat groups never
-    mix the two kinds, so each shard belongs to one optimizer group)."""
-    assert isinstance(zero, ShardedModel)
-    rest = zero.parameters_where(lambda n, p: not decays(n, p))
-    return adamw(zero.parameters_where(decays), rest, config)

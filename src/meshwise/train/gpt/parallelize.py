@@ -6,8 +6,8 @@ refuses, before any rank starts, a combination that cannot be built. The data-pa
 model-agnostic (:class:`~meshwise.train.step.DataParallelStep`, :class:`~meshwise.train.zero_step.ZeroStep`);
 what is the GPT's is supplied here: the (vocabulary-parallel) loss and a MoE's auxiliary losses
 (:class:`LayerSharded`), the AdamW groups, the experts' replicas under ``--ep`` (:func:`expert_replicas`),
-ZeRO's flat-group kinds (:func:`tensor_parallel_key`), ``--dtype`` and units (the blocks), the plain GPT's
-meta shape for the checkpoint layout, and a plain copy for sampling under ``--cp``.
+ZeRO's flat-group kinds (:func:`tensor_parallel_key`), ``--dtype`` and units (the blocks), and the plain GPT's
+meta shape for the checkpoint layout.
 """
 
 from __future__ import annotations
@@ -27,12 +27,13 @@ from meshwise.parallel import DataParallel
 from meshwise.parallel.context_parallel import apply_context_parallel
 from meshwise.parallel.expert_parallel import ExchangeTimer, ExpertReplicas, apply_expert_parallel
 from meshwise.parallel.plan import ParallelPlan
+from meshwise.parallel.protocols import recomputable_blocks
+from meshwise.parallel.recompute import apply_recompute
 from meshwise.parallel.state_dict import PlainLayout
 from meshwise.parallel.tensor_parallel import shard_dim
 from meshwise.train.gpt.config import GPTTrainConfig
-from meshwise.train.gpt.context_parallel import check_context_parallel_config, plain_copy
-from meshwise.train.gpt.optimizer import build_optimizer, decays, sharded_adamw
-from meshwise.train.gpt.recompute import recompute_step
+from meshwise.train.gpt.context_parallel import check_context_parallel_config
+from meshwise.train.gpt.optimizer import build_optimizer, decays
 from meshwise.train.gpt.resolve import GPTRun
 from meshwise.train.step import DataParallelStep, Local, ParallelStep
 from meshwise.train.zero_step import ZeroStep
@@ -62,7 +63,7 @@ def shard_layers(model: GPT, mesh: Mesh, config: GPTTrainConfig) -> LayerSharded
             return tensor_parallel.loss(logits.float(), targets, mesh.tp, reduction)
 
     # 2. the attention over the cp group and the positions of this rank's chunks (the loop feeds it
-    # local_tokens of each batch); a no-op for a cp group of one
+    # split_sequence of each batch); a no-op for a cp group of one
     apply_context_parallel(model, mesh.cp)
     timer = None
     if mesh.ep.world_size > 1:  # 2b. experts: this rank keeps E/ep of each MoE layer's, tokens all-to-all
@@ -96,9 +97,9 @@ class GPTDataParallelStep(DataParallelStep):
         super().__init__(sharded, mesh, optimizer, config.model.torch_dtype, wrap=wrap)
 
     def sampling_model(self) -> nn.Module:
-        """Under ``--cp`` a plain copy (the model's own attention is collective over its cp group)."""
-        full = self.full_model()
-        return plain_copy(full) if full is self.local and self.mesh.cp.world_size > 1 else full
+        """Under ``--cp`` always gathered into a plain GPT: the rank's own attention is collective over its
+        cp group, while rank 0 samples alone."""
+        return ParallelStep.full_model(self) if self.mesh.cp.world_size > 1 else self.full_model()
 
 
 def tensor_parallel_key(name: str, param: nn.Parameter) -> tuple[bool, bool]:
@@ -162,7 +163,7 @@ def parallelize(model: GPT, mesh: Mesh, run: GPTRun) -> ParallelStep:
         step = ZeroStep(
             sharded,
             mesh,
-            partial(sharded_adamw, config=config.optimizer),
+            partial(build_optimizer, config=config.optimizer),
             config.mesh.zero,
             mixed_precision=config.model.dtype,  # fp32 | bf16 | fp16, as shard() spells them
             separate_by=tensor_parallel_key,
@@ -172,5 +173,6 @@ def parallelize(model: GPT, mesh: Mesh, run: GPTRun) -> ParallelStep:
     else:
         step = GPTDataParallelStep(sharded, mesh, config)
     step.plain, step.plain_model = plain, partial(GPT, model.config)
-    recompute_step(step.model, config.mesh)  # 4. --recompute: on the blocks this rank runs, whatever cut them
+    # 4. --recompute: on the blocks this rank runs, whatever cut them ("none" keeps plain forwards)
+    apply_recompute(recomputable_blocks(step.model), config.mesh.recompute, config.mesh.recompute_layers)
     return step

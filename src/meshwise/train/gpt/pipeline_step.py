@@ -44,7 +44,6 @@ from meshwise.parallel.zero import LossScaler, shard
 from meshwise.parallel.zero.sharded import ShardedModel
 from meshwise.parallel.zero.state_dict import zero_held
 from meshwise.train.gpt.config import GPTTrainConfig
-from meshwise.train.gpt.optimizer import sharded_adamw
 from meshwise.train.gpt.parallelize import LayerSharded, build_optimizer, expert_replicas, tensor_parallel_key
 from meshwise.train.step import Batch, ParallelStep
 from meshwise.train.zero_step import clip_flat_shards, flat_placements, loss_scale_lines
@@ -201,5 +200,5 @@ def stage_zero(
         units=units,
         experts=expert_replicas(mesh),  # --ep: the stage's experts over their own replicas
     )
-    optimizer = sharded_adamw(zero, config.optimizer)
+    optimizer = build_optimizer(zero, config.optimizer)
     return zero, optimizer, flat_placements(zero, frozenset({"pp"}), copies)

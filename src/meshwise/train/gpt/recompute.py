@@ -1,5 +1,6 @@
-"""``train gpt --recompute none|selective|full [--recompute-layers K]``: checked before launch, applied
-(:func:`recompute_step`) to the blocks each rank runs once its strategy has cut the model.
+"""``train gpt --recompute none|selective|full [--recompute-layers K]``: checked before launch (then
+:func:`~meshwise.parallel.recompute.apply_recompute` sets it on the blocks each rank runs, once
+:func:`~meshwise.train.gpt.parallelize.parallelize` has cut the model).
 """
 
 from __future__ import annotations
@@ -9,10 +10,8 @@ import torch
 from meshwise.models.gpt import GPT
 from meshwise.models.gpt_plan import gpt_plan
 from meshwise.parallel.pipeline_parallel.partition import balanced_split, block_weights
-from meshwise.parallel.protocols import recomputable_blocks
-from meshwise.parallel.recompute import apply_recompute, check_recompute
+from meshwise.parallel.recompute import check_recompute
 from meshwise.train.gpt.resolve import GPTRun
-from meshwise.train.gpt.sections import GPTMeshSection
 
 
 def check_recompute_config(run: GPTRun) -> None:
@@ -26,9 +25,3 @@ def check_recompute_config(run: GPTRun) -> None:
         sizes = balanced_split(blocks, mesh.pp * mesh.virtual_stages, first_extra=embed, last_extra=head)
         stage = min(sum(sizes[rank :: mesh.pp]) for rank in range(mesh.pp))
     check_recompute(mesh.recompute, mesh.recompute_layers, stage)
-
-
-def recompute_step(model: torch.nn.Module, mesh: GPTMeshSection) -> None:
-    """Apply the mesh section's recomputation to the blocks of ``model`` (a rank's model, wrapped or not)."""
-    if mesh.recompute != "none":
-        apply_recompute(recomputable_blocks(model), mesh.recompute, mesh.recompute_layers)
