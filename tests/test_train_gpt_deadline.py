@@ -3,6 +3,7 @@ and where the ranks were when it passed, before any wait's own timeout (derived 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
@@ -16,6 +17,7 @@ import torch
 import meshwise
 from gpt_cli import gpt_argv
 from meshwise.cli import build_parser, main
+from meshwise.comm.native import translate_error
 from meshwise.runtime.deadline import DeadlineExceeded, job_deadline
 from meshwise.runtime.flight_dumps import DUMP_WAIT_SECONDS, FLIGHT_DIR_ENV
 from meshwise.runtime.spawn import spawn
@@ -39,6 +41,26 @@ def test_a_deadline_the_user_sets_names_the_flag_and_exits_124(text, capsys, ran
     assert code == 124
     err = capsys.readouterr().err
     assert "--timeout 3" in err and "Traceback" not in err
+
+
+def _a_collective_that_translates_what_interrupts_it() -> None:
+    """As NativeCommunicator._start does: whatever its launch raises becomes its own CommError."""
+    try:
+        time.sleep(30)
+    except Exception as exc:
+        raise translate_error(exc, 0, "all_reduce", 13.0) from exc
+
+
+def test_the_deadline_ends_the_job_even_when_the_body_wraps_or_swallows_it():
+    # the timer can fire inside a collective's launch (a 1-rank run is in one most of the time): the
+    # communicator wraps it as "no progress within 13 s", which must not turn exit 124 into a failure
+    with pytest.raises(DeadlineExceeded) as caught, job_deadline(0.2):
+        _a_collective_that_translates_what_interrupts_it()
+    assert str(caught.value).startswith("the job passed its --timeout 0.2 s deadline")
+    started = time.monotonic()
+    with pytest.raises(DeadlineExceeded), job_deadline(0.2), contextlib.suppress(Exception):
+        time.sleep(30)  # a rank's handler that returns the failure as a value
+    assert time.monotonic() - started < 5
 
 
 #: the deadline; each wait's timeout is derived from it as `train gpt --timeout` derives it. The ranks

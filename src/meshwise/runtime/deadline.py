@@ -61,15 +61,26 @@ def job_deadline(seconds: float | None, flag: str = "--timeout") -> Iterator[Non
         yield
         return
     with _flight_directory() as (directory, ours):
+        fired: list[DeadlineExceeded] = []
 
         def expire(_signum: int, _frame: object) -> None:
             where = _where_ranks_are(directory, flag, seconds)
-            raise DeadlineExceeded(flag, seconds, where if ours else ())
+            fired.append(DeadlineExceeded(flag, seconds, where if ours else ()))
+            raise fired[0]
 
         previous = signal.signal(signal.SIGALRM, expire)
         signal.setitimer(signal.ITIMER_REAL, seconds)
         try:
             yield
+        except BaseException as exc:
+            # the timer raises wherever the body is: inside a collective's launch the communicator wraps
+            # it as its own failure (CommTimeoutError), and a rank's handler may turn that into a value
+            if fired and exc is not fired[0]:
+                raise fired[0] from None
+            raise
+        else:
+            if fired:
+                raise fired[0]
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, previous)
