@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from meshwise.cli import main
+from conftest import meshwise_here
 from netns import NamespaceCluster, namespaces_unavailable
 
 pytestmark = pytest.mark.skipif(bool(namespaces_unavailable()), reason=str(namespaces_unavailable()))
@@ -93,13 +93,12 @@ def _both(cluster, tail, timeout=110.0, extra=(), flight=None):
     return [(p.returncode, *output) for p, output in zip(procs, outputs, strict=True)]
 
 
-def _one_host(capsys, argv: list[str]) -> str:
-    """``meshwise ARGV -np 4`` in this process, on this host: the one-host reference and its stdout. Its 4
-    ranks form the same gloo ring as the two nodes' (the same reduction order) but are forked from the
-    suite's rank server, which has torch and meshwise imported, instead of from a fresh interpreter."""
-    capsys.readouterr()
-    assert main([*argv, "-np", "4"]) == 0, capsys.readouterr().err
-    return capsys.readouterr().out
+def _one_host(argv: list[str]) -> str:
+    """``meshwise ARGV -np 4`` in this process (conftest.meshwise_here), on this host: the one-host
+    reference's stdout. Its 4 ranks form the same gloo ring as the two nodes' (the same reduction order)."""
+    done = meshwise_here([*_MESHWISE, *argv, "-np", "4"])
+    assert done.returncode == 0, done.stderr
+    return done.stdout
 
 
 def _summary(out: str, *keys: str) -> list[str]:
@@ -127,14 +126,14 @@ def test_all_reduce_across_two_nodes_with_nothing_set(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)  # a one-host reference and a two-node run, 4 ranks each, on busy cores
-def test_train_cnn_across_nodes_restarts_from_its_checkpoint_and_equals_one_host(tmp_path, capsys):
+def test_train_cnn_across_nodes_restarts_from_its_checkpoint_and_equals_one_host(tmp_path):
     """`--max-restarts 1`: rank 3 (node 1) dies after the first checkpoint; both nodes restart, resume,
     and end with the loss and accuracy of one host training straight through (same gloo ring over 4
     ranks, same reduction order: equal to the printed digits)."""
     train = ["train", "cnn", "--epochs", "4", "--backend", "gloo"]
     crash = _script(tmp_path, "crash_once.py", CRASH_ONCE)
     keys = ("Final train loss", "Validation accuracy")
-    one_host = _one_host(capsys, train)
+    one_host = _one_host(train)
     with NamespaceCluster(nodes=2) as cluster:
         ckpt = str(tmp_path / "ckpt")
         tail = [crash, ckpt, *train, "--checkpoint", ckpt]
@@ -149,12 +148,12 @@ def test_train_cnn_across_nodes_restarts_from_its_checkpoint_and_equals_one_host
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)  # a one-host reference and a two-node run, 4 ranks each, on busy cores
-def test_train_gpt_tensor_parallel_inside_nodes_data_parallel_across(capsys):
+def test_train_gpt_tensor_parallel_inside_nodes_data_parallel_across():
     data = str(Path(textwrap.__file__))
     gpt = ["train", "gpt", "--tp", "2", "--config", "gpt-tiny", "--data", data, "--seq-len", "32",
            "--global-batch", "4", "--steps", "3", "--backend", "gloo"]  # fmt: skip
     keys = ("Final train loss", "Validation loss")
-    one_host = _one_host(capsys, gpt)
+    one_host = _one_host(gpt)
     with NamespaceCluster(nodes=2) as cluster:
         (code, out, err), (code1, _, err1) = _both(cluster, ["--no-python", *_MESHWISE, *gpt])
     assert code == code1 == 0, err + err1
